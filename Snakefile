@@ -1,0 +1,23 @@
+# dpfm: shards -> synthetic -> tokenizer -> pretrain -> dp-train -> verify -> evaluate -> report.
+# Rules come from the stage table in pipeline/stages.py (the same table writes dvc.yaml).
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "params.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/train.smk"
+include: "rules/privacy.smk"
+include: "rules/evaluate.smk"
+
+
+rule all:
+    input:
+        "results/report",
+        "results/eval/metrics.json",
+        "results/privacy/verification.json",
+    default_target: True

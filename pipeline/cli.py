@@ -1,0 +1,129 @@
+"""The `dpfm` command: one subcommand per pipeline stage, plus tools (export-dvc, epsilon, calibrate)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from pipeline.config import ParamsError, load_params, sections_of
+from pipeline.errors import VerificationFailed
+from pipeline.stages import STAGES, Stage, stage
+
+
+@dataclass
+class StageContext:
+    """What every stage's `run(params, ctx)` gets besides its params sections."""
+
+    stage: Stage
+    tracker: object          # pipeline.tracking.StageRun
+    threads: int
+    device: str
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ParamsError(["run.device: 'cuda' was requested but no CUDA device is visible"])
+    return requested
+
+
+def run_stage(name: str, params_path: str = "params.yaml", overrides=(), sections_json: str | None = None,
+              threads: int = 0) -> None:
+    st = stage(name)
+    overrides = list(overrides)
+    if sections_json:
+        # Snakemake passes the sections it tracks, so what re-runs a stage is exactly what it reads.
+        overrides += [f"{k}={json.dumps(v)}" for k, v in json.loads(sections_json).items()]
+    params = load_params(params_path, overrides)
+    params = sections_of(params, st.sections)
+    threads = threads or params["run"]["threads"] or os.cpu_count() or 1
+    import torch
+
+    torch.set_num_threads(threads)
+    module = importlib.import_module(st.module)
+    from pipeline.tracking import stage_run
+
+    with stage_run(st, params, params["run"]["experiment"]) as tracker:
+        ctx = StageContext(st, tracker, threads, resolve_device(params["run"]["device"]))
+        module.run(params, ctx)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpfm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for st in STAGES:
+        p = sub.add_parser(st.name, help=st.summary, description=st.summary)
+        p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one parameter (repeatable); the value is parsed as YAML")
+        p.add_argument("--sections-json", help=argparse.SUPPRESS)  # used by the Snakefile
+        p.add_argument("--threads", type=int, default=0, help="CPU threads (default: run.threads or all)")
+        p.set_defaults(func=lambda a, name=st.name: run_stage(name, a.params, a.set, a.sections_json, a.threads))
+
+    p = sub.add_parser("export-dvc", help="write dvc.yaml from the stage table")
+    p.add_argument("--check", action="store_true", help="exit 1 if the committed dvc.yaml differs")
+    p.add_argument("--output", default="dvc.yaml")
+    p.set_defaults(func=_export_dvc)
+
+    p = sub.add_parser("stages", help="print the stage table")
+    p.set_defaults(func=_print_stages)
+
+    p = sub.add_parser("validate", help="validate params.yaml (with --set overrides) and exit")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.set_defaults(func=lambda a: print(f"{a.params}: ok") if load_params(a.params, a.set) else None)
+
+    try:
+        from pipeline.privacy.accounting_cli import add_accounting_commands
+    except ImportError:  # accounting not installed in this build
+        pass
+    else:
+        add_accounting_commands(sub)
+    return parser
+
+
+def _export_dvc(args) -> int:
+    from pipeline.dvc_export import check_dvc_yaml, write_dvc_yaml
+
+    if args.check:
+        diff = check_dvc_yaml(args.output)
+        if diff:
+            print(f"{args.output} is out of date with the stage table; run `dpfm export-dvc`:\n{diff}",
+                  file=sys.stderr)
+            return 1
+        print(f"{args.output} matches the stage table")
+        return 0
+    write_dvc_yaml(args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _print_stages(args) -> int:
+    for st in STAGES:
+        print(f"{st.name:<10} {st.command:<16} in={list(st.inputs)} out={list(st.all_outputs)} "
+              f"params={list(st.sections)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except ParamsError as e:
+        print(f"dpfm: {e}", file=sys.stderr)
+        return 2
+    except VerificationFailed as e:
+        print(f"dpfm: {e}", file=sys.stderr)
+        return 3
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

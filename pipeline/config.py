@@ -1,0 +1,131 @@
+"""params.yaml: loading, `--set` overrides, and validation with errors that name the key path."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path("schemas/params.schema.yaml")
+PARAMS_PATH = Path("params.yaml")
+
+
+class ParamsError(ValueError):
+    """Invalid parameters; `problems` holds one readable line per violation."""
+
+    def __init__(self, problems: list[str], source: str = "params"):
+        self.problems = problems
+        super().__init__(f"{source} is invalid:\n  - " + "\n  - ".join(problems))
+
+
+def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def load_params(path: str | Path = PARAMS_PATH, overrides: list[str] = (), schema_path=SCHEMA_PATH) -> dict:
+    """Read params.yaml, apply `section.key=value` overrides, validate; raise ParamsError if wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError([f"{path} does not exist"], source=str(path))
+    try:
+        params = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ParamsError([f"not valid YAML: {e}"], source=str(path)) from None
+    params = apply_overrides(params or {}, overrides)
+    validate(params, load_schema(schema_path), source=str(path))
+    return params
+
+
+def apply_overrides(params: dict, overrides) -> dict:
+    """Return a copy with each `a.b.c=value` applied; value is parsed as YAML (so 8, 1e-5, null, [a, b])."""
+    params = copy.deepcopy(params)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ParamsError([f"--set {item!r}: expected section.key=value"])
+        node = params
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise ParamsError([f"--set {item!r}: {part!r} is not a section"])
+            node = node[part]
+        node[leaf] = yaml.safe_load(raw)
+    return params
+
+
+def validate(params: dict, schema: dict | None = None, source: str = "params") -> None:
+    schema = schema or load_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    problems = [_describe_error(e, schema) for e in validator.iter_errors(params)]
+    if problems:
+        raise ParamsError(sorted(set(problems)), source=source)
+
+
+def sections_of(params: dict, sections) -> dict:
+    """The part of params a stage may read: only its declared sections."""
+    return {name: params[name] for name in sections}
+
+
+# -- readable errors ---------------------------------------------------------------------------
+
+def _describe_error(error: jsonschema.ValidationError, schema: dict) -> str:
+    path = ".".join(str(p) for p in error.absolute_path) or "<top level>"
+    kind = error.validator
+    if kind == "additionalProperties":
+        node = _subschema(schema, list(error.absolute_path))
+        allowed = sorted(node.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(allowed))
+        prefix = f"{path}." if error.absolute_path else ""
+        return f"unknown key {', '.join(prefix + u for u in unknown)} (allowed keys: {', '.join(allowed)})"
+    if kind == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        prefix = f"{path}." if error.absolute_path else ""
+        return f"missing key {prefix}{missing}"
+    allowed = describe_allowed(_subschema(schema, list(error.absolute_path)), schema)
+    return f"{path}: {error.instance!r} is not allowed ({kind}); allowed: {allowed}"
+
+
+def _resolve(node: dict, schema: dict) -> dict:
+    """Follow local `$ref`s (`#/$defs/name`) to the schema they point at."""
+    while "$ref" in node:
+        ref = node["$ref"]
+        if not ref.startswith("#/"):
+            raise ValueError(f"only local $refs are supported, got {ref}")
+        node = schema
+        for part in ref[2:].split("/"):
+            node = node[part]
+    return node
+
+
+def _subschema(schema: dict, path: list) -> dict:
+    node = _resolve(schema, schema)
+    for part in path:
+        if isinstance(part, int):
+            node = _resolve(node.get("items", {}), schema)
+        else:
+            node = _resolve(node.get("properties", {}).get(part, {}), schema)
+    return node
+
+
+def describe_allowed(node: dict, schema: dict) -> str:
+    """Render what a schema accepts, e.g. `number > 0 and <= 100` or `one of mae, caption, clip`."""
+    node = _resolve(node, schema)
+    if "oneOf" in node or "anyOf" in node:
+        return " or ".join(describe_allowed(n, schema) for n in node.get("oneOf", node.get("anyOf")))
+    if "enum" in node:
+        return "one of " + ", ".join(str(v) for v in node["enum"])
+    kind = node.get("type", "any value")
+    bounds = [f"{op} {node[key]}" for key, op in
+              (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+              if key in node]
+    if kind == "array" and "items" in node:
+        kind = f"a list of ({describe_allowed(node['items'], schema)}) with"
+        if "minItems" in node:
+            bounds.append(f"at least {node['minItems']} items")
+        if node.get("uniqueItems"):
+            bounds.append("no duplicates")
+    if kind == "string" and "minLength" in node:
+        bounds.append(f"at least {node['minLength']} characters")
+    return f"{kind} " + " and ".join(bounds) if bounds else str(kind)

@@ -1,0 +1,72 @@
+"""CLIP (Radford et al. 2021) for Dp-CLIP (Huang et al. 2023, seed 002).
+
+BATCH-COUPLED: the InfoNCE term of sample i uses every other sample of the batch as a
+negative, so "per-sample" losses are not independent and per-sample clipping does not bound
+one example's influence.  Dp-CLIP therefore clips the gradient of the whole batch loss
+(per-batch clipping); ``forward`` still returns the (B,) vector whose mean is the usual loss.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layers import LogitScale, TextTransformer, init_weights
+from .vit import VisionTransformer
+
+
+class CLIP(nn.Module):
+    def __init__(
+        self,
+        encoder: VisionTransformer,
+        vocab_size: int,
+        text_width: int = 512,
+        text_depth: int = 12,
+        text_heads: int = 8,
+        max_len: int = 40,
+        embed_dim: int = 512,
+        pad_id: int = 0,
+        pool: str = "cls",
+        mlp_ratio: float = 4.0,
+    ):
+        super().__init__()
+        self.encoder = encoder  # image tower; same class/state_dict as the MAE encoder
+        self.pad_id = pad_id
+        self.pool = pool
+        self.text = TextTransformer(vocab_size, text_width, text_depth, text_heads, max_len, mlp_ratio)
+        self.image_proj = nn.Linear(encoder.width, embed_dim, bias=False)
+        self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
+        self.logit_scale = LogitScale(0.07)
+        self.image_proj.apply(init_weights)
+        self.text_proj.apply(init_weights)
+
+    def encode_image(self, imgs: torch.Tensor) -> torch.Tensor:
+        """L2-normalised image embeddings, (B, embed_dim)."""
+        return F.normalize(self.image_proj(self.encoder.encode(imgs, self.pool)), dim=-1)
+
+    def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        """L2-normalised text embeddings, (B, embed_dim), read at the last non-pad token (EOS)."""
+        x = self.text(tokens)
+        L = tokens.shape[1]
+        positions = torch.arange(L, device=tokens.device).expand_as(tokens)
+        # Largest position holding a real token (0 for an all-pad row, which then reads BOS slot).
+        last = torch.where(tokens != self.pad_id, positions, torch.zeros_like(positions)).amax(dim=1)
+        pooled = torch.gather(x, 1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
+        return F.normalize(self.text_proj(pooled), dim=-1)
+
+    def logits(self, imgs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Scaled cosine similarities, (B, B): row i = image i against every caption."""
+        img, txt = self.encode_image(imgs), self.encode_text(tokens)
+        # The (B,) broadcast of the log temperature keeps the leaf-module contract; clamp as CLIP.
+        scale = self.logit_scale(img.shape[0]).clamp(max=math.log(100.0)).exp()
+        return scale.unsqueeze(1) * img @ txt.t()
+
+    def forward(self, imgs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Symmetric InfoNCE per sample, (B,): mean of the image->text and text->image terms.
+        Batch-coupled (see module docstring); ``.mean()`` gives the standard CLIP loss."""
+        logits = self.logits(imgs, tokens)
+        labels = torch.arange(logits.shape[0], device=logits.device)
+        loss_i2t = F.cross_entropy(logits, labels, reduction="none")
+        loss_t2i = F.cross_entropy(logits.t(), labels, reduction="none")
+        return 0.5 * (loss_i2t + loss_t2i)

@@ -1,0 +1,57 @@
+"""The privacy ledger: an append-only record of everything the accountant needs.
+
+Line 1 is the header (n, δ, q, σ, C, sensitivity, sampler, target ε); then one line per logical step
+with its realised batch size, appended and fsynced *before* the step's update is applied. A step
+re-run after a crash redraws the same batch and noise (same key), so it is recorded once; the
+ledger therefore never counts fewer steps than were applied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class LedgerError(RuntimeError):
+    pass
+
+
+class Ledger:
+    def __init__(self, path: str | Path, header: dict):
+        self.path = Path(path)
+        self.header = header
+        self.batch_sizes: dict[int, int] = {}
+        if self.path.exists():
+            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            if lines and lines[0] != {"header": header}:
+                raise LedgerError(f"{self.path} was written for a different mechanism; refusing to mix ledgers")
+            for rec in lines[1:]:
+                self.batch_sizes[rec["step"]] = rec["batch_size"]
+        else:
+            self._append({"header": header})
+
+    def _append(self, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def record_step(self, step: int, batch_size: int) -> None:
+        """Charge step `step` before its update is applied."""
+        if step in self.batch_sizes:
+            if self.batch_sizes[step] != batch_size:
+                raise LedgerError(f"step {step} redrew a batch of {batch_size}, the ledger has "
+                                  f"{self.batch_sizes[step]}: the sampler is not deterministic")
+            return
+        self._append({"step": step, "batch_size": batch_size})
+        self.batch_sizes[step] = batch_size
+
+    @property
+    def steps(self) -> int:
+        return len(self.batch_sizes)
+
+    def to_dict(self) -> dict:
+        return {**self.header, "steps": self.steps,
+                "batch_sizes": [self.batch_sizes[s] for s in sorted(self.batch_sizes)]}

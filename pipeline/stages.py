@@ -1,0 +1,102 @@
+"""The stage table: the single source of truth for the Snakemake rules, dvc.yaml and the CLI.
+
+Each stage is run as `dpfm <name>`; it reads only its `sections` of params.yaml, its `inputs`,
+and writes its `outputs` (directories end with "/"; `metrics` are small JSON files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Resources:
+    threads: int = 1
+    mem_mb: int = 2000
+    gpu: int = 0          # GPUs a training stage asks for on a cluster (0 on the CPU default)
+    runtime: int = 60     # minutes, for cluster executors
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    summary: str
+    module: str                       # pipeline.<module>:run(params, ctx) implements it
+    sections: tuple[str, ...]
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()     # JSON outputs shown by `dvc metrics show`
+    resources: Resources = field(default_factory=Resources)
+
+    @property
+    def command(self) -> str:
+        return f"dpfm {self.name}"
+
+    @property
+    def all_outputs(self) -> tuple[str, ...]:
+        return self.outputs + self.metrics
+
+    @property
+    def input_paths(self) -> list[str]:
+        return [p.rstrip("/") for p in self.inputs]
+
+    @property
+    def dir_outputs(self) -> list[str]:
+        return [p.rstrip("/") for p in self.outputs if p.endswith("/")]
+
+    @property
+    def file_outputs(self) -> list[str]:
+        return [p for p in self.all_outputs if not p.endswith("/")]
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("shards", "write private-train and held-out eval webdataset shards with an index",
+          "pipeline.data.shards_stage", ("run", "shards"),
+          outputs=("data/shards/",), resources=Resources(threads=1, mem_mb=2000)),
+    Stage("synthetic", "render Shaders21k-style procedural images into shards",
+          "pipeline.data.synthetic_stage", ("run", "synthetic"),
+          outputs=("data/synthetic/",), resources=Resources(threads=2, mem_mb=4000)),
+    Stage("tokenizer", "train SentencePiece on public text (never the private captions)",
+          "pipeline.data.tokenizer", ("run", "tokenizer"),
+          outputs=("models/tokenizer/",), resources=Resources(threads=1, mem_mb=2000)),
+    Stage("pretrain", "non-private MAE pretraining on the synthetic images",
+          "pipeline.pretrain", ("run", "model", "pretrain"),
+          inputs=("data/synthetic/",), outputs=("models/pretrain/",),
+          resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=720)),
+    Stage("dp-train", "DP-SGD on the private shards, warm-started from the pretrained encoder",
+          "pipeline.dp_train", ("run", "model", "dp"),
+          inputs=("data/shards/", "models/pretrain/", "models/tokenizer/"), outputs=("models/dp/",),
+          resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=1440)),
+    Stage("verify", "recompute ε from the ledger with independent accountants and check the run",
+          "pipeline.privacy.verify", ("run", "dp", "verify"),
+          inputs=("models/dp/",), metrics=("results/privacy/verification.json",),
+          resources=Resources(threads=1, mem_mb=2000)),
+    Stage("evaluate", "linear probes of the DP encoder beside its baselines",
+          "pipeline.evaluate", ("run", "model", "evaluate"),
+          inputs=("data/shards/", "models/pretrain/", "models/dp/", "results/privacy/verification.json"),
+          metrics=("results/eval/metrics.json",), resources=Resources(threads=2, mem_mb=4000)),
+    Stage("report", "HTML and Markdown report with plots",
+          "pipeline.report", ("run", "report"),
+          inputs=("data/synthetic/", "models/pretrain/", "models/dp/",
+                  "results/privacy/verification.json", "results/eval/metrics.json"),
+          outputs=("results/report/",), resources=Resources(threads=1, mem_mb=2000)),
+)
+
+STAGE_BY_NAME = {s.name: s for s in STAGES}
+
+
+def stage(name: str) -> Stage:
+    try:
+        return STAGE_BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGE_BY_NAME)}") from None
+
+
+def check_table() -> None:
+    """Every input is produced by an earlier stage: the table is a DAG in listed order."""
+    produced: set[str] = set()
+    for s in STAGES:
+        missing = [i for i in s.inputs if i not in produced]
+        if missing:
+            raise ValueError(f"stage {s.name}: inputs {missing} are not produced by an earlier stage")
+        produced.update(s.all_outputs)

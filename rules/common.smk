@@ -1,0 +1,53 @@
+# Shared by every rule: params validation, the stage table, and the MLflow parent run.
+import json
+import os
+
+from snakemake.utils import validate
+
+from pipeline import tracking
+from pipeline.config import load_schema
+from pipeline.config import validate as check_params
+from pipeline.stages import stage
+
+# Readable errors first (key path and allowed values), then Snakemake's own schema validation.
+check_params(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
+validate(config, "../schemas/params.schema.yaml")
+
+STAGE_ENV = "../envs/dpfm.yaml"
+
+
+def stage_inputs(name):
+    return stage(name).input_paths
+
+
+def stage_outputs(name):
+    st = stage(name)
+    return [directory(p) for p in st.dir_outputs] + st.file_outputs
+
+
+def stage_params(name):
+    """The params sections a stage reads, as JSON: a change to them (only) re-runs the stage."""
+    st = stage(name)
+    return json.dumps({s: config[s] for s in st.sections}, sort_keys=True)
+
+
+def stage_resources(name):
+    r = stage(name).resources
+    # GPUs are asked for only on CUDA runs (set run.device: cuda on a GPU cluster).
+    gpu = r.gpu if config["run"]["device"] == "cuda" else 0
+    return {"mem_mb": r.mem_mb, "runtime": r.runtime, "gpu": gpu}
+
+
+onstart:
+    os.environ[tracking.PARENT_ENV] = tracking.start_parent(config["run"]["experiment"])
+
+
+onsuccess:
+    tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=True)
+    print("\nReport: results/report/report.html (open it in a browser)")
+    print("MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  then http://127.0.0.1:5000")
+
+
+onerror:
+    if tracking.PARENT_ENV in os.environ:
+        tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=False)

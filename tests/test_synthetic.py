@@ -1,0 +1,237 @@
+"""Tests for the Shaders21k-style generator (pipeline/data/synthetic.py).
+
+Everything renders at tiny resolutions so the file runs in well under a minute
+on two shared cores.  Each test checks a property the pretraining stage relies
+on and can fail if it breaks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data import synthetic as S
+
+SEED = 1234
+RES = 32
+# An odd size: H*W is not a multiple of any SIMD width, so an op whose vector body
+# and scalar tail round differently would make bytes depend on the batch.
+ODD = 37
+
+
+def _ids_using(kind: str, count: int, limit: int = 400) -> list[int]:
+    """First program ids (seed SEED) whose description mentions a block kind."""
+    hits = [p for p in range(limit) if kind + "(" in S.describe_program(p, SEED) or
+            f":{kind}" in S.describe_program(p, SEED)]
+    assert len(hits) >= count, f"too few programs use {kind}"
+    return hits[:count]
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed_items() -> tuple:
+    """Items that cover every expensive or tricky block, in interleaved order, with
+    several frames per program so grouping by program actually happens."""
+    programs = []
+    for kind in ("raymarch", "noise", "voronoi", "julia", "kali", "kaleido", "polar", "truchet", "stars"):
+        programs += [p for p in _ids_using(kind, 1) if p not in programs]
+    items = [(p, f) for f in (0, 7, 123456) for p in programs]
+    return tuple(items)
+
+
+# --------------------------------------------------------------------------- #
+# Determinism                                                                  #
+# --------------------------------------------------------------------------- #
+def test_same_seed_same_bytes_and_different_seed_differs():
+    a = S.render(5, [0, 1, 2], RES, base_seed=SEED)
+    b = S.render(5, [0, 1, 2], RES, base_seed=SEED)
+    assert torch.equal(a, b)
+    c = S.render(5, [0, 1, 2], RES, base_seed=SEED + 1)
+    assert not torch.equal(a, c)
+    # The program itself (not just its frame times) depends on the seed.
+    assert S.describe_program(5, SEED) != S.describe_program(5, SEED + 1)
+    # Different frames of one program differ, too (time moves the shader).
+    assert not torch.equal(a[0], a[1])
+
+
+def test_frame_time_is_a_pure_function_in_range():
+    ts = [S.frame_time(SEED, p, f) for p in range(50) for f in range(20)]
+    assert all(S.T_MIN <= t <= S.T_MAX for t in ts)
+    assert ts == [S.frame_time(SEED, p, f) for p in range(50) for f in range(20)]
+    assert len(set(ts)) == len(ts)
+    assert S.frame_time(SEED, 3, 4) != S.frame_time(SEED + 1, 3, 4)
+    # roughly uniform over [0.1, 10]
+    assert 4.0 < float(np.mean(ts)) < 6.1
+
+
+# --------------------------------------------------------------------------- #
+# Batching / worker independence                                               #
+# --------------------------------------------------------------------------- #
+def _render_in_worker(items, mix_k):
+    torch.set_num_threads(1)  # a different thread count than the parent on purpose
+    return S.render_items(list(items), ODD, base_seed=SEED, mix_k=mix_k).numpy()
+
+
+@pytest.mark.parametrize("mix_k", [1, 3])
+def test_batching_and_processes_do_not_change_bytes(mix_k):
+    items = list(_mixed_items())
+    together = S.render_items(items, ODD, base_seed=SEED, mix_k=mix_k)
+    assert together.shape == (len(items), ODD, ODD, 3)
+    one_by_one = torch.cat([S.render_items([it], ODD, base_seed=SEED, mix_k=mix_k) for it in items])
+    assert torch.equal(together, one_by_one)
+    reversed_order = S.render_items(items[::-1], ODD, base_seed=SEED, mix_k=mix_k)
+    assert torch.equal(together, reversed_order.flip(0))
+
+    half = len(items) // 2
+    ctx = mp.get_context("spawn")  # fresh interpreters, like independent workers
+    with ctx.Pool(2) as pool:
+        parts = pool.starmap(_render_in_worker, [(items[:half], mix_k), (items[half:], mix_k)])
+    assert np.array_equal(np.concatenate(parts), together.numpy())
+
+
+def test_float_stage_is_bitwise_batch_invariant(monkeypatch):
+    # Stricter than comparing bytes: a 1-ulp difference rarely flips a uint8 but shows here.
+    frames = [0, 3, 9, 11, 40]
+    for prog in sorted({p for p, _ in _mixed_items()}):
+        together = S.render_float(prog, frames, ODD, base_seed=SEED)
+        singles = torch.cat([S.render_float(prog, [f], ODD, base_seed=SEED) for f in frames])
+        assert torch.equal(together, singles), S.describe_program(prog, SEED)
+    monkeypatch.setitem(S._CHUNK_PIXELS, "cpu", 1)  # one frame per torch call
+    assert torch.equal(S.render_float(prog, frames, ODD, base_seed=SEED), together)
+    # render_items with mix_k=1 is the same as render
+    items = [(prog, f) for f in frames]
+    assert torch.equal(S.render_items(items, ODD, base_seed=SEED), S.render(prog, frames, ODD, base_seed=SEED))
+
+
+# --------------------------------------------------------------------------- #
+# Values                                                                       #
+# --------------------------------------------------------------------------- #
+def test_float_stage_has_no_nan_or_inf():
+    for p in range(300):
+        x = S.render_float(p, [p % 7, 1000 + p], 16, base_seed=SEED)
+        assert x.dtype == torch.float32 and x.shape == (2, 16, 16, 3)
+        assert torch.isfinite(x).all(), S.describe_program(p, SEED)
+
+
+def test_dtype_shape_and_value_range():
+    imgs = S.render_items([(p, 0) for p in range(40)], 24, base_seed=SEED)
+    assert imgs.dtype == torch.uint8 and imgs.shape == (40, 24, 24, 3) and imgs.is_contiguous()
+    # uint8 bounds are implicit; check the set actually uses the range (not a dim/washed-out family)
+    assert int(imgs.min()) <= 5 and int(imgs.max()) >= 250
+    per_image_range = (imgs.flatten(1).max(1).values.int() - imgs.flatten(1).min(1).values.int())
+    assert float(per_image_range.float().median()) > 100
+    # quantisation rounds the clamped float stage
+    f = S.render_float(3, [0], 24, base_seed=SEED)
+    expect = torch.floor(f.clamp(0, 1) * 255 + 0.5).to(torch.uint8)
+    assert torch.equal(S.render(3, [0], 24, base_seed=SEED), expect)
+
+
+def test_near_constant_fraction_is_at_most_one_percent():
+    imgs = S.render_items([(p, 0) for p in range(400)], RES, base_seed=SEED)
+    assert S.near_constant_fraction(imgs) <= 0.01
+    assert S.diversity(imgs) > 5.0
+
+
+def test_quality_metrics_detect_bad_sets():
+    flat = np.full((10, RES, RES, 3), 128, np.uint8)
+    flat[::2] = 30  # flat, but differently coloured images
+    assert S.near_constant_fraction(flat) == 1.0
+    noisy = np.random.default_rng(0).integers(0, 256, (10, RES, RES, 3), dtype=np.uint8)
+    assert S.near_constant_fraction(noisy) == 0.0
+    # white noise averages to grey at 16x16, so it is *not* diverse
+    big_noise = np.random.default_rng(1).integers(0, 256, (6, 256, 256, 3), dtype=np.uint8)
+    assert S.diversity(big_noise) < 1.0
+    same = np.repeat(noisy[:1], 10, axis=0)
+    assert S.diversity(same) == 0.0
+    two = np.stack([np.zeros((RES, RES, 3), np.uint8), np.full((RES, RES, 3), 255, np.uint8)])
+    assert math.isclose(S.diversity(two), math.sqrt(16 * 16 * 3))
+
+
+# --------------------------------------------------------------------------- #
+# Program family                                                               #
+# --------------------------------------------------------------------------- #
+def test_at_least_21000_distinct_programs():
+    assert S.num_programs_available() >= 21_000
+    sigs = [S.program_signature(p, SEED) for p in range(21_000)]
+    assert len(set(sigs)) == 21_000
+    structures = {s for s, _ in sigs}
+    assert len(structures) >= 10_000  # distinct block compositions, not just constants
+    kinds = {blk[0] for s in structures for blk in s}
+    expected = {"rotate", "kaleido", "tile", "polar", "noisewarp", "kifs", "noise", "waves", "shape",
+                "voronoi", "julia", "kali", "raymarch", "truchet", "post"}
+    assert expected <= kinds
+    assert len({S.describe_program(p, SEED) for p in range(2000)}) == 2000
+
+
+def test_describe_program_is_short_and_names_blocks():
+    d = S.describe_program(_ids_using("raymarch", 1)[0], SEED)
+    assert isinstance(d, str) and "raymarch" in d and len(d) < 400
+
+
+def test_invalid_program_ids_are_rejected():
+    with pytest.raises(ValueError):
+        S.render(-1, [0], 8, base_seed=SEED)
+    with pytest.raises(ValueError):
+        S.describe_program(S.num_programs_available(), SEED)
+
+
+# --------------------------------------------------------------------------- #
+# Mixing                                                                       #
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("k,alpha", [(2, 1.0), (6, 1.0), (6, 0.3), (4, 5.0)])
+def test_mixing_weights_sum_to_one_and_are_deterministic(k, alpha):
+    for item in [(0, 0), (17, 3), (20_999, 999_999)]:
+        comps = S.mix_components(item, base_seed=SEED, mix_k=k, mix_alpha=alpha)
+        assert len(comps) == k and comps[0][:2] == item
+        weights = [w for _, _, w in comps]
+        assert all(w >= 0 for w in weights)
+        assert math.isclose(sum(weights), 1.0, abs_tol=1e-12)
+        assert all(0 <= p < S.SHADERS21K_SIZE for p, _, _ in comps)
+        assert comps == S.mix_components(item, base_seed=SEED, mix_k=k, mix_alpha=alpha)
+    a = S.mix_components((5, 1), base_seed=SEED, mix_k=k, mix_alpha=alpha)
+    b = S.mix_components((5, 2), base_seed=SEED, mix_k=k, mix_alpha=alpha)
+    assert a != b
+
+
+def test_mixed_image_is_the_weighted_blend_of_its_components():
+    item = (11, 4)
+    comps = S.mix_components(item, base_seed=SEED, mix_k=3, mix_alpha=1.0)
+    expect = sum(w * S.render_float(p, [f], RES, base_seed=SEED).clamp(0, 1) for p, f, w in comps)
+    got = S.render_items([item], RES, base_seed=SEED, mix_k=3).float() / 255.0
+    assert float((got - expect).abs().max()) <= 1.0 / 255.0 + 1e-6
+    assert S.mix_components(item, base_seed=SEED, mix_k=1) == [(11, 4, 1.0)]
+
+
+# --------------------------------------------------------------------------- #
+# Contact sheet                                                                #
+# --------------------------------------------------------------------------- #
+def test_contact_sheet_writes_png_atomically(tmp_path):
+    from PIL import Image
+
+    imgs = S.render_items([(p, 0) for p in range(10)], 16, base_seed=SEED)
+    path = tmp_path / "sheet" / "contact.png"
+    S.contact_sheet(imgs, path, ncols=4)
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size == (4 * 18 + 2, 3 * 18 + 2)
+    assert os.listdir(path.parent) == ["contact.png"]  # no temp file left behind
+
+
+# --------------------------------------------------------------------------- #
+# GPU (only where one exists)                                                  #
+# --------------------------------------------------------------------------- #
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_closely_and_is_batch_invariant():
+    items = list(_mixed_items())
+    gpu = S.render_items(items, RES, base_seed=SEED, device="cuda")
+    assert gpu.device.type == "cuda"
+    singles = torch.cat([S.render_items([it], RES, base_seed=SEED, device="cuda") for it in items])
+    assert torch.equal(gpu, singles)
+    cpu = S.render_items(items, RES, base_seed=SEED)
+    diff = (gpu.cpu().int() - cpu.int()).abs().float()
+    # float rounding differs between devices; chaotic fractals may diverge in a few pixels
+    assert float(diff.mean()) < 2.0
