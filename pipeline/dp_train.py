@@ -87,7 +87,7 @@ def run(params: dict, ctx) -> None:
     if dp["init"] == "pretrain":
         model.encoder.load_state_dict(torch.load(f"{PRETRAIN}/checkpoint.pt", map_location="cpu")["encoder"])
     optimizer = make_optimizer(model, dp["optimizer"], dp["lr"], dp["weight_decay"])
-    clipper = make_clipper(objective, model, dp["clip_norm"])
+    clipper = make_clipper(objective, model, dp["clip_norm"], dp["clipping"])
     work = state_dir("dp-train", params)
     key = secret_key(work, dp["noise_seed"])
     sampler = PoissonSampler(n, mech["sample_rate"], key)

@@ -108,6 +108,30 @@ def test_float_stage_is_bitwise_batch_invariant(monkeypatch):
     assert torch.equal(S.render_items(items, ODD, base_seed=SEED), S.render(prog, frames, ODD, base_seed=SEED))
 
 
+def test_pixel_math_is_layout_invariant():
+    """The helpers (and torch ops) the shaders use must give the same bits for an
+    element wherever it sits in a tensor.  torch.atan2 / torch.pow fail this on
+    CPU (SIMD body vs scalar tail), which is why the module avoids them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(150_001, generator=g) * 40 - 20
+    y = torch.rand(150_001, generator=g) * 40 - 20
+    fns = {
+        "atan2": lambda a, b: S._atan2(a, b),
+        "powf": lambda a, b: S._powf(a.abs(), 1.7),
+        "hash": lambda a, b: S._hash21(torch.floor(a), torch.floor(b), 3.7),
+        "sin": lambda a, b: torch.sin(a), "cos": lambda a, b: torch.cos(a),
+        "exp": lambda a, b: torch.exp(a * 0.2), "log": lambda a, b: torch.log(a.abs() + 1e-3),
+        "atan": lambda a, b: torch.atan(a / b), "sqrt": lambda a, b: torch.sqrt(a * a + b * b),
+    }
+    for name, fn in fns.items():
+        full = fn(x, y)
+        for off, n in [(1, 999), (3, 50_177), (7, 12_345), (5, 149_990)]:
+            part = fn(x[off:off + n].clone(), y[off:off + n].clone())
+            assert torch.equal(part, full[off:off + n]), name
+        single = torch.cat([fn(x[i:i + 1].clone(), y[i:i + 1].clone()) for i in range(200)])
+        assert torch.equal(single, full[:200]), name
+
+
 # --------------------------------------------------------------------------- #
 # Values                                                                       #
 # --------------------------------------------------------------------------- #

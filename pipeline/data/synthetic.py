@@ -13,12 +13,13 @@ frame_index, resolution) and the device kind.  Program structure comes from a
 private splitmix64 stream keyed by (base_seed, program_id), frame time from a hash
 of (base_seed, program_id, frame_index), and every per-frame uniform is computed
 in Python doubles per frame.  Pixel maths uses only element-wise torch ops whose
-CPU results do not depend on where an element sits in a tensor (checked for this
-torch: +-*/, floor, abs, min/max, sqrt, sin, cos, exp, log, atan, tanh,
-grid_sample).  ``torch.atan2``, ``torch.pow``, ``sigmoid`` and ``exp2`` are avoided:
-their SIMD body and scalar tail round differently, so a pixel's bytes would depend
-on the batch it was rendered in.  Hence output is byte-identical however frames
-are batched or split across processes.  CPU and GPU agree only approximately.
+CPU results do not depend on where an element sits in a tensor (+-*/, floor,
+abs, min/max, clamp, sqrt, sin, cos, exp, log, atan, grid_sample; the tests check
+this).  ``torch.atan2`` and ``torch.pow`` are avoided: their SIMD body and scalar
+tail round differently, so a pixel's bytes would depend on the batch it was
+rendered in.  Per-frame decisions use only min/max reductions, which are exact in
+any order.  Hence output is byte-identical however frames are batched or split
+across processes.  CPU and GPU agree only approximately.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ SHADERS21K_SIZE = 21_000
 
 # Pixels rendered per torch call: small on CPU so tensors stay in cache, large on
 # GPU so kernels have enough work.  Results do not depend on this split.
-_CHUNK_PIXELS = {"cpu": 1 << 18, "cuda": 1 << 23}
+_CHUNK_PIXELS = {"cpu": 1 << 17, "cuda": 1 << 23}
 
 _MASK64 = (1 << 64) - 1
 _TAG_PROGRAM, _TAG_TIME, _TAG_MIX = 0x5EED_0001, 0x5EED_0002, 0x5EED_0003
@@ -65,18 +66,21 @@ _TAG_PROGRAM, _TAG_TIME, _TAG_MIX = 0x5EED_0001, 0x5EED_0002, 0x5EED_0003
 # --------------------------------------------------------------------------- #
 # Seeded randomness (pure Python, so it is stable across numpy/torch versions)  #
 # --------------------------------------------------------------------------- #
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
 def _mix64(z: int) -> int:
     """splitmix64 finaliser: a bijective 64-bit mixer."""
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
 
 
 def _hash_ints(*values: int) -> int:
+    """Order-sensitive 64-bit hash of a tuple of (possibly negative) ints."""
     h = 0x6A09E667F3BCC909
     for v in values:
-        h = _mix64(h ^ (int(v) & _MASK64))
+        h = _mix64(((h ^ (int(v) & _MASK64)) + _GOLDEN) & _MASK64)
     return h
 
 
@@ -87,7 +91,7 @@ class _Rng:
         self.state = _hash_ints(*key)
 
     def random(self) -> float:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & _MASK64
+        self.state = (self.state + _GOLDEN) & _MASK64
         return (_mix64(self.state) >> 11) * (1.0 / (1 << 53))
 
     def uniform(self, lo: float, hi: float) -> float:
@@ -188,6 +192,15 @@ def _rot(x, y, c, s):
     return x * c - y * s, x * s + y * c
 
 
+def _const(values, device, dtype=torch.float32) -> torch.Tensor:
+    """Small host-side list -> device tensor.  On CUDA the copy goes through pinned
+    memory without blocking, so uploading uniforms never stalls the GPU queue."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 # --------------------------------------------------------------------------- #
 # Noise textures: shaders sample noise from textures (iChannel0); we do too.   #
 # A periodic fBm bank is built once per device and read with one bilinear      #
@@ -283,22 +296,24 @@ class _Frames:
     def uniform(self, fn) -> torch.Tensor:
         """A per-frame uniform: fn(t) in Python doubles -> (N,1,1) float32."""
         vals = [float(fn(t)) for t in self.times]
-        return torch.tensor(vals, dtype=torch.float32, device=self.device).view(-1, 1, 1)
+        return _const(vals, self.device).view(-1, 1, 1)
 
     def vec3(self, fn) -> torch.Tensor:
         """Per-frame RGB uniform: fn(t) -> 3 floats, as (N,3,1,1)."""
         vals = [[float(v) for v in fn(t)] for t in self.times]
-        return torch.tensor(vals, dtype=torch.float32, device=self.device).view(-1, 3, 1, 1)
+        return _const(vals, self.device).view(-1, 3, 1, 1)
 
     def aa(self, k: float = 1.5) -> float:
         return k * self.px
 
     def uv(self):
-        """uv = (fragCoord - 0.5*res)/res.y with GLSL's bottom-left origin; (1,H,W)."""
+        """uv = (fragCoord - 0.5*res)/res.y with GLSL's bottom-left origin, as
+        contiguous (N,H,W) tensors: mixing (1,H,W) with per-frame (N,1,1) uniforms
+        would hit torch's slow double-broadcast path in every later op."""
         r = self.res
-        c = (torch.arange(r, dtype=torch.float32, device=self.device) + 0.5 - 0.5 * r) * (1.0 / r)
-        x = c.view(1, 1, r).expand(1, r, r)
-        y = c.flip(0).view(1, r, 1).expand(1, r, r)
+        c = (torch.arange(r, dtype=torch.float32, device=self.device) + 0.5 - 0.5 * r) / r
+        x = c.view(1, 1, r).expand(self.n, r, r).contiguous()
+        y = c.flip(0).view(1, r, 1).expand(self.n, r, r).contiguous()
         return x, y
 
 
@@ -364,12 +379,12 @@ class _Palette(_Block):
     def __call__(self, fr: _Frames, v):
         a, b, c, d = (self.k[n] for n in "abcd")
         cyc = self.k["cycle"]
-        dev = fr.device
-        cc = torch.tensor([TAU * x for x in c], device=dev).view(1, 3, 1, 1)
+        # Constants are made (N,3,1,1) rather than (1,3,1,1): torch's CPU kernels
+        # are several times slower when both operands broadcast along different dims.
+        cc = fr.vec3(lambda t: [TAU * x for x in c])
         phase = fr.vec3(lambda t: [TAU * (di + cyc * t) for di in d])
-        av = torch.tensor(a, device=dev).view(1, 3, 1, 1)
-        bv = torch.tensor(b, device=dev).view(1, 3, 1, 1)
-        return av + bv * torch.cos(v.unsqueeze(1) * cc + phase)
+        v = v.expand(fr.n, -1, -1).unsqueeze(1)
+        return fr.vec3(lambda t: a) + fr.vec3(lambda t: b) * torch.cos(v * cc + phase)
 
     def const(self, v: float, t: float):
         a, b, c, d = (self.k[n] for n in "abcd")
@@ -638,15 +653,17 @@ _DOMAIN_WEIGHTS = [3.0, 1.2, 1.0, 1.6, 2.2, 1.2, 0.8, 1.4, 1.4, 1.0, 0.4, 0.25]
 # ---- fields: (x, y) -> value for the palette (+ optional alpha / light / colour) #
 class _Out:
     """A field's result: value v feeds the palette; alpha is coverage (None = full);
-    light multiplies the colour; color (N,3,H,W) bypasses the palette."""
+    light multiplies the colour; spec is added on top (highlights); color
+    (N,3,H,W) bypasses the palette.  alpha/light/spec are (N,1,H,W)."""
 
-    def __init__(self, v=None, alpha=None, light=None, color=None):
-        self.v, self.alpha, self.light, self.color = v, alpha, light, color
+    def __init__(self, v=None, alpha=None, light=None, color=None, spec=None):
+        self.v, self.alpha, self.light, self.color, self.spec = v, alpha, light, color, spec
 
 
 class _Field(_Block):
     phase_valued = False  # True if v is a phase (unbounded); palettes are periodic anyway
-    heavy = False
+    heavy = False  # at most one expensive field per program
+    uses_palette = False  # called as field(fr, x, y, palette) to colour its own parts
 
     def __init__(self, rng, sp):
         super().__init__()
@@ -769,6 +786,12 @@ class _PolarPattern(_Field):
         return _Out(v, light=light)
 
 
+def _sd_box(ax, ay, hx: float, hy: float):
+    """Signed distance to an axis-aligned box with half sizes (hx, hy); ax, ay = |p|."""
+    qx, qy = ax - hx, ay - hy
+    return _length(qx.clamp_min(0), qy.clamp_min(0)) + torch.maximum(qx, qy).clamp_max(0.0)
+
+
 def _sd_shape(shape: str, x, y, size: float, aux: float, n: int):
     """2-D signed distances (negative inside) of a few classic shapes."""
     if shape == "circle":
@@ -776,15 +799,10 @@ def _sd_shape(shape: str, x, y, size: float, aux: float, n: int):
     if shape == "ring":
         return (_length(x, y) - size).abs() - size * aux * 0.3
     if shape == "box":
-        qx, qy = x.abs() - size, y.abs() - size * aux
-        outside = _length(qx.clamp_min(0), qy.clamp_min(0))
-        return outside + torch.minimum(torch.maximum(qx, qy), torch.zeros_like(qx))
+        return _sd_box(x.abs(), y.abs(), size, size * aux)
     if shape == "cross":
-        ax, ay = x.abs(), y.abs()
-        w = size * 0.3
-        b1 = _length((ax - size).clamp_min(0), (ay - w).clamp_min(0)) + torch.minimum(torch.maximum(ax - size, ay - w), torch.zeros_like(ax))
-        b2 = _length((ax - w).clamp_min(0), (ay - size).clamp_min(0)) + torch.minimum(torch.maximum(ax - w, ay - size), torch.zeros_like(ax))
-        return torch.minimum(b1, b2)
+        ax, ay, w = x.abs(), y.abs(), size * 0.3
+        return torch.minimum(_sd_box(ax, ay, size, w), _sd_box(ax, ay, w, size))
     if shape == "rhombus":
         return (x.abs() * (1.0 / size) + y.abs() * (1.0 / (size * aux)) - 1.0) * (size * 0.6)
     r = _length(x, y)
@@ -1039,6 +1057,7 @@ class _NeonLines(_Field):
     """Glowing sine curves, each with its own palette colour."""
 
     kind = "neon"
+    uses_palette = True
 
     def __init__(self, rng, sp):
         super().__init__(rng, sp)
@@ -1048,7 +1067,7 @@ class _NeonLines(_Field):
                        rng.uniform(0, TAU), rng.uniform(-0.5, 0.5) * span] for _ in range(self.opts["n"])]
         self.k.update(lines=[v for ln in self.lines for v in ln], glow=rng.uniform(0.01, 0.04) * span)
 
-    def __call__(self, fr, x, y, palette=None):
+    def __call__(self, fr, x, y, palette):
         col = None
         g0 = self.k["glow"]
         for i, (amp, f, w, ph, off) in enumerate(self.lines):
@@ -1106,7 +1125,7 @@ class _Raymarch(_Field):
         self.opts["repeat"] = rng.choice(["none", "xz", "xyz"], [2, 1, 1])
         self.opts["floor"] = self.opts["repeat"] != "xyz" and rng.chance(0.4)
         self.opts["style"] = rng.choice(["lit", "glow"], [3, 1])
-        self.opts["steps"] = rng.integers(18, 28)
+        self.opts["steps"] = rng.integers(14, 22)
         la, le = rng.uniform(0, TAU), rng.uniform(0.3, 1.2)
         self.k.update(size=rng.uniform(0.6, 1.0), aux=rng.uniform(0.25, 0.45), period=rng.uniform(2.5, 4.0),
                       dist=rng.uniform(3.0, 4.5), height=rng.uniform(-0.3, 1.5), orbit=rng.uniform(-0.4, 0.4),
@@ -1151,8 +1170,14 @@ class _Raymarch(_Field):
 
         def cam(t):
             a = k["a0"] + k["orbit"] * t
-            ox, oy, oz = k["dist"] * math.sin(a), k["height"], -k["dist"] * math.cos(a)
-            fwd = [-ox, -oy, -oz]
+            if self.opts["repeat"] == "none":  # orbit the object, looking at it
+                ox, oy, oz = k["dist"] * math.sin(a), k["height"], -k["dist"] * math.cos(a)
+                fwd = [-ox, -oy, -oz]
+            else:  # sit at a lattice-cell corner (never inside an object) and look around
+                half = 0.5 * k["period"]
+                oy = half if self.opts["repeat"] == "xyz" else k["height"]
+                ox, oz = half + 0.3 * math.sin(a), half + 0.3 * math.cos(a)
+                fwd = [math.sin(2.0 * a), -0.3, math.cos(2.0 * a)]
             n = math.sqrt(sum(v * v for v in fwd))
             fwd = [v / n for v in fwd]
             right = [fwd[2], 0.0, -fwd[0]]  # cross((0,1,0), fwd)
@@ -1182,7 +1207,7 @@ class _Raymarch(_Field):
             if self.opts["style"] == "glow":
                 g = torch.exp(d.abs() * -8.0)
                 glow = g if glow is None else glow + g
-            dist = (dist + d * 0.85).clamp_max(tmax)
+            dist = (dist + d * 0.9).clamp_max(tmax)
         px, py, pz = ox + dx * dist, oy + dy * dist, oz + dz * dist
         hit = _smoothstep(0.05, 0.01, d.abs()) * (dist < tmax * 0.98)
         fog = torch.exp(-(dist * dist) * k["fog"])
@@ -1216,13 +1241,7 @@ class _Raymarch(_Field):
             light = light * (1.0 - on_floor * 0.55 * checker)
         v = (nx * 0.3 + ny * 0.2 + nz * 0.1) + py * 0.15 + dist * 0.05
         alpha = (hit * (0.3 + 0.7 * fog)).unsqueeze(1)
-        return _RayOut(v, alpha, light, spec * fog)
-
-
-class _RayOut(_Out):
-    def __init__(self, v, alpha, light, spec):
-        super().__init__(v, alpha=alpha, light=light.unsqueeze(1))
-        self.spec = spec.unsqueeze(1)
+        return _Out(v, alpha=alpha, light=light.unsqueeze(1), spec=(spec * fog * 0.8).unsqueeze(1))
 
 
 # 2-D fields a layer draws from (the raymarcher is chosen per program instead).
@@ -1280,7 +1299,7 @@ class _Layer(_Block):
 
     def __call__(self, fr, x, y):
         f = self.field
-        out = f(fr, x, y, self.palette) if isinstance(f, _NeonLines) else f(fr, x, y)
+        out = f(fr, x, y, self.palette) if f.uses_palette else f(fr, x, y)
         if out.color is not None:
             col = out.color
         else:
@@ -1288,8 +1307,8 @@ class _Layer(_Block):
             col = self.palette(fr, v)
         if out.light is not None:
             col = col * out.light
-        if isinstance(out, _RayOut):
-            col = col + out.spec * 0.8
+        if out.spec is not None:
+            col = col + out.spec
         return col, out.alpha
 
 
@@ -1314,7 +1333,7 @@ class _Post(_Block):
         elif grade == "contrast":
             col = (col - 0.5) * k["c"] + 0.5
         elif grade == "tint":
-            col = col * torch.tensor(k["tint"], device=col.device).view(1, 3, 1, 1)
+            col = col * _const(k["tint"], col.device).view(1, 3, 1, 1)
         if self.opts["vignette"]:
             col = col * (1.0 - (x0 * x0 + y0 * y0) * (k["vig"] * 0.8)).unsqueeze(1)
         return col
@@ -1430,13 +1449,15 @@ class _Program:
         c = col.clamp(0.0, 1.0)
         lo = c.amin(dim=(1, 2, 3), keepdim=True)
         span = c.amax(dim=(1, 2, 3), keepdim=True) - lo
-        dim = span < 0.3
-        if not bool(dim.any()):
+        dim, flat = span < 0.3, span < 0.004
+        # On CPU skip work no frame needs; on GPU that test would stall the queue, and
+        # torch.where gives identical results either way.
+        on_cpu = col.device.type == "cpu"
+        if on_cpu and not bool(dim.any()):
             return col
         gain = (0.3 / (span + 1e-4)).clamp(1.0, 12.0)
         fixed = lo + (c - lo) * gain
-        flat = span < 0.004
-        if bool(flat.any()):
+        if not on_cpu or bool(flat.any()):
             grad = self.layers[0].palette(fr, _length(x0, y0) * 2.0 + x0 * 0.5)
             fixed = torch.where(flat, grad, fixed)
         return torch.where(dim, fixed, col)
@@ -1483,15 +1504,18 @@ def _device_kind(device) -> str:
     return torch.device(device).type
 
 
-def _render_program_float(program_id, frame_indices, resolution, base_seed, device) -> torch.Tensor:
-    """(N,3,H,W) float32, unclamped; rendered in cache-friendly chunks."""
+def _frames_per_chunk(resolution: int, device) -> int:
+    return max(1, _CHUNK_PIXELS.get(_device_kind(device), 1 << 20) // (resolution * resolution))
+
+
+def _program_chunks(program_id, frame_indices, resolution, base_seed, device):
+    """Yield (offset, float colour (n,3,H,W), unclamped) over cache-sized chunks
+    of one program's frames.  Chunking never changes a frame's bytes."""
     prog = _program(_check_id(program_id), int(base_seed))
     times = [frame_time(base_seed, program_id, int(f)) for f in frame_indices]
-    per_chunk = max(1, _CHUNK_PIXELS.get(_device_kind(device), 1 << 20) // (resolution * resolution))
-    parts = [prog.render(times[i : i + per_chunk], resolution, device) for i in range(0, len(times), per_chunk)]
-    if not parts:
-        return torch.empty((0, 3, resolution, resolution), dtype=torch.float32, device=device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    per = _frames_per_chunk(resolution, device)
+    for i in range(0, len(times), per):
+        yield i, prog.render(times[i : i + per], resolution, device)
 
 
 def _to_uint8(col: torch.Tensor) -> torch.Tensor:
@@ -1500,16 +1524,37 @@ def _to_uint8(col: torch.Tensor) -> torch.Tensor:
     return torch.floor(col * 255.0 + 0.5).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
+def _put(out: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
+    """out[rows] = src, as a plain slice copy when rows are consecutive."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        out[rows[0] : rows[0] + len(rows)] = src
+    else:
+        out[_const(rows, out.device, torch.long)] = src
+
+
+def _by_program(pairs) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, (pid, _) in enumerate(pairs):
+        groups[pid].append(i)
+    return groups
+
+
 def render_float(program_id: int, frame_indices, resolution: int, *, base_seed: int, device="cpu") -> torch.Tensor:
     """The float stage: (N,H,W,3) float32 colour before clamping/quantisation."""
-    col = _render_program_float(program_id, list(frame_indices), int(resolution), base_seed, device)
-    return col.permute(0, 2, 3, 1).contiguous()
+    frame_indices, resolution = list(frame_indices), int(resolution)
+    out = torch.empty((len(frame_indices), resolution, resolution, 3), dtype=torch.float32, device=device)
+    for i, col in _program_chunks(program_id, frame_indices, resolution, base_seed, device):
+        out[i : i + col.shape[0]] = col.permute(0, 2, 3, 1)
+    return out
 
 
 def render(program_id: int, frame_indices, resolution: int, *, base_seed: int, device="cpu") -> torch.Tensor:
     """Frames of one program as uint8 (N, H, W, 3), H = W = resolution."""
-    col = _render_program_float(program_id, list(frame_indices), int(resolution), base_seed, device)
-    return _to_uint8(col)
+    frame_indices, resolution = list(frame_indices), int(resolution)
+    out = torch.empty((len(frame_indices), resolution, resolution, 3), dtype=torch.uint8, device=device)
+    for i, col in _program_chunks(program_id, frame_indices, resolution, base_seed, device):
+        out[i : i + col.shape[0]] = _to_uint8(col)
+    return out
 
 
 def mix_components(item, *, base_seed: int, mix_k: int = 1, mix_alpha: float = 1.0,
@@ -1530,39 +1575,42 @@ def mix_components(item, *, base_seed: int, mix_k: int = 1, mix_alpha: float = 1
     return comps
 
 
-def _render_grouped(pairs: list[tuple[int, int]], resolution, base_seed, device) -> torch.Tensor:
-    """Render (program_id, frame_index) pairs, batching frames of the same program."""
-    out = torch.empty((len(pairs), 3, resolution, resolution), dtype=torch.float32, device=device)
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, (pid, _) in enumerate(pairs):
-        groups[pid].append(i)
-    for pid, idx in groups.items():
-        imgs = _render_program_float(pid, [pairs[i][1] for i in idx], resolution, base_seed, device)
-        out[torch.tensor(idx, device=device)] = imgs
-    return out
-
-
 def render_items(items, resolution: int, *, base_seed: int, mix_k: int = 1, mix_alpha: float = 1.0,
                  device="cpu", mix_pool: int = SHADERS21K_SIZE) -> torch.Tensor:
     """Render a list of (program_id, frame_index) items as uint8 (N, H, W, 3).
 
-    With mix_k > 1 each output blends mix_k clamped images (see mix_components),
-    accumulated in component order so the bytes never depend on the batch.
+    Frames of the same program are rendered together.  With mix_k > 1 each output
+    blends mix_k clamped images (see mix_components), accumulated in component
+    order so the bytes never depend on the batch.
     """
     items = [(int(p), int(f)) for p, f in items]
     resolution = int(resolution)
+    out = torch.empty((len(items), resolution, resolution, 3), dtype=torch.uint8, device=device)
     if mix_k <= 1:
-        return _to_uint8(_render_grouped(items, resolution, base_seed, device))
-    comps = [mix_components(it, base_seed=base_seed, mix_k=mix_k, mix_alpha=mix_alpha, mix_pool=mix_pool)
-             for it in items]
-    acc = None
-    for j in range(mix_k):
-        imgs = _render_grouped([(c[j][0], c[j][1]) for c in comps], resolution, base_seed, device).clamp(0.0, 1.0)
-        w = torch.tensor([c[j][2] for c in comps], dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-        acc = imgs * w if acc is None else acc + imgs * w
-    if acc is None:
-        acc = torch.empty((0, 3, resolution, resolution), device=device)
-    return _to_uint8(acc)
+        for pid, rows in _by_program(items).items():
+            frames = [items[r][1] for r in rows]
+            for i, col in _program_chunks(pid, frames, resolution, base_seed, device):
+                _put(out, rows[i : i + col.shape[0]], _to_uint8(col))
+        return out
+    # Mixed items: partners are random programs, so work through cache-sized
+    # blocks of items, one component at a time.
+    per = _frames_per_chunk(resolution, device)
+    for b in range(0, len(items), per):
+        comps = [mix_components(it, base_seed=base_seed, mix_k=mix_k, mix_alpha=mix_alpha, mix_pool=mix_pool)
+                 for it in items[b : b + per]]
+        acc = None
+        for j in range(mix_k):
+            pairs = [(c[j][0], c[j][1]) for c in comps]
+            layer = torch.empty((len(pairs), 3, resolution, resolution), dtype=torch.float32, device=device)
+            for pid, rows in _by_program(pairs).items():
+                frames = [pairs[r][1] for r in rows]
+                for i, col in _program_chunks(pid, frames, resolution, base_seed, device):
+                    _put(layer, rows[i : i + col.shape[0]], col)
+            w = _const([c[j][2] for c in comps], device).view(-1, 1, 1, 1)
+            term = layer.clamp(0.0, 1.0) * w
+            acc = term if acc is None else acc + term
+        out[b : b + len(comps)] = _to_uint8(acc)
+    return out
 
 
 # --------------------------------------------------------------------------- #

@@ -1,0 +1,196 @@
+"""Command-line front end for :mod:`pipeline.privacy.accounting`.
+
+``add_accounting_commands(subparsers)`` registers ``epsilon`` and
+``calibrate`` on an existing argparse subparsers object (so the pipeline's
+main CLI can host them); ``main()`` builds a standalone parser.
+
+Examples::
+
+    epsilon   --sigma 0.48 --steps 6027 --batch-size 98304 --n 233000000 --delta 1/2n --accountant all
+    calibrate --epsilon 8 --steps 10000 --batch-size 98304 --n 233000000 --delta 1/2n --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from . import accounting
+
+_ACCOUNTANT_CHOICES = list(accounting.ACCOUNTANTS) + ["all"]
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, required=True, help="number of DP-SGD steps T")
+    rate = parser.add_mutually_exclusive_group()
+    rate.add_argument("--sample-rate", type=float, help="Poisson sampling rate q")
+    rate.add_argument(
+        "--batch-size", type=int, help="expected batch size B (q = B/n; needs --n)"
+    )
+    parser.add_argument("--n", type=int, help="dataset size (for --batch-size, 1/n, 1/2n)")
+    parser.add_argument(
+        "--delta", required=True, help="delta: a number, '1/n' or '1/2n' (needs --n)"
+    )
+    parser.add_argument(
+        "--sensitivity",
+        type=float,
+        default=1.0,
+        help="L2 sensitivity in units of the clip norm (2 for per-batch clipping)",
+    )
+    parser.add_argument(
+        "--accountant",
+        choices=_ACCOUNTANT_CHOICES,
+        default="pld",
+        help="pld (tight, default), rdp (Opacus RDP), prv (Opacus PRV) or all",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_accounting_commands(subparsers) -> None:
+    """Register the ``epsilon`` and ``calibrate`` subcommands."""
+    eps = subparsers.add_parser(
+        "epsilon", help="privacy spent (epsilon) by DP-SGD with given noise"
+    )
+    eps.add_argument("--sigma", type=float, required=True, help="noise multiplier")
+    _add_common_arguments(eps)
+    eps.set_defaults(func=_run_epsilon, _parser=eps)
+
+    cal = subparsers.add_parser(
+        "calibrate", help="smallest noise multiplier sigma reaching a target epsilon"
+    )
+    cal.add_argument("--epsilon", type=float, required=True, help="target epsilon")
+    _add_common_arguments(cal)
+    cal.set_defaults(func=_run_calibrate, _parser=cal)
+
+
+def _resolve(args) -> Dict[str, object]:
+    """Turn the parsed arguments into (q, delta, ...); errors exit via argparse."""
+    parser: argparse.ArgumentParser = args._parser
+    if args.n is not None and args.n < 1:
+        parser.error(f"--n must be a positive integer (got {args.n})")
+    if args.batch_size is not None:
+        if args.n is None:
+            parser.error("--batch-size needs --n (the dataset size) to form q = B/n")
+        if args.batch_size < 1:
+            parser.error(f"--batch-size must be >= 1 (got {args.batch_size})")
+        if args.batch_size > args.n:
+            parser.error(f"--batch-size {args.batch_size} exceeds --n {args.n}")
+        sample_rate = args.batch_size / args.n
+    elif args.sample_rate is not None:
+        sample_rate = args.sample_rate
+    else:
+        parser.error("give either --sample-rate or --batch-size with --n")
+    text = args.delta.strip().lower()
+    if text.startswith("1/") and "n" in text and args.n is None:
+        parser.error(f"--delta {args.delta} needs --n (the dataset size)")
+    try:
+        delta = accounting.parse_delta(args.delta, args.n)
+        if args.n is not None:
+            accounting.check_delta(delta, args.n)
+    except ValueError as exc:
+        parser.error(f"--delta: {exc}")
+    names: List[str] = (
+        list(accounting.ACCOUNTANTS) if args.accountant == "all" else [args.accountant]
+    )
+    return {"sample_rate": sample_rate, "delta": delta, "accountants": names}
+
+
+def _emit(args, payload: Dict[str, object], lines: List[str]) -> None:
+    if args.json:
+        print(json.dumps(payload, sort_keys=True))
+    else:
+        print("\n".join(lines))
+
+
+def _settings_line(steps: int, q: float, delta: float, k: float) -> str:
+    return f"steps={steps}  q={q:.6g}  delta={delta:.6g}  sensitivity={k:g}"
+
+
+def _run_epsilon(args) -> int:
+    cfg = _resolve(args)
+    q, delta = cfg["sample_rate"], cfg["delta"]
+    results: Dict[str, float] = {}
+    try:
+        for name in cfg["accountants"]:
+            results[name] = accounting.epsilon(
+                args.sigma, q, args.steps, delta,
+                sensitivity=args.sensitivity, accountant=name,
+            )
+    except ValueError as exc:
+        args._parser.error(str(exc))
+    lines = [f"sigma={args.sigma:g}  " + _settings_line(args.steps, q, delta, args.sensitivity)]
+    lines += [f"epsilon[{name}] = {value:.4f}" for name, value in results.items()]
+    payload = {
+        "command": "epsilon",
+        "sigma": args.sigma,
+        "steps": args.steps,
+        "sample_rate": q,
+        "delta": delta,
+        "sensitivity": args.sensitivity,
+        "epsilon": results,
+    }
+    _emit(args, payload, lines)
+    return 0
+
+
+def _round_up(value: float, decimals: int = 6) -> float:
+    scale = 10**decimals
+    return math.ceil(value * scale - 1e-9) / scale
+
+
+def _run_calibrate(args) -> int:
+    cfg = _resolve(args)
+    q, delta = cfg["sample_rate"], cfg["delta"]
+    sigmas: Dict[str, float] = {}
+    achieved: Dict[str, float] = {}
+    try:
+        for name in cfg["accountants"]:
+            sigma = accounting.calibrate_sigma(
+                args.epsilon, q, args.steps, delta,
+                sensitivity=args.sensitivity, accountant=name,
+            )
+            sigmas[name] = sigma
+            achieved[name] = accounting.epsilon(
+                sigma, q, args.steps, delta,
+                sensitivity=args.sensitivity, accountant=name,
+            )
+    except ValueError as exc:
+        args._parser.error(str(exc))
+    lines = [
+        f"target epsilon={args.epsilon:g}  "
+        + _settings_line(args.steps, q, delta, args.sensitivity)
+    ]
+    # Printed sigma is rounded *up*: more noise never breaks the target.
+    lines += [
+        f"sigma[{name}] = {_round_up(sigmas[name]):.6f}  (epsilon = {achieved[name]:.4f})"
+        for name in sigmas
+    ]
+    payload = {
+        "command": "calibrate",
+        "target_epsilon": args.epsilon,
+        "steps": args.steps,
+        "sample_rate": q,
+        "delta": delta,
+        "sensitivity": args.sensitivity,
+        "sigma": sigmas,
+        "epsilon": achieved,
+    }
+    _emit(args, payload, lines)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dpfm-accounting", description="DP-SGD privacy accounting"
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_accounting_commands(subparsers)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
