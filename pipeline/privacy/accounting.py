@@ -567,14 +567,20 @@ def steps_to_reach(
         return t_rdp
     # Bulk of the search on one fixed, fine PLD grid with a cached one-step
     # PLD (each point is one FFT); PLD and PRV agree to ~0.1%, so this lands
-    # within a few steps of the PRV answer as well.
-    start = max(t_rdp, 1)
-    interval = _pld_epsilon_and_interval(noise, q, start, delta)[1]
+    # close to the PRV answer as well.  The grid is the one epsilon() would
+    # pick at the current guess; repeat once the guess moved to a place
+    # where epsilon() refines further.
+    start, step = max(t_rdp, 1), max(t_rdp, 1)
+    for _ in range(4):
+        interval = _pld_epsilon_and_interval(noise, q, start, delta)[1]
 
-    def fixed_grid(t: int) -> float:
-        return _pld_eps_at(noise, q, t, delta, interval) if t > 0 else 0.0
+        def fixed_grid(t: int, v: float = interval) -> float:
+            return _pld_eps_at(noise, q, t, delta, v) if t > 0 else 0.0
 
-    start = _largest_meeting(fixed_grid, target, start, start, max_steps)
+        start = _largest_meeting(fixed_grid, target, start, step, max_steps)
+        step = max(start // 1000, 1)
+        if start == 0 or _pld_epsilon_and_interval(noise, q, start, delta)[1] == interval:
+            break
     # Re-bracket with the reporting function itself, starting with 1-step
     # (PLD) or ~0.1% (PRV, ~0.5 s per call) moves.
     step = 1 if accountant == "pld" else max(start // 1000, 1)
