@@ -1,6 +1,8 @@
 # Shared by every rule: params validation, the stage table, and the MLflow parent run.
 import json
 import os
+import shutil
+import subprocess
 
 from snakemake.utils import validate
 
@@ -44,6 +46,9 @@ onstart:
 
 onsuccess:
     tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=True)
+    # Version what this run produced: DVC records the outputs' hashes in dvc.lock and its cache.
+    if os.path.isdir(".dvc") and shutil.which("dvc"):
+        subprocess.run(["dvc", "commit", "--force", "--quiet"], check=False)
     print("\nReport: results/report/report.html (open it in a browser)")
     print("MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  then http://127.0.0.1:5000")
 

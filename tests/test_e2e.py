@@ -51,6 +51,8 @@ def finished_run(tmp_path_factory):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
     set_params(work, MICRO)
+    shutil.copy(ROOT / "dvc.yaml", work / "dvc.yaml")
+    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "--no-scm", "-q"], cwd=work, check=True)
     out = snakemake(work)
     return work, out
 
@@ -86,7 +88,10 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(finished_run):
     dp = next(r for r in children if r.data.tags["dpfm.stage"] == "dp-train")
     assert dp.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in dp.data.params
     assert dp.data.metrics["epsilon"] <= 8.0
-    assert dp.data.tags["dvc.input.data/shards"].endswith(".dir")
+    # The input hashes tagged on each stage are the ones DVC recorded for the producing stage.
+    lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
+    shards_md5 = next(o["md5"] for o in lock["shards"]["outs"] if o["path"] == "data/shards")
+    assert dp.data.tags["dvc.input.data/shards"] == shards_md5
 
 
 @pytest.mark.e2e
@@ -111,3 +116,25 @@ def test_dry_run_of_a_fresh_clone_lists_all_eight_stages(tmp_path):
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
     assert planned_rules(snakemake(tmp_path, "-n")) == set(STAGE_RULES)
     assert not (tmp_path / "mlflow.db").exists()  # a dry run opens no MLflow run
+
+
+def dot_edges(dot: str, labels: bool) -> set[tuple[str, str]]:
+    if labels:  # snakemake: numbered nodes with labels
+        names = dict(re.findall(r'^\s*(\d+)\[label = "([\w-]+)"', dot, flags=re.M))
+        edges = re.findall(r"^\s*(\d+) -> (\d+)", dot, flags=re.M)
+        return {(names[a], names[b]) for a, b in edges if names[b] != "all"}
+    return {(a.replace("-", "_"), b.replace("-", "_")) for a, b in re.findall(r'"([\w-]+)" -> "([\w-]+)"', dot)}
+
+
+@pytest.mark.e2e
+def test_dvc_and_snakemake_run_the_same_dag(tmp_path):
+    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml", "dvc.yaml"):
+        src = ROOT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    bin_dir = Path(sys.executable).parent
+    subprocess.run([str(bin_dir / "dvc"), "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    dvc_dot = subprocess.run([str(bin_dir / "dvc"), "dag", "--dot"], cwd=tmp_path, capture_output=True,
+                             text=True, check=True).stdout
+    rule_dot = snakemake(tmp_path, "--rulegraph")
+    assert dot_edges(dvc_dot, labels=False) == dot_edges(rule_dot, labels=True)
+    assert len(dot_edges(dvc_dot, labels=False)) == 14

@@ -19,18 +19,19 @@ OUT_DIR = "data/synthetic"
 
 
 def _render_chunk(args) -> np.ndarray:
-    items, resolution, seed, mix_k, mix_alpha = args
+    items, resolution, seed, mix_k, mix_alpha, mix_pool = args
     import torch
 
     torch.set_num_threads(1)  # one core per worker process
-    return synthetic.render_items(items, resolution, base_seed=seed, mix_k=mix_k, mix_alpha=mix_alpha).numpy()
+    return synthetic.render_items(items, resolution, base_seed=seed, mix_k=mix_k, mix_alpha=mix_alpha,
+                                  mix_pool=mix_pool).numpy()
 
 
 def run(params: dict, ctx) -> None:
     cfg, seed = params["synthetic"], params["run"]["seed"]
     items = [(p, f) for p in range(cfg["num_programs"]) for f in range(cfg["frames_per_program"])]
     chunk = cfg["samples_per_shard"]
-    jobs = [(items[i:i + chunk], cfg["resolution"], seed, cfg["mix_k"], cfg["mix_alpha"])
+    jobs = [(items[i:i + chunk], cfg["resolution"], seed, cfg["mix_k"], cfg["mix_alpha"], cfg["num_programs"])
             for i in range(0, len(items), chunk)]
     workers = cfg["workers"] or ctx.threads
     sample = []  # a small fixed-size sample of images for the quality figures and the contact sheet

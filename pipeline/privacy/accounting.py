@@ -6,9 +6,11 @@ bound* on the true privacy loss, and it is kept tight:
 * ``"pld"`` (default): dp_accounting's privacy-loss-distribution accountant,
   Poisson-subsampled Gaussian, add/remove-one adjacency, pessimistic
   discretisation (the discretised PLD dominates the true one, so epsilon is
-  never under-reported).  The discretisation interval is refined until
+  not under-reported).  The discretisation interval is refined until
   halving it changes epsilon by <= ``PLD_REL_TOL`` (0.1%), so the published
-  value is within ~0.1% of the exact one.
+  value is within ~0.1% of the exact one.  Where floating-point round-off
+  breaks the PLD composition (very long runs at tiny delta) we detect it
+  and fall back to RDP; see ``_pld_epsilon_and_interval``.
 * ``"rdp"``: Opacus' Renyi-DP analysis with its default orders.  An
   independent implementation used as a cross-check; it overstates epsilon.
 * ``"prv"``: Opacus' PRV accountant (Gopi et al.), a second tight numeric
@@ -25,7 +27,7 @@ import functools
 import math
 import numbers
 import warnings
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as _pld_lib
@@ -52,6 +54,7 @@ PLD_START_INTERVAL = 4e-3
 PLD_REL_TOL = 1e-3
 _PLD_MIN_INTERVAL = 1e-6
 _PLD_MAX_GRID = 2_000_000  # one-step PLD points; bounds memory of the FFT
+_PLD_NOISE_TOL = 0.01  # spread of the last values tolerated at a noise floor
 # Coarse intervals used only to steer searches, never to report a number.
 _PLD_SEARCH_INTERVALS = (1e-2, 1e-3)
 
@@ -64,8 +67,8 @@ PRV_EPS_ERROR = 0.01
 SIGMA_MAX = 1e4
 SIGMA_MIN = 0.05
 
-# Calibration lands epsilon in [target * (1 - window), target]; the brief
-# allows 0.5%, we aim tighter so the noise is not over-provisioned.
+# Calibration lands epsilon in [target * (1 - window), target]; the contract
+# is 0.5%, we aim tighter so the noise is not over-provisioned.
 _CALIBRATION_WINDOW = 2e-3
 
 
@@ -203,12 +206,17 @@ def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float) 
     The ladder always starts at PLD_START_INTERVAL and halves, so the result
     is a deterministic function of the inputs (and the cache is reused).
 
-    For very long runs at tiny delta (e.g. T ~ 3e5, delta ~ 1e-9) the FFT
-    self-composition has round-off noise of ~0.1-0.2% in epsilon, so
-    refining stops converging.  When a refinement changes epsilon more than
-    the previous one did (noise floor reached), or the grid would get huge,
-    the ladder stops and reports the largest of its last three values, which
-    keeps the published number on the conservative side.
+    Very long runs at tiny delta hit floating-point limits: dp_accounting
+    composes by raising the FFT of the one-step PLD to the power T, so
+    round-off of ~T * 1e-16 in probability mass competes with delta.  At
+    T ~ 3e5, delta ~ 2e-9 this is ~0.1% noise in epsilon; at T ~ 2e6,
+    delta ~ 1e-10 the values are garbage in *both* directions.  When a
+    refinement changes epsilon more than the previous one did (noise floor)
+    or the grid gets huge, the ladder stops: if its last three values agree
+    to 1% it reports their maximum (conservative), otherwise PLD cannot be
+    trusted and the RDP bound (closed-form, always valid) is reported with a
+    RuntimeWarning.  A PLD value above RDP is likewise a numerical failure
+    (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
     """
     interval = PLD_START_INTERVAL
     values = [_pld_eps_at(noise, q, steps, delta, interval)]
@@ -221,14 +229,37 @@ def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float) 
         diffs.append(abs(values[-1] - current))
         values.append(current)
         if diffs[-1] <= PLD_REL_TOL * current:
-            return current, interval
+            return _capped_by_rdp(current, noise, q, steps, delta), interval
         noise_floor = len(diffs) >= 3 and diffs[-1] > diffs[-2]
         too_fine = (
             interval / 2 < _PLD_MIN_INTERVAL
             or _pld_grid_size(noise, q, interval) > _PLD_MAX_GRID // 2
         )
         if noise_floor or too_fine:
-            return max(values[-3:]), interval
+            recent = values[-3:]
+            if max(recent) - min(recent) <= _PLD_NOISE_TOL * max(recent):
+                return _capped_by_rdp(max(recent), noise, q, steps, delta), interval
+            warnings.warn(
+                f"PLD accounting is numerically unstable here (steps={steps}, "
+                f"delta={delta:g}: epsilon varies {min(recent):.4g}..{max(recent):.4g} "
+                "with the grid); reporting the RDP upper bound instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return _rdp_eps(noise, q, steps, delta), interval
+
+
+def _capped_by_rdp(eps: float, noise: float, q: float, steps: int, delta: float) -> float:
+    rdp = _rdp_eps(noise, q, steps, delta)
+    if eps > rdp:
+        warnings.warn(
+            f"PLD epsilon {eps:.4g} exceeds the RDP bound {rdp:.4g} (numerical "
+            "failure of the PLD composition); reporting the RDP bound",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return rdp
+    return eps
 
 
 @functools.lru_cache(maxsize=256)
@@ -441,8 +472,10 @@ def calibrate_sigma(
     on a finer one, and only the last one or two evaluations use the full
     accuracy of :func:`epsilon`.  Each stage starts from the previous
     stage's sigma and slope, so the expensive stages take ~1-2 evaluations.
-    Raises ValueError when the target cannot be met (steps == 0, or sigma
-    would have to leave [SIGMA_MIN, SIGMA_MAX]).
+    Raises ValueError when the target cannot be met: steps == 0, sigma
+    would have to leave [SIGMA_MIN, SIGMA_MAX], or the accountant cannot
+    represent it (RDP with Opacus' orders bottoms out near epsilon ~ 0.1 at
+    delta ~ 1e-5, PRV at its eps_error 0.01 and overflows above ~709).
     """
     target = _check_positive("target_epsilon", target_epsilon)
     _, q, steps, delta, k, accountant = _validate(
@@ -467,9 +500,8 @@ def calibrate_sigma(
             )
     stages.append(final_eps)
 
-    # Start from the Gaussian-limit guess sigma ~ q*sqrt(T)*const/eps is not
-    # reliable across regimes; sigma = 1 with slope -1.5 converges in a few
-    # cheap coarse evaluations anyway.
+    # Plain start (sigma = 1, d log eps / d log sigma = -1.5): the first,
+    # coarse stage costs ~10 ms per evaluation, so a clever guess buys little.
     sigma, slope = 1.0, -1.5
     for i, stage in enumerate(stages):
         sigma, eps, slope = _solve_sigma(
