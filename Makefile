@@ -12,7 +12,7 @@ $(PY):
 # Reinstall only when the package definition or the pins change.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,cluster]'
 	touch $(STAMP)
 
 install: $(STAMP)

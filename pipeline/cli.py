@@ -1,4 +1,4 @@
-"""The `dpfm` command: one subcommand per pipeline stage, plus tools (export-dvc, epsilon, calibrate)."""
+"""The `dpfm` command: one subcommand per pipeline stage, plus tools (export-dvc, epsilon, calibrate, audit)."""
 
 from __future__ import annotations
 
@@ -48,11 +48,15 @@ def run_stage(name: str, params_path: str = "params.yaml", overrides=(), section
 
     torch.set_num_threads(threads)
     module = importlib.import_module(st.module)
-    from pipeline.tracking import stage_run
+    from pipeline.distributed import process_rank
+    from pipeline.tracking import NullRun, stage_run
 
+    device = resolve_device(params["run"]["device"])
+    if process_rank() > 0:  # torchrun: rank 0 alone tracks the stage
+        module.run(params, StageContext(st, NullRun(), threads, device))
+        return
     with stage_run(st, params, params["run"]["experiment"]) as tracker:
-        ctx = StageContext(st, tracker, threads, resolve_device(params["run"]["device"]))
-        module.run(params, ctx)
+        module.run(params, StageContext(st, tracker, threads, device))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_accounting_commands(sub)
+
+    from pipeline.privacy.audit import add_audit_command
+
+    add_audit_command(sub)
     return parser
 
 

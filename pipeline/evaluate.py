@@ -1,66 +1,164 @@
-"""The `evaluate` stage: linear probes on frozen encoder features, the DP encoder beside its
-baselines (random init, synthetic-only), on the held-out eval split."""
+"""The `evaluate` stage: the DP encoder beside its baselines on labelled eval sets.
+
+Models: the DP model; the non-private counterpart (models/dp/nonprivate.pt, when dp-train made
+one); the synthetic-only encoder (Syn-ViP: the pretrain checkpoint); a random-init encoder.
+Protocols: linear probe (ViP), K-shot logistic regression over seeded class-balanced subsets,
+K-shot full fine-tuning (when enabled), zero-shot with the text tower (captioner/CLIP).
+
+Each eval set is public and held out: it is split into probe-train / probe-test, so no private
+example is used here and the accuracies are post-processing of the DP model.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
-from sklearn.linear_model import LogisticRegression
-from sklearn.model_selection import train_test_split
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
+from tqdm import tqdm
 
-from pipeline.data.shards import ShardDataset
-from pipeline.data.transforms import to_tensor
-from pipeline.io import write_json
-from pipeline.modelcfg import model_config
-from pipeline.models import build_encoder
+from pipeline.errors import VerificationFailed
+from pipeline.eval import RECIPES
+from pipeline.eval.evalsets import EvalSet, load_eval_set
+from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
+from pipeline.eval.probe import extract_features, probe_accuracy
+from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, zero_shot_accuracy
+from pipeline.io import read_json, write_json
+from pipeline.models import build_encoder, build_model, resolve_config
 
-SHARDS, PRETRAIN, DP_DIR, OUT = "data/shards", "models/pretrain", "models/dp", "results/eval/metrics.json"
-
-
-@torch.no_grad()
-def features(encoder, images: torch.Tensor, pool: str, device: str, batch_size: int = 256) -> np.ndarray:
-    encoder.eval().to(device)
-    return torch.cat([encoder.encode(images[i:i + batch_size].to(device), pool=pool).float().cpu()
-                      for i in range(0, len(images), batch_size)]).numpy()
+PRETRAIN, DP_DIR, TOKENIZER = "models/pretrain", "models/dp", "models/tokenizer"
+VERIFICATION, OUT = "results/privacy/verification.json", "results/eval/metrics.json"
 
 
-def linear_probe(train_x, train_y, test_x, test_y, c: float, seed: int) -> float:
-    """Logistic regression on standardised features (the BatchNorm-without-affine of ViP's probe)."""
-    probe = make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000, random_state=seed))
-    probe.fit(train_x, train_y)
-    return float(probe.score(test_x, test_y))
+@dataclass
+class Candidate:
+    """One model under evaluation."""
+
+    name: str          # dp | nonprivate | synthetic | random
+    label: str         # for tables
+    source: str
+    encoder: torch.nn.Module
+    text_model: torch.nn.Module | None = None  # captioner / CLIP, for zero-shot
+    objective: str | None = None
+    max_len: int = 0                            # caption tokens the text tower takes
 
 
-def load_encoder(path: str, mcfg: dict):
-    encoder = build_encoder(mcfg)
-    encoder.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["encoder"])
-    return encoder
+def load_checkpoint(path: str | Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def from_checkpoint(name: str, label: str, path: str, with_text: bool) -> Candidate:
+    ckpt = load_checkpoint(path)
+    objective = ckpt["objective"]
+    if with_text and objective in ZERO_SHOT_OBJECTIVES:
+        model = build_model(objective, ckpt["model_cfg"])
+        model.load_state_dict(ckpt["model"])
+        max_len = resolve_config(ckpt["model_cfg"])["max_len"]
+        return Candidate(name, label, path, model.encoder, model, objective, max_len)
+    encoder = build_encoder(ckpt["model_cfg"])
+    encoder.load_state_dict(ckpt["encoder"])
+    return Candidate(name, label, path, encoder, None, objective)
+
+
+def load_candidates(baselines: list[str], seed: int, with_text: bool) -> list[Candidate]:
+    """The DP model first, then the baselines that exist (non-private only when dp-train made it)."""
+    dp_ckpt = load_checkpoint(f"{DP_DIR}/checkpoint.pt")
+    objective, mcfg = dp_ckpt["objective"], dp_ckpt["model_cfg"]
+    recipe = RECIPES.get(objective, objective)
+    out = [from_checkpoint("dp", f"DP ({recipe})", f"{DP_DIR}/checkpoint.pt", with_text)]
+    if "nonprivate" in baselines and Path(f"{DP_DIR}/nonprivate.pt").exists():
+        out.append(from_checkpoint("nonprivate", f"Non-private ({recipe} without DP)", f"{DP_DIR}/nonprivate.pt",
+                                   with_text))
+    if "synthetic" in baselines:
+        encoder = build_encoder(mcfg)
+        encoder.load_state_dict(load_checkpoint(f"{PRETRAIN}/checkpoint.pt")["encoder"])
+        out.append(Candidate("synthetic", "Synthetic only (Syn-ViP)", f"{PRETRAIN}/checkpoint.pt", encoder))
+    if "random" in baselines:
+        torch.manual_seed(seed)
+        if with_text and objective in ZERO_SHOT_OBJECTIVES:  # a random text tower too: zero-shot chance level
+            model = build_model(objective, mcfg)
+            out.append(Candidate("random", "Random init", f"seed {seed}", model.encoder, model, objective,
+                                 resolve_config(mcfg)["max_len"]))
+        else:
+            out.append(Candidate("random", "Random init", f"seed {seed}", build_encoder(mcfg)))
+    return out
+
+
+def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int, device: str, tokenize) -> dict:
+    tr, te = es.split(cfg["probe_fraction"], seed)
+    y_tr, y_te = es.labels[tr], es.labels[te]
+    few, ft = cfg["fewshot"], cfg["finetune"]
+    results = {}
+    for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
+        x = extract_features(cand.encoder, es.images, cfg["pool"], cfg["last_k_blocks"], device)
+        r = {"linear_probe": probe_accuracy(x[tr], y_tr, x[te], y_te, solver=cfg["probe_solver"], c=cfg["probe_c"],
+                                            train_cfg=cfg["probe_train"], seed=seed, device=device)}
+        if few["shots"]:
+            r["fewshot_logreg"] = fewshot_logreg(x[tr], y_tr, x[te], y_te, few["shots"], few["repeats"],
+                                                 cfg["probe_c"], seed)
+        if ft["enabled"]:
+            train_cfg = {k: ft[k] for k in ("epochs", "batch_size", "lr", "weight_decay")}
+            r["fewshot_finetune"] = fewshot_finetune(cand.encoder, es.images[tr], y_tr, es.images[te], y_te,
+                                                     len(es.classes), ft["shots"], ft["repeats"], train_cfg,
+                                                     cfg["pool"], seed, device)
+        if cfg["zero_shot"] and cand.text_model is not None:
+            r["zero_shot"] = zero_shot_accuracy(cand.text_model, cand.objective, es.images[te], y_te, es.prompts(),
+                                                tokenize(cand), device)
+        results[cand.name] = r
+        print(f"evaluate: {es.name}/{cand.name:<10} linear probe {r['linear_probe']:.3f}"
+              + (f", zero-shot {r['zero_shot']:.3f}" if "zero_shot" in r else ""))
+    return {"classes": es.classes, "n_probe_train": int(len(tr)), "n_probe_test": int(len(te)),
+            "chance": es.chance, "results": results}
+
+
+def mlflow_metrics(metrics: dict) -> dict:
+    """Flat names: `<set>.<model>.<protocol>[_<k>shot]`, plus the primary set's headline per model."""
+    flat = {}
+    for set_name, s in metrics["sets"].items():
+        for model, r in s["results"].items():
+            for protocol, v in r.items():
+                if isinstance(v, dict):
+                    flat.update({f"{set_name}.{model}.{protocol}_{k}shot": kv["mean"] for k, kv in v.items()})
+                else:
+                    flat[f"{set_name}.{model}.{protocol}"] = v
+    primary = metrics["sets"][metrics["primary_set"]]["results"]
+    flat.update({f"{model}_linear_probe_acc": r["linear_probe"] for model, r in primary.items()})
+    flat["epsilon"] = metrics["privacy"]["epsilon"]
+    return flat
 
 
 def run(params: dict, ctx) -> None:
     cfg, seed = params["evaluate"], params["run"]["seed"]
-    ds = ShardDataset(f"{SHARDS}/eval")
-    images = to_tensor(ds.load_images())
-    labels = np.array([ds.meta(i)["label"] for i in range(len(ds))])
-    tr, te = train_test_split(np.arange(len(ds)), train_size=cfg["probe_fraction"], stratify=labels,
-                              random_state=seed)
-    dp_ckpt = torch.load(f"{DP_DIR}/checkpoint.pt", map_location="cpu", weights_only=False)
-    mcfg = dp_ckpt["model_cfg"]
-    encoders = {"dp": load_encoder(f"{DP_DIR}/checkpoint.pt", mcfg)}
-    if "synthetic" in cfg["baselines"]:
-        encoders["synthetic"] = load_encoder(f"{PRETRAIN}/checkpoint.pt", mcfg)
-    if "random" in cfg["baselines"]:
-        torch.manual_seed(seed)
-        encoders["random"] = build_encoder(mcfg)
-    results = {}
-    for name, encoder in encoders.items():
-        x = features(encoder, images, cfg["pool"], ctx.device)
-        results[name] = {"linear_probe_acc": linear_probe(x[tr], labels[tr], x[te], labels[te], cfg["probe_c"], seed)}
-        print(f"evaluate: {name:<10} linear probe accuracy {results[name]['linear_probe_acc']:.3f}")
-    metrics = {"eval_set": "digits-eval", "probe_train": int(len(tr)), "probe_test": int(len(te)),
-               "classes": int(len(np.unique(labels))), "pool": cfg["pool"], "encoders": results}
+    ver = read_json(VERIFICATION)
+    dp_steps = load_checkpoint(f"{DP_DIR}/checkpoint.pt")["optimizer_steps"]
+    if not ver["passed"] or ver["steps"] != dp_steps:
+        raise VerificationFailed(f"{VERIFICATION} does not vouch for {DP_DIR}/checkpoint.pt (passed={ver['passed']}, "
+                                 f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
+    candidates = load_candidates(cfg["baselines"], seed, with_text=cfg["zero_shot"])
+    tokenizer = None
+    if any(c.text_model is not None for c in candidates):
+        from pipeline.data.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(TOKENIZER)
+
+    def tokenize(cand: Candidate):
+        return lambda captions: tokenizer.encode(captions, cand.max_len)
+
+    image_size = candidates[0].encoder.img_size
+    sets = {}
+    for spec in cfg["sets"]:
+        sets[spec["name"]] = evaluate_set(load_eval_set(spec, image_size), candidates, cfg, seed, ctx.device, tokenize)
+    metrics = {
+        "primary_set": cfg["sets"][0]["name"],
+        "objective": candidates[0].objective,
+        "models": {c.name: {"label": c.label, "source": c.source} for c in candidates},
+        "model_order": [c.name for c in candidates],  # JSON keys get sorted; tables keep this order
+        "protocol": {k: cfg[k] for k in ("pool", "last_k_blocks", "probe_fraction", "probe_solver", "probe_c",
+                                         "fewshot", "finetune", "zero_shot")},
+        "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"]},
+        "sets": sets,
+    }
     write_json(OUT, metrics)
-    ctx.tracker.log_metrics({f"{k}_linear_probe_acc": v["linear_probe_acc"] for k, v in results.items()})
+    ctx.tracker.log_metrics(mlflow_metrics(metrics))
+    ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}"})
     ctx.tracker.log_artifact(OUT)

@@ -1,62 +1,141 @@
-"""The `pretrain` stage: non-private MAE on the synthetic images (ViP's warm start; no privacy cost)."""
+"""The `pretrain` stage: non-private MAE on the synthetic images (ViP's warm start; no privacy cost).
+
+Images stream from the shards by byte range (nothing is held in memory whole). What step s computes
+is a function of (seed, s): its batch is positions [s·B, (s+1)·B) of a sequence of seeded per-epoch
+shuffles (every image once per epoch), its masks come from a generator keyed by (seed, s). With the
+model, optimizer and RNG state in the checkpoint, an interrupted run resumes exactly.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import shutil
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from pipeline.data.index import INDEX_NAME
+from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
-from pipeline.data.transforms import to_tensor
+from pipeline.data.synthetic_stage import MANIFEST
 from pipeline.io import atomic_dir, write_json
 from pipeline.modelcfg import model_config
 from pipeline.models import build_model
-from pipeline.train import Checkpointer, autocast, make_optimizer, run_loop, state_dir
+from pipeline.train import Checkpointer, autocast, make_optimizer, run_loop, state_dir, uses_bf16
 
 IN_DIR, OUT_DIR = "data/synthetic", "models/pretrain"
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
-    """Batches and masks are a function of (seed, step): a resumed run sees exactly the same data."""
+    """The masks of step `step`: a function of (seed, step), so a resumed run draws the same ones."""
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def batch_indices(seed: int, step: int, batch_size: int, n: int) -> np.ndarray:
+    """Image indices of step `step`: positions [step·B, (step+1)·B) of the concatenated epoch orders."""
+    positions = np.arange(step * batch_size, (step + 1) * batch_size)
+    out = np.empty(batch_size, dtype=np.int64)
+    for epoch in np.unique(positions // n):
+        here = positions // n == epoch
+        out[here] = epoch_order(seed, int(epoch), n)[positions[here] % n]
+    return out
+
+
+def input_digest(directory: str | Path) -> str:
+    """Identifies the synthetic data, so a checkpoint trained on other images is never resumed: the
+    index plus the shards' sha256 from the manifest, or (shards written without one) their sizes and
+    modification times, which can only make a resume less likely, never wrong."""
+    directory = Path(directory)
+    h = hashlib.sha256((directory / INDEX_NAME).read_bytes())
+    if (directory / MANIFEST).exists():
+        h.update((directory / MANIFEST).read_bytes())
+    else:
+        for path in sorted(directory.iterdir()):
+            h.update(f"{path.name} {path.stat().st_size} {path.stat().st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def mae_step(model, optimizer, images: torch.Tensor, noise: torch.Tensor, device: str, precision: str,
+             grad_clip: float) -> dict:
+    """One optimiser step on the mean MAE loss (the masks are `noise`'s argsort, as in the models)."""
+    with autocast(device, precision):
+        loss = model(images.to(device, non_blocking=True), noise=noise.to(device)).float().mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    metrics = {"loss": loss.item()}
+    if grad_clip > 0:
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    optimizer.step()
+    return metrics
 
 
 def run(params: dict, ctx) -> None:
     cfg, seed, device = params["pretrain"], params["run"]["seed"], ctx.device
-    images = to_tensor(ShardDataset(IN_DIR).load_images())
-    n = len(images)
-    torch.manual_seed(seed)
+    batch = cfg["batch_size"]
     mcfg = model_config(params["model"], "mae")
+    dataset = ShardDataset(IN_DIR)
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(f"{IN_DIR} has no usable images: run the synthetic stage")
+    # Images are centre-cropped/resized to the model's size, should the synthetic resolution differ.
+    loader = BatchLoader(dataset, mcfg["img_size"], workers=cfg["data_workers"])
+    torch.manual_seed(seed)
     model = build_model("mae", mcfg).to(device)
     optimizer = make_optimizer(model, "adamw", cfg["lr"], cfg["weight_decay"])
     num_patches = (mcfg["img_size"] // mcfg["patch_size"]) ** 2
+    work = state_dir("pretrain", {**params, "data": input_digest(IN_DIR)})
+    run_state = {"start": 0, "batches": None}
+
+    def on_start(start: int) -> None:
+        run_state["start"] = start
+        run_state["batches"] = loader(batch_indices(seed, s, batch, n) for s in range(start, cfg["steps"]))
 
     def step_fn(step: int) -> dict:
-        g = step_generator(seed, step)
-        idx = torch.randint(n, (cfg["batch_size"],), generator=g)
-        noise = torch.rand(cfg["batch_size"], num_patches, generator=g)
-        with autocast(device, cfg["precision"]):
-            loss = model(images[idx].to(device), noise=noise.to(device)).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg["grad_clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        optimizer.step()
-        return {"loss": loss.item()}
+        _, (images,) = next(run_state["batches"])
+        noise = torch.rand(batch, num_patches, generator=step_generator(seed, step))
+        return mae_step(model, optimizer, images, noise, device, cfg["precision"], cfg["grad_clip"])
 
-    start = time.time()
-    history = run_loop(model=model, optimizer=optimizer, total_steps=cfg["steps"], base_lr=cfg["lr"],
-                       warmup=cfg["warmup_steps"], step_fn=step_fn,
-                       checkpointer=Checkpointer(state_dir("pretrain", params)),
-                       checkpoint_every=cfg["checkpoint_every"], desc="pretrain", log_every=cfg["log_every"],
-                       on_log=lambda s, m: ctx.tracker.log_metrics(m, step=s))
-    elapsed = time.time() - start
-    summary = {"images": n, "steps": cfg["steps"], "final_loss": history["metrics"][-1]["loss"] if history["step"] else None,
-               "images_per_s": cfg["steps"] * cfg["batch_size"] / max(elapsed, 1e-9)}
+    def on_log(step: int, metrics: dict) -> None:
+        ctx.tracker.log_metrics({**metrics, "images_per_s": metrics["steps_per_s"] * batch}, step=step)
+
+    started = time.time()
+    try:
+        history = run_loop(model=model, optimizer=optimizer, total_steps=cfg["steps"], base_lr=cfg["lr"],
+                           warmup=cfg["warmup_steps"], step_fn=step_fn, checkpointer=Checkpointer(work),
+                           checkpoint_every=cfg["checkpoint_every"], desc="pretrain", log_every=cfg["log_every"],
+                           on_log=on_log, on_start=on_start)
+    finally:
+        if run_state["batches"] is not None:
+            run_state["batches"].close()  # stops the decoding workers
+        dataset.close()
+    elapsed, steps_now = time.time() - started, cfg["steps"] - run_state["start"]
+    # Points logged before a resume went to the interrupted run: give this run the whole curve.
+    earlier = [(s, m) for s, m in zip(history["step"], history["metrics"]) if s < run_state["start"]]
+    for key in ("loss", "lr", "grad_norm"):
+        points = [(s, m[key]) for s, m in earlier if key in m]
+        if points:
+            ctx.tracker.log_series(key, [v for _, v in points], [s for s, _ in points])
+
+    summary = {"images": n, "steps": cfg["steps"], "resumed_at": run_state["start"],
+               "final_loss": history["metrics"][-1]["loss"] if history["step"] else None,
+               "images_per_s": steps_now * batch / max(elapsed, 1e-9) if steps_now else None,
+               "bf16": uses_bf16(device, cfg["precision"])}
     with atomic_dir(OUT_DIR) as out:
         torch.save({"objective": "mae", "model_cfg": mcfg, "model": model.state_dict(),
                     "encoder": model.encoder.state_dict(), "step": cfg["steps"]}, out / "checkpoint.pt")
         write_json(out / "history.json", history)
         write_json(out / "summary.json", summary)
-    ctx.tracker.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-    print(f"pretrain: {cfg['steps']} steps, final loss {summary['final_loss']}, {summary['images_per_s']:.0f} img/s")
+    shutil.rmtree(work, ignore_errors=True)  # the output holds the finished model; the state is spent
+    # "images_per_s" is the per-step curve; the run's mean gets its own name.
+    ctx.tracker.log_metrics({("mean_" + k if k == "images_per_s" else k): v for k, v in summary.items()
+                             if isinstance(v, (int, float))})
+    rate = f"{summary['images_per_s']:.0f} img/s" if summary["images_per_s"] else "no steps run now"
+    print(f"pretrain: {cfg['steps']} steps on {n} synthetic images, final loss {summary['final_loss']}, {rate}")

@@ -1,92 +1,221 @@
-"""The `report` stage: one self-contained HTML file (images inlined, no network) and Markdown."""
+"""The `report` stage: one self-contained HTML page (opens offline in any browser) and Markdown.
+
+Content: the params, ε with its accountant and the verification checks, the accuracy table
+beside the baselines, loss curves, ε against step, privacy–utility across the MLflow
+experiment's runs, and the synthetic contact sheet.
+"""
 
 from __future__ import annotations
 
-import base64
-import html
+import datetime
 import shutil
+from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from pipeline.io import atomic_dir, read_json  # noqa: E402
-from pipeline.privacy import accounting  # noqa: E402
+from pipeline.eval import plots, recipe_title
+from pipeline.eval.render import accuracy_table, params_yaml, render_html, render_markdown
+from pipeline.io import atomic_dir, read_json
+from pipeline.privacy import accounting
 
 OUT_DIR = "results/report"
+VERIFICATION, METRICS = "results/privacy/verification.json", "results/eval/metrics.json"
+LEDGER = "models/dp/ledger.json"
 
 
-def _curve(history: dict, key: str) -> tuple[list, list]:
-    pairs = [(s, m[key]) for s, m in zip(history["step"], history["metrics"]) if key in m]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+# -- ε against step ---------------------------------------------------------------------------
 
-
-def plot_losses(pretrain_hist: dict, dp_hist: dict, path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].plot(*_curve(pretrain_hist, "loss"))
-    axes[0].set(title="Synthetic MAE pretraining (non-private)", xlabel="step", ylabel="training loss")
-    axes[1].plot(*_curve(dp_hist, "heldout_loss"), color="C1")
-    axes[1].set(title="DP training", xlabel="step", ylabel="held-out loss (public eval split)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_epsilon(ver: dict, accountants: list[str], path) -> None:
+def epsilon_curves(ver: dict, points: int = 20) -> dict:
+    """{accountant: (steps, eps)}: verify's own curve when it wrote one, else recomputed."""
+    given = ver.get("epsilon_curve")
+    if given:
+        return _curves_from(given)
     steps = ver["steps"]
-    grid = sorted({max(1, round(steps * i / 40)) for i in range(41)})
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for a in accountants:
-        ax.plot(grid, accounting.epsilon_curve(ver["sigma"], ver["sample_rate"], grid, ver["delta"], accountant=a),
-                label=a.upper())
-    ax.set(title=f"ε against step (δ={ver['delta']:.1e})", xlabel="step", ylabel="ε")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    grid = sorted({max(1, round(steps * i / points)) for i in range(points + 1)})
+    return {a: (grid, accounting.epsilon_curve(ver["sigma"], ver["sample_rate"], grid, ver["delta"], accountant=a))
+            for a in ver["epsilon"]}
 
 
-def _img(path) -> str:
-    return f'<img alt="{path.name}" src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">'
+def _curves_from(given) -> dict:
+    """Accepts {acc: [[step, eps], ...]}, {"steps": [...], acc: [...]} or [{"step": s, acc|"epsilon": e}, ...]."""
+    if isinstance(given, dict) and "steps" in given:
+        return {a: (given["steps"], v) for a, v in given.items() if a != "steps"}
+    if isinstance(given, dict):
+        return {a: ([p[0] for p in v], [p[1] for p in v]) for a, v in given.items()}
+    names = sorted({k for p in given for k in p if k != "step"})
+    return {("ε" if a == "epsilon" else a): ([p["step"] for p in given if a in p], [p[a] for p in given if a in p])
+            for a in names}
 
 
-def render(title: str, ver: dict, metrics: dict, figures: dict) -> tuple[str, str]:
-    rows = [(name, r["linear_probe_acc"]) for name, r in metrics["encoders"].items()]
-    eps_line = (f"ε = {ver['epsilon_reported']:.3f} ({ver['accountant'].upper()}), δ = {ver['delta']:.2e}, "
-                f"{ver['steps']} steps, σ = {ver['sigma']:.4f}, q = {ver['sample_rate']:.4g}, n = {ver['n']}")
-    status = "passed" if ver["passed"] else "FAILED"
-    md = [f"# {title}", "", f"**Privacy**: {eps_line}. Verification: **{status}** "
-          f"({', '.join(f'{a.upper()} ε = {e:.3f}' for a, e in ver['epsilon'].items())}).", "",
-          f"## Linear probe on {metrics['eval_set']} ({metrics['probe_train']} train / {metrics['probe_test']} test)",
-          "", "| encoder | accuracy |", "| --- | --- |"]
-    md += [f"| {name} | {acc:.3f} |" for name, acc in rows]
-    md += ["", "## Figures", ""] + [f"![{k}]({p.name})" for k, p in figures.items()]
-    table = "".join(f"<tr><td>{html.escape(n)}</td><td>{a:.3f}</td></tr>" for n, a in rows)
-    checks = "".join(f"<li>{'✔' if c['passed'] else '✘'} {html.escape(c['name'])}: {html.escape(c['detail'])}</li>"
-                     for c in ver["checks"])
-    figs = "".join(f"<figure>{_img(p)}<figcaption>{html.escape(k)}</figcaption></figure>" for k, p in figures.items())
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 12px}}img{{max-width:100%}}</style></head><body>
-<h1>{html.escape(title)}</h1><p><b>Privacy</b>: {html.escape(eps_line)}. Verification: <b>{status}</b></p>
-<ul>{checks}</ul><h2>Linear probe on {html.escape(metrics['eval_set'])}</h2>
-<table id="accuracy"><tr><th>encoder</th><th>accuracy</th></tr>{table}</table><h2>Figures</h2>{figs}</body></html>
-"""
-    return "\n".join(md) + "\n", page
+# -- privacy-utility across the MLflow experiment ---------------------------------------------
+
+def experiment_points(experiment: str, current_model_hash: str | None) -> tuple[list[dict], str]:
+    """One point per DP model evaluated in the experiment: its verified ε and DP linear-probe accuracy.
+
+    ε comes from the evaluate run itself (it logs the verified ε it evaluated) or, for runs that
+    predate that, from the finished dp-train run of the same pipeline invocation. A model
+    evaluated several times (same `dvc.input.models/dp` hash) counts once, at its latest run.
+    """
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from pipeline.tracking import tracking_uri
+
+        client = MlflowClient(tracking_uri())
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return [], f"MLflow experiment {experiment!r} not found: only this run is shown"
+
+        def finished(stage: str):
+            return client.search_runs([exp.experiment_id], max_results=5000, order_by=["attributes.start_time DESC"],
+                                      filter_string=f"tags.`dpfm.stage` = '{stage}' and attributes.status = 'FINISHED'")
+
+        dp_by_parent = {r.data.tags["mlflow.parentRunId"]: r for r in reversed(finished("dp-train"))
+                        if r.data.tags.get("mlflow.parentRunId")}
+        evaluate_runs = finished("evaluate")  # newest first
+    except Exception as err:  # the report must still be written when the tracking store is unreachable
+        return [], f"MLflow not readable ({type(err).__name__}): only this run is shown"
+    points, seen = [], set()
+    for run in evaluate_runs:
+        m, tags = run.data.metrics, run.data.tags
+        model = tags.get("dvc.input.models/dp", run.info.run_id)
+        dp_run = dp_by_parent.get(tags.get("mlflow.parentRunId"))
+        eps = m.get("epsilon", dp_run.data.metrics.get("epsilon") if dp_run else None)
+        acc = m.get("dp_linear_probe_acc")
+        if model in seen or eps is None or acc is None:
+            continue
+        seen.add(model)
+        objective = tags.get("dpfm.objective") or (dp_run.data.params.get("dp.objective") if dp_run else None)
+        points.append({"epsilon": eps, "accuracy": acc, "objective": objective, "current": model == current_model_hash})
+    return points, f"{len(points)} DP model(s) evaluated in MLflow experiment {experiment!r}"
+
+
+# -- content ----------------------------------------------------------------------------------
+
+def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -> str:
+    """How each column of the accuracy table was measured (only the columns present)."""
+    parts = ["Accuracy in % on the probe-test split.",
+             f"Linear probe: {protocol['probe_solver']} on frozen {protocol['pool']}-pooled features of the last "
+             f"{protocol['last_k_blocks']} block(s), standardised."]
+    if any(c.endswith("-shot") for c in columns):
+        parts.append(f"K-shot: logistic regression on K examples per class, mean ± std over "
+                     f"{protocol['fewshot']['repeats']} seeded class-balanced subsets.")
+    if any(c.endswith("FT") for c in columns):
+        parts.append(f"FT: the whole encoder and a linear head fine-tuned on K examples per class (AdamW), "
+                     f"mean ± std over {protocol['finetune']['repeats']} subsets.")
+    if "Zero-shot" in columns:
+        how = "the class whose prompt captions have the lowest loss" if objective == "caption" else \
+            "the class whose prompt embedding is closest (cosine)"
+        parts.append(f"Zero-shot: {how}, prompts averaged over templates; — where a model has no text tower.")
+    return " ".join(parts + ["Bold: best in column."])
+
+
+def signed(x: float) -> str:
+    return f"{x:+.1f}".replace("-", "−")
+
+
+def headline_sentence(primary: str, lp: dict, models: dict) -> str:
+    """One plain sentence: the DP model's linear probe against each baseline."""
+    if "dp" not in lp:
+        return ""
+    vs = [f"{signed(100 * (lp['dp'] - lp[n]))} points vs. {models[n]['label']}" for n in lp if n != "dp"]
+    return (f"On {primary}, the DP model's linear probe reaches {100 * lp['dp']:.1f}%"
+            + (": " + ", ".join(vs) + "." if vs else "."))
+
+
+def delta_text(delta: float, param) -> str:
+    named = f" = {param}" if isinstance(param, str) else ""
+    return f"{delta:.2e}{named}"
+
+
+def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlflow_points: tuple[list, str]) -> dict:
+    """Everything the renderers need; writes the figures into `out`."""
+    primary = metrics["primary_set"]
+    models = metrics["models"]
+    objective = metrics.get("objective") or ledger.get("objective")
+    dp = params.get("dp", {})
+    figures = {"losses": out / "losses.png", "epsilon": out / "epsilon.png",
+               "privacy_utility": out / "privacy_utility.png", "contact_sheet": out / "contact_sheet.png"}
+    sets = []
+    for name, s in metrics["sets"].items():
+        columns, rows = accuracy_table(s, models, metrics.get("model_order"))
+        fig = out / f"accuracy_{name}.png"
+        plots.plot_accuracy(columns, rows, s["chance"], fig)
+        sets.append({
+            "name": name, "columns": columns, "rows": rows, "figure": fig,
+            "note": (f"{len(s['classes'])} classes; the public held-out set is split into {s['n_probe_train']} "
+                     f"probe-train / {s['n_probe_test']} probe-test images; chance {100 * s['chance']:.1f}%."),
+            "legend": protocol_legend(metrics["protocol"], columns, objective),
+        })
+    primary_rows = {row["name"]: row for row in next(s for s in sets if s["name"] == primary)["rows"]}
+    lp = {name: row["cells"][0][0] for name, row in primary_rows.items()}
+
+    curves = epsilon_curves(ver)
+    final = (ver["steps"], ver["epsilon_reported"])
+    plots.plot_epsilon(curves, ledger.get("target_epsilon"), final, figures["epsilon"])
+    plots.plot_losses(read_json("models/pretrain/history.json"), read_json("models/dp/history.json"), figures["losses"])
+    shutil.copyfile("data/synthetic/contact_sheet.png", figures["contact_sheet"])
+
+    points, source = mlflow_points
+    if not any(p["current"] for p in points):
+        points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": lp["dp"], "objective": objective,
+                            "current": True}]
+    baselines = {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random") if n in lp}
+    plots.plot_privacy_utility(points, baselines, figures["privacy_utility"])
+
+    headline = headline_sentence(primary, lp, models)
+    cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}",
+              f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
+              f"{ver['steps']} DP steps on n = {ver['n']}")]
+    for name in lp:
+        diff = (f"linear probe on {primary}" if name == "dp"
+                else f"DP model {signed(100 * (lp['dp'] - lp[name]))} points")
+        cards.append((models[name]["label"], f"{100 * lp[name]:.1f}%", diff))
+    model = params.get("model", {})
+    sensitivity = ledger.get("sensitivity", 1.0)
+    mechanism = [
+        ("recipe", recipe_title(objective)),
+        ("private examples n", f"{ver['n']}"),
+        ("sampling", f"{ledger.get('sampler', 'poisson')}, rate q = {ver['sample_rate']:.5g} "
+                     f"(expected batch {ver['sample_rate'] * ver['n']:.0f})"),
+        ("clipping", f"C = {ledger.get('clip_norm')}, sensitivity {sensitivity:g}·C "
+                     f"({'per batch' if objective == 'clip' else 'per sample'})"),
+        ("noise", f"σ = {ver['sigma']:.4f} (std {ledger.get('noise_std', ver['sigma'] * sensitivity):.4f})"),
+        ("steps", f"{ver['steps']} (planned {ledger.get('planned_steps', ver['steps'])})"),
+        ("δ", delta_text(ver["delta"], dp.get("delta"))),
+        ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())
+         + f" (target {ledger.get('target_epsilon', '—')})"),
+    ]
+    from pipeline.tracking import git_commit
+
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    subtitle = (f"{recipe_title(objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
+                f"· generated {when} · commit {git_commit()[:12]}")
+    return {
+        "title": params["report"]["title"], "subtitle": subtitle, "headline": headline, "verification": ver,
+        "cards": cards,
+        "delta_text": delta_text(ver["delta"], dp.get("delta")), "sets": sets, "figures": figures,
+        "mechanism": mechanism, "colors": plots.MODEL_COLORS, "params_yaml": params_yaml(params),
+        "pu_caption": (f"Linear-probe accuracy on {primary} against verified ε. {source}. Star: this run. "
+                       f"Baselines from this run: synthetic-only (no private data, ε = 0), non-private (ε = ∞, "
+                       f"when trained) and random init. Each point keeps the eval protocol of its own run."),
+        "eps_caption": (f"ε after each DP step at δ = {ver['delta']:.2e}, per accountant "
+                        f"({ver['accountant'].upper()} is reported; the others are independent upper bounds)."),
+        "loss_caption": ("Left: MAE loss on synthetic images (non-private). Right: the DP model's loss on the public "
+                         "held-out split; the training loss on private data is never shown (it is not DP)."),
+        "sheet_caption": "A sample of the procedural (Shaders21k-style) images the encoder was pretrained on.",
+        "footer": (f"dpfm report · inputs: {VERIFICATION}, {METRICS}, {LEDGER}, models/*/history.json · "
+                   f"open report.html offline in any browser; report.md has the same content."),
+    }
 
 
 def run(params: dict, ctx) -> None:
-    ver = read_json("results/privacy/verification.json")
-    metrics = read_json("results/eval/metrics.json")
+    ver, metrics, ledger = read_json(VERIFICATION), read_json(METRICS), read_json(LEDGER)
+    from pipeline.tracking import dvc_hash
+
+    model_hash = dvc_hash("models/dp") if Path("models/dp").exists() else None
+    points = experiment_points(params["run"]["experiment"], model_hash)
     with atomic_dir(OUT_DIR) as out:
-        figures = {"losses": out / "losses.png", "epsilon": out / "epsilon.png",
-                   "synthetic images": out / "contact_sheet.png"}
-        plot_losses(read_json("models/pretrain/history.json"), read_json("models/dp/history.json"), figures["losses"])
-        plot_epsilon(ver, list(ver["epsilon"]), figures["epsilon"])
-        shutil.copy("data/synthetic/contact_sheet.png", figures["synthetic images"])
-        md, page = render(params["report"]["title"], ver, metrics, figures)
-        (out / "report.md").write_text(md)
-        (out / "report.html").write_text(page)
+        content = gather(params, ver, ledger, metrics, out, points)
+        (out / "report.md").write_text(render_markdown(content))
+        (out / "report.html").write_text(render_html(content))
     ctx.tracker.log_artifact(OUT_DIR, "report")
     print(f"report: {OUT_DIR}/report.html")

@@ -110,6 +110,17 @@ class StageRun:
         _retry(lambda: self._mlflow.set_tags({k: str(v) for k, v in tags.items()}))
 
 
+class NullRun:
+    """For non-main ranks of a torchrun job: one MLflow run per stage, logged by rank 0 only."""
+
+    run_id = None
+
+    def log_metrics(self, metrics, step=None): ...
+    def log_series(self, name, values, steps): ...
+    def log_artifact(self, path, artifact_path=None): ...
+    def set_tags(self, tags): ...
+
+
 def _retry(fn, attempts: int = 8):
     """SQLite allows one writer at a time: parallel stages retry on 'database is locked'."""
     for i in range(attempts):

@@ -45,10 +45,19 @@ def state_dir(stage: str, params: dict) -> Path:
     return STATE_ROOT / f"{stage}-{digest}"
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def uses_bf16(device: str, precision: str) -> bool:
+    """bf16 when asked for, or with `auto` on a GPU that supports it; fp32 otherwise."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} (allowed: {', '.join(PRECISIONS)})")
+    return precision == "bf16" or (precision == "auto" and device == "cuda" and torch.cuda.is_bf16_supported())
+
+
 def autocast(device: str, precision: str):
-    """bf16 autocast where the device supports it; fp32 otherwise."""
-    use_bf16 = precision == "bf16" or (precision == "auto" and device == "cuda" and torch.cuda.is_bf16_supported())
-    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=use_bf16)
+    """bf16 autocast where `uses_bf16` says so (weights, gradients and optimizer stay fp32)."""
+    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=uses_bf16(device, precision))
 
 
 class Checkpointer:
@@ -66,21 +75,33 @@ class Checkpointer:
 def run_loop(*, model, optimizer, total_steps: int, base_lr: float, warmup: int, step_fn: Callable[[int], dict],
              checkpointer: Checkpointer, checkpoint_every: int, desc: str, extra_state: Callable[[], dict] = dict,
              restore_extra: Callable[[dict], None] = lambda s: None, on_log: Callable[[int, dict], None] = None,
-             log_every: int = 10) -> dict:
-    """Run steps [start, total) where start comes from the last checkpoint; return the history."""
+             log_every: int = 10, on_start: Callable[[int], None] | None = None) -> dict:
+    """Run steps [start, total) where start comes from the last checkpoint; return the history.
+
+    A checkpoint holds the model, optimizer, step, torch RNG states, history and `extra_state()`;
+    the learning rate is a function of the step, so restoring these resumes the run exactly when
+    `step_fn(step)` draws its data and randomness as a function of the step. `on_start(start)` is
+    called once, before the first step, with the step the run starts (or resumes) at.
+    """
     start, history = 0, {"step": [], "metrics": []}
     saved = checkpointer.load()
     if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng"])
+        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
         start, history = saved["step"], saved["history"]
         restore_extra(saved.get("extra", {}))
         print(f"{desc}: resuming at step {start} from {checkpointer.path}")
+    if on_start:
+        on_start(start)
 
     def save(step: int) -> None:
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         checkpointer.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                           "rng": torch.get_rng_state(), "history": history, "extra": extra_state()})
+                           "rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "history": history,
+                           "extra": extra_state()})
 
     t0, done = time.time(), 0
     for step in tqdm(range(start, total_steps), desc=desc, initial=start, total=total_steps, unit="step"):

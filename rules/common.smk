@@ -35,12 +35,17 @@ def stage_params(name):
 
 def stage_resources(name):
     r = stage(name).resources
-    # GPUs are asked for only on CUDA runs (set run.device: cuda on a GPU cluster).
+    # GPUs are asked for only on CUDA runs (set run.device: cuda on a GPU cluster); profiles/slurm sets
+    # gpu and nodes per rule itself. `nodes` is the plugin's --nodes and pipeline/launch.py's node count.
     gpu = r.gpu if config["run"]["device"] == "cuda" else 0
-    return {"mem_mb": r.mem_mb, "runtime": r.runtime, "gpu": gpu}
+    return {"mem_mb": r.mem_mb, "runtime": r.runtime, "gpu": gpu, "nodes": 1}
 
 
 onstart:
+    if workflow.non_local_exec and tracking.tracking_uri().startswith("sqlite"):
+        # Concurrent cluster jobs writing one SQLite file (often on NFS) lock or corrupt it.
+        print(f"WARNING: cluster run logging to SQLite ({tracking.tracking_uri()}); start an MLflow "
+              "tracking server and export MLFLOW_TRACKING_URI (README: Running on a SLURM cluster)")
     os.environ[tracking.PARENT_ENV] = tracking.start_parent(config["run"]["experiment"])
 
 

@@ -1,11 +1,15 @@
-# Downstream evaluation and the report.
+# Downstream evaluation and the report. Their outputs are registered for `snakemake --report`
+# (captions in report/); the run report itself is results/report/report.html.
+
+
+report: "../report/workflow.rst"
 
 
 rule evaluate:
     input:
         stage_inputs("evaluate"),
     output:
-        stage_outputs("evaluate"),
+        [report(p, caption="../report/metrics.rst", category="Evaluation") for p in stage_outputs("evaluate")],
     params:
         sections=stage_params("evaluate"),
     log:
@@ -25,7 +29,10 @@ rule report:
     input:
         stage_inputs("report"),
     output:
-        stage_outputs("report"),
+        [
+            report(p, caption="../report/report.rst", category="Report", htmlindex="report.html")
+            for p in stage_outputs("report")
+        ],
     params:
         sections=stage_params("report"),
     log:

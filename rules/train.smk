@@ -1,4 +1,6 @@
 # Training: non-private synthetic pretraining, then DP-SGD on the private shards.
+# Both start through pipeline/launch.py: one process, torchrun over the job's GPUs, or srun + torchrun over
+# its nodes (resources.gpu is the job's total, as the SLURM plugin reads it; profiles/slurm sets it).
 
 
 rule pretrain:
@@ -18,6 +20,7 @@ rule pretrain:
     conda:
         STAGE_ENV
     shell:
+        "python -m pipeline.launch --nodes {resources.nodes} --gpus {resources.gpu} -- "
         "dpfm pretrain --threads {threads} --sections-json {params.sections:q} 2>&1 | tee {log}"
 
 
@@ -38,4 +41,5 @@ rule dp_train:
     conda:
         STAGE_ENV
     shell:
+        "python -m pipeline.launch --nodes {resources.nodes} --gpus {resources.gpu} -- "
         "dpfm dp-train --threads {threads} --sections-json {params.sections:q} 2>&1 | tee {log}"

@@ -12,7 +12,7 @@ from scipy import stats
 from pipeline.models import build_model
 from pipeline.models.layers import ClassToken
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, VmapClipper
-from pipeline.privacy.engine import noisy_update
+from pipeline.privacy.engine import make_clipper, noisy_update
 
 torch.manual_seed(0)
 
@@ -29,7 +29,7 @@ class AllLayers(nn.Module):
         self.head = nn.Linear(8, 1, bias=False)
 
     def forward(self, ids, x):
-        h = torch.cat([self.cls(len(ids)), self.emb(ids)], dim=1) + x
+        h = torch.cat([self.cls(ids), self.emb(ids)], dim=1) + x
         h = self.shared(torch.tanh(self.shared(self.norm(h))))
         return self.head(h).pow(2).mean((1, 2))
 
@@ -72,7 +72,7 @@ def clipped_sum(clipper_cls, model, batch, clip_norm, **kw):
 
 
 @pytest.mark.parametrize("name", ["mae", "caption", "all_layers"])
-@pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap"])
+@pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap", "opacus-hooks", "opacus-ghost"])
 def test_clipped_sum_equals_brute_force(name, engine):
     model, batch = cases()[name]
     _, norms = brute_force_clipped_sum(model, batch, 1e9)
@@ -80,16 +80,19 @@ def test_clipped_sum_equals_brute_force(name, engine):
     assert min(norms) < clip_norm < max(norms)
     want, _ = brute_force_clipped_sum(model, batch, clip_norm)
     if engine == "vmap":
-        if name == "all_layers":
-            pytest.skip("vmap reference needs two batched inputs per sample only; covered by the others")
         got, st = clipped_sum(VmapClipper, model, batch, clip_norm)
+    elif engine.startswith("opacus"):
+        if name != "mae":
+            pytest.skip("Opacus supports neither LayerNorm without bias (captioner) nor tied layers with ghost clipping")
+        got, st = clipped_sum(lambda m, c: make_clipper("mae", m, c, engine), model, batch, clip_norm)
     else:
         ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
         got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost)
     assert max_rel_error(got, want) <= 1e-5
     assert st.norms == pytest.approx(norms, rel=1e-4)
-    # The parameters are trainable again after the hooked backward pass.
-    assert all(p.requires_grad for p in model.parameters())
+    if not engine.startswith("opacus"):  # Opacus baselines hide the broadcast tokens from Opacus
+        # The parameters are trainable again after the hooked backward pass.
+        assert all(p.requires_grad for p in model.parameters())
 
 
 class NoClipping(BookKeepingClipper):
@@ -109,7 +112,7 @@ def test_comparison_catches_an_engine_that_does_not_clip():
     clip_norm = sorted(norms)[len(norms) // 2]
     want, _ = brute_force_clipped_sum(model, batch, clip_norm)
     got, _ = clipped_sum(NoClipping, model, batch, clip_norm)
-    assert max_rel_error(got, want) > 1e-2
+    assert max_rel_error(got, want) > 1e-5  # the tolerance the equality tests use
 
 
 def test_nonfinite_example_contributes_nothing():

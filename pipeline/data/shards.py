@@ -1,8 +1,9 @@
 """Webdataset shards: a deterministic tar writer that records where every member lands, and an
-index-backed reader with O(1) random access by byte range.
+index-backed reader with O(1) random access by byte range (local file, http(s), s3, any fsspec URL).
 
-A sample is a group of tar members sharing a key: `<key>.png` (image), `<key>.txt` (caption),
-`<key>.json` (metadata such as the class label). `index.parquet` has one row per sample.
+A sample is a group of tar members sharing a key: `<key>.<image ext>` (png, jpg, ...), `<key>.txt`
+(caption) and `<key>.json` (metadata such as the class label). `index.parquet` (see index.py) has
+one row per sample.
 """
 
 from __future__ import annotations
@@ -13,72 +14,97 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from PIL import Image
 
+from pipeline.data.index import INDEX_NAME, IndexMismatch, read_index, read_usable_table, write_index
+from pipeline.data.remote import RangeReader, ShardReadError, is_local, local_path
+from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
 
-MEMBER_EXTS = ("png", "txt", "json")
-INDEX_NAME = "index.parquet"
+__all__ = ["INDEX_NAME", "IndexMismatch", "ShardDataset", "ShardReadError", "ShardWriter", "TarShard", "encode_png"]
+
+HEADER = tarfile.BLOCKSIZE
+
+
+class TarShard:
+    """One tar, written atomically at `path` (a reader never sees half of it) and byte-reproducibly
+    (fixed mtime, owner and mode). `add` returns where the member's data starts."""
+
+    def __init__(self, path: str | Path):
+        self._ctx = atomic_path(path)
+        self._tmp = self._ctx.__enter__()
+        self._tar = tarfile.open(self._tmp, "w", format=tarfile.USTAR_FORMAT)
+
+    def add(self, name: str, payload: bytes) -> int:
+        info = tarfile.TarInfo(name)
+        info.size = len(payload)
+        info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = 0, 0o644, 0, 0, "", ""
+        self._tar.addfile(info, io.BytesIO(payload))
+        # The member's data ends the archive so far, padded to whole 512-byte blocks.
+        return self._tar.offset - -(-info.size // HEADER) * HEADER
+
+    def close(self) -> int:
+        """Finish the archive and move it into place; returns its size in bytes."""
+        self._tar.close()
+        size = self._tmp.stat().st_size
+        self._ctx.__exit__(None, None, None)
+        return size
+
+    def abort(self, exc_type=None, exc=None, tb=None) -> None:
+        self._tar.close()
+        self._ctx.__exit__(exc_type or RuntimeError, exc, tb)
 
 
 class ShardWriter:
-    """Writes samples into `<prefix>-NNNNNN.tar` files of `samples_per_shard` samples each.
-
-    Tars are byte-reproducible (fixed mtime, owner and mode), so the same samples give the same bytes.
-    """
+    """Writes samples into `<prefix>-NNNNNN.tar` files of `samples_per_shard` samples each, and on
+    close the index of all of them. The same samples give the same bytes."""
 
     def __init__(self, out_dir: str | Path, prefix: str = "shard", samples_per_shard: int = 1000):
+        if samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.prefix = prefix
-        self.samples_per_shard = samples_per_shard
+        self.prefix, self.samples_per_shard = prefix, samples_per_shard
         self.rows: list[dict] = []
-        self._tar = None
-        self._tmp_ctx = None
+        self.shards: list[dict] = []
+        self._keys: set[str] = set()
+        self._shard: TarShard | None = None
         self._count_in_shard = 0
-        self._shard_id = -1
 
-    def _open_next(self):
+    def _open_next(self) -> None:
         self._close_current()
-        self._shard_id += 1
-        name = f"{self.prefix}-{self._shard_id:06d}.tar"
-        self._tmp_ctx = atomic_path(self.out_dir / name)
-        tmp = self._tmp_ctx.__enter__()
-        self._shard_name = name
-        self._tar = tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT)
+        name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        self._shard = TarShard(self.out_dir / name)
+        self.shards.append({"url": name, "size": None})
         self._count_in_shard = 0
 
-    def _close_current(self):
-        if self._tar is not None:
-            self._tar.close()
-            self._tmp_ctx.__exit__(None, None, None)
-            self._tar = None
+    def _close_current(self) -> None:
+        if self._shard is not None:
+            self.shards[-1]["size"] = self._shard.close()
+            self._shard = None
 
-    def write(self, key: str, image_png: bytes, caption: str, meta: dict) -> None:
-        if self._tar is None or self._count_in_shard >= self.samples_per_shard:
+    def write(self, key: str, image_png: bytes, caption: str, meta: dict, image_ext: str = "png") -> None:
+        """Add one sample; `image_png` holds the encoded image (PNG unless `image_ext` says otherwise)."""
+        if key in self._keys:
+            raise ValueError(f"duplicate sample key {key!r}: each example must be written once")
+        if "." in key.rsplit("/", 1)[-1]:
+            raise ValueError(f"sample key {key!r} contains a dot, which webdataset reads as an extension")
+        self._keys.add(key)
+        if self._shard is None or self._count_in_shard >= self.samples_per_shard:
             self._open_next()
-        payloads = {"png": image_png, "txt": caption.encode("utf-8"),
-                    "json": json.dumps(meta, sort_keys=True).encode("utf-8")}
-        row = {"key": key, "shard": self._shard_name, "caption_len": len(caption), "status": "ok"}
-        for ext in MEMBER_EXTS:
-            info = tarfile.TarInfo(f"{key}.{ext}")
-            info.size = len(payloads[ext])
-            info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = 0, 0o644, 0, 0, "", ""
-            self._tar.addfile(info, io.BytesIO(payloads[ext]))
-            # The member's data ends the archive so far, padded to whole 512-byte blocks.
-            padded = -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-            row[f"{ext}_offset"], row[f"{ext}_size"] = self._tar.offset - padded, info.size
+        row = {"key": key, "shard": self.shards[-1]["url"], "shard_id": len(self.shards) - 1,
+               "image_ext": image_ext, "caption_len": len(caption), "status": "ok"}
+        payloads = (("image", image_ext, image_png), ("txt", "txt", caption.encode("utf-8")),
+                    ("json", "json", json.dumps(meta, sort_keys=True).encode("utf-8")))
+        for member, ext, payload in payloads:
+            row[f"{member}_offset"] = self._shard.add(f"{key}.{ext}", payload)
+            row[f"{member}_size"] = len(payload)
         self.rows.append(row)
         self._count_in_shard += 1
 
     def close(self) -> Path:
         self._close_current()
-        index_path = self.out_dir / INDEX_NAME
-        with atomic_path(index_path) as tmp:
-            pq.write_table(pa.Table.from_pylist(self.rows), tmp)
-        return index_path
+        return write_index(self.out_dir / INDEX_NAME, self.rows, self.shards)
 
     def __enter__(self):
         return self
@@ -86,9 +112,9 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.close()
-        elif self._tar is not None:
-            self._tar.close()
-            self._tmp_ctx.__exit__(exc_type, exc, tb)
+        elif self._shard is not None:
+            self._shard.abort(exc_type, exc, tb)
+            self._shard = None
 
 
 def encode_png(image: np.ndarray) -> bytes:
@@ -98,45 +124,127 @@ def encode_png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def _check_header(block: bytes, name: str, size: int, where: str) -> None:
+    """The tar header before a member's data must name that member: else the index is stale."""
+    try:
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        # Long or non-ASCII names live in an extended header further back; the size still must match.
+        name_ok = info.name == name or len(name.encode("utf-8")) > 100 or not name.isascii()
+    except tarfile.HeaderError:
+        info, name_ok = None, False
+    if not name_ok or info.size != size:
+        found = f"{info.name!r} of {info.size} bytes" if info else "no valid tar header"
+        raise IndexMismatch(f"{where}: the index expects member {name!r} of {size} bytes there, the shard has "
+                            f"{found}: the shards changed after the index was written; re-run the shards stage")
+
+
 class ShardDataset:
-    """Random access to the samples of one shard directory through its index."""
+    """Random access to the usable samples of one shard directory through its index.
+
+    `ds[i]` is {"key", "image" (H, W, 3) uint8, "caption", "meta"}; each read fetches the sample's
+    bytes by range (one read when its members are adjacent, as in every webdataset writer's output)
+    and checks the tar headers around them against the index.
+    """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        index_path = self.directory / INDEX_NAME
-        if not index_path.exists():
-            raise FileNotFoundError(f"{index_path} is missing: run the stage that writes these shards")
-        table = pq.read_table(index_path).to_pydict()
-        keep = [i for i, s in enumerate(table["status"]) if s == "ok"]
-        self.index = {k: [v[i] for i in keep] for k, v in table.items()}
-        self._files: dict[str, object] = {}
+        self._rows, self.shards, self.status_counts = read_index(self.directory)
+        self._check_local_sizes()
+        self._reader = RangeReader([s["url"] for s in self.shards])
+        self._index_dict = None
+
+    def _check_local_sizes(self) -> None:
+        """Cheap and before any read: a local shard of another size is not the one indexed."""
+        for s in self.shards:
+            if not is_local(s["url"]) or s["size"] is None:
+                continue  # remote shards are checked on every read, by their tar headers
+            path = Path(local_path(s["url"]))
+            if not path.exists():
+                raise ShardReadError(f"{self.directory / INDEX_NAME} refers to {path}, which is missing: "
+                                     "re-run the shards stage (or restore the shards)")
+            if path.stat().st_size != s["size"]:
+                raise IndexMismatch(f"{path} is {path.stat().st_size} bytes but {self.directory / INDEX_NAME} "
+                                    f"was built from {s['size']} bytes: re-run the shards stage")
+
+    @property
+    def index(self) -> dict:
+        """The usable rows as columns of Python lists (small sets; large ones use the arrays).
+
+        Besides image_offset/image_size, each image format present gets `<ext>_offset`/`<ext>_size`
+        (-1 on rows of another format), as indexes had when every image was a png.
+        """
+        if self._index_dict is None:
+            d = read_usable_table(self.directory).to_pydict()
+            for code, ext in enumerate(self._rows.exts):
+                mine = self._rows.image_ext == code
+                for field, values in (("offset", self._rows.offsets["image"]), ("size", self._rows.sizes["image"])):
+                    d[f"{ext}_{field}"] = np.where(mine, values, -1).tolist()
+            self._index_dict = d
+        return self._index_dict
 
     def __len__(self) -> int:
-        return len(self.index["key"])
+        return len(self._rows.shard_id)
+
+    def key(self, i: int) -> str:
+        return self._rows.keys[i].as_py()
+
+    def _member_name(self, i: int, member: str) -> str:
+        ext = self._rows.exts[self._rows.image_ext[i]] if member == "image" else member
+        return f"{self.key(i)}.{ext}"
 
     def read_member(self, i: int, ext: str) -> bytes:
-        shard = self.index["shard"][i]
-        f = self._files.get(shard)
-        if f is None:
-            f = self._files[shard] = open(self.directory / shard, "rb")
-        f.seek(self.index[f"{ext}_offset"][i])
-        return f.read(self.index[f"{ext}_size"][i])
+        """Raw bytes of one member; `ext` is txt, json, or the image (any image extension, or "image")."""
+        member = ext if ext in ("txt", "json") else "image"
+        return self.read_sample(i, (member,))[member]
 
-    def image(self, i: int) -> np.ndarray:
-        """(H, W, 3) uint8."""
-        return np.asarray(Image.open(io.BytesIO(self.read_member(i, "png"))).convert("RGB"))
+    def read_sample(self, i: int, members=("image", "txt", "json")) -> dict[str, bytes]:
+        """Raw bytes of the sample's members present among `members`, in as few reads as possible."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} usable samples")
+        offsets, sizes = self._rows.offsets, self._rows.sizes
+        spans = [(m, int(offsets[m][i]), int(sizes[m][i])) for m in members if offsets[m][i] >= 0]
+        if not spans:
+            raise KeyError(f"sample {self.key(i)!r} has none of the members {members}")
+        shard = int(self._rows.shard_id[i])
+        start = min(o for _, o, _ in spans) - HEADER
+        end = max(o + s for _, o, s in spans)
+        needed = sum(s + HEADER for _, _, s in spans)
+        if end - start <= 2 * needed + 8 * HEADER:  # adjacent: one read serves all members
+            blob = self._reader.read(shard, start, end)
+            views = {m: blob[o - HEADER - start:o + s - start] for m, o, s in spans}
+        else:
+            views = {m: self._reader.read(shard, o - HEADER, o + s) for m, o, s in spans}
+        out = {}
+        for m, o, s in spans:
+            where = f"{self.shards[shard]['url']} at byte {o - HEADER}"
+            _check_header(views[m][:HEADER], self._member_name(i, m), s, where)
+            out[m] = views[m][HEADER:]
+        return out
+
+    def image(self, i: int, size: int | None = None) -> np.ndarray:
+        """(H, W, 3) uint8; with `size`, centre-cropped and resized to (size, size)."""
+        return decode_image(self.read_member(i, "image"), size)
 
     def caption(self, i: int) -> str:
         return self.read_member(i, "txt").decode("utf-8")
 
     def meta(self, i: int) -> dict:
-        return json.loads(self.read_member(i, "json"))
+        return json.loads(self.read_member(i, "json")) if self._rows.offsets["json"][i] >= 0 else {}
 
-    def load_images(self) -> np.ndarray:
+    def __getitem__(self, i: int) -> dict:
+        raw = self.read_sample(i)
+        return {"key": self.key(i), "image": decode_image(raw["image"]),
+                "caption": raw["txt"].decode("utf-8") if "txt" in raw else "",
+                "meta": json.loads(raw["json"]) if "json" in raw else {}}
+
+    def load_images(self, size: int | None = None) -> np.ndarray:
         """All images as one (N, H, W, 3) uint8 array: for the small sets this stage handles in memory."""
-        return np.stack([self.image(i) for i in range(len(self))])
+        return np.stack([self.image(i, size) for i in range(len(self))])
 
-    def close(self):
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+    def close(self) -> None:
+        self._reader.close()
+
+    def __getstate__(self):  # worker processes reopen their own handles
+        state = self.__dict__.copy()
+        state["_index_dict"] = None
+        return state

@@ -1,17 +1,29 @@
-"""The `shards` stage: the private-train and held-out eval splits as webdataset shards.
+"""The `shards` stage: the private-train and held-out eval splits as webdataset shards + indexes.
 
-The default source is scikit-learn's bundled handwritten digits (no download), captioned.
+Sources (`shards.source`): `digits`, scikit-learn's bundled handwritten digits (no download),
+captioned and written here; `urls`, webdataset shards by URL or path (brace patterns; file, http(s),
+s3); `img2dataset`, an img2dataset output folder used where it is; `download`, a (url, caption)
+table downloaded into shards under `shards.cache_dir` (resumable). Shards from the last three are
+scanned once into `{private,eval}/index.parquet`, which point at them where they live.
+
+stats.json records per split the usable examples (the n that accounting uses) and every excluded
+row by reason.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from PIL import Image
 
+from pipeline.data import sources
+from pipeline.data.index import build_index
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from pipeline.io import atomic_dir, write_json
 
 OUT_DIR = "data/shards"
+SPLITS = ("private", "eval")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 CAPTION_TEMPLATES = (
     "a handwritten digit {w}",
@@ -49,23 +61,65 @@ def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[
     return np.sort(np.array(train)), np.sort(np.array(held))
 
 
-def run(params: dict, ctx) -> None:
-    cfg, seed = params["shards"], params["run"]["seed"]
+def write_digits(cfg: dict, seed: int, out: Path) -> dict:
     images, labels = load_digits_rgb(cfg["image_size"])
     train_idx, eval_idx = split_indices(labels, cfg["eval_fraction"], seed)
     rng = np.random.default_rng(seed + 1)
+    stats = {}
+    for split, idx in zip(SPLITS, (train_idx, eval_idx)):
+        with ShardWriter(out / split, prefix=split, samples_per_shard=cfg["samples_per_shard"]) as w:
+            for i in idx:
+                label = int(labels[i])
+                w.write(f"{split}-{i:06d}", encode_png(images[i]), caption_for(label, rng),
+                        {"label": label, "source_index": int(i)})
+        stats[split] = {"usable": len(idx), "rows": len(idx), "excluded": {},
+                        "shards": -(-len(idx) // cfg["samples_per_shard"]),
+                        "classes": int(len(np.unique(labels[idx])))}
+    return stats
+
+
+def resolve_source(cfg: dict) -> tuple[list[str], dict]:
+    """The shard list of a non-digits source, and what the source itself reports."""
+    source = cfg["source"]
+    if source == "urls":
+        return sources.expand_urls(cfg["urls"]), {}
+    if not cfg["path"]:
+        raise ValueError(f"shards.source={source} needs shards.path "
+                         f"({'the img2dataset output folder' if source == 'img2dataset' else 'a (url, caption) table'})")
+    if source == "img2dataset":
+        return sources.img2dataset_shards(cfg["path"])
+    dl = cfg["download"]
+    return sources.download(cfg["path"], Path(cfg["cache_dir"]) / "download", image_size=cfg["image_size"],
+                            samples_per_shard=cfg["samples_per_shard"], url_column=dl["url_column"],
+                            caption_column=dl["caption_column"], threads=dl["threads"],
+                            timeout_s=dl["timeout_s"], retries=dl["retries"])
+
+
+def run(params: dict, ctx) -> None:
+    cfg, seed = params["shards"], params["run"]["seed"]
     stats = {"source": cfg["source"]}
     with atomic_dir(OUT_DIR) as out:
-        for split, idx in (("private", train_idx), ("eval", eval_idx)):
-            with ShardWriter(out / split, prefix=split, samples_per_shard=cfg["samples_per_shard"]) as w:
-                for i in idx:
-                    label = int(labels[i])
-                    w.write(f"{split}-{i:06d}", encode_png(images[i]), caption_for(label, rng),
-                            {"label": label, "source_index": int(i)})
-            ds = ShardDataset(out / split)
+        if cfg["source"] == "digits":
+            stats.update(write_digits(cfg, seed, out))
+        else:
+            urls, source_stats = resolve_source(cfg)
+            stats.update(source_stats)
+            stats.update(build_index(urls, out, eval_fraction=cfg["eval_fraction"], seed=seed,
+                                     cache_dir=Path(cfg["cache_dir"]) / "scan",
+                                     workers=cfg["workers"] or ctx.threads, check_size=cfg["image_size"]))
+        for split in SPLITS:
             # n for accounting = usable examples, counted from the index that training reads.
-            stats[split] = {"usable": len(ds), "written": len(idx), "skipped": len(idx) - len(ds),
-                            "shards": len(set(ds.index["shard"])), "classes": int(len(np.unique(labels[idx])))}
+            n = len(ShardDataset(out / split))
+            if n != stats[split]["usable"]:
+                raise RuntimeError(f"{split} index holds {n} usable examples, the stage counted {stats[split]['usable']}")
+        if stats["private"]["usable"] == 0:
+            raise ValueError("no usable private examples: every sample was excluded (see the reasons printed above)")
         write_json(out / "stats.json", stats)
-    ctx.tracker.log_metrics({f"{s}_usable": stats[s]["usable"] for s in ("private", "eval")})
-    print(f"shards: {stats['private']['usable']} private-train and {stats['eval']['usable']} eval samples in {OUT_DIR}/")
+    ctx.tracker.log_metrics({f"{s}_usable": stats[s]["usable"] for s in SPLITS}
+                            | {f"{s}_excluded": sum(stats[s]["excluded"].values()) for s in SPLITS})
+    excluded = {}
+    for s in SPLITS:
+        for reason, count in stats[s]["excluded"].items():
+            excluded[reason] = excluded.get(reason, 0) + count
+    print(f"shards: {stats['private']['usable']} private-train and {stats['eval']['usable']} eval samples in {OUT_DIR}/"
+          + (f"; excluded {excluded}" if excluded else ""))

@@ -1,58 +1,201 @@
 """The `synthetic` stage: Shaders21k-style procedural images into shards, a contact sheet and stats.
 
-Each shard's images are a pure function of (seed, program, frame), rendered in worker processes and
-written in order by this process, so the bytes do not depend on the worker count.
+Shard i holds items [i·S, (i+1)·S) of the list (program, frame) in program-major order; its bytes are
+a pure function of (seed, synthetic params, i). Workers render and write whole shards into a staging
+directory under .dpfm/state/, each followed by a record of its size and sha256 (the manifest). A crashed
+or killed run keeps its finished shards there and a re-run renders only the missing ones. The output
+is then assembled in one atomic step, so it is byte-identical whatever the worker count and whether or
+not the run was interrupted.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
+import hashlib
+import math
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 from tqdm import tqdm
 
 from pipeline.data import synthetic
-from pipeline.data.shards import ShardWriter, encode_png
-from pipeline.io import atomic_dir, write_json
+from pipeline.data.index import INDEX_NAME, SCHEMA, index_writer
+from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from pipeline.io import atomic_dir, read_json, write_json
+from pipeline.train import state_dir
 
 OUT_DIR = "data/synthetic"
+PREFIX = "synthetic"
+MANIFEST = "manifest.json"   # every shard's size and sha256
+STATS_SAMPLE = 1024          # images the quality figures are computed on (a seeded random sample)
+SHEET_IMAGES = 64            # images on the contact sheet (the first of that sample)
+NEAR_CONSTANT_TARGET = 0.01  # at most this fraction of flat, useless frames
 
 
-def _render_chunk(args) -> np.ndarray:
-    items, resolution, seed, mix_k, mix_alpha, mix_pool = args
+def total_images(cfg: dict) -> int:
+    return cfg["num_programs"] * cfg["frames_per_program"]
+
+
+def num_shards(cfg: dict) -> int:
+    return math.ceil(total_images(cfg) / cfg["samples_per_shard"])
+
+
+def shard_name(shard: int) -> str:
+    return f"{PREFIX}-{shard:06d}.tar"
+
+
+def shard_items(cfg: dict, shard: int) -> list[tuple[int, int]]:
+    """The (program, frame) items of one shard."""
+    start = shard * cfg["samples_per_shard"]
+    stop = min(start + cfg["samples_per_shard"], total_images(cfg))
+    return [divmod(g, cfg["frames_per_program"]) for g in range(start, stop)]
+
+
+def staging_dir(cfg: dict, seed: int) -> Path:
+    """Keyed by everything that decides the bytes (seed, params but the worker count, generator code),
+    so shards left by another config or an older generator are never reused."""
+    code = hashlib.sha256(Path(synthetic.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()
+    return state_dir("synthetic", {"seed": seed, "code": code,
+                                   "synthetic": {k: v for k, v in cfg.items() if k != "workers"}})
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_shard(staging: Path, shard: int, cfg: dict, seed: int) -> dict:
+    """Render one shard, write it through ShardWriter, then record its size and sha256. The record is
+    written last, so a shard counts as done only once its tar is whole."""
+    items = shard_items(cfg, shard)
+    images = synthetic.render_items(items, cfg["resolution"], base_seed=seed, mix_k=cfg["mix_k"],
+                                    mix_alpha=cfg["mix_alpha"], mix_pool=cfg["num_programs"]).numpy()
+    name = shard_name(shard)
+    with tempfile.TemporaryDirectory(dir=staging, prefix=f".{name}.") as tmp:
+        with ShardWriter(tmp, prefix=PREFIX, samples_per_shard=len(items)) as writer:
+            for (program, frame), image in zip(items, images):
+                writer.write(f"p{program:06d}-f{frame:03d}", encode_png(image),
+                             synthetic.describe_program(program, seed), {"program": program, "frame": frame})
+        [written] = writer.shards  # numbered from 0 by the writer: renamed to its place in the set
+        os.replace(Path(tmp) / written["url"], staging / name)
+    record = {"index": shard, "shard": name, "images": len(items), "size": (staging / name).stat().st_size,
+              "sha256": file_sha256(staging / name)}
+    write_json(staging / f"{name}.json",
+               {**record, "rows": [{**row, "shard": name, "shard_id": shard} for row in writer.rows]})
+    return record  # the index rows stay on disk: at 1M images they would not fit comfortably in memory
+
+
+def completed_shards(staging: Path, cfg: dict) -> dict[int, dict]:
+    """Shards a previous run finished whose tar still matches its recorded size and sha256."""
+    done = {}
+    for shard in range(num_shards(cfg)):
+        name = shard_name(shard)
+        tar, rec = staging / name, staging / f"{name}.json"
+        if not rec.exists():
+            continue
+        record = read_json(rec)
+        if tar.exists() and tar.stat().st_size == record["size"] and file_sha256(tar) == record["sha256"]:
+            done[shard] = {k: v for k, v in record.items() if k != "rows"}
+        else:
+            print(f"synthetic: staged {name} does not match its record; rendering it again")
+    return done
+
+
+def _one_thread() -> None:
     import torch
 
     torch.set_num_threads(1)  # one core per worker process
-    return synthetic.render_items(items, resolution, base_seed=seed, mix_k=mix_k, mix_alpha=mix_alpha,
-                                  mix_pool=mix_pool).numpy()
+
+
+def build_shards(staging: Path, todo: list[int], cfg: dict, seed: int, workers: int):
+    """Yield each shard's record as it completes (in any order)."""
+    if workers <= 1:
+        for shard in todo:
+            yield build_shard(staging, shard, cfg, seed)
+        return
+    # forkserver: workers start from a clean process, not a fork of one whose OpenMP pool is running.
+    mp = multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload([__name__])
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp, initializer=_one_thread)
+    try:
+        futures = [pool.submit(build_shard, staging, shard, cfg, seed) for shard in todo]
+        for future in as_completed(futures):
+            yield future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on error: finish running shards, drop the rest
+
+
+def quality_sample(out: Path, n: int, seed: int) -> np.ndarray:
+    """A seeded random sample of the written images: the same whatever the worker count."""
+    picks = np.random.default_rng(seed).choice(n, size=min(n, STATS_SAMPLE), replace=False)
+    ds = ShardDataset(out)
+    try:
+        return np.stack([ds.image(int(i)) for i in picks])
+    finally:
+        ds.close()
+
+
+def assemble(out: Path, staging: Path, records: list[dict]) -> None:
+    """Shards (hard links to the staged tars where the filesystem allows), index and manifest."""
+    for record in records:
+        src, dst = staging / record["shard"], out / record["shard"]
+        try:
+            os.link(src, dst)
+        except OSError:  # another filesystem: copy
+            shutil.copyfile(src, dst)
+    with index_writer(out / INDEX_NAME, [{"url": r["shard"], "size": r["size"]} for r in records]) as write:
+        for record in records:
+            write(pa.Table.from_pylist(read_json(staging / f"{record['shard']}.json")["rows"], schema=SCHEMA))
+    fields = ("shard", "images", "size", "sha256")
+    write_json(out / MANIFEST, {"shards": [{k: r[k] for k in fields} for r in records]})
 
 
 def run(params: dict, ctx) -> None:
     cfg, seed = params["synthetic"], params["run"]["seed"]
-    items = [(p, f) for p in range(cfg["num_programs"]) for f in range(cfg["frames_per_program"])]
-    chunk = cfg["samples_per_shard"]
-    jobs = [(items[i:i + chunk], cfg["resolution"], seed, cfg["mix_k"], cfg["mix_alpha"], cfg["num_programs"])
-            for i in range(0, len(items), chunk)]
-    workers = cfg["workers"] or ctx.threads
-    sample = []  # a small fixed-size sample of images for the quality figures and the contact sheet
-    with atomic_dir(OUT_DIR) as out, ShardWriter(out, prefix="synthetic", samples_per_shard=chunk) as writer, \
-            ProcessPoolExecutor(max_workers=workers) as pool, \
-            tqdm(total=len(items), desc="synthetic", unit="img") as bar:
-        for job, images in zip(jobs, pool.map(_render_chunk, jobs)):
-            for (program, frame), image in zip(job[0], images):
-                caption = synthetic.describe_program(program, seed)
-                writer.write(f"p{program:06d}-f{frame:03d}", encode_png(image), caption,
-                             {"program": program, "frame": frame})
-            sample.extend(images[: max(1, 256 // len(jobs))])
-            bar.update(len(job[0]))
-        sample = np.stack(sample[:256])
-        stats = {"images": len(items), "programs": cfg["num_programs"], "resolution": cfg["resolution"],
-                 "near_constant_fraction": float(synthetic.near_constant_fraction(sample)),
-                 "diversity": float(synthetic.diversity(sample))}
-        rng = np.random.default_rng(seed)
-        synthetic.contact_sheet(sample[rng.permutation(len(sample))[:64]], out / "contact_sheet.png")
+    n, shards = total_images(cfg), num_shards(cfg)
+    staging = staging_dir(cfg, seed)
+    staging.mkdir(parents=True, exist_ok=True)
+    done = completed_shards(staging, cfg)
+    todo = [s for s in range(shards) if s not in done]
+    workers = max(1, min(cfg["workers"] or ctx.threads, len(todo)))
+    if done:
+        print(f"synthetic: resuming, {len(done)} of {shards} shards already rendered in {staging}")
+    start, rendered = time.time(), 0
+    with tqdm(total=n, initial=sum(r["images"] for r in done.values()), desc="synthetic", unit="img") as bar:
+        for record in build_shards(staging, todo, cfg, seed, workers):
+            done[record["index"]] = record
+            rendered += record["images"]
+            bar.update(record["images"])
+    images_per_s = rendered / max(time.time() - start, 1e-9)
+
+    with atomic_dir(OUT_DIR) as out:
+        assemble(out, staging, [done[s] for s in range(shards)])
+        sample = quality_sample(out, n, seed)
+        synthetic.contact_sheet(sample[:SHEET_IMAGES], out / "contact_sheet.png")
+        stats = {"images": n, "programs": cfg["num_programs"], "frames_per_program": cfg["frames_per_program"],
+                 "resolution": cfg["resolution"], "shards": shards, "quality_sample": len(sample),
+                 "near_constant_fraction": synthetic.near_constant_fraction(sample),
+                 "near_constant_target": NEAR_CONSTANT_TARGET, "diversity": synthetic.diversity(sample)}
         write_json(out / "stats.json", stats)
-    ctx.tracker.log_metrics({k: stats[k] for k in ("images", "near_constant_fraction", "diversity")})
+    shutil.rmtree(staging, ignore_errors=True)  # the output now holds every shard
+
+    ctx.tracker.log_metrics({"images": n, "shards_resumed": shards - len(todo),
+                             "near_constant_fraction": stats["near_constant_fraction"],
+                             "diversity": stats["diversity"],
+                             **({"images_per_s": images_per_s} if rendered else {})})
     ctx.tracker.log_artifact(f"{OUT_DIR}/contact_sheet.png")
-    print(f"synthetic: {len(items)} images, near-constant {stats['near_constant_fraction']:.3f}, "
-          f"diversity {stats['diversity']:.3f}")
+    ctx.tracker.log_artifact(f"{OUT_DIR}/stats.json")
+    if stats["near_constant_fraction"] > NEAR_CONSTANT_TARGET:
+        print(f"synthetic: WARNING {stats['near_constant_fraction']:.3f} of sampled images are near-constant "
+              f"(target ≤ {NEAR_CONSTANT_TARGET})")
+    print(f"synthetic: {n} images in {shards} shards ({rendered} rendered now), near-constant "
+          f"{stats['near_constant_fraction']:.3f}, diversity {stats['diversity']:.3f}")

@@ -1,13 +1,45 @@
-"""Image tensors for the models. Normalisation uses fixed public constants (ImageNet's), never
-statistics of the private data: those would leave the DP boundary unaccounted."""
+"""Decoding and transforms: encoded image bytes -> model-resolution pixels -> normalised tensors.
+
+Normalisation uses fixed public constants (ImageNet's), never statistics of the private data: those
+would leave the DP boundary unaccounted. The resize is a deterministic centre crop, so the same
+example always gives the same pixels (no data-dependent augmentation policy either).
+"""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import torch
+from PIL import Image
 
 MEAN = torch.tensor([0.485, 0.456, 0.406])
 STD = torch.tensor([0.229, 0.224, 0.225])
+
+
+def decode_image(data: bytes, size: int | None = None) -> np.ndarray:
+    """Encoded image -> (H, W, 3) uint8; with `size`, the centred square scaled to (size, size).
+
+    Raises on undecodable or truncated bytes (Pillow's LOAD_TRUNCATED_IMAGES stays off), so the
+    scan that builds the index and the loader that trains agree on what is usable.
+    """
+    with Image.open(io.BytesIO(data)) as im:
+        if size:
+            im.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale still >= size
+        rgb = im.convert("RGB")
+    if size and rgb.size != (size, size):
+        w, h = rgb.size
+        s = min(w, h)
+        left, top = (w - s) // 2, (h - s) // 2
+        # Crop first: resize(box=...) would blend in pixels from outside the square at its edges.
+        rgb = rgb.crop((left, top, left + s, top + s)).resize((size, size), Image.BICUBIC, reducing_gap=3.0)
+    return np.asarray(rgb)
+
+
+def encode_jpeg(image: np.ndarray, quality: int = 95) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
 
 
 def to_tensor(images_uint8: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -15,3 +47,8 @@ def to_tensor(images_uint8: np.ndarray | torch.Tensor) -> torch.Tensor:
     x = torch.as_tensor(images_uint8).float().div_(255.0)
     x = (x - MEAN) / STD
     return x.permute(0, 3, 1, 2).contiguous()
+
+
+def tokenize(tokenizer, captions: list[str], max_len: int) -> torch.Tensor:
+    """Captions -> (N, max_len) token ids with the tokenizer stage's model (trained on public text)."""
+    return tokenizer.encode(list(captions), max_len)

@@ -59,7 +59,7 @@ class CLIP(nn.Module):
         """Scaled cosine similarities, (B, B): row i = image i against every caption."""
         img, txt = self.encode_image(imgs), self.encode_text(tokens)
         # The (B,) broadcast of the log temperature keeps the leaf-module contract; clamp as CLIP.
-        scale = self.logit_scale(img.shape[0]).clamp(max=math.log(100.0)).exp()
+        scale = self.logit_scale(img).clamp(max=math.log(100.0)).exp()
         return scale.unsqueeze(1) * img @ txt.t()
 
     def forward(self, imgs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

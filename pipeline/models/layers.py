@@ -22,7 +22,7 @@ import torch.nn.functional as F
 class BroadcastParameter(nn.Module):
     """A leaf module owning exactly one parameter, returned broadcast over the batch.
 
-    ``forward(batch_size)`` returns a view of shape ``(batch_size, *shape)``; callers expand it
+    ``forward(like)`` returns a view of shape ``(like.shape[0], *shape)``; callers expand it
     further (e.g. one mask token to many positions) *outside* the module, so autograd sums
     those copies before the gradient reaches this module's output.
     """
@@ -39,7 +39,12 @@ class BroadcastParameter(nn.Module):
         else:
             nn.init.constant_(self.weight, self.init_value)
 
-    def forward(self, batch_size: int) -> torch.Tensor:
+    def forward(self, like: torch.Tensor | int) -> torch.Tensor:
+        """The parameter broadcast over the batch of `like` (a tensor whose first dim is the batch).
+
+        A tensor rather than a bare int so that hook-based engines (ours, Opacus) see an ordinary
+        batched input."""
+        batch_size = like if isinstance(like, int) else like.shape[0]
         return self.weight.unsqueeze(0).expand(batch_size, *self.weight.shape)
 
     def extra_repr(self) -> str:
@@ -47,21 +52,21 @@ class BroadcastParameter(nn.Module):
 
 
 class ClassToken(BroadcastParameter):
-    """Learned [cls] token of the ViT: forward(B) -> (B, 1, dim)."""
+    """Learned [cls] token of the ViT: forward(x) -> (x.shape[0], 1, dim)."""
 
     def __init__(self, dim: int):
         super().__init__(1, dim)
 
 
 class MaskToken(BroadcastParameter):
-    """Learned MAE mask token: forward(B) -> (B, 1, dim)."""
+    """Learned MAE mask token: forward(x) -> (x.shape[0], 1, dim)."""
 
     def __init__(self, dim: int):
         super().__init__(1, dim)
 
 
 class LogitScale(BroadcastParameter):
-    """CLIP's learned log inverse temperature: forward(B) -> (B,), initialised to log(1/0.07)."""
+    """CLIP's learned log inverse temperature: forward(x) -> (x.shape[0],), initialised to log(1/0.07)."""
 
     def __init__(self, init_temperature: float = 0.07):
         super().__init__(init_value=math.log(1.0 / init_temperature))

@@ -50,7 +50,7 @@ class MaskedAutoencoder(nn.Module):
         x = self.decoder_embed(x)
         B, L = ids_restore.shape
         # Append one mask token per removed patch, then unshuffle to the original patch order.
-        mask_tokens = self.mask_token(B).expand(B, L + 1 - x.shape[1], x.shape[2])
+        mask_tokens = self.mask_token(x).expand(B, L + 1 - x.shape[1], x.shape[2])
         x_ = torch.cat([x[:, 1:, :], mask_tokens], dim=1)
         x_ = torch.gather(x_, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[2]))
         x = torch.cat([x[:, :1, :], x_], dim=1) + self.decoder_pos_embed

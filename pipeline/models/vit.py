@@ -114,7 +114,7 @@ class VisionTransformer(nn.Module):
         else:
             mask = x.new_zeros(B, L)
             ids_restore = torch.arange(L, device=x.device).unsqueeze(0).expand(B, L)
-        cls = self.cls_token(B) + self.pos_embed[:, :1, :]
+        cls = self.cls_token(x) + self.pos_embed[:, :1, :]
         x = torch.cat([cls, x], dim=1)
         for blk in self.blocks:
             x = blk(x)

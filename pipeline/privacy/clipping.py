@@ -64,6 +64,7 @@ class BookKeepingClipper:
     def __init__(self, model: nn.Module, clip_norm: float, ghost: bool | None = None):
         """`ghost`: None picks per layer by cost; True/False force ghost norms on/off (for tests)."""
         self.model, self.clip_norm, self.ghost = model, clip_norm, ghost
+        self.loss_scale = 1.0  # fp16 training multiplies the loss so small gradients do not underflow
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         owned = {id(p) for m in model.modules() if isinstance(m, SUPPORTED) for p in m.parameters(recurse=False)}
         foreign = [n for n, p in self.params.items() if id(p) not in owned]
@@ -182,8 +183,10 @@ class BookKeepingClipper:
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
         with self._capture():
             losses = self.model(*batch)
-            losses.float().sum().backward()
+            (losses.float().sum() * self.loss_scale).backward()
         records = [r for r in self._records if r.grad is not None]  # a call that did not reach the loss
+        for r in records:
+            r.grad = r.grad.float() / self.loss_scale
         calls: dict[int, list[_Record]] = {}
         for r in records:
             calls.setdefault(id(r.module), []).append(r)
@@ -283,3 +286,24 @@ class PerBatchClipper:
         for (n, _), g in zip(named, grads):
             self.sum[n] += scale * g.float()
         return ClipStats([float(norm)])
+
+
+class PlainSum:
+    """Σ_i ∇loss_i with no clipping: the non-private baseline of the same recipe (never for DP runs)."""
+
+    mode = "per_sample"
+
+    def __init__(self, model: torch.nn.Module, clip_norm: float = float("inf")):
+        self.model = model
+        self.sum = None
+
+    def reset(self) -> None:
+        self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.model.named_parameters()
+                    if p.requires_grad}
+
+    def accumulate(self, *batch: torch.Tensor) -> ClipStats:
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        grads = torch.autograd.grad(self.model(*batch).float().sum(), [p for _, p in named])
+        for (n, _), g in zip(named, grads):
+            self.sum[n] += g.float()
+        return ClipStats([])

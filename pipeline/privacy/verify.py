@@ -1,10 +1,16 @@
 """The `verify` stage: recompute ε from the ledger with independent accountants and check that the
-run is the mechanism that was accounted. Any failed check exits non-zero, so nothing downstream
-publishes an unverified model as private."""
+run is the mechanism that was accounted, and the one params.yaml asked for. Any failed check exits
+non-zero and leaves no verification.json, so nothing downstream publishes an unverified model as private.
+
+Each check guards against one way the ledger, the checkpoint or the training code can be wrong, and
+reads only what that check needs, so a failure names its cause (tests/test_verify.py doctors a valid
+ledger in each of these ways).
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from pathlib import Path
 
 import torch
@@ -17,10 +23,50 @@ from pipeline.privacy.engine import SENSITIVITY
 
 DP_DIR, OUT = "models/dp", "results/privacy/verification.json"
 FAILED_OUT = "results/privacy/verification-failed.json"
+CURVE_POINTS = 40  # ε-against-step points written for the report and MLflow
+
+# What the ledger must hold, and what each value must be, for any check to be meaningful.
+_POSITIVE = ("sigma", "clip_norm", "sensitivity", "noise_std", "target_epsilon")
+_LEDGER_KEYS = ("n", "delta", "sample_rate", "steps", "batch_sizes", "sampler", "objective", "accountant",
+                "epsilon") + _POSITIVE
+
+
+def ledger_problems(ledger: dict) -> list[str]:
+    """Why this ledger cannot be checked at all (missing or nonsensical fields); empty if it can."""
+    missing = [k for k in _LEDGER_KEYS if k not in ledger]
+    if missing:
+        return [f"missing {', '.join(missing)}"]
+
+    def real(x):
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+    problems = [f"{k}={ledger[k]!r} must be a finite number > 0" for k in _POSITIVE
+                if not (real(ledger[k]) and ledger[k] > 0)]
+    n = ledger["n"]
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        problems.append(f"n={n!r} must be a positive integer")
+    if not (real(ledger["sample_rate"]) and 0 < ledger["sample_rate"] <= 1):
+        problems.append(f"sample_rate={ledger['sample_rate']!r} must be in (0, 1]")
+    if not (real(ledger["delta"]) and 0 < ledger["delta"] < 1):
+        problems.append(f"delta={ledger['delta']!r} must be in (0, 1)")
+    if not real(ledger["epsilon"]):
+        problems.append(f"epsilon={ledger['epsilon']!r} must be a finite number")
+    if ledger["accountant"] not in accounting.ACCOUNTANTS:
+        problems.append(f"accountant={ledger['accountant']!r} must be one of {', '.join(accounting.ACCOUNTANTS)}")
+    sizes = ledger["batch_sizes"]
+    if not isinstance(sizes, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in sizes):
+        problems.append("batch_sizes must be a list of integers")
+    elif isinstance(n, int) and any(not 0 <= b <= n for b in sizes):
+        problems.append(f"batch_sizes must lie in [0, n={n}]")
+    return problems
 
 
 def batch_size_tests(batch_sizes: list[int], n: int, q: float) -> dict:
-    """Two-sided p-values that the realised sizes are Binomial(n, q): their mean and their spread."""
+    """Two-sided p-values that the realised sizes are Binomial(n, q): their mean and their spread.
+
+    The spread test is what tells Poisson sampling from a fixed-size sampler with the same mean
+    (whose sizes do not vary at all): Σ (b - nq)² / (nq(1-q)) is about χ² with one degree of freedom
+    per step under Binomial sizes, and far below it for fixed ones."""
     t = len(batch_sizes)
     mean, var = n * q, n * q * (1 - q)
     if t == 0 or var == 0:
@@ -31,35 +77,77 @@ def batch_size_tests(batch_sizes: list[int], n: int, q: float) -> dict:
     return {"p_mean": float(2 * sstats.norm.sf(abs(z))), "p_dispersion": float(2 * min(cdf, 1 - cdf))}
 
 
-def verify(ledger: dict, optimizer_steps: int, accountants: list[str], alpha: float) -> dict:
+def batch_sizes_pass(p_values: dict, alpha: float) -> bool:
+    """Both tests at α/2 (Bonferroni): a genuine Poisson run fails with probability ≤ α."""
+    return min(p_values.values()) >= alpha / 2
+
+
+def curve_steps(steps: int, points: int = CURVE_POINTS) -> list[int]:
+    """Step counts at which the ε curve is evaluated: evenly spread, always ending at `steps`."""
+    return sorted({max(1, round(steps * i / points)) for i in range(1, points + 1)}) if steps else []
+
+
+def epsilon_curves(multiplier: float, q: float, steps: int, delta: float, accountants: list[str]) -> dict:
+    """ε after each step count, one list per accountant, for the report and MLflow."""
+    grid = curve_steps(steps)
+    return {"steps": grid, **{a: accounting.epsilon_curve(multiplier, q, grid, delta, accountant=a)
+                              for a in accountants}}
+
+
+def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str], alpha: float) -> dict:
+    """Run every check on a ledger and the optimizer's own step count. `dp` is the params.yaml
+    section the run was asked to follow. Raises VerificationFailed if the ledger is unreadable."""
+    problems = ledger_problems(ledger)
+    if not (isinstance(optimizer_steps, int) and not isinstance(optimizer_steps, bool)):
+        problems.append(f"checkpoint optimizer_steps={optimizer_steps!r} must be an integer")
+    if problems:
+        raise VerificationFailed("the ledger cannot be verified: " + "; ".join(problems))
     checks = []
 
     def check(name: str, passed: bool, detail: str) -> None:
         checks.append({"name": name, "passed": bool(passed), "detail": detail})
 
+    n, q, delta = ledger["n"], ledger["sample_rate"], ledger["delta"]
     steps = len(ledger["batch_sizes"])
     check("ledger_steps_match_optimizer", steps == ledger["steps"] == optimizer_steps,
           f"ledger records {steps} steps (header says {ledger['steps']}), the optimizer applied {optimizer_steps}")
     check("sampler_is_poisson", ledger["sampler"] == "poisson", f"sampler: {ledger['sampler']}")
-    expected_k = SENSITIVITY["per_batch" if ledger["objective"] == "clip" else "per_sample"]
-    check("sensitivity_matches_objective", ledger["sensitivity"] == expected_k,
+    kind = {"clip": "per_batch", "mae": "per_sample", "caption": "per_sample"}.get(ledger["objective"])
+    expected_k = SENSITIVITY[kind] if kind else None
+    check("sensitivity_matches_objective", expected_k is not None and ledger["sensitivity"] == expected_k,
           f"objective {ledger['objective']} needs sensitivity {expected_k}·C, ledger says {ledger['sensitivity']}·C")
     want_std = ledger["sigma"] * ledger["sensitivity"] * ledger["clip_norm"]
     check("noise_matches_sigma", math.isclose(ledger["noise_std"], want_std, rel_tol=1e-9),
           f"noise std {ledger['noise_std']} vs σ·K·C = {want_std}")
-    sizes = batch_size_tests(ledger["batch_sizes"], ledger["n"], ledger["sample_rate"])
-    check("batch_sizes_binomial", min(sizes.values()) >= alpha,
-          f"p-values {sizes} against Binomial(n={ledger['n']}, q={ledger['sample_rate']:.5g}) at α={alpha}")
+    sizes = batch_size_tests(ledger["batch_sizes"], n, q)
+    check("batch_sizes_binomial", batch_sizes_pass(sizes, alpha),
+          f"p-values {sizes} against Binomial(n={n}, q={q:.5g}), each needs ≥ α/2 = {alpha / 2:g}")
+    check("delta_below_1_over_n", delta < 1 / n,
+          f"δ={delta:.3g} must be below 1/n = {1 / n:.3g}: a larger δ allows publishing whole records")
+    want_delta = accounting.parse_delta(dp["delta"], n)
+    asked = {"objective": (ledger["objective"], dp["objective"]), "clip_norm": (ledger["clip_norm"], dp["clip_norm"]),
+             "target_epsilon": (ledger["target_epsilon"], dp["epsilon"]), "delta": (delta, want_delta),
+             "expected_batch_size": (q * n, dp["expected_batch_size"]),
+             "accountant": (ledger["accountant"], dp["accountant"])}
+    if dp["sigma"] is not None:  # otherwise σ was calibrated from the target
+        asked["sigma"] = (ledger["sigma"], dp["sigma"])
+    differ = {k: v for k, v in asked.items()
+              if not (v[0] == v[1] if isinstance(v[1], str) else math.isclose(v[0], v[1], rel_tol=1e-9))}
+    check("ledger_matches_params", not differ,
+          "ledger agrees with params.yaml dp" if not differ else
+          "ledger vs params.yaml dp (run verify with the params dp-train ran with): "
+          + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items()))
 
     # Noise multiplier relative to the sensitivity, recovered from the recorded noise itself.
     multiplier = ledger["noise_std"] / (ledger["sensitivity"] * ledger["clip_norm"])
-    eps = {a: accounting.epsilon(multiplier, ledger["sample_rate"], steps, ledger["delta"], accountant=a)
-           for a in accountants}
-    claimed = ledger["epsilon"]
     main = ledger["accountant"]
-    main_eps = eps.get(main) or accounting.epsilon(multiplier, ledger["sample_rate"], steps, ledger["delta"], accountant=main)
-    check("epsilon_within_target", main_eps <= ledger["target_epsilon"] * (1 + 1e-9),
-          f"ε={main_eps:.4f} ({main}) vs target {ledger['target_epsilon']}")
+    eps = {a: accounting.epsilon(multiplier, q, steps, delta, accountant=a) for a in dict.fromkeys(accountants + [main])}
+    main_eps = eps[main]
+    eps = {a: eps[a] for a in accountants}
+    target = dp["epsilon"]  # what the user asked for, not what the ledger says it was asked
+    check("epsilon_within_target", main_eps <= target * (1 + 1e-9),
+          f"ε={main_eps:.4f} ({main}) vs target {target} (params.yaml dp.epsilon)")
+    claimed = ledger["epsilon"]
     check("claimed_epsilon_reproduced", math.isclose(claimed, main_eps, rel_tol=1e-3),
           f"training claimed ε={claimed:.4f}, recomputed {main_eps:.4f} ({main})")
     if "pld" in eps and "rdp" in eps:
@@ -67,18 +155,36 @@ def verify(ledger: dict, optimizer_steps: int, accountants: list[str], alpha: fl
         check("accountants_agree", eps["pld"] <= eps["rdp"] * 1.01,
               f"PLD ε={eps['pld']:.4f} must not exceed RDP ε={eps['rdp']:.4f}")
     return {"passed": all(c["passed"] for c in checks), "checks": checks, "epsilon": eps,
-            "epsilon_reported": main_eps, "accountant": main, "delta": ledger["delta"], "steps": steps,
-            "sigma": ledger["sigma"], "sample_rate": ledger["sample_rate"], "n": ledger["n"]}
+            "epsilon_reported": main_eps, "accountant": main, "delta": delta, "steps": steps,
+            "sigma": ledger["sigma"], "noise_multiplier": multiplier, "sample_rate": q, "n": n,
+            "batch_size_p_values": sizes,
+            "epsilon_curve": epsilon_curves(multiplier, q, steps, delta, accountants)}
+
+
+def load_run(dp_dir: str | Path = DP_DIR) -> tuple[dict, int]:
+    """The ledger and the optimizer's own count of applied updates from the dp-train outputs."""
+    dp_dir = Path(dp_dir)
+    for name in ("ledger.json", "checkpoint.pt"):
+        if not (dp_dir / name).is_file():
+            raise VerificationFailed(f"{dp_dir / name} is missing: run dp-train first")
+    ckpt = torch.load(dp_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or "optimizer_steps" not in ckpt:
+        raise VerificationFailed(f"{dp_dir / 'checkpoint.pt'} has no optimizer_steps: it was not written by dp-train")
+    return read_json(dp_dir / "ledger.json"), ckpt["optimizer_steps"]
 
 
 def run(params: dict, ctx) -> None:
-    ledger = read_json(f"{DP_DIR}/ledger.json")
-    ckpt = torch.load(f"{DP_DIR}/checkpoint.pt", map_location="cpu", weights_only=False)
-    result = verify(ledger, ckpt["optimizer_steps"], params["verify"]["accountants"],
+    # A pass from an earlier run must never outlive a failed (or crashed) re-check.
+    Path(OUT).unlink(missing_ok=True)
+    ledger, optimizer_steps = load_run()
+    result = verify(ledger, optimizer_steps, params["dp"], params["verify"]["accountants"],
                     params["verify"]["batch_size_alpha"])
     for c in result["checks"]:
         print(f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")
     ctx.tracker.log_metrics({f"epsilon_{a}": e for a, e in result["epsilon"].items()})
+    curve = result["epsilon_curve"]
+    for a in result["epsilon"]:
+        ctx.tracker.log_series(f"epsilon_curve_{a}", curve[a], curve["steps"])
     ctx.tracker.set_tags({"dpfm.verified": str(result["passed"]).lower()})
     if not result["passed"]:
         write_json(FAILED_OUT, result)

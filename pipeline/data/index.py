@@ -1,0 +1,400 @@
+"""The random-access sample index (`index.parquet`) and the scan that builds it from tar shards.
+
+One row per sample: its key, shard, the byte offset and size of each member's data (image, txt,
+json; -1 when absent), the caption length and a status. Only `ok` rows are usable; every other
+status is a reason the sample was excluded, counted in stats.json, so the n that accounting uses
+is exactly the number of examples training can read.
+
+The parquet metadata lists the shards with their sizes, so a reader can tell that the index no
+longer matches its shards before it reads a wrong byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from pipeline.data import remote
+from pipeline.data.transforms import decode_image
+from pipeline.io import atomic_path
+
+INDEX_NAME = "index.parquet"
+META_KEY = b"dpfm.index"
+VERSION = 2
+SCAN_VERSION = 1  # bump when the scan's verdicts change, so cached scans are redone
+MEMBERS = ("image", "txt", "json")
+IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "tif", "tiff", "gif"})
+STATUSES = ("ok", "truncated", "missing_image", "corrupt_image", "missing_caption", "bad_caption",
+            "duplicate_key")
+
+SCHEMA = pa.schema([
+    ("key", pa.string()), ("shard", pa.string()), ("shard_id", pa.int32()), ("image_ext", pa.string()),
+    ("image_offset", pa.int64()), ("image_size", pa.int64()), ("txt_offset", pa.int64()), ("txt_size", pa.int64()),
+    ("json_offset", pa.int64()), ("json_size", pa.int64()), ("caption_len", pa.int32()), ("status", pa.string()),
+])
+SCAN_SCHEMA = SCHEMA.append(pa.field("key_hash", pa.uint64()))
+
+# webdataset's rule: the key is the path up to the first dot of the file name, the rest is the extension.
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+
+
+class IndexMismatch(ValueError):
+    """index.parquet does not describe the shards it points at."""
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    m = _KEY_EXT.match(name)
+    return (m.group(1), m.group(2).lower()) if m else None
+
+
+def key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+@contextmanager
+def index_writer(path: str | Path, shards: list[dict]):
+    """Stream tables into an index file written atomically; `shards` is [{"url", "size"}] by shard_id."""
+    schema = SCHEMA.with_metadata({META_KEY: json.dumps({"version": VERSION, "shards": shards})})
+    with atomic_path(path) as tmp:
+        writer = pq.ParquetWriter(tmp, schema)
+        try:
+            yield lambda table: writer.write_table(table.select(schema.names).cast(schema))
+        finally:
+            writer.close()
+
+
+def write_index(path: str | Path, rows: list[dict], shards: list[dict]) -> Path:
+    with index_writer(path, shards) as write:
+        write(pa.Table.from_pylist(rows, schema=SCHEMA))
+    return Path(path)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+@dataclass
+class UsableRows:
+    """The usable rows of an index as compact arrays: ~41 bytes per row plus the keys."""
+
+    keys: pa.Array                    # large_string
+    shard_id: np.ndarray              # int32
+    image_ext: np.ndarray             # uint8 code into `exts`
+    exts: list[str]
+    offsets: dict[str, np.ndarray]    # member -> int64 byte offset of its data, -1 when absent
+    sizes: dict[str, np.ndarray]      # member -> int32 size
+
+
+def _open(path: Path) -> tuple[dict, Iterable[pa.RecordBatch]]:
+    pf = pq.ParquetFile(path)
+    meta = json.loads((pf.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
+    if "image_offset" not in pf.schema_arrow.names:
+        table, meta = _upgrade_v1(pf.read())
+        return meta, table.to_batches()
+    return meta, pf.iter_batches(batch_size=1 << 20, columns=[c for c in SCHEMA.names if c not in ("shard", "caption_len")])
+
+
+def _index_path(directory: Path) -> Path:
+    path = directory / INDEX_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run the stage that writes these shards")
+    return path
+
+
+def read_index(directory: str | Path) -> tuple[UsableRows, list[dict], dict]:
+    """(usable rows, shards [{"url": resolved, "size"}], counts by status) of a shard directory.
+
+    Streams the file in record batches, so the peak stays near the compact result's size.
+    """
+    directory = Path(directory)
+    meta, batches = _open(_index_path(directory))
+    counts: dict[str, int] = {}
+    exts: list[str] = []
+    parts: dict[str, list] = {c: [] for c in ("key", "shard_id", "image_ext", *[f"{m}_{f}" for m in MEMBERS
+                                                                            for f in ("offset", "size")])}
+    for batch in batches:
+        for s, c in zip(*_value_counts(batch.column("status"))):
+            counts[s] = counts.get(s, 0) + c
+        batch = batch.filter(pc.equal(batch.column("status"), "ok"))
+        ext = batch.column("image_ext")
+        exts += [e for e in pc.unique(ext).to_pylist() if e not in exts]
+        parts["image_ext"].append(pc.index_in(ext, value_set=pa.array(exts, pa.string())).to_numpy().astype(np.uint8))
+        parts["key"].append(batch.column("key").cast(pa.large_string()))
+        for c in parts:
+            if c not in ("key", "image_ext"):
+                values = batch.column(c).to_numpy()
+                if c.endswith("_size") and len(values) and values.max() >= 2**31:
+                    raise ValueError(f"{directory}: a member larger than 2 GiB is not a training example")
+                parts[c].append(values.astype(np.int64 if c.endswith("_offset") else np.int32))
+    cat = {c: np.concatenate(v) if v else np.zeros(0, np.int32) for c, v in parts.items() if c != "key"}
+    rows = UsableRows(keys=pa.concat_arrays(parts["key"]) if parts["key"] else pa.array([], pa.large_string()),
+                      shard_id=cat["shard_id"], image_ext=cat["image_ext"], exts=exts,
+                      offsets={m: cat[f"{m}_offset"].astype(np.int64, copy=False) for m in MEMBERS},
+                      sizes={m: cat[f"{m}_size"] for m in MEMBERS})
+    shards = [{"url": resolve_shard(directory, s["url"]), "size": s.get("size")} for s in meta["shards"]]
+    return rows, shards, counts
+
+
+def read_usable_table(directory: str | Path) -> pa.Table:
+    """Every column of the usable rows: for small sets and inspection."""
+    table = pq.read_table(_index_path(Path(directory)))
+    if "image_offset" not in table.column_names:
+        table, _ = _upgrade_v1(table)
+    return table.filter(pc.equal(table.column("status"), "ok"))
+
+
+def resolve_shard(directory: Path, name: str) -> str:
+    """Shards written beside their index are stored by name; others by absolute path or URL."""
+    if not remote.is_local(name) or Path(remote.local_path(name)).is_absolute():
+        return name
+    return str((directory / name).resolve())
+
+
+def _upgrade_v1(table: pa.Table) -> tuple[pa.Table, dict]:
+    """Indexes written before image formats were recorded: png members, no shard sizes."""
+    names = sorted(set(table.column("shard").to_pylist()))
+    ids = {s: i for i, s in enumerate(names)}
+    cols = {c.replace("png_", "image_"): table.column(c) for c in table.column_names}
+    cols["shard_id"] = pa.array([ids[s] for s in table.column("shard").to_pylist()], pa.int32())
+    cols["image_ext"] = pa.array(["png"] * len(table), pa.string())
+    for m in ("txt", "json"):
+        for f in ("offset", "size"):
+            cols.setdefault(f"{m}_{f}", pa.array([-1] * len(table), pa.int64()))
+    return pa.table(cols).select(SCHEMA.names).cast(SCHEMA), {"shards": [{"url": s} for s in names]}
+
+
+def _value_counts(column) -> tuple[list, list]:
+    vc = pc.value_counts(column)
+    return vc.field("values").to_pylist(), vc.field("counts").to_pylist()
+
+
+# -- scanning one shard ----------------------------------------------------------------------------
+
+class _Sample:
+    __slots__ = ("key", "members", "truncated")
+
+    def __init__(self, key: str):
+        self.key, self.members, self.truncated = key, {}, False
+
+
+def _verdict(sample: _Sample, check_size: int) -> tuple[dict, str]:
+    """The row's member columns and its status: the first problem found, or ok."""
+    image_ext = next((e for e in sample.members if e in IMAGE_EXTS), None)
+    cols = {"image_ext": image_ext or ""}
+    for member, ext in (("image", image_ext), ("txt", "txt"), ("json", "json")):
+        offset, size, _ = sample.members.get(ext, (-1, -1, None))
+        cols[f"{member}_offset"], cols[f"{member}_size"] = offset, size
+    try:
+        caption = sample.members["txt"][2].decode("utf-8") if "txt" in sample.members else ""
+        bad_caption = False
+    except UnicodeDecodeError:
+        caption, bad_caption = "", True
+    cols["caption_len"] = len(caption)
+    if sample.truncated:
+        return cols, "truncated"
+    if image_ext is None:
+        return cols, "missing_image"
+    if bad_caption:
+        return cols, "bad_caption"
+    if not caption.strip():
+        return cols, "missing_caption"
+    try:
+        decode_image(sample.members[image_ext][2], check_size)
+    except Exception:  # Pillow raises many types for bad bytes; every one means "cannot train on it"
+        return cols, "corrupt_image"
+    return cols, "ok"
+
+
+def _check_end(url: str, end: int, size: int) -> str | None:
+    """A complete archive continues with two zero blocks where the scan stopped; else say why not."""
+    if size - end < 2 * tarfile.BLOCKSIZE:
+        return f"ends at byte {size} without an end-of-archive marker (truncated?)"
+    tail = remote.RangeReader([url]).read(0, end, end + 2 * tarfile.BLOCKSIZE)
+    if tail.count(0) != len(tail):
+        return f"unreadable tar header at byte {end}; the {size - end} bytes after it were not indexed (corrupt?)"
+    return None
+
+
+def scan_shard(url: str, check_size: int) -> tuple[pa.Table, dict]:
+    """Index one tar in a single sequential pass, decoding every image once to prove it usable.
+
+    Returns rows in SCAN_SCHEMA (with the key hash used to find duplicates) and the shard's info:
+    its fingerprint and, when it is damaged, a `problem` (the samples before it stay usable).
+    """
+    info = {"url": url, **remote.retry(lambda: remote.fingerprint(url))}
+    if info.get("size") is None:
+        raise remote.ShardReadError(f"{url}: the store does not report a size, which random access needs")
+    rows, problem, current = [], None, None
+
+    def finish(sample):
+        if sample is not None:
+            cols, status = _verdict(sample, check_size)
+            rows.append({"key": sample.key, "shard": url, "shard_id": -1, **cols, "status": status,
+                         "key_hash": key_hash(sample.key)})
+
+    with remote.open_stream(url) as f:
+        try:
+            tar = tarfile.open(fileobj=f, mode="r|")
+        except tarfile.ReadError as e:
+            raise remote.ShardReadError(f"{url} is not a tar archive ({e})") from None
+        try:
+            for m in tar:
+                parsed = split_member_name(m.name) if m.isfile() else None
+                if parsed is None:
+                    continue
+                key, ext = parsed
+                if current is None or current.key != key or ext in current.members:
+                    finish(current)
+                    current = _Sample(key)
+                keep = ext == "txt" or (ext in IMAGE_EXTS and not any(e in IMAGE_EXTS for e in current.members))
+                current.members[ext] = (m.offset_data, m.size, tar.extractfile(m).read() if keep else None)
+        except (tarfile.ReadError, EOFError) as e:
+            problem = f"unreadable after byte {tar.offset} ({e}; truncated?)"
+            if current is not None:
+                current.truncated = True
+        finish(current)
+        end = tar.offset
+    info["problem"] = problem or _check_end(url, end, info["size"])
+    info["samples"] = len(rows)
+    return pa.Table.from_pylist(rows, schema=SCAN_SCHEMA), info
+
+
+# -- scanning many shards, with a per-shard cache -------------------------------------------------
+
+def _piece_path(cache_dir: Path, url: str) -> Path:
+    return cache_dir / f"{hashlib.sha1(url.encode()).hexdigest()[:24]}.parquet"
+
+
+def _scan_cached(args) -> tuple[str | None, dict]:
+    """Scan one shard unless the cache holds a scan of the same bytes; (piece path, info) or (None, error)."""
+    url, cache_dir, check_size = args
+    piece = _piece_path(Path(cache_dir), url)
+    try:
+        if piece.exists():
+            cached = json.loads(pq.read_schema(piece).metadata[META_KEY])
+            current = remote.retry(lambda: remote.fingerprint(url))
+            if (cached["version"], cached["check_size"], cached["fingerprint"]) == (SCAN_VERSION, check_size, current):
+                return str(piece), cached["info"]
+        table, info = scan_shard(url, check_size)
+    except Exception as e:  # unreachable or unreadable: skipped and counted, never a crash mid-scan
+        return None, {"url": url, "error": f"{type(e).__name__}: {e}"}
+    fp = {k: v for k, v in info.items() if k not in ("url", "problem", "samples")}
+    meta = {"version": SCAN_VERSION, "check_size": check_size, "fingerprint": fp, "info": info}
+    with atomic_path(piece) as tmp:
+        pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(meta)}), tmp)
+    return str(piece), info
+
+
+def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size: int) -> list[tuple[str | None, dict]]:
+    """Scan every shard (in parallel processes), in the order given."""
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    jobs = [(u, str(cache_dir), check_size) for u in urls]
+    results, samples = [], 0
+    with tqdm(total=len(jobs), desc="scan shards", unit="shard") as bar:
+        if workers <= 1:
+            mapped = map(_scan_cached, jobs)
+        else:
+            pool = ProcessPoolExecutor(max_workers=workers)
+            mapped = pool.map(_scan_cached, jobs, chunksize=1)
+        try:
+            for piece, info in mapped:
+                results.append((piece, info))
+                samples += info.get("samples", 0)
+                bar.update(1)
+                bar.set_postfix(samples=samples, skipped=sum(p is None for p, _ in results))
+        finally:
+            if workers > 1:
+                pool.shutdown()
+    return results
+
+
+def _split_hash(hashes: np.ndarray, seed: int) -> np.ndarray:
+    """A uniform 53-bit value per key, mixed with the public seed (splitmix64's finaliser)."""
+    with np.errstate(over="ignore"):
+        x = hashes ^ np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (x ^ (x >> np.uint64(31))) >> np.uint64(11)
+
+
+def duplicate_mask(hashes: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """True for every usable row whose key hash equals an earlier usable row's (the first is kept).
+
+    64-bit hashes: a collision between different keys (~n²/2⁶⁵) only drops one more example, and
+    the n counted is still what training reads.
+    """
+    dup = np.zeros(len(hashes), dtype=bool)
+    idx = np.flatnonzero(usable)
+    order = np.argsort(hashes[idx], kind="stable")
+    ranked = hashes[idx][order]
+    dup[idx[order[1:][ranked[1:] == ranked[:-1]]]] = True
+    return dup
+
+
+def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, seed: int, cache_dir: str | Path,
+                workers: int, check_size: int) -> dict:
+    """Scan the shards, drop duplicate keys, split by key hash and write `<out>/{private,eval}/index.parquet`.
+
+    The split is a public function of (seed, key): stable when shards are added, and a key never
+    lands on both sides. Returns the stats for stats.json.
+    """
+    if not urls:
+        raise ValueError("no shards to index: the source resolved to an empty shard list")
+    urls = [remote.canonical(u) for u in urls]
+    results = scan_shards(urls, cache_dir, workers, check_size)
+    good = [(p, info) for p, info in results if p is not None]
+    skipped = [info for p, info in results if p is None]
+    for info in skipped:
+        print(f"shards: skipped {info['url']}: {info['error']}")
+    if not good:
+        raise ValueError(f"none of the {len(urls)} shards could be read; first error: {skipped[0]['error']}")
+    damaged = [{"url": i["url"], "problem": i["problem"]} for _, i in good if i.get("problem")]
+    for d in damaged:
+        print(f"shards: {d['url']} {d['problem']}")
+
+    hashes, usable = [], []
+    for piece, _ in good:
+        t = pq.read_table(piece, columns=["key_hash", "status"])
+        hashes.append(t.column("key_hash").to_numpy())
+        usable.append(pc.equal(t.column("status"), "ok").to_numpy(zero_copy_only=False))
+    hashes = np.concatenate(hashes)
+    dup = duplicate_mask(hashes, np.concatenate(usable))
+    to_eval = _split_hash(hashes, seed) < np.uint64(int(eval_fraction * 2**53))
+
+    shards = [{"url": info["url"], "size": info["size"]} for _, info in good]
+    counts = {s: dict.fromkeys(STATUSES, 0) for s in ("private", "eval")}
+    out_dir = Path(out_dir)
+    with index_writer(out_dir / "private" / INDEX_NAME, shards) as write_private, \
+            index_writer(out_dir / "eval" / INDEX_NAME, shards) as write_eval:
+        start = 0
+        for shard_id, (piece, _) in enumerate(good):
+            t = pq.read_table(piece)
+            stop = start + len(t)
+            status = pc.if_else(pa.array(dup[start:stop]), "duplicate_key", t.column("status"))
+            t = t.set_column(t.schema.get_field_index("status"), "status", status)
+            t = t.set_column(t.schema.get_field_index("shard_id"), "shard_id",
+                             pa.array(np.full(len(t), shard_id, np.int32)))
+            mask = pa.array(to_eval[start:stop])
+            for split, write, part in (("private", write_private, t.filter(pc.invert(mask))),
+                                       ("eval", write_eval, t.filter(mask))):
+                write(part)
+                for s, c in zip(*_value_counts(part.column("status"))):
+                    counts[split][s] += c
+            start = stop
+    stats = {split: {"usable": c["ok"], "rows": sum(c.values()),
+                     "excluded": {s: n for s, n in c.items() if s != "ok" and n}} for split, c in counts.items()}
+    stats["shards"] = {"listed": len(urls), "indexed": len(good), "skipped": skipped, "damaged": damaged}
+    return stats

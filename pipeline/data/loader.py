@@ -1,0 +1,79 @@
+"""Batches of model inputs for given example indices, decoded in parallel worker processes.
+
+The Poisson sampler decides *which* examples (and how many) form each batch; this only turns index
+arrays into tensors, in the order given, so the loader can never change the sampling. Each worker
+decodes whole micro-batches: reads by byte range, decodes, centre-crops to the model resolution.
+Normalisation (fixed public constants) and caption tokenisation run in the calling process.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from pipeline.data.shards import ShardDataset
+from pipeline.data.transforms import decode_image, to_tensor, tokenize
+
+
+class _Decoded(torch.utils.data.Dataset):
+    """dataset[indices] -> (indices, (B, S, S, 3) uint8, captions)."""
+
+    def __init__(self, dataset: ShardDataset, image_size: int, captions: bool):
+        self.dataset, self.image_size, self.captions = dataset, image_size, captions
+
+    def __getitem__(self, indices):
+        indices = np.asarray(indices, dtype=np.int64)
+        members = ("image", "txt") if self.captions else ("image",)
+        images = np.empty((len(indices), self.image_size, self.image_size, 3), np.uint8)
+        captions = []
+        for j, i in enumerate(indices):
+            raw = self.dataset.read_sample(int(i), members)
+            images[j] = decode_image(raw["image"], self.image_size)
+            if self.captions:
+                captions.append(raw["txt"].decode("utf-8"))
+        return indices, torch.from_numpy(images), captions
+
+
+def _as_is(batch):
+    return batch
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)  # one core per decoding process
+
+
+class BatchLoader:
+    """`loader(batches)` yields (indices, inputs) per index array, in order; inputs are
+    (images,) or, with a tokenizer, (images, tokens): what the models' forward takes."""
+
+    def __init__(self, dataset: ShardDataset, image_size: int, *, tokenizer=None, max_len: int | None = None,
+                 workers: int = 0, prefetch: int = 4):
+        if tokenizer is not None and not max_len:
+            raise ValueError("a tokenizer needs max_len (the model's caption length)")
+        self.dataset, self.image_size = dataset, image_size
+        self.tokenizer, self.max_len = tokenizer, max_len
+        self.workers, self.prefetch = workers, prefetch
+        self._decoded = _Decoded(dataset, image_size, tokenizer is not None)
+
+    def _inputs(self, images: torch.Tensor, captions: list[str]) -> tuple[torch.Tensor, ...]:
+        x = to_tensor(images)
+        return (x,) if self.tokenizer is None else (x, tokenize(self.tokenizer, captions, self.max_len))
+
+    def load(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """One batch, decoded in this process."""
+        _, images, captions = self._decoded[indices]
+        return self._inputs(images, captions)
+
+    def __call__(self, batches: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, tuple[torch.Tensor, ...]]]:
+        if self.workers == 0:
+            for b in batches:
+                yield np.asarray(b, dtype=np.int64), self.load(b)
+            return
+        # batch_size=None: each element of `batches` is one whole batch, handed to one worker.
+        loader = torch.utils.data.DataLoader(self._decoded, batch_size=None, sampler=batches,
+                                             num_workers=self.workers, prefetch_factor=self.prefetch,
+                                             worker_init_fn=_worker_init, collate_fn=_as_is)
+        for indices, images, captions in loader:
+            yield indices, self._inputs(images, captions)

@@ -1,0 +1,263 @@
+"""Where the shards come from: a list of shard URLs, an img2dataset output folder, or a table of
+(url, caption) rows downloaded into shards here. Each source resolves to a list of tar shards that
+index.py scans; only the bundled digits set (shards_stage.py) is written without a scan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+from braceexpand import braceexpand
+from tqdm import tqdm
+
+from pipeline.data import remote
+from pipeline.data.shards import TarShard
+from pipeline.data.transforms import decode_image, encode_jpeg
+from pipeline.io import read_json, write_json
+
+USER_AGENT = "dpfm-downloader/0.1"
+MAX_IMAGE_BYTES = 32 << 20
+
+
+# -- shard URL lists -------------------------------------------------------------------------------
+
+def expand_urls(patterns: list[str]) -> list[str]:
+    """Brace patterns (`.../{00000..00099}.tar`) to shard URLs; local paths made absolute.
+
+    A shard listed twice would put its examples in the data twice (and double their privacy cost),
+    so it is an error, as is an empty list.
+    """
+    urls = [remote.canonical(u) for p in patterns for u in braceexpand(p)]
+    if not urls:
+        raise ValueError("shards.urls is empty: list webdataset shard URLs or paths (brace patterns allowed)")
+    seen = set()
+    for u in urls:
+        if u in seen:
+            raise ValueError(f"shard {u} is listed twice in shards.urls: each shard must appear once")
+        seen.add(u)
+    return urls
+
+
+# -- img2dataset output folders --------------------------------------------------------------------
+
+def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
+    """The tars of an img2dataset output folder (output_format webdataset), used where they are.
+
+    img2dataset writes `<id>_stats.json` once a shard is finished; a tar without it is left over
+    from an interrupted run, so it is skipped and counted.
+    """
+    fs, root = remote.filesystem(folder)
+    if not fs.isdir(root):
+        raise ValueError(f"shards.path={folder} is not a folder (expected img2dataset output)")
+    tars = sorted(fs.glob(f"{root.rstrip('/')}/*.tar"))
+    if not tars:
+        raise ValueError(f"{folder} has no .tar shards: is it img2dataset output with output_format=webdataset?")
+    urls, incomplete = [], []
+    totals = {"count": 0, "successes": 0, "failed_to_download": 0, "failed_to_resize": 0}
+    for tar in tars:
+        stats_path = tar[:-len(".tar")] + "_stats.json"
+        url = tar if remote.is_local(folder) else fs.unstrip_protocol(tar)
+        if not fs.exists(stats_path):
+            incomplete.append(url)
+            continue
+        with fs.open(stats_path, "rb") as f:
+            shard_stats = json.load(f)
+        for k in totals:
+            totals[k] += int(shard_stats.get(k, 0) or 0)
+        urls.append(url)
+    for u in incomplete:
+        print(f"shards: skipped {u}: no _stats.json beside it (img2dataset did not finish this shard)")
+    return urls, {"img2dataset": totals, "incomplete_shards": incomplete}
+
+
+# -- downloading a (url, caption) table ------------------------------------------------------------
+
+class FetchFailed(Exception):
+    def __init__(self, reason: str, transient: bool):
+        super().__init__(reason)
+        self.reason, self.transient = reason, transient
+
+
+def read_url_table(path: str, url_column: str, caption_column: str) -> tuple[list, list]:
+    """(urls, captions) from a parquet, CSV or TSV file (local or any fsspec URL)."""
+    fs, p = remote.filesystem(path)
+    if not fs.exists(p):
+        raise ValueError(f"shards.path={path} does not exist")
+    name = p.lower().removesuffix(".gz")
+    with fs.open(p, "rb", compression="infer") as f:
+        if name.endswith(".parquet"):
+            table = pq.read_table(f)
+        elif name.endswith((".csv", ".tsv")):
+            delimiter = "\t" if name.endswith(".tsv") else ","
+            table = pcsv.read_csv(f, parse_options=pcsv.ParseOptions(delimiter=delimiter),
+                                  convert_options=pcsv.ConvertOptions(column_types={url_column: pa.string(),
+                                                                                    caption_column: pa.string()}))
+        else:
+            raise ValueError(f"shards.path={path}: expected a .parquet, .csv or .tsv table of (url, caption)")
+    for col, key in ((url_column, "url_column"), (caption_column, "caption_column")):
+        if col not in table.column_names:
+            raise ValueError(f"{path} has no column {col!r} (columns: {', '.join(table.column_names)}); "
+                             f"set shards.download.{key}")
+    return table.column(url_column).to_pylist(), table.column(caption_column).to_pylist()
+
+
+def _get(url: str, timeout_s: float) -> bytes:
+    """One GET with a deadline on the whole transfer (a socket timeout alone lets a trickle run forever)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            chunks, total = [], 0
+            while chunk := r.read(1 << 16):
+                total += len(chunk)
+                if total > MAX_IMAGE_BYTES:
+                    raise FetchFailed("too_large", transient=False)
+                if time.monotonic() > deadline:
+                    raise FetchFailed("timeout", transient=True)
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except urllib.error.HTTPError as e:
+        raise FetchFailed(f"http_{e.code}", transient=e.code in (408, 425, 429) or e.code >= 500) from None
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, (TimeoutError, socket.timeout)):
+            raise FetchFailed("timeout", transient=True) from None
+        if isinstance(e.reason, FileNotFoundError):
+            raise FetchFailed("not_found", transient=False) from None
+        raise FetchFailed("connection", transient=True) from None
+    except ValueError:  # not a URL urllib can fetch
+        raise FetchFailed("bad_url", transient=False) from None
+    except (TimeoutError, socket.timeout):
+        raise FetchFailed("timeout", transient=True) from None
+    except (ConnectionError, http.client.HTTPException, OSError):
+        raise FetchFailed("connection", transient=True) from None
+
+
+def fetch(url: str, timeout_s: float, retries: int) -> bytes:
+    """GET with up to `retries` retries of transient failures (timeouts, resets, 408/429/5xx),
+    exponential backoff with jitter; permanent failures (404, bad URL) fail at once."""
+    for attempt in range(retries):
+        try:
+            return _get(url, timeout_s)
+        except FetchFailed as e:
+            if not e.transient:
+                raise
+        remote.backoff(attempt)
+    return _get(url, timeout_s)
+
+
+def _fetch_row(url, caption, image_size: int, timeout_s: float, retries: int) -> tuple[bytes | None, str]:
+    """(JPEG of the centre square at image_size, "ok") or (None, why it was skipped)."""
+    if not url:
+        return None, "missing_url"
+    if caption is None or not str(caption).strip():
+        return None, "missing_caption"
+    try:
+        data = fetch(str(url), timeout_s, retries)
+    except FetchFailed as e:
+        return None, e.reason
+    try:
+        return encode_jpeg(decode_image(data, image_size)), "ok"
+    except Exception:  # not an image Pillow can decode
+        return None, "not_image"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rows_digest(urls, captions, image_size: int) -> str:
+    h = hashlib.sha256(f"{image_size}\n".encode())
+    for u, c in zip(urls, captions):
+        h.update(f"{u}\t{c}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _finished(out_dir: Path, name: str, digest: str) -> dict | None:
+    """The shard's manifest if its tar is complete: same input rows, same size and sha256."""
+    manifest, tar = out_dir / f"{name}.json", out_dir / f"{name}.tar"
+    if not (manifest.exists() and tar.exists()):
+        return None
+    m = read_json(manifest)
+    if m.get("rows_sha256") != digest or tar.stat().st_size != m.get("size") or _sha256(tar) != m.get("sha256"):
+        return None
+    return m
+
+
+def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_per_shard: int,
+             url_column: str = "url", caption_column: str = "caption", threads: int = 16,
+             timeout_s: float = 10.0, retries: int = 3) -> tuple[list[str], dict]:
+    """Download a (url, caption) table into `<out_dir>/<prefix>-NNNNNN.tar` shards; resumable.
+
+    Rows [j·S, (j+1)·S) go to shard j, in table order, under key = row number. A shard whose
+    manifest matches its rows and whose tar has the recorded size and sha256 is kept; any other is
+    downloaded again and written atomically (tar first, manifest last). Failed rows are skipped and
+    counted by reason (http_404, timeout, connection, not_image, ...).
+    """
+    urls, captions = read_url_table(table_path, url_column, caption_column)
+    if not urls:
+        raise ValueError(f"{table_path} has no rows")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = Path(table_path.rstrip("/")).name.split(".")[0] or "download"
+    starts = range(0, len(urls), samples_per_shard)
+    shards, failed, written, reused = [], {}, 0, 0
+    with ThreadPoolExecutor(max_workers=threads) as pool, \
+            tqdm(total=len(urls), desc="download", unit="img") as bar:
+        for j, first in enumerate(starts):
+            name = f"{prefix}-{j:06d}"
+            rows = range(first, min(first + samples_per_shard, len(urls)))
+            digest = _rows_digest([urls[r] for r in rows], [captions[r] for r in rows], image_size)
+            manifest = _finished(out_dir, name, digest)
+            if manifest is None:
+                results = pool.map(lambda r: _fetch_row(urls[r], captions[r], image_size, timeout_s, retries), rows)
+                manifest = _write_shard(out_dir, name, rows, results, captions, urls, digest, bar)
+            else:
+                reused += 1
+                bar.update(len(rows))
+            shards.append(str((out_dir / f"{name}.tar").resolve()))
+            written += manifest["written"]
+            for reason, count in manifest["failed"].items():
+                failed[reason] = failed.get(reason, 0) + count
+            bar.set_postfix(shard=f"{j + 1}/{len(starts)}", ok=written, failed=sum(failed.values()))
+    return shards, {"download": {"rows": len(urls), "written": written, "failed": failed,
+                                 "shards": len(shards), "reused_shards": reused}}
+
+
+def _write_shard(out_dir: Path, name: str, rows, results, captions, urls, digest: str, bar) -> dict:
+    shard = TarShard(out_dir / f"{name}.tar")
+    written, failed = 0, {}
+    try:
+        for r, (jpeg, status) in zip(rows, results):
+            bar.update(1)
+            if jpeg is None:
+                failed[status] = failed.get(status, 0) + 1
+                continue
+            key = f"{r:09d}"
+            shard.add(f"{key}.jpg", jpeg)
+            shard.add(f"{key}.txt", str(captions[r]).encode("utf-8"))
+            shard.add(f"{key}.json", json.dumps({"row": r, "url": urls[r]}, sort_keys=True).encode("utf-8"))
+            written += 1
+    except BaseException as e:
+        shard.abort(type(e), e, e.__traceback__)
+        raise
+    size = shard.close()
+    manifest = {"shard": f"{name}.tar", "size": size, "sha256": _sha256(out_dir / f"{name}.tar"),
+                "first_row": rows.start, "rows": len(rows), "rows_sha256": digest, "written": written,
+                "failed": failed}
+    write_json(out_dir / f"{name}.json", manifest)
+    return manifest

@@ -1,0 +1,62 @@
+"""Data parallelism under torchrun: one Poisson logical batch split across ranks, the clipped sums
+all-reduced, the noise drawn identically on every rank (same secret generator), so it is added once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(device: str) -> World:
+    """The torchrun world (RANK/WORLD_SIZE in the environment), or a single process."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    if not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    return World(dist.get_rank(), dist.get_world_size())
+
+
+def process_rank() -> int:
+    """This process's rank before any process group exists (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def all_reduce_sum(tensors: dict[str, torch.Tensor], world: World) -> None:
+    """Sum each tensor over ranks in place, as one flat buffer (one collective per step)."""
+    if world.size == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for t in tensors.values():
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def broadcast_int(value: int, world: World) -> int:
+    if world.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()

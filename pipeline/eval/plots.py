@@ -1,0 +1,108 @@
+"""The report's figures (matplotlib, written as PNG): one colour per model across every figure."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pipeline.eval import RECIPES  # noqa: E402
+
+MODEL_COLORS = {"dp": "#c8313e", "nonprivate": "#1f3a5f", "synthetic": "#0f8b8d", "random": "#9a9a9a"}
+DPI = 150
+STYLE = {"axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
+         "font.size": 9, "axes.titlesize": 10, "axes.titleweight": "bold", "legend.frameon": False}
+
+
+def _save(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def history_curve(history: dict, key: str) -> tuple[list, list]:
+    pairs = [(s, m[key]) for s, m in zip(history["step"], history["metrics"]) if key in m]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_losses(pretrain_hist: dict, dp_hist: dict, path) -> None:
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+        axes[0].plot(*history_curve(pretrain_hist, "loss"), color=MODEL_COLORS["synthetic"])
+        axes[0].set(title="Synthetic MAE pretraining (non-private)", xlabel="step", ylabel="training loss")
+        axes[1].plot(*history_curve(dp_hist, "heldout_loss"), color=MODEL_COLORS["dp"], marker="o", ms=3)
+        axes[1].set(title="DP training", xlabel="step", ylabel="loss on the public eval split")
+        _save(fig, path)
+
+
+def plot_epsilon(curves: dict, target: float | None, final: tuple[int, float], path) -> None:
+    """curves: {accountant: (steps, eps)}; the reported ε is marked at the last step."""
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(4.6, 3.2))
+        for i, (name, (steps, eps)) in enumerate(curves.items()):
+            ax.plot(steps, eps, label=name.upper(), color=("#c8313e", "#1f3a5f", "#e0a030")[i % 3])
+        if target is not None:
+            ax.axhline(target, color="#555", ls=":", lw=1, label=f"target ε = {target:g}")
+        ax.plot(*final, "o", color="black", ms=4)
+        ax.annotate(f"ε = {final[1]:.2f}", final, textcoords="offset points", xytext=(-6, 6), ha="right")
+        ax.set(title="ε spent against DP step", xlabel="step", ylabel="ε", ylim=(0, None))
+        ax.legend(loc="lower right")
+        _save(fig, path)
+
+
+def plot_accuracy(columns: list[str], rows: list[dict], chance: float, path) -> None:
+    """Grouped bars: one group per protocol (column), one bar per model; std as error bars."""
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(max(4.6, 1.3 * len(columns) + 2), 3.2))
+        width = 0.8 / max(1, len(rows))
+        for i, row in enumerate(rows):
+            xs = [j + (i - (len(rows) - 1) / 2) * width for j, c in enumerate(row["cells"]) if c is not None]
+            ys = [100 * c[0] for c in row["cells"] if c is not None]
+            err = [100 * (c[1] or 0) for c in row["cells"] if c is not None]
+            ax.bar(xs, ys, width * 0.92, yerr=err, capsize=2, label=row["label"],
+                   color=MODEL_COLORS.get(row["name"], f"C{i}"), error_kw={"lw": 0.8})
+        ax.axhline(100 * chance, color="#555", ls=":", lw=1, label=f"chance ({100 * chance:.0f}%)")
+        ax.set_xticks(range(len(columns)), columns)
+        ax.set(ylabel="accuracy (%)", ylim=(0, 100))
+        ax.grid(axis="x", visible=False)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        _save(fig, path)
+
+
+def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
+    """points: {epsilon, accuracy, objective, current} per DP model; baselines: {name: (label, accuracy)}."""
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(5.0, 4.2))
+        markers = {"mae": "o", "caption": "s", "clip": "^"}
+        seen = set()
+        for p in sorted(points, key=lambda p: p["current"]):
+            obj = p.get("objective") or "?"
+            label = None if obj in seen else f"DP runs ({RECIPES.get(obj, obj)})"
+            seen.add(obj)
+            ax.scatter(p["epsilon"], 100 * p["accuracy"], marker=markers.get(obj, "D"), s=36, alpha=0.75,
+                       color=MODEL_COLORS["dp"], edgecolor="white", lw=0.5, label=label, zorder=3)
+        current = [p for p in points if p["current"]]
+        if current:
+            c = current[-1]
+            ax.scatter(c["epsilon"], 100 * c["accuracy"], marker="*", s=220, color=MODEL_COLORS["dp"],
+                       edgecolor="black", lw=0.8, label="this run", zorder=4)
+        xmax = max([p["epsilon"] for p in points] + [1.0]) * 1.15
+        if "synthetic" in baselines:  # no private data seen: ε = 0
+            label, acc = baselines["synthetic"]
+            ax.scatter(0, 100 * acc, marker="D", s=40, color=MODEL_COLORS["synthetic"], label=f"{label}, ε = 0",
+                       zorder=3, clip_on=False)
+        for name, ls in (("nonprivate", "--"), ("random", ":")):
+            if name in baselines:
+                label, acc = baselines[name]
+                suffix = " (ε = ∞)" if name == "nonprivate" else ""
+                ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.2, label=label + suffix)
+        accs = [p["accuracy"] for p in points] + [a for _, a in baselines.values()]
+        lo = max(0.0, math.floor(min(accs) * 10 - 0.5) * 10) if accs else 0.0
+        hi = min(100.0, math.ceil(max(accs) * 10 + 0.5) * 10) if accs else 100.0
+        ax.set(xlim=(-0.02 * xmax, xmax), ylim=(lo, hi), xlabel="ε (verified)", ylabel="linear-probe accuracy (%)",
+               title="Privacy–utility across the experiment's runs")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
+        _save(fig, path)

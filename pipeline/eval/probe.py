@@ -1,0 +1,145 @@
+"""Linear probes on frozen encoder features (ViP/MAE protocol).
+
+Features: the cls token or the mean of the patch tokens, after the encoder's final norm,
+optionally concatenated over the last k blocks. Probes:
+* `logreg` — standardised features (the BatchNorm-without-affine of the protocol, in closed
+  form) and L2 logistic regression: exact and fast on small sets, the default;
+* `lars` / `adamw` — BatchNorm1d(affine=False) + Linear trained by minibatch SGD with LARS (as
+  ViP/MAE) or AdamW, with warmup and a cosine schedule: for large sets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from threadpoolctl import threadpool_limits
+
+from pipeline.data.transforms import to_tensor
+
+SOLVERS = ("logreg", "lars", "adamw")
+
+
+def pool_tokens(tokens: torch.Tensor, pool: str) -> torch.Tensor:
+    if pool == "cls":
+        return tokens[:, 0]
+    if pool == "mean":
+        return tokens[:, 1:].mean(dim=1)
+    raise ValueError(f"unknown pool {pool!r}; use 'cls' or 'mean'")
+
+
+@torch.no_grad()
+def extract_features(encoder, images: np.ndarray, pool: str = "cls", last_k: int = 1, device: str = "cpu",
+                     batch_size: int = 256) -> np.ndarray:
+    """(N, H, W, 3) uint8 images -> (N, last_k * width) float32 features of the frozen encoder."""
+    if not 1 <= last_k <= len(encoder.blocks):
+        raise ValueError(f"last_k_blocks={last_k}: the encoder has {len(encoder.blocks)} blocks")
+    encoder.eval().to(device)
+    captured: list[torch.Tensor] = []
+    hooks = [blk.register_forward_hook(lambda _m, _i, out: captured.append(out))
+             for blk in encoder.blocks[len(encoder.blocks) - last_k:]]
+    try:
+        out = []
+        for i in range(0, len(images), batch_size):
+            captured.clear()
+            encoder.forward_features(to_tensor(images[i:i + batch_size]).to(device))
+            # Every block's tokens go through the encoder's final norm, so k = 1 is `encode`.
+            out.append(torch.cat([pool_tokens(encoder.norm(t), pool) for t in captured], dim=1).float().cpu())
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat(out).numpy()
+
+
+def logreg_probe(train_x, train_y, c: float = 1.0, seed: int = 0):
+    """Standardised features + L2 logistic regression (L-BFGS), fitted."""
+    probe = make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=3000, random_state=seed))
+    # Small fits are latency-bound: one BLAS thread is several times faster than a contended pool.
+    with threadpool_limits(1 if np.size(train_x) < 2_000_000 else None):
+        return probe.fit(train_x, train_y)
+
+
+class LARS(torch.optim.Optimizer):
+    """Layer-wise adaptive rate scaling (You et al. 2017) as used for MAE/ViP linear probes:
+    SGD with momentum whose step for each weight matrix is scaled by trust·‖w‖/‖g + wd·w‖.
+    Biases and 1-d parameters take plain momentum SGD."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, trust: float = 0.001):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust=trust))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                d = p.grad
+                if p.ndim > 1:
+                    d = d.add(p, alpha=group["weight_decay"])
+                    w_norm, d_norm = p.norm(), d.norm()
+                    if w_norm > 0 and d_norm > 0:
+                        d = d * (group["trust"] * w_norm / d_norm)
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(d)
+                p.add_(buf, alpha=-group["lr"])
+
+
+def lr_at(step: int, total: int, warmup: int, base: float) -> float:
+    """Linear warmup, then half-cosine decay to 0."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def train_linear_head(train_x, train_y, num_classes: int, solver: str, epochs: int, batch_size: int, lr: float,
+                      weight_decay: float, seed: int = 0, device: str = "cpu") -> nn.Module:
+    """BatchNorm1d(affine=False) + Linear on fixed features. `lr` is the base rate per 256 examples."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.as_tensor(train_x, dtype=torch.float32, device=device)
+    y = torch.as_tensor(train_y, dtype=torch.long, device=device)
+    head = nn.Sequential(nn.BatchNorm1d(x.shape[1], affine=False), nn.Linear(x.shape[1], num_classes))
+    with torch.no_grad():
+        head[1].weight.copy_(torch.randn(head[1].weight.shape, generator=g) * 0.01)
+        head[1].bias.zero_()
+    head.to(device)
+    batch_size = min(batch_size, len(x))
+    rate = lr * batch_size / 256
+    if solver == "lars":
+        opt = LARS(head.parameters(), lr=rate, weight_decay=weight_decay)
+    elif solver == "adamw":
+        opt = torch.optim.AdamW(head.parameters(), lr=rate, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"unknown solver {solver!r}; choose from {SOLVERS}")
+    per_epoch = max(1, len(x) // batch_size)  # drop the ragged last batch (BatchNorm needs > 1 row)
+    total, step = epochs * per_epoch, 0
+    head.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=g).to(device)
+        for b in range(per_epoch):
+            idx = order[b * batch_size:(b + 1) * batch_size]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, total, max(1, total // 10), rate)
+            loss = F.cross_entropy(head(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+    return head.eval()
+
+
+def probe_accuracy(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c: float = 1.0,
+                   train_cfg: dict | None = None, seed: int = 0, device: str = "cpu") -> float:
+    """Test accuracy of a linear probe fit on (train_x, train_y)."""
+    if solver == "logreg":
+        return float(logreg_probe(train_x, train_y, c, seed).score(test_x, test_y))
+    num_classes = int(max(np.max(train_y), np.max(test_y))) + 1
+    head = train_linear_head(train_x, train_y, num_classes, solver, seed=seed, device=device, **(train_cfg or {}))
+    with torch.no_grad():
+        pred = head(torch.as_tensor(test_x, dtype=torch.float32, device=device)).argmax(1).cpu().numpy()
+    return float((pred == np.asarray(test_y)).mean())

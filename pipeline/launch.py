@@ -1,0 +1,89 @@
+"""How a training rule starts its stage: one process, torchrun on one node, or srun + torchrun on many.
+
+The rules call `python -m pipeline.launch --nodes N --gpus G -- dpfm <stage> ...` with the job's
+resources (G is the job's total GPU count, as the SLURM plugin's `gpu` resource). The stage itself
+reads its rank from torchrun's environment (pipeline.distributed), so the DVC command stays
+`dpfm <stage>`: torchrun is only how Snakemake starts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+BASE_PORT = 20000  # rendezvous ports: BASE_PORT + job id mod PORT_SPAN, so jobs sharing a head node differ
+PORT_SPAN = 20000
+
+
+def launch_command(command: list[str], nodes: int = 1, gpus: int = 0, head: str | None = None,
+                   port: int | None = None, job_id: str | None = None) -> list[str]:
+    """The argv that runs `command` once per GPU: plain for one process, else torchrun (under srun on
+    several nodes, one torchrun per node meeting at `head:port`)."""
+    if not command:
+        raise ValueError("launch: no command given (expected `-- dpfm <stage> ...`)")
+    if nodes < 1:
+        raise ValueError(f"launch: nodes must be >= 1, got {nodes}")
+    if gpus < 0:
+        raise ValueError(f"launch: gpus must be >= 0, got {gpus}")
+    if nodes == 1:
+        if gpus <= 1:
+            return list(command)
+        return ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "--no-python", *command]
+    if gpus < nodes or gpus % nodes:
+        raise ValueError(f"launch: a {nodes}-node run needs the same number of GPUs on every node; "
+                         f"resources.gpu (the job's total) is {gpus}, not a multiple of {nodes}")
+    if not head or port is None or not job_id:
+        raise ValueError("launch: a multi-node run needs the rendezvous head host, port and job id")
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            "torchrun", f"--nnodes={nodes}", f"--nproc_per_node={gpus // nodes}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={job_id}", "--no-python", *command]
+
+
+def rendezvous_port(job_id: str) -> int:
+    return BASE_PORT + int(job_id) % PORT_SPAN if job_id.isdigit() else BASE_PORT
+
+
+def slurm_rendezvous(nodes: int, env=os.environ) -> tuple[str, int, str]:
+    """(head host, port, job id) of the SLURM allocation this multi-node run is in."""
+    job_id, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
+    if not job_id or not nodelist:
+        raise RuntimeError(f"launch: a {nodes}-node run must start inside a SLURM allocation (no SLURM_JOB_ID/"
+                           "SLURM_JOB_NODELIST here); run snakemake with --workflow-profile profiles/slurm")
+    allocated = int(env.get("SLURM_JOB_NUM_NODES", "0"))
+    if allocated < nodes:
+        raise RuntimeError(f"launch: resources.nodes is {nodes} but the SLURM job has {allocated} node(s); "
+                           "set DPFM_NODES before submitting so the profile asks for them")
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True).stdout.split()
+    return hosts[0], rendezvous_port(job_id), job_id
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job (resources.nodes)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs of the whole job (resources.gpu)")
+    parser.add_argument("--print", action="store_true", help="print the command instead of running it")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- dpfm <stage> ...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        head = port = job_id = None
+        if args.nodes > 1:
+            head, port, job_id = slurm_rendezvous(args.nodes)
+        argv_out = launch_command(command, args.nodes, args.gpus, head, port, job_id)
+    except (ValueError, RuntimeError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    rendered = shlex.join(argv_out)
+    if args.print:
+        print(rendered)
+        return 0
+    print(f"launch: {rendered}", file=sys.stderr, flush=True)
+    os.execvp(argv_out[0], argv_out)  # the stage's exit status becomes the rule's
+
+
+if __name__ == "__main__":
+    sys.exit(main())

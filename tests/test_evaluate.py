@@ -1,0 +1,351 @@
+"""Downstream evaluation: probes, few-shot subsets, zero-shot, eval sets and the `evaluate` stage."""
+
+import io
+import json
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.data.transforms import to_tensor
+from pipeline.errors import VerificationFailed
+from pipeline.eval.evalsets import EvalSet, load_eval_set, square
+from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
+from pipeline.eval.probe import SOLVERS, extract_features, probe_accuracy
+from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
+from pipeline.models import build_encoder, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = dict(size="micro", img_size=16, patch_size=4)
+FAST_TRAIN = {"lars": dict(epochs=60, batch_size=128, lr=10.0, weight_decay=0.0),
+              "adamw": dict(epochs=60, batch_size=128, lr=0.05, weight_decay=0.0)}
+
+
+def blobs(n_per_class=100, classes=10, dim=32, spread=0.3, seed=0):
+    """Linearly separable features: well-separated class means plus small noise."""
+    rng = np.random.default_rng(seed)
+    means = rng.normal(0, 1, (classes, dim))
+    y = np.repeat(np.arange(classes), n_per_class)
+    return (means[y] + rng.normal(0, spread, (len(y), dim))).astype(np.float32), y
+
+
+def halves(x, y, seed=0):
+    order = np.random.default_rng(seed).permutation(len(y))
+    tr, te = order[: len(y) // 2], order[len(y) // 2:]
+    return x[tr], y[tr], x[te], y[te]
+
+
+# -- linear probe ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_probe_is_near_perfect_on_linearly_separable_features(solver):
+    x, y = blobs()
+    acc = probe_accuracy(*halves(x, y), solver=solver, train_cfg=FAST_TRAIN.get(solver), seed=0)
+    assert acc >= 0.98
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_probe_is_at_chance_on_shuffled_labels(solver):
+    x, y = blobs(n_per_class=200)
+    y = np.random.default_rng(1).permutation(y)  # labels no longer depend on the features
+    acc = probe_accuracy(*halves(x, y), solver=solver, train_cfg=FAST_TRAIN.get(solver), seed=0)
+    assert abs(acc - 0.1) < 0.04  # 1000 test points: the std of chance accuracy is 0.0095
+
+
+def test_features_are_the_encoder_output_and_last_k_blocks_concatenate():
+    torch.manual_seed(0)
+    enc = build_encoder(MICRO)
+    enc.blocks.append(build_encoder(MICRO).blocks[0])  # two blocks, so last_k = 2 is meaningful
+    images = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)
+    for pool in ("cls", "mean"):
+        one = extract_features(enc, images, pool, last_k=1)
+        with torch.no_grad():
+            np.testing.assert_allclose(one, enc.encode(to_tensor(images), pool).numpy(), rtol=1e-5, atol=1e-6)
+        two = extract_features(enc, images, pool, last_k=2)
+        assert two.shape == (5, 2 * enc.width)
+        np.testing.assert_allclose(two[:, enc.width:], one, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(two[:, :enc.width], one)
+    with pytest.raises(ValueError, match="last_k_blocks=3"):
+        extract_features(enc, images, "cls", last_k=3)
+
+
+# -- few-shot ----------------------------------------------------------------------------------
+
+def test_kshot_subsets_are_class_balanced_and_seeded():
+    labels = np.random.default_rng(0).integers(0, 7, 400)
+    for k in (1, 5, 10):
+        subsets = kshot_subsets(labels, k, repeats=4, seed=3)
+        assert len(subsets) == 4
+        for s in subsets:
+            assert len(set(s)) == len(s) == 7 * k
+            assert np.bincount(labels[s], minlength=7).tolist() == [k] * 7
+        again = kshot_subsets(labels, k, repeats=6, seed=3)  # same seed: same subsets, more repeats extend
+        assert all(np.array_equal(a, b) for a, b in zip(subsets, again))
+        assert len({tuple(s) for s in again}) == 6  # repeats differ from each other
+        other = kshot_subsets(labels, k, repeats=4, seed=4)
+        assert not all(np.array_equal(a, b) for a, b in zip(subsets, other))
+
+
+def test_kshot_names_the_short_class():
+    labels = np.array([0] * 10 + [1] * 3)
+    with pytest.raises(ValueError, match=r"5-shot .* classes \[1\]"):
+        kshot_subsets(labels, 5, 1, 0)
+
+
+def test_fewshot_logreg_reports_mean_and_std_over_repeats():
+    x, y = blobs(n_per_class=40)
+    out = fewshot_logreg(*halves(x, y), shots=[1, 5], repeats=3, c=1.0, seed=0)
+    assert set(out) == {"1", "5"}
+    for r in out.values():
+        assert len(r["runs"]) == 3
+        assert r["mean"] == pytest.approx(np.mean(r["runs"])) and r["std"] == pytest.approx(np.std(r["runs"]))
+    assert out["5"]["mean"] >= 0.95
+
+
+def colour_images(labels, rng, size=16):
+    palette = np.array([(220, 30, 30), (30, 200, 40), (30, 40, 220), (230, 220, 30)])
+    base = palette[labels][:, None, None, :]
+    return np.clip(base + rng.normal(0, 25, (len(labels), size, size, 3)), 0, 255).astype(np.uint8)
+
+
+def test_finetune_learns_a_toy_task_and_leaves_the_encoder_untouched():
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    enc = build_encoder(MICRO)
+    before = {k: v.clone() for k, v in enc.state_dict().items()}
+    y_tr, y_te = np.repeat(np.arange(4), 5), rng.integers(0, 4, 80)
+    acc = finetune_accuracy(enc, colour_images(y_tr, rng), y_tr, colour_images(y_te, rng), y_te, 4, pool="cls",
+                            epochs=15, batch_size=10, lr=3e-3, weight_decay=0.0)
+    assert acc >= 0.9
+    assert all(torch.equal(before[k], v) for k, v in enc.state_dict().items())
+
+
+# -- zero-shot ---------------------------------------------------------------------------------
+
+class StubCaptioner:
+    """Caption loss = |prompt id - image brightness class|: the right prompt has the lowest loss."""
+
+    def eval(self):
+        return self
+
+    def to(self, device):
+        return self
+
+    def score_captions(self, imgs, tokens):
+        brightness = imgs.mean(dim=(1, 2, 3))
+        cls = torch.bucketize(brightness, torch.tensor([-1.0, 0.0, 1.0]))
+        return (tokens[:, 0][None, :].float() - cls[:, None].float()).abs()
+
+
+def test_zero_shot_takes_the_lowest_loss_class_for_a_captioner():
+    images = np.stack([np.full((4, 4, 3), v, np.uint8) for v in (0, 90, 160, 255)])
+    cls = torch.bucketize(to_tensor(images).mean(dim=(1, 2, 3)), torch.tensor([-1.0, 0.0, 1.0])).numpy()
+    # Two templates per class; the token id of each prompt is its class.
+    prompts = [[f"{c}", f"{c}"] for c in range(4)]
+    tokenize = lambda caps: torch.tensor([[int(c)] for c in caps])  # noqa: E731
+    scores = class_scores(StubCaptioner(), "caption", images, prompts, tokenize)
+    assert (scores.argmax(1) == cls).all()
+    assert zero_shot_accuracy(StubCaptioner(), "caption", images, cls, prompts, tokenize) == 1.0
+
+
+def test_zero_shot_refuses_a_model_without_text_tower():
+    with pytest.raises(ValueError, match="text tower"):
+        class_scores(None, "mae", np.zeros((1, 4, 4, 3), np.uint8), [["a"]], lambda c: None)
+
+
+WORDS = ["<pad>", "<unk>", "<bos>", "<eos>", "a", "square", "picture", "of", "colour", "red", "green", "blue", "yellow"]
+
+
+def word_tokenize(captions, max_len=8):
+    ids = torch.zeros(len(captions), max_len, dtype=torch.long)
+    for i, c in enumerate(captions):
+        row = [2] + [WORDS.index(w) for w in c.split()] + [3]
+        ids[i, :len(row)] = torch.tensor(row)
+    return ids
+
+
+@pytest.mark.parametrize("objective", ["caption", "clip"])
+def test_zero_shot_picks_the_right_prompt_on_a_toy_trained_to_do_so(objective):
+    names, templates = ["red", "green", "blue", "yellow"], ["a {c} square", "picture of colour {c}"]
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    model = build_model(objective, {**MICRO, "vocab_size": len(WORDS), "max_len": 8, "text_width": 32,
+                                    "text_depth": 1, "text_heads": 2, "embed_dim": 32})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        y = rng.integers(0, 4, 32)
+        captions = [templates[rng.integers(2)].format(c=names[i]) for i in y]
+        loss = model(to_tensor(colour_images(y, rng)), word_tokenize(captions)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    y = rng.integers(0, 4, 100)
+    prompts = [[t.format(c=c) for t in templates] for c in names]
+    assert zero_shot_accuracy(model, objective, colour_images(y, rng), y, prompts, word_tokenize) >= 0.95
+
+
+# -- eval sets ---------------------------------------------------------------------------------
+
+def png_bytes(array):
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_square_resizes_the_short_side_and_centre_crops():
+    wide = np.zeros((20, 40, 3), np.uint8)
+    wide[:, 10:30] = 255  # the centre square is white
+    out = square(Image.fromarray(wide), 10)
+    assert out.shape == (10, 10, 3) and out.min() > 200
+
+
+def test_folder_set_takes_classes_from_folder_names(tmp_path):
+    for name, value in (("cat", 20), ("dog", 200)):
+        for i in range(3):
+            (tmp_path / name / "sub").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((24, 24, 3), value, np.uint8)).save(tmp_path / name / "sub" / f"{i}.png")
+    es = load_eval_set({"name": "pets", "source": "folder", "path": str(tmp_path)}, 16)
+    assert es.classes == ["cat", "dog"] and es.images.shape == (6, 16, 16, 3)
+    assert es.labels.tolist() == [0, 0, 0, 1, 1, 1] and (es.images[es.labels == 1] == 200).all()
+    assert es.prompts()[1] == ["a photo of a dog."]
+
+
+def write_tar(path, samples):
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_set_reads_labels_from_json_or_text(tmp_path):
+    img = png_bytes(np.zeros((8, 8, 3), np.uint8))
+    samples = [(f"s{i:03d}", {"png": img, "json": json.dumps({"cls": i % 3}).encode(),
+                              "txt": ["ant", "bee", "cow"][i % 3].encode()}) for i in range(9)]
+    write_tar(tmp_path / "a.tar", samples[:5])
+    write_tar(tmp_path / "b.tar", samples[5:])
+    by_json = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:cls",
+                             "classes": ["ant", "bee", "cow"], "templates": ["{c} on a leaf"]}, 16)
+    by_text = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 16)
+    assert by_json.labels.tolist() == by_text.labels.tolist() == [i % 3 for i in range(9)]
+    assert by_json.classes == by_text.classes == ["ant", "bee", "cow"]
+    assert by_json.prompts()[2] == ["cow on a leaf"] and by_json.images.shape == (9, 16, 16, 3)
+    with pytest.raises(ValueError, match="no json field 'species'"):
+        load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:species"}, 16)
+
+
+def test_eval_set_split_is_stratified_and_needs_two_per_class():
+    es = EvalSet("x", np.zeros((20, 4, 4, 3), np.uint8), np.repeat([0, 1], 10), ["a", "b"], ("{c}",))
+    tr, te = es.split(0.5, 0)
+    assert np.bincount(es.labels[tr]).tolist() == [5, 5] and not set(tr) & set(te)
+    lonely = EvalSet("y", np.zeros((5, 4, 4, 3), np.uint8), np.array([0, 0, 0, 0, 1]), ["a", "b"], ("{c}",))
+    with pytest.raises(ValueError, match=r"\['b'\] have fewer than 2"):
+        lonely.split(0.5, 0)
+
+
+# -- the stage ---------------------------------------------------------------------------------
+
+class RecordingTracker:
+    def __init__(self):
+        self.metrics, self.tags, self.artifacts = {}, {}, []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append(str(path))
+
+
+def make_tokenizer(directory):
+    import sentencepiece as spm
+
+    from pipeline.data.shards_stage import CAPTION_TEMPLATES, NUMBER_WORDS
+    from pipeline.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+    directory.mkdir(parents=True)
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(t.format(w=w) for t in CAPTION_TEMPLATES for w in NUMBER_WORDS))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(directory / "spm"), vocab_size=60,
+                                   pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                                   hard_vocab_limit=False, minloglevel=2)
+    from pipeline.data.tokenizer import Tokenizer
+
+    return Tokenizer(directory).vocab_size
+
+
+def make_project(root, objective="caption", nonprivate=True, steps=3):
+    """The inputs of `evaluate` on micro models: eval shards, tokenizer, checkpoints, verification."""
+    from pipeline.data.shards import ShardWriter, encode_png
+    from pipeline.io import write_json
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(10), 12)
+    with ShardWriter(root / "data/shards/eval", prefix="eval", samples_per_shard=50) as w:
+        for i, label in enumerate(labels):
+            w.write(f"eval-{i:06d}", encode_png(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)), "x",
+                    {"label": int(label)})
+    vocab = make_tokenizer(root / "models/tokenizer")
+    cfg = {**MICRO, "vocab_size": vocab, "max_len": 12, "text_width": 32, "text_depth": 1, "text_heads": 2,
+           "embed_dim": 32}
+    torch.manual_seed(1)
+    model = build_model(objective, cfg)
+    ckpt = {"objective": objective, "model_cfg": cfg, "model": model.state_dict(),
+            "encoder": model.encoder.state_dict(), "optimizer_steps": steps}
+    (root / "models/dp").mkdir(parents=True)
+    torch.save(ckpt, root / "models/dp/checkpoint.pt")
+    if nonprivate:
+        torch.save(ckpt, root / "models/dp/nonprivate.pt")
+    (root / "models/pretrain").mkdir(parents=True)
+    torch.save({"model_cfg": cfg, "encoder": build_encoder(cfg).state_dict()}, root / "models/pretrain/checkpoint.pt")
+    write_json(root / "results/privacy/verification.json",
+               {"passed": True, "checks": [], "epsilon": {"pld": 3.0}, "epsilon_reported": 3.0, "accountant": "pld",
+                "delta": 1e-5, "steps": steps, "sigma": 1.0, "sample_rate": 0.1, "n": 100})
+
+
+def eval_params(**overrides):
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["evaluate"]
+    cfg.update(fewshot={"shots": [1, 5], "repeats": 2}, **overrides)
+    return {"run": {"seed": 0}, "evaluate": cfg}
+
+
+def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
+    from pipeline import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path)
+    tracker = RecordingTracker()
+    evaluate.run(eval_params(), SimpleNamespace(tracker=tracker, device="cpu", threads=1))
+    metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
+    assert metrics["model_order"] == ["dp", "nonprivate", "synthetic", "random"]
+    digits = metrics["sets"]["digits"]
+    assert digits["n_probe_train"] + digits["n_probe_test"] == 120 and len(digits["classes"]) == 10
+    for name, r in digits["results"].items():
+        assert 0 <= r["linear_probe"] <= 1
+        assert set(r["fewshot_logreg"]) == {"1", "5"} and len(r["fewshot_logreg"]["5"]["runs"]) == 2
+        assert "fewshot_finetune" not in r  # off by default
+        # Zero-shot needs a text tower: the synthetic-only encoder has none.
+        assert ("zero_shot" in r) == (name != "synthetic")
+    assert tracker.metrics["digits.dp.zero_shot"] == digits["results"]["dp"]["zero_shot"]
+    assert tracker.metrics["dp_linear_probe_acc"] == digits["results"]["dp"]["linear_probe"]
+    assert tracker.metrics["epsilon"] == 3.0 and tracker.tags["dpfm.objective"] == "caption"
+
+
+def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, monkeypatch):
+    from pipeline import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path, objective="mae", nonprivate=False, steps=3)
+    ver = json.loads((tmp_path / "results/privacy/verification.json").read_text())
+    (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "steps": 2}))
+    with pytest.raises(VerificationFailed, match="2 verified steps vs 3 applied"):
+        evaluate.run(eval_params(), SimpleNamespace(tracker=RecordingTracker(), device="cpu", threads=1))

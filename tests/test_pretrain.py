@@ -1,0 +1,248 @@
+"""The `pretrain` stage: an interrupted-and-resumed run equals an uninterrupted one bit for bit, the
+saved encoder initialises every DP objective, bf16 autocast runs on CPU, and curves reach MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import pretrain, train
+from pipeline.config import load_params, sections_of
+from pipeline.data.shards import ShardWriter, encode_png
+from pipeline.modelcfg import model_config
+from pipeline.models import build_model
+
+MICRO_MODEL = {"size": "micro", "img_size": 16, "patch_size": 4, "decoder_width": 32, "decoder_depth": 1,
+               "decoder_heads": 2, "text_width": 32, "text_depth": 1, "text_heads": 2, "max_caption_len": 12}
+# 6 steps of 8 from 20 images: batches cross epoch boundaries; a checkpoint every 2 steps.
+SHORT = {"steps": 6, "batch_size": 8, "lr": 0.001, "warmup_steps": 2, "checkpoint_every": 2, "log_every": 1,
+         "precision": "fp32"}
+IMAGES = 20
+
+
+class Tracker:
+    def __init__(self):
+        self.points, self.series, self.metrics = [], {}, {}
+
+    def log_metrics(self, metrics, step=None):
+        if step is None:
+            self.metrics.update(metrics)
+        else:
+            self.points += [(k, step, v) for k, v in metrics.items()]
+
+    def log_series(self, name, values, steps):
+        self.series.setdefault(name, []).extend(zip(steps, values))
+
+    def curve(self, name) -> dict:
+        return {**dict(self.series.get(name, [])), **{s: v for k, s, v in self.points if k == name}}
+
+
+def make_project(root: Path, image_seed: int = 0) -> Path:
+    """A project directory with params, schema and a small set of synthetic shards."""
+    root.mkdir(parents=True, exist_ok=True)
+    repo = Path(__file__).resolve().parents[1]
+    (root / "schemas").mkdir(exist_ok=True)
+    (root / "schemas/params.schema.yaml").write_text((repo / "schemas/params.schema.yaml").read_text())
+    (root / "params.yaml").write_text((repo / "params.yaml").read_text())
+    rng = np.random.default_rng(image_seed)
+    with ShardWriter(root / pretrain.IN_DIR, prefix="synthetic", samples_per_shard=8) as writer:
+        for i in range(IMAGES):
+            image = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+            writer.write(f"img{i:03d}", encode_png(image), "a procedural image", {"program": i})
+    return root
+
+
+def stage_params(**pretrain_overrides) -> dict:
+    sets = [f"model.{k}={json.dumps(v)}" for k, v in MICRO_MODEL.items()]
+    sets += [f"pretrain.{k}={json.dumps(v)}" for k, v in {**SHORT, **pretrain_overrides}.items()]
+    return sections_of(load_params("params.yaml", sets), ("run", "model", "pretrain"))
+
+
+def run_stage(project: Path, monkeypatch, **pretrain_overrides) -> Tracker:
+    ctx = SimpleNamespace(tracker=Tracker(), threads=1, device="cpu")
+    with monkeypatch.context() as m:
+        m.chdir(project)
+        pretrain.run(stage_params(**pretrain_overrides), ctx)
+    return ctx.tracker
+
+
+def saved(project: Path) -> dict:
+    return torch.load(project / pretrain.OUT_DIR / "checkpoint.pt", map_location="cpu", weights_only=False)
+
+
+def state_files(project: Path) -> list[Path]:
+    return sorted((project / ".dpfm/state").glob("pretrain-*/checkpoint.pt"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-exact comparisons need the same reduction order in every run
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    project = make_project(tmp_path_factory.mktemp("uninterrupted"))
+    with pytest.MonkeyPatch.context() as m:
+        torch.set_num_threads(1)
+        tracker = run_stage(project, m)
+    return project, tracker
+
+
+def crash_at(monkeypatch, step_to_fail: int) -> None:
+    """Make step_fn raise when it reaches `step_to_fail` (a checkpoint was written before it)."""
+    real = pretrain.run_loop
+
+    def run_loop(**kw):
+        step_fn = kw["step_fn"]
+
+        def failing(step):
+            if step == step_to_fail:
+                raise KeyboardInterrupt(f"simulated kill at step {step}")
+            return step_fn(step)
+
+        return real(**{**kw, "step_fn": failing})
+
+    monkeypatch.setattr(pretrain, "run_loop", run_loop)
+
+
+def interrupted_then_resumed(tmp_path, monkeypatch, break_resume=None) -> tuple[Path, Tracker]:
+    project = make_project(tmp_path / "project")
+    with monkeypatch.context() as m:
+        crash_at(m, 5)  # after the checkpoint of step 4, with step 4 done but not saved
+        with pytest.raises(KeyboardInterrupt):
+            run_stage(project, m)
+    assert not (project / pretrain.OUT_DIR).exists()
+    [checkpoint] = state_files(project)
+    assert torch.load(checkpoint, weights_only=False)["step"] == 4
+    with monkeypatch.context() as m:
+        if break_resume:
+            break_resume(m)
+        tracker = run_stage(project, m)
+    return project, tracker
+
+
+def params_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_interrupted_run_resumes_bit_for_bit(uninterrupted, tmp_path, monkeypatch):
+    ref, ref_tracker = uninterrupted
+    project, tracker = interrupted_then_resumed(tmp_path, monkeypatch)
+    assert params_equal(saved(project)["model"], saved(ref)["model"])
+    history, ref_history = (json.loads((p / pretrain.OUT_DIR / "history.json").read_text()) for p in (project, ref))
+    assert history["step"] == ref_history["step"] == list(range(6))
+    assert [m["loss"] for m in history["metrics"]] == [m["loss"] for m in ref_history["metrics"]]
+    assert json.loads((project / pretrain.OUT_DIR / "summary.json").read_text())["resumed_at"] == 4
+    # The resumed run's MLflow curve is whole: live points from step 4, the earlier ones as a series.
+    assert tracker.curve("loss") == ref_tracker.curve("loss") and sorted(tracker.curve("loss")) == list(range(6))
+    assert state_files(project) == []  # the spent state is removed once the output is written
+
+
+def test_decoding_workers_change_nothing(uninterrupted, tmp_path, monkeypatch):
+    ref, _ = uninterrupted
+    project = make_project(tmp_path)
+    run_stage(project, monkeypatch, data_workers=2)
+    assert params_equal(saved(project)["model"], saved(ref)["model"])
+
+
+def _lose_optimizer_state(m):
+    m.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None)
+
+
+def _masks_from_a_process_stream(m):
+    stream = torch.Generator().manual_seed(0)
+    m.setattr(pretrain, "step_generator", lambda seed, step: stream)
+
+
+def _restart_the_data(m):
+    real = pretrain.run_loop
+    m.setattr(pretrain, "run_loop", lambda **kw: real(**{**kw, "on_start": lambda start: kw["on_start"](0)}))
+
+
+@pytest.mark.parametrize("break_resume", [_lose_optimizer_state, _masks_from_a_process_stream, _restart_the_data])
+def test_the_resume_check_catches_a_broken_resume(uninterrupted, tmp_path, monkeypatch, break_resume):
+    ref, _ = uninterrupted
+    project, _ = interrupted_then_resumed(tmp_path, monkeypatch, break_resume)
+    assert not params_equal(saved(project)["model"], saved(ref)["model"])
+
+
+def test_the_saved_encoder_initialises_every_objective(uninterrupted, monkeypatch):
+    ref, _ = uninterrupted
+    checkpoint = saved(ref)
+    assert checkpoint["objective"] == "mae" and checkpoint["step"] == 6
+    monkeypatch.chdir(ref)
+    model_params = stage_params()["model"]
+    for objective in ("mae", "caption", "clip"):
+        model = build_model(objective, model_config(model_params, objective, vocab_size=64))
+        model.encoder.load_state_dict(checkpoint["encoder"])  # strict: every key and shape matches
+        assert params_equal(model.encoder.state_dict(), checkpoint["encoder"])
+    mae = build_model("mae", checkpoint["model_cfg"])
+    mae.load_state_dict(checkpoint["model"])
+    assert params_equal(mae.encoder.state_dict(), checkpoint["encoder"])
+
+
+def test_loss_lr_and_throughput_reach_mlflow(uninterrupted):
+    _, tracker = uninterrupted
+    for name in ("loss", "lr", "images_per_s", "grad_norm"):
+        assert sorted(tracker.curve(name)) == list(range(6)), name
+    assert all(np.isfinite(v) for v in tracker.curve("loss").values())
+    assert tracker.metrics["mean_images_per_s"] > 0 and tracker.metrics["images"] == IMAGES
+
+
+def test_bf16_autocast_runs_on_cpu(tmp_path, monkeypatch):
+    project = make_project(tmp_path)
+    dtypes = {}
+    real_build = pretrain.build_model
+
+    def recording_build(objective, cfg):
+        model = real_build(objective, cfg)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(lambda mod, args, out: dtypes.update({out.dtype: True}))
+        return model
+
+    monkeypatch.setattr(pretrain, "build_model", recording_build)
+    tracker = run_stage(project, monkeypatch, precision="bf16", steps=2)
+    assert torch.bfloat16 in dtypes
+    assert all(np.isfinite(v) for v in tracker.curve("loss").values())
+    assert json.loads((project / pretrain.OUT_DIR / "summary.json").read_text())["bf16"] is True
+    assert {v.dtype for v in saved(project)["model"].values()} == {torch.float32}  # weights stay fp32
+
+    dtypes.clear()
+    run_stage(project, monkeypatch, precision="auto", steps=1)  # auto is fp32 on a CPU
+    assert set(dtypes) == {torch.float32}
+
+
+def test_a_checkpoint_from_other_data_is_not_resumed(tmp_path, monkeypatch):
+    project = make_project(tmp_path / "a")
+    with monkeypatch.context() as m:
+        crash_at(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            run_stage(project, m)
+    assert len(state_files(project)) == 1
+    make_project(tmp_path / "a", image_seed=1)  # the synthetic images changed, the params did not
+    run_stage(project, monkeypatch)
+    assert json.loads((project / pretrain.OUT_DIR / "summary.json").read_text())["resumed_at"] == 0
+
+
+def test_batches_cover_each_epoch_once_and_depend_only_on_the_step():
+    n, batch = 10, 4
+    order = np.concatenate([pretrain.batch_indices(3, s, batch, n) for s in range(5)])  # 2 epochs
+    assert sorted(order[:10]) == sorted(order[10:20]) == list(range(10))
+    assert not np.array_equal(order[:10], order[10:20])  # each epoch is shuffled anew
+    pretrain.epoch_order.cache_clear()
+    assert np.array_equal(pretrain.batch_indices(3, 3, batch, n), order[12:16])
+    assert not np.array_equal(pretrain.batch_indices(4, 0, batch, n), order[:4])
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        train.autocast("cpu", "fp8")

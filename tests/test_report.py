@@ -1,0 +1,210 @@
+"""The report: content, self-containment, the privacy-utility points from MLflow, and a real render
+in headless Chromium (no console errors; the screenshot shows the accuracy table)."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from pipeline import report
+from pipeline.eval.render import TABLE_HEAD_COLOR
+from pipeline.io import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class Tracker:
+    def __init__(self):
+        self.artifacts = []
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append((str(path), artifact_path))
+
+
+def history(key, steps):
+    return {"step": list(steps), "metrics": [{key: 3.0 / (1 + s)} for s in steps]}
+
+
+def check(name, passed=True):
+    return {"name": name, "passed": passed, "detail": f"{name} detail"}
+
+
+def metrics_json():
+    few = {"1": {"mean": 0.3, "std": 0.05, "runs": [0.25, 0.35]},
+           "10": {"mean": 0.7, "std": 0.01, "runs": [0.69, 0.71]}}
+    results = {"dp": {"linear_probe": 0.822, "fewshot_logreg": few, "zero_shot": 0.41},
+               "nonprivate": {"linear_probe": 0.9, "fewshot_logreg": few, "zero_shot": 0.6},
+               "synthetic": {"linear_probe": 0.804, "fewshot_logreg": few},
+               "random": {"linear_probe": 0.5, "fewshot_logreg": few, "zero_shot": 0.1}}
+    labels = {"dp": "DP (DP-Cap)", "nonprivate": "Non-private (DP-Cap without DP)",
+              "synthetic": "Synthetic only (Syn-ViP)", "random": "Random init"}
+    return {"primary_set": "digits", "objective": "caption", "model_order": list(labels),
+            "models": {k: {"label": v, "source": "x"} for k, v in labels.items()},
+            "protocol": {"pool": "cls", "last_k_blocks": 1, "probe_fraction": 0.5, "probe_solver": "logreg",
+                         "probe_c": 1.0, "fewshot": {"shots": [1, 10], "repeats": 2},
+                         "finetune": {"enabled": False, "repeats": 1}, "zero_shot": True},
+            "privacy": {"epsilon": 7.99, "delta": 4e-4, "accountant": "pld"},
+            "sets": {"digits": {"classes": [str(i) for i in range(10)], "n_probe_train": 269, "n_probe_test": 270,
+                                "chance": 0.102, "results": results}}}
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A finished run's report inputs, and an empty MLflow store."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    write_json("results/privacy/verification.json", {
+        "passed": True, "checks": [check("sampler_is_poisson"), check("epsilon_within_target")],
+        "epsilon": {"pld": 7.99, "rdp": 9.6}, "epsilon_reported": 7.99, "accountant": "pld", "delta": 4e-4,
+        "steps": 40, "sigma": 0.67, "sample_rate": 0.1, "n": 1258,
+        "epsilon_curve": {"pld": [[1, 2.3], [20, 5.8], [40, 7.99]], "rdp": [[1, 3.1], [20, 7.3], [40, 9.6]]}})
+    write_json("models/dp/ledger.json", {"target_epsilon": 8.0, "clip_norm": 1.0, "sensitivity": 1.0,
+                                         "noise_std": 0.67, "sampler": "poisson", "planned_steps": 40,
+                                         "objective": "caption"})
+    write_json("results/eval/metrics.json", metrics_json())
+    write_json("models/pretrain/history.json", history("loss", range(0, 300, 20)))
+    write_json("models/dp/history.json", history("heldout_loss", range(0, 40, 10)))
+    Path("data/synthetic").mkdir(parents=True)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+        "data/synthetic/contact_sheet.png")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["dp"]["noise_seed"] = 123456
+    # Reading MLflow is tested on its own below; here it would only add a fresh database's set-up time.
+    monkeypatch.setattr(report, "experiment_points", lambda *_: ([], "MLflow not read in this test"))
+    return tmp_path, params
+
+
+def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project):
+    root, params = project
+    tracker = Tracker()
+    report.run(params, SimpleNamespace(tracker=tracker))
+    out = root / "results/report"
+    page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    for text in ("(ε = 7.99, δ = 4.00e-04 = 1/2n)-DP", "2 of 2 checks passed", "PLD ε = 7.990", "RDP ε = 9.600",
+                 "82.2", "90.0", "80.4", "50.0", "30.0 ± 5.0", "Zero-shot", "1-shot", "10-shot", "DP (DP-Cap)"):
+        assert text in page and text in md, text
+    # Rows keep the evaluate stage's order (the JSON itself is key-sorted).
+    table = page[page.index("<table class='acc'"):]
+    rows = [table.index(m) for m in ("DP (DP-Cap)", "Non-private", "Synthetic only", "Random init")]
+    assert rows == sorted(rows)
+    assert "123456" not in page and "123456" not in md  # a known noise seed would undo the noise
+    assert "objective: mae" in page  # the params of the run are shown
+    # Nothing is fetched: every image is inlined and no attribute points anywhere.
+    sources = re.findall(r'\b(?:src|href)\s*=\s*["\']([^"\']*)', page)
+    assert sources and all(s.startswith("data:image/png;base64,") for s in sources)
+    assert "<script" not in page and "<link" not in page
+    for name in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):  # Markdown images sit beside it
+        assert (out / name).is_file(), name
+    assert tracker.artifacts == [("results/report", "report")]
+
+
+def test_failed_verification_is_the_first_thing_the_report_says(project):
+    root, params = project
+    ver = yaml.safe_load(Path("results/privacy/verification.json").read_text())
+    ver["passed"], ver["checks"] = False, [check("sampler_is_poisson", passed=False)]
+    write_json("results/privacy/verification.json", ver)
+    report.run(params, SimpleNamespace(tracker=Tracker()))
+    page = (root / "results/report/report.html").read_text()
+    assert "class='verdict bad'" in page and "FAILED" in page and "0 of 1 checks passed" in page
+    assert "✘ FAIL" in page
+
+
+def test_privacy_utility_points_come_from_finished_mlflow_runs(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    client = mlflow.tracking.MlflowClient()
+    exp = client.create_experiment("dpfm")
+
+    def stage_run(stage, parent, metrics, tags=(), params=(), status="FINISHED"):
+        run = client.create_run(exp, tags={"dpfm.stage": stage, "mlflow.parentRunId": parent, **dict(tags)})
+        for k, v in metrics.items():
+            client.log_metric(run.info.run_id, k, v)
+        for k, v in dict(params).items():
+            client.log_param(run.info.run_id, k, v)
+        client.set_terminated(run.info.run_id, status)
+
+    # An older pipeline: evaluate logged no ε; it comes from the dp-train run of the same parent.
+    stage_run("dp-train", "p1", {"epsilon": 2.0}, params={"dp.objective": "clip"})
+    stage_run("evaluate", "p1", {"dp_linear_probe_acc": 0.6}, {"dvc.input.models/dp": "h1"})
+    # One model evaluated twice: the latest run counts, once.
+    stage_run("evaluate", "p2", {"dp_linear_probe_acc": 0.7, "epsilon": 8.0},
+              {"dvc.input.models/dp": "h2", "dpfm.objective": "mae"})
+    stage_run("evaluate", "p3", {"dp_linear_probe_acc": 0.75, "epsilon": 8.0},
+              {"dvc.input.models/dp": "h2", "dpfm.objective": "mae"})
+    stage_run("evaluate", "p4", {"dp_linear_probe_acc": 0.99, "epsilon": 1.0}, {"dvc.input.models/dp": "h3"},
+              status="FAILED")
+    points, note = report.experiment_points("dpfm", current_model_hash="h2")
+    got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"]) for p in points)
+    assert got == [(2.0, 0.6, "clip", False), (8.0, 0.75, "mae", True)]
+    assert "2 DP model(s)" in note
+    none, note = report.experiment_points("elsewhere", None)
+    assert none == [] and "not found" in note
+
+
+def test_epsilon_curve_from_verification_or_recomputed():
+    given = {"pld": [[1, 2.0], [10, 5.0]]}
+    assert report.epsilon_curves({"epsilon_curve": given}) == {"pld": ([1, 10], [2.0, 5.0])}
+    assert report.epsilon_curves({"epsilon_curve": [{"step": 1, "pld": 2.0}, {"step": 10, "pld": 5.0}]}) == \
+        {"pld": ([1, 10], [2.0, 5.0])}
+    ver = {"steps": 10, "sigma": 1.0, "sample_rate": 0.1, "delta": 1e-5, "epsilon": {"rdp": 0}}
+    steps, eps = report.epsilon_curves(ver)["rdp"]
+    assert steps[0] == 1 and steps[-1] == 10 and all(a < b for a, b in zip(eps, eps[1:]))
+
+
+# -- a real browser ----------------------------------------------------------------------------
+
+# Appended to a copy of the page: an image that does not decode is reported on the console.
+IMAGE_CHECK = ("<script>window.addEventListener('load', () => { for (const img of document.images) "
+               "if (!img.complete || img.naturalWidth === 0) console.error('broken image: ' + img.alt); });</script>")
+
+
+def render(page: str, work: Path, name: str) -> tuple[list[str], Image.Image]:
+    """Open `page` alone in a fresh folder (so a relative reference would break) in headless Chromium:
+    the console lines it logged and its screenshot."""
+    folder = work / name
+    folder.mkdir()
+    (folder / "page.html").write_text(page.replace("</body>", IMAGE_CHECK + "</body>"))
+    shot = folder / "shot.png"
+    proc = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={folder / 'profile'}", "--enable-logging=stderr", "--v=0", "--hide-scrollbars",
+         "--window-size=1100,1500", f"--screenshot={shot}", (folder / "page.html").as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), proc.stderr[-2000:]
+    return [line for line in proc.stderr.splitlines() if ":CONSOLE" in line], Image.open(shot).convert("RGB")
+
+
+def table_head_pixels(image: Image.Image) -> int:
+    rgb = tuple(int(TABLE_HEAD_COLOR[i:i + 2], 16) for i in (1, 3, 5))
+    return int((np.asarray(image) == rgb).all(axis=-1).sum())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed "
+                                             "(apt-get install chromium); the browser check cannot run")
+def test_report_renders_in_headless_chromium_and_the_screenshot_shows_the_table(project, tmp_path):
+    root, params = project
+    report.run(params, SimpleNamespace(tracker=Tracker()))
+    page = (root / "results/report/report.html").read_text()
+    console, shot = render(page, tmp_path, "report")
+    assert console == []
+    assert table_head_pixels(shot) > 5000  # the table's header row is on screen
+
+    # The checks can fail: without the table, and with a broken image and a script error.
+    start, end = page.index("<table class='acc'"), page.index("</table>", page.index("<table class='acc'"))
+    _, no_table = render(page[:start] + page[end + len("</table>"):], tmp_path, "no-table")
+    assert table_head_pixels(no_table) == 0
+    broken = page.replace("</main>", "<img alt='lost' src='data:image/png;base64,AAAA'>"
+                                     "<script>undefinedFunction()</script></main>")
+    console, _ = render(broken, tmp_path, "broken")
+    assert any("broken image: lost" in line for line in console)
+    assert any("undefinedFunction" in line for line in console)

@@ -1,0 +1,375 @@
+"""Shards and their index (pipeline/data/shards.py, index.py): byte-exact random access, and every
+kind of bad input excluded with a count or stopped with a clear error, never a silently wrong n.
+
+Local files and fsspec's in-memory filesystem only; http(s) is tested in test_sources.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import types
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.data import shards_stage
+from pipeline.data.index import INDEX_NAME, IndexMismatch, build_index, duplicate_mask
+from pipeline.data.loader import BatchLoader
+from pipeline.data.remote import ShardReadError, filesystem
+from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from pipeline.data.transforms import decode_image, encode_jpeg
+from pipeline.io import read_json
+
+SIZE = 8
+
+
+def picture(rng, size=SIZE) -> np.ndarray:
+    return rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def write_set(directory, n=23, per_shard=5, prefix="s", seed=0) -> list[tuple]:
+    rng = np.random.default_rng(seed)
+    samples = [(f"{prefix}{i:04d}", encode_png(picture(rng)), f"caption number {i}", {"label": i % 3})
+               for i in range(n)]
+    with ShardWriter(directory, prefix=prefix, samples_per_shard=per_shard) as w:
+        for s in samples:
+            w.write(*s)
+    return samples
+
+
+def raw_tar(path, members) -> None:
+    """A tar holding exactly `members` [(name, bytes)], whatever they are."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+
+
+def good(key, rng, caption="a photo"):
+    return [(f"{key}.jpg", encode_jpeg(picture(rng, 16))), (f"{key}.txt", caption.encode()),
+            (f"{key}.json", b"{}")]
+
+
+def index(urls, tmp_path, name="out", workers=1):
+    stats = build_index([str(u) for u in urls], tmp_path / name, eval_fraction=1e-9, seed=0,
+                        cache_dir=tmp_path / f"{name}-cache", workers=workers, check_size=SIZE)
+    ds = ShardDataset(tmp_path / name / "private")
+    assert len(ds) == stats["private"]["usable"]  # the n accounting reads is what training reads
+    return stats, ds
+
+
+def excluded(stats) -> dict:
+    out = {}
+    for split in ("private", "eval"):
+        for k, v in stats[split]["excluded"].items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+# -- writer and reader -----------------------------------------------------------------------------
+
+def test_index_round_trips_every_member_byte_for_byte(tmp_path):
+    samples = write_set(tmp_path)
+    ds = ShardDataset(tmp_path)
+    assert len(ds) == len(samples)
+    by_key = {ds.key(i): i for i in range(len(ds))}
+    members = 0
+    for tar_path in sorted(tmp_path.glob("*.tar")):
+        with tarfile.open(tar_path) as t:
+            for m in t.getmembers():
+                key, ext = m.name.split(".", 1)
+                assert ds.read_member(by_key[key], ext) == t.extractfile(m).read()
+                members += 1
+    assert members == 3 * len(samples)
+    for i, (key, png, caption, meta) in enumerate(samples):
+        item = ds[i]
+        assert item["key"] == key and item["caption"] == caption and item["meta"] == meta
+        assert np.array_equal(item["image"], np.asarray(Image.open(io.BytesIO(png))))
+        assert ds.caption(i) == caption and ds.meta(i) == meta and ds.read_member(i, "png") == png
+    assert ds.load_images().shape == (len(samples), SIZE, SIZE, 3)
+    assert ds.index["key"] == [s[0] for s in samples]
+
+
+def test_scan_finds_the_offsets_the_writer_recorded(tmp_path):
+    write_set(tmp_path / "w")
+    written = pq.read_table(tmp_path / "w" / INDEX_NAME).to_pylist()
+    stats, ds = index(sorted((tmp_path / "w").glob("*.tar")), tmp_path)
+    scanned = pq.read_table(tmp_path / "out/private" / INDEX_NAME).to_pylist()
+    cols = ("key", "image_ext", "image_offset", "image_size", "txt_offset", "txt_size", "json_offset",
+            "json_size", "caption_len", "status")
+    assert [{c: r[c] for c in cols} for r in scanned] == [{c: r[c] for c in cols} for r in written]
+    assert stats["shards"] == {"listed": 5, "indexed": 5, "skipped": [], "damaged": []}
+
+
+def test_tars_are_byte_reproducible(tmp_path):
+    write_set(tmp_path / "a")
+    write_set(tmp_path / "b")
+    for a in sorted((tmp_path / "a").glob("*.tar")):
+        assert a.read_bytes() == (tmp_path / "b" / a.name).read_bytes()
+
+
+def test_writer_rejects_duplicate_keys_and_dotted_keys(tmp_path):
+    with pytest.raises(ValueError, match="duplicate sample key"):
+        with ShardWriter(tmp_path) as w:
+            w.write("a", b"x", "c", {})
+            w.write("a", b"y", "c", {})
+    assert not list(tmp_path.glob("*.tar"))  # nothing half-written left behind
+    with pytest.raises(ValueError, match="dot"):
+        ShardWriter(tmp_path).write("a.b", b"x", "c", {})
+
+
+def test_split_by_key_hash_is_disjoint_stable_and_near_the_fraction(tmp_path):
+    write_set(tmp_path / "w", n=400, per_shard=100)
+    urls = [str(u) for u in sorted((tmp_path / "w").glob("*.tar"))]
+    stats = build_index(urls, tmp_path / "o", eval_fraction=0.25, seed=3, cache_dir=tmp_path / "c",
+                        workers=1, check_size=SIZE)
+    private, held = ShardDataset(tmp_path / "o/private"), ShardDataset(tmp_path / "o/eval")
+    keys_p, keys_e = set(private.index["key"]), set(held.index["key"])
+    assert not keys_p & keys_e and len(keys_p | keys_e) == 400
+    assert 60 < len(keys_e) < 140 and stats["eval"]["usable"] == len(keys_e)
+    build_index(urls[::-1], tmp_path / "o2", eval_fraction=0.25, seed=3, cache_dir=tmp_path / "c",
+                workers=1, check_size=SIZE)
+    assert set(ShardDataset(tmp_path / "o2/eval").index["key"]) == keys_e  # order of shards does not matter
+    build_index(urls, tmp_path / "o3", eval_fraction=0.25, seed=4, cache_dir=tmp_path / "c",
+                workers=1, check_size=SIZE)
+    assert set(ShardDataset(tmp_path / "o3/eval").index["key"]) != keys_e  # the public seed does
+
+
+def test_scans_in_worker_processes_match_inline(tmp_path):
+    write_set(tmp_path / "w", n=30)
+    urls = sorted((tmp_path / "w").glob("*.tar"))
+    _, inline = index(urls, tmp_path, "a", workers=1)
+    _, pooled = index(urls, tmp_path, "b", workers=2)
+    assert inline.index == pooled.index
+
+
+# -- bad input: excluded with a count ----------------------------------------------------------------
+
+def test_bad_samples_are_excluded_and_counted(tmp_path):
+    rng = np.random.default_rng(1)
+    truncated_jpeg = encode_jpeg(picture(rng, 64))[:300]
+    members = (good("a", rng) + [("b.jpg", b"this is not an image"), ("b.txt", b"cap")]
+               + [("c.jpg", truncated_jpeg), ("c.txt", b"cap")]
+               + [("d.jpg", encode_jpeg(picture(rng, 16)))]                       # no caption
+               + [("e.jpg", encode_jpeg(picture(rng, 16))), ("e.txt", b"   ")]    # blank caption
+               + [("f.jpg", encode_jpeg(picture(rng, 16))), ("f.txt", b"\xff\xfe")]  # not UTF-8
+               + [("g.txt", b"a caption without an image")]
+               + good("h", rng))
+    raw_tar(tmp_path / "bad.tar", members)
+    stats, ds = index([tmp_path / "bad.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "h"]
+    assert excluded(stats) == {"corrupt_image": 2, "missing_caption": 2, "bad_caption": 1, "missing_image": 1}
+    assert stats["private"]["rows"] == 8
+
+
+def test_duplicate_keys_keep_the_first_copy_within_and_across_shards(tmp_path):
+    rng = np.random.default_rng(2)
+    raw_tar(tmp_path / "1.tar", good("a", rng) + good("b", rng) + good("a", rng, "again"))
+    raw_tar(tmp_path / "2.tar", good("b", rng, "copy") + good("c", rng))
+    stats, ds = index([tmp_path / "1.tar", tmp_path / "2.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "b", "c"]
+    assert [ds.caption(i) for i in range(3)] == ["a photo"] * 3  # the first copies
+    assert excluded(stats) == {"duplicate_key": 2}
+
+
+def test_duplicate_check_keeps_a_later_copy_when_the_first_is_unusable():
+    hashes = np.array([5, 7, 5, 5, 7], dtype=np.uint64)
+    usable = np.array([False, True, True, True, True])
+    assert duplicate_mask(hashes, usable).tolist() == [False, False, False, True, True]
+
+
+def test_tar_truncated_inside_a_member(tmp_path):
+    rng = np.random.default_rng(3)
+    raw_tar(tmp_path / "t.tar", good("a", rng) + good("b", rng) + good("c", rng))
+    data = (tmp_path / "t.tar").read_bytes()
+    cut = data.index(b"c.jpg") + 512 + 100  # 100 bytes into c's image
+    (tmp_path / "t.tar").write_bytes(data[:cut])
+    stats, ds = index([tmp_path / "t.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "b"]
+    assert excluded(stats) == {"truncated": 1}
+    assert "truncated" in stats["shards"]["damaged"][0]["problem"]
+
+
+def test_tar_truncated_between_members_or_corrupt_midway(tmp_path):
+    rng = np.random.default_rng(4)
+    raw_tar(tmp_path / "t.tar", good("a", rng) + good("b", rng) + good("c", rng))
+    data = (tmp_path / "t.tar").read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:data.index(b"c.jpg")])  # a clean cut before c
+    raw_tar(tmp_path / "g.tar", good("x", rng) + good("y", rng) + good("z", rng))
+    bad = bytearray((tmp_path / "g.tar").read_bytes())
+    at = bad.index(b"y.jpg")
+    bad[at:at + 512] = b"\x07" * 512  # a garbage header: tarfile alone would just stop here
+    (tmp_path / "garbled.tar").write_bytes(bytes(bad))
+    stats, ds = index([tmp_path / "cut.tar", tmp_path / "garbled.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "b", "x"]
+    assert excluded(stats) == {}
+    problems = {d["url"].rsplit("/", 1)[1]: d["problem"] for d in stats["shards"]["damaged"]}
+    assert "end-of-archive" in problems["cut.tar"]
+    assert "unreadable tar header" in problems["garbled.tar"]
+
+
+def test_unreadable_shards_are_skipped_and_counted(tmp_path):
+    rng = np.random.default_rng(5)
+    raw_tar(tmp_path / "ok.tar", good("a", rng))
+    (tmp_path / "junk.tar").write_bytes(b"\x01" * 4000)
+    stats, ds = index([tmp_path / "ok.tar", tmp_path / "missing.tar", tmp_path / "junk.tar"], tmp_path)
+    assert len(ds) == 1
+    skipped = {s["url"].rsplit("/", 1)[1]: s["error"] for s in stats["shards"]["skipped"]}
+    assert set(skipped) == {"missing.tar", "junk.tar"}
+    assert "FileNotFoundError" in skipped["missing.tar"] and "not a tar" in skipped["junk.tar"]
+
+
+def test_no_readable_shard_or_empty_list_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="empty shard list"):
+        build_index([], tmp_path / "o", eval_fraction=0.1, seed=0, cache_dir=tmp_path / "c", workers=1, check_size=8)
+    with pytest.raises(ValueError, match="none of the 1 shards could be read"):
+        build_index([str(tmp_path / "nope.tar")], tmp_path / "o", eval_fraction=0.1, seed=0,
+                    cache_dir=tmp_path / "c", workers=1, check_size=8)
+
+
+# -- an index that does not match its shards ------------------------------------------------------------
+
+def test_index_of_changed_shards_is_refused(tmp_path):
+    write_set(tmp_path / "a", n=10, per_shard=10, seed=1)
+    shard = tmp_path / "a/s-000000.tar"
+    original = shard.read_bytes()
+    shard.write_bytes(original + b"\0" * 512)
+    with pytest.raises(IndexMismatch, match="re-run the shards stage"):
+        ShardDataset(tmp_path / "a")
+    # Same size, other content (members shifted): caught at the read, by the tar header check.
+    shifted = original[1024:] + b"\0" * 1024
+    shard.write_bytes(shifted)
+    ds = ShardDataset(tmp_path / "a")
+    with pytest.raises(IndexMismatch, match="expects member 's0000.png'"):
+        ds.read_member(0, "png")
+    shard.unlink()
+    with pytest.raises(ShardReadError, match="missing"):
+        ShardDataset(tmp_path / "a")
+
+
+def test_header_check_catches_a_stale_offset(tmp_path):
+    """The check itself can fail: shifting one offset in the index makes reads refuse."""
+    write_set(tmp_path, n=4, per_shard=4)
+    table = pq.read_table(tmp_path / INDEX_NAME)
+    rows = table.to_pylist()
+    rows[1]["image_offset"] += 512
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), tmp_path / INDEX_NAME)
+    ds = ShardDataset(tmp_path)
+    assert ds.read_member(0, "png")
+    with pytest.raises(IndexMismatch):
+        ds.read_member(1, "png")
+
+
+def test_missing_index_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run the stage"):
+        ShardDataset(tmp_path)
+
+
+# -- remote shards through fsspec (in-memory filesystem) --------------------------------------------
+
+def test_memory_filesystem_shards_scan_and_read_by_range(tmp_path):
+    write_set(tmp_path / "w", n=12, per_shard=5)
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for p in sorted((tmp_path / "w").glob("*.tar")):
+        fs.pipe(f"/dpfm-test/{p.name}", p.read_bytes())
+        urls.append(f"memory:///dpfm-test/{p.name}")
+    try:
+        stats, ds = index(urls, tmp_path)
+        local = ShardDataset(tmp_path / "w")
+        assert ds.index["key"] == local.index["key"]
+        assert all(ds.read_sample(i) == local.read_sample(i) for i in range(len(ds)))
+        fs.pipe("/dpfm-test/s-000000.tar", b"\0" * 512 + (tmp_path / "w/s-000000.tar").read_bytes()[:-512])
+        with pytest.raises(IndexMismatch):  # remote shards are checked on every read
+            ShardDataset(tmp_path / "out/private").read_member(0, "png")
+    finally:
+        fs.rm("/dpfm-test", recursive=True)
+
+
+def test_s3_without_s3fs_names_the_missing_package():
+    try:
+        import s3fs  # noqa: F401
+        pytest.skip("s3fs is installed")
+    except ImportError:
+        pass
+    with pytest.raises(ShardReadError, match="s3fs"):
+        filesystem("s3://bucket/shard-000000.tar")
+
+
+# -- decoding and loading ----------------------------------------------------------------------------------
+
+def test_decode_centre_crops_to_the_model_resolution():
+    image = np.zeros((40, 80, 3), np.uint8)
+    image[:, 20:60] = 255  # the centre square is white, the sides black
+    out = decode_image(encode_png(image), 16)
+    assert out.shape == (16, 16, 3) and out.min() >= 250
+    assert decode_image(encode_png(image)).shape == (40, 80, 3)
+    with pytest.raises(Exception):
+        decode_image(b"not an image", 16)
+
+
+class FakeTokenizer:
+    def encode(self, captions, max_len):
+        return torch.tensor([[len(c)] * max_len for c in captions])
+
+
+def test_batch_loader_in_workers_matches_in_process_and_keeps_order(tmp_path):
+    write_set(tmp_path, n=20, per_shard=6)
+    ds = ShardDataset(tmp_path)
+    batches = [np.array([3, 1, 19]), np.array([], dtype=np.int64), np.arange(0, 20, 2)]
+    inline = list(BatchLoader(ds, 4, tokenizer=FakeTokenizer(), max_len=3)(batches))
+    pooled = list(BatchLoader(ds, 4, tokenizer=FakeTokenizer(), max_len=3, workers=2)(iter(batches)))
+    assert len(inline) == len(pooled) == 3
+    for b, (idx_a, (img_a, tok_a)), (idx_b, (img_b, tok_b)) in zip(batches, inline, pooled):
+        assert idx_a.tolist() == idx_b.tolist() == b.tolist()
+        assert img_a.shape == (len(b), 3, 4, 4) and torch.equal(img_a, img_b) and torch.equal(tok_a, tok_b)
+    assert tok_a[0, 0].item() == len(ds.caption(0))
+    # Normalised with the fixed public (ImageNet) constants, whatever the data's own statistics.
+    (x,) = BatchLoader(ds, SIZE).load(np.array([5]))
+    pixels = torch.tensor(ds.image(5)).float() / 255
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    assert torch.allclose(x[0], ((pixels - mean) / std).permute(2, 0, 1), atol=1e-6)
+
+
+# -- the stage ----------------------------------------------------------------------------------------------
+
+def test_digits_stage_writes_splits_and_stats(in_tmp):
+    params = {"run": {"seed": 0}, "shards": {"source": "digits", "image_size": 8, "eval_fraction": 0.3,
+                                              "samples_per_shard": 300}}
+    tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
+    shards_stage.run(params, types.SimpleNamespace(tracker=tracker, threads=1))
+    stats = read_json("data/shards/stats.json")
+    private, held = ShardDataset("data/shards/private"), ShardDataset("data/shards/eval")
+    assert stats["private"]["usable"] == len(private) and stats["eval"]["usable"] == len(held)
+    assert len(private) + len(held) == 1797 and stats["private"]["classes"] == 10
+    assert not set(private.index["key"]) & set(held.index["key"])
+    assert json.loads(private.read_member(0, "json"))["label"] == private.meta(0)["label"]
+
+
+def test_index_dict_keeps_per_format_offset_columns(tmp_path):
+    write_set(tmp_path, n=3)
+    ds = ShardDataset(tmp_path)
+    assert ds.index["png_offset"] == ds.index["image_offset"] and ds.index["png_size"] == ds.index["image_size"]
+    assert all(ds.read_member(i, "png")[:4] == b"\x89PNG" for i in range(3))
+
+
+def test_index_written_before_image_formats_were_recorded_still_reads(tmp_path):
+    samples = write_set(tmp_path, n=7, per_shard=3)
+    rows = pq.read_table(tmp_path / INDEX_NAME).to_pylist()
+    old = [{"key": r["key"], "shard": r["shard"], "caption_len": r["caption_len"], "status": r["status"],
+            "png_offset": r["image_offset"], "png_size": r["image_size"], "txt_offset": r["txt_offset"],
+            "txt_size": r["txt_size"], "json_offset": r["json_offset"], "json_size": r["json_size"]} for r in rows]
+    old[2]["status"] = "corrupt"
+    pq.write_table(pa.Table.from_pylist(old), tmp_path / INDEX_NAME)
+    ds = ShardDataset(tmp_path)
+    assert len(ds) == 6 and ds.status_counts == {"ok": 6, "corrupt": 1}
+    assert [ds.caption(i) for i in range(6)] == [s[2] for j, s in enumerate(samples) if j != 2]
+    assert ds.read_member(5, "png") == samples[6][1]

@@ -1,0 +1,320 @@
+"""Shard sources (pipeline/data/sources.py) and remote shards: URL lists with brace patterns, shards
+over http with ranged reads, img2dataset folders, and the resumable (url, caption) downloader.
+
+Network traffic stays on a loopback server started per test (127.0.0.1, an ephemeral port), which
+speaks HTTP Range like S3 and web servers do, and can be told to ignore it, to fail, to be slow.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.server
+import io
+import json
+import re
+import socket
+import tarfile
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.config import load_params, sections_of
+from pipeline.data import remote, shards_stage, sources
+from pipeline.data.index import build_index
+from pipeline.data.loader import BatchLoader
+from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from pipeline.data.transforms import decode_image, encode_jpeg
+from pipeline.io import read_json
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """Files under server.root; /slow/<f> answers after 3 s; /flaky/<f> fails once with 503."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_HEAD(self):
+        self._serve(body=False)
+
+    def do_GET(self):
+        self._serve(body=True)
+
+    def _serve(self, body: bool):
+        server = self.server
+        path = self.path.split("?", 1)[0]
+        server.requests[path] += 1
+        if path.startswith("/slow/"):
+            time.sleep(3.0)
+            path = path[len("/slow"):]
+        if path.startswith("/flaky/"):
+            path = path[len("/flaky"):]
+            if server.requests["/flaky" + path] == 1:
+                self.send_error(503)
+                return
+        file = server.root / path.lstrip("/")
+        if not file.is_file():
+            self.send_error(404)
+            return
+        data = file.read_bytes()
+        wanted = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if wanted and not server.ignore_range:
+            start = int(wanted.group(1))
+            end = int(wanted.group(2)) + 1 if wanted.group(2) else len(data)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            data = data[start:end]
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Accept-Ranges", "none" if server.ignore_range else "bytes")
+        self.end_headers()
+        if body:
+            try:
+                self.wfile.write(data)
+            except OSError:  # the client gave up (a timeout test)
+                pass
+
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass
+
+
+@pytest.fixture
+def serve(tmp_path):
+    started = []
+
+    def start(root: Path, ignore_range: bool = False) -> Server:
+        server = Server(("127.0.0.1", 0), Handler)
+        server.root, server.ignore_range, server.requests = root, ignore_range, collections.Counter()
+        server.url = f"http://127.0.0.1:{server.server_address[1]}"
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_set(directory, n=14, per_shard=5, seed=0):
+    rng = np.random.default_rng(seed)
+    with ShardWriter(directory, prefix="s", samples_per_shard=per_shard) as w:
+        for i in range(n):
+            w.write(f"k{i:04d}", encode_png(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)), f"caption {i}", {"i": i})
+
+
+def scan(urls, tmp_path, name="out"):
+    return build_index(urls, tmp_path / name, eval_fraction=1e-9, seed=0, cache_dir=tmp_path / f"{name}-cache",
+                       workers=1, check_size=8)
+
+
+# -- URL lists ----------------------------------------------------------------------------------------
+
+def test_brace_patterns_expand_in_order_and_local_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    urls = sources.expand_urls(["https://host/d/{00008..00011}.tar", "rel/s-{a,b}.tar", "s3://b/x.tar"])
+    assert urls == ["https://host/d/00008.tar", "https://host/d/00009.tar", "https://host/d/00010.tar",
+                    "https://host/d/00011.tar", str(tmp_path / "rel/s-a.tar"), str(tmp_path / "rel/s-b.tar"),
+                    "s3://b/x.tar"]
+
+
+def test_a_shard_listed_twice_or_no_shard_is_an_error():
+    with pytest.raises(ValueError, match="listed twice"):
+        sources.expand_urls(["https://h/{0..3}.tar", "https://h/2.tar"])
+    with pytest.raises(ValueError, match="empty"):
+        sources.expand_urls([])
+
+
+# -- shards over http -------------------------------------------------------------------------------
+
+def test_http_shards_are_scanned_and_read_by_range(tmp_path, serve):
+    write_set(tmp_path / "w")
+    server = serve(tmp_path / "w")
+    urls = sources.expand_urls([f"{server.url}/s-{{000000..000002}}.tar"])
+    stats = scan(urls, tmp_path)
+    remote_ds, local = ShardDataset(tmp_path / "out/private"), ShardDataset(tmp_path / "w")
+    assert stats["private"]["usable"] == len(remote_ds) == len(local) == 14
+    before = server.requests.copy()
+    for i in (13, 0, 7):
+        assert remote_ds.read_sample(i) == local.read_sample(i)
+    assert sum((server.requests - before).values()) == 3  # one ranged GET per sample: members are adjacent
+    assert all(np.array_equal(remote_ds.image(i), local.image(i)) for i in range(14))
+    # Decoding workers are forked after the parent has used its http client: they open their own.
+    batches = [np.array([0, 5, 13]), np.array([2, 3])]
+    over_http = [x for _, (x,) in BatchLoader(remote_ds, 8, workers=2)(batches)]
+    on_disk = [x for _, (x,) in BatchLoader(local, 8)(batches)]
+    assert all(torch.equal(a, b) for a, b in zip(over_http, on_disk)) and len(over_http) == 2
+
+
+def test_a_server_that_ignores_range_requests_is_refused_clearly(tmp_path, serve):
+    write_set(tmp_path / "w", n=3)
+    server = serve(tmp_path / "w", ignore_range=True)
+    with pytest.raises(ValueError, match="ignores HTTP Range"):
+        scan([f"{server.url}/s-000000.tar"], tmp_path)
+
+
+def test_unreachable_urls_are_skipped_and_counted(tmp_path, serve):
+    write_set(tmp_path / "w", n=3)
+    server = serve(tmp_path / "w")
+    dead = f"http://127.0.0.1:{closed_port()}/s-000000.tar"
+    stats = scan([f"{server.url}/s-000000.tar", f"{server.url}/nope.tar", dead], tmp_path)
+    assert stats["private"]["usable"] == 3
+    assert stats["shards"]["indexed"] == 1
+    assert [s["url"] for s in stats["shards"]["skipped"]] == [f"{server.url}/nope.tar", dead]
+
+
+# -- img2dataset output ----------------------------------------------------------------------------------
+
+def img2dataset_folder(root: Path, rng) -> None:
+    """What img2dataset writes with output_format=webdataset: tar, parquet and _stats.json per shard."""
+    root.mkdir()
+    for shard, n in ((0, 3), (1, 2), (2, 4)):
+        name = f"{shard:05d}"
+        with tarfile.open(root / f"{name}.tar", "w") as t:
+            for i in range(n):
+                key = f"{name}{i:04d}"
+                for ext, data in (("jpg", encode_jpeg(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8))),
+                                  ("txt", f"a photo {key}".encode()), ("json", json.dumps({"key": key}).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+        pq.write_table(pa.table({"key": [f"{name}{i:04d}" for i in range(n)], "status": ["success"] * n}),
+                       root / f"{name}.parquet")
+        if shard != 2:  # shard 2 was interrupted: img2dataset writes the stats last
+            (root / f"{name}_stats.json").write_text(json.dumps(
+                {"count": n + 1, "successes": n, "failed_to_download": 1, "failed_to_resize": 0}))
+
+
+def test_img2dataset_folder_is_used_as_it_is(tmp_path):
+    img2dataset_folder(tmp_path / "laion", np.random.default_rng(0))
+    urls, info = sources.img2dataset_shards(str(tmp_path / "laion"))
+    assert [Path(u).name for u in urls] == ["00000.tar", "00001.tar"]
+    assert info["img2dataset"] == {"count": 7, "successes": 5, "failed_to_download": 2, "failed_to_resize": 0}
+    assert [Path(u).name for u in info["incomplete_shards"]] == ["00002.tar"]
+    stats = scan(urls, tmp_path)
+    ds = ShardDataset(tmp_path / "out/private")
+    assert stats["private"]["usable"] == len(ds) == info["img2dataset"]["successes"]
+    assert ds.caption(4) == "a photo 000010001" and ds.image(4).shape == (20, 30, 3)
+    assert not list((tmp_path / "out/private").glob("*.tar"))  # indexed where they are, not copied
+
+
+def test_img2dataset_folder_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a folder"):
+        sources.img2dataset_shards(str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="no .tar shards"):
+        sources.img2dataset_shards(str(tmp_path))
+
+
+# -- downloading a (url, caption) table ------------------------------------------------------------------
+
+def test_download_retries_skips_counts_and_resumes(tmp_path, serve):
+    rng = np.random.default_rng(0)
+    (tmp_path / "www").mkdir()
+    for i in range(10):
+        (tmp_path / "www" / f"img{i}.png").write_bytes(encode_png(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)))
+    (tmp_path / "www/notimage.png").write_bytes(b"<html>gone</html>")
+    server = serve(tmp_path / "www")
+    u = server.url
+    rows = ([(f"{u}/img{i}.png", f"picture {i}") for i in range(10)]
+            + [(f"{u}/missing1.png", "x"), (f"{u}/missing2.png", "y"), (f"{u}/slow/img0.png", "slow"),
+               (f"{u}/flaky/img1.png", "flaky"), (f"{u}/notimage.png", "z"), (f"{u}/img2.png", ""),
+               (f"http://127.0.0.1:{closed_port()}/img.png", "dead")])
+    table = tmp_path / "pairs.csv"
+    table.write_text("url,caption\n" + "".join(f'{a},"{b}"\n' for a, b in rows))
+    kwargs = dict(image_size=16, samples_per_shard=6, threads=4, timeout_s=1.0, retries=1)
+    out = tmp_path / "dl"
+
+    shards, stats = sources.download(str(table), out, **kwargs)
+    assert stats["download"] == {"rows": 17, "written": 11, "shards": 3, "reused_shards": 0, "failed": {
+        "http_404": 2, "timeout": 1, "not_image": 1, "missing_caption": 1, "connection": 1}}
+    assert server.requests["/flaky/img1.png"] == 2      # a 503 is retried...
+    assert server.requests["/missing1.png"] == 1        # ...a 404 is not
+    assert server.requests["/slow/img0.png"] == 2       # timed out twice (retries=1), then skipped
+    index_stats = scan(shards, tmp_path)
+    ds = ShardDataset(tmp_path / "out/private")
+    assert index_stats["private"]["usable"] == len(ds) == 11
+    assert ds.image(0).shape == (16, 16, 3) and ds.caption(10) == "flaky" and ds.meta(10)["row"] == 13
+
+    # Resume: complete shards (size and sha256 as recorded) are kept without a request.
+    requests = sum(server.requests.values())
+    shards2, stats2 = sources.download(str(table), out, **kwargs)
+    assert shards2 == shards and stats2["download"]["reused_shards"] == 3
+    assert sum(server.requests.values()) == requests
+    # A damaged shard is downloaded again; the others are still kept.
+    damaged = Path(shards[1])
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    _, stats3 = sources.download(str(table), out, **kwargs)
+    assert stats3["download"]["reused_shards"] == 2 and stats3["download"]["written"] == 11
+    assert server.requests["/img6.png"] == 2 and server.requests["/img0.png"] == 1
+    assert not list(out.glob(".*.tmp"))  # writes are atomic: no temporary files left
+
+
+def test_download_table_problems_are_clear_errors(tmp_path):
+    (tmp_path / "t.csv").write_text("link,text\nhttp://x/a.png,hi\n")
+    with pytest.raises(ValueError, match="no column 'url'.*link, text.*url_column"):
+        sources.download(str(tmp_path / "t.csv"), tmp_path / "o", image_size=8, samples_per_shard=4)
+    (tmp_path / "t.json").write_text("{}")
+    with pytest.raises(ValueError, match="expected a .parquet, .csv or .tsv"):
+        sources.download(str(tmp_path / "t.json"), tmp_path / "o", image_size=8, samples_per_shard=4)
+    with pytest.raises(ValueError, match="does not exist"):
+        sources.download(str(tmp_path / "none.parquet"), tmp_path / "o", image_size=8, samples_per_shard=4)
+
+
+def test_parquet_table_with_other_column_names(tmp_path, serve):
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www/a.png").write_bytes(encode_png(np.full((9, 9, 3), 200, np.uint8)))
+    server = serve(tmp_path / "www")
+    pq.write_table(pa.table({"URL": [f"{server.url}/a.png"], "TEXT": ["grey"]}), tmp_path / "t.parquet")
+    shards, stats = sources.download(str(tmp_path / "t.parquet"), tmp_path / "o", image_size=8,
+                                     samples_per_shard=4, url_column="URL", caption_column="TEXT")
+    assert stats["download"]["written"] == 1
+    with tarfile.open(shards[0]) as t:
+        image = decode_image(t.extractfile("000000000.jpg").read())
+    assert image.shape == (8, 8, 3) and abs(int(image.mean()) - 200) <= 2
+
+
+# -- the stage -------------------------------------------------------------------------------------
+
+def test_shards_stage_with_a_url_list(in_tmp):
+    write_set(in_tmp / "ext", n=40, per_shard=10)
+    with tarfile.open(in_tmp / "ext/s-000004.tar", "w") as t:  # one more shard, with a corrupt image
+        for name, data in (("bad.png", b"not a png"), ("bad.txt", b"caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    pattern = str(in_tmp / "ext/s-{000000..000004}.tar")
+    # The params as `dpfm shards --set ...` would validate them; the MLflow tracker is stubbed (slow).
+    params = load_params(overrides=["shards.source=urls", f"shards.urls=['{pattern}']",
+                                    "shards.eval_fraction=0.25", "shards.workers=1"])
+    tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
+    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(tracker=tracker, threads=1))
+    stats = read_json("data/shards/stats.json")
+    private, held = ShardDataset("data/shards/private"), ShardDataset("data/shards/eval")
+    assert stats["private"]["usable"] == len(private) and stats["eval"]["usable"] == len(held)
+    assert len(private) + len(held) == 40
+    assert sum(stats[s]["excluded"].get("corrupt_image", 0) for s in ("private", "eval")) == 1
+    assert stats["shards"]["indexed"] == 5 and stats["source"] == "urls"

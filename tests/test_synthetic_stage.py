@@ -1,0 +1,179 @@
+"""The `synthetic` stage: byte-identical output whatever the worker count and however often it was
+interrupted, a resumable staging area, and an index, manifest and quality figures that match the shards."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline.data import synthetic, synthetic_stage
+from pipeline.data.shards import ShardDataset
+
+CFG = {"num_programs": 12, "frames_per_program": 3, "resolution": 16, "mix_k": 1, "mix_alpha": 1.0,
+       "samples_per_shard": 8, "workers": 1}  # 36 images in 5 shards, the last one short
+SHARDS = 5
+
+
+class Tracker:
+    def __init__(self):
+        self.metrics, self.artifacts = {}, []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append(str(path))
+
+
+def run_stage(workdir: Path, **overrides) -> Tracker:
+    """Run the stage in `workdir` (its outputs and .dpfm/state are relative to the working directory)."""
+    ctx = SimpleNamespace(tracker=Tracker(), threads=1, device="cpu")
+    params = {"run": {"seed": 7}, "synthetic": {**CFG, **overrides}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(workdir)
+        synthetic_stage.run(params, ctx)
+    return ctx.tracker
+
+
+def output_bytes(workdir: Path) -> dict[str, bytes]:
+    out = workdir / synthetic_stage.OUT_DIR
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted single-process run."""
+    work = tmp_path_factory.mktemp("reference")
+    tracker = run_stage(work)
+    return work, tracker
+
+
+def staged(workdir: Path) -> list[str]:
+    return sorted(p.name for p in (workdir / ".dpfm/state").glob("synthetic-*/*.tar"))
+
+
+def test_two_workers_write_the_same_bytes_as_one(reference, tmp_path):
+    ref, _ = reference
+    run_stage(tmp_path, workers=2)
+    expected = output_bytes(ref)
+    assert sorted(expected) == sorted([synthetic_stage.shard_name(i) for i in range(SHARDS)] +
+                                      ["contact_sheet.png", "index.parquet", "manifest.json", "stats.json"])
+    assert output_bytes(tmp_path) == expected
+    assert staged(tmp_path) == [] and staged(ref) == []  # staging is cleared once the output is whole
+
+
+def patch_build(monkeypatch, fail_on=None, fail_after=None, exc=RuntimeError):
+    """Replace build_shard (single-process runs call it directly) with one that records each shard it
+    renders and raises at shard `fail_on` or once `fail_after` shards are done."""
+    real_build, rendered = synthetic_stage.build_shard, []
+
+    def build(staging, shard, cfg, seed):
+        if shard == fail_on or len(rendered) == fail_after:
+            raise exc(f"simulated crash before shard {shard}")
+        rendered.append(shard)
+        return real_build(staging, shard, cfg, seed)
+
+    monkeypatch.setattr(synthetic_stage, "build_shard", build)
+    return rendered
+
+
+def test_an_interrupted_run_resumes_to_the_same_bytes(reference, tmp_path, monkeypatch):
+    ref, _ = reference
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    with monkeypatch.context() as m:
+        patch_build(m, fail_after=2, exc=KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            run_stage(crashed)
+    assert not (crashed / synthetic_stage.OUT_DIR).exists()  # nothing half-written is visible
+    assert staged(crashed) == [synthetic_stage.shard_name(0), synthetic_stage.shard_name(1)]
+    other = tmp_path / "other"
+    shutil.copytree(crashed, other)
+
+    with monkeypatch.context() as m:
+        rendered = patch_build(m)
+        tracker = run_stage(crashed)
+    assert rendered == [2, 3, 4]  # only the missing shards
+    assert tracker.metrics["shards_resumed"] == 2
+    assert output_bytes(crashed) == output_bytes(ref)
+
+    run_stage(other, workers=2)  # resuming with another worker count changes nothing either
+    assert output_bytes(other) == output_bytes(ref)
+
+
+def test_a_damaged_staged_shard_is_rendered_again(reference, tmp_path, monkeypatch):
+    ref, _ = reference
+    with monkeypatch.context() as m:
+        patch_build(m, fail_on=3)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run_stage(tmp_path)
+    tar = next((tmp_path / ".dpfm/state").glob("synthetic-*/")) / synthetic_stage.shard_name(1)
+    data = bytearray(tar.read_bytes())
+    data[2000] ^= 0xFF  # same size, different content: only the sha256 can tell
+    tar.write_bytes(bytes(data))
+
+    rendered = patch_build(monkeypatch)
+    run_stage(tmp_path)
+    assert rendered == [1, 3, 4]
+    assert output_bytes(tmp_path) == output_bytes(ref)
+
+
+def test_staging_is_keyed_by_what_decides_the_bytes():
+    key = synthetic_stage.staging_dir(CFG, 7)
+    assert synthetic_stage.staging_dir({**CFG, "workers": 8}, 7) == key
+    assert synthetic_stage.staging_dir(CFG, 8) != key
+    assert synthetic_stage.staging_dir({**CFG, "resolution": 32}, 7) != key
+    assert synthetic_stage.staging_dir({**CFG, "samples_per_shard": 9}, 7) != key
+
+
+def test_index_manifest_images_and_stats_agree(reference):
+    ref, tracker = reference
+    out = ref / synthetic_stage.OUT_DIR
+    ds = ShardDataset(out)
+    items = [(p, f) for p in range(CFG["num_programs"]) for f in range(CFG["frames_per_program"])]
+    assert ds.index["key"] == [f"p{p:06d}-f{f:03d}" for p, f in items]
+    assert [ds.meta(i) for i in range(len(ds))] == [{"program": p, "frame": f} for p, f in items]
+    assert ds.caption(4) == synthetic.describe_program(1, 7)
+    images = ds.load_images()
+    assert images.shape == (36, 16, 16, 3) and images.dtype == np.uint8
+    expected = synthetic.render_items(items, 16, base_seed=7).numpy()
+    assert np.array_equal(images, expected)  # PNG round trip is lossless, shards hold what was rendered
+    ds.close()
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["shard"] for s in manifest["shards"]] == [synthetic_stage.shard_name(i) for i in range(SHARDS)]
+    for entry in manifest["shards"]:
+        data = (out / entry["shard"]).read_bytes()
+        assert len(data) == entry["size"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+    assert sum(s["images"] for s in manifest["shards"]) == pq.read_table(out / "index.parquet").num_rows == 36
+
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["quality_sample"] == 36  # fewer images than the sample size: all of them
+    assert stats["near_constant_fraction"] == synthetic.near_constant_fraction(images)
+    assert stats["near_constant_fraction"] <= synthetic_stage.NEAR_CONSTANT_TARGET
+    assert stats["diversity"] == pytest.approx(synthetic.diversity(images))
+    assert np.isfinite(stats["diversity"]) and stats["diversity"] > 1.0
+    sheet = np.asarray(Image.open(io.BytesIO((out / "contact_sheet.png").read_bytes())))
+    assert sheet.shape == (5 * 18 + 2, 8 * 18 + 2, 3)  # 36 images, 8 a row, 2 px gaps
+    assert {"near_constant_fraction", "diversity", "images", "images_per_s"} <= set(tracker.metrics)
+    assert any(a.endswith("contact_sheet.png") for a in tracker.artifacts)
+
+
+def test_quality_sample_is_seeded_and_capped(tmp_path, monkeypatch):
+    monkeypatch.setattr(synthetic_stage, "STATS_SAMPLE", 10)
+    run_stage(tmp_path)
+    stats = json.loads((tmp_path / synthetic_stage.OUT_DIR / "stats.json").read_text())
+    assert stats["quality_sample"] == 10
+    first = synthetic_stage.quality_sample(tmp_path / synthetic_stage.OUT_DIR, 36, 7)
+    again = synthetic_stage.quality_sample(tmp_path / synthetic_stage.OUT_DIR, 36, 7)
+    assert first.shape == (10, 16, 16, 3) and np.array_equal(first, again)
+    shutil.rmtree(tmp_path / ".dpfm", ignore_errors=True)

@@ -1,0 +1,124 @@
+"""The `tokenizer` stage: trained on public text only (private captions in the working directory do
+not change a byte of it), deterministic, the vocabulary size it is asked for, BOS/EOS/PAD encoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data import tokenizer as tok
+from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+
+POISON = "wombatronic"  # a word no public corpus holds
+
+
+@pytest.fixture(autouse=True, scope="module")
+def smaller_corpus():
+    """The language reference topics and a few stdlib files (the full corpus takes seconds to parse)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tok, "MAX_CORPUS_CHARS", 600_000)
+        tok.public_corpus.cache_clear()
+        yield
+    tok.public_corpus.cache_clear()
+
+
+class Tracker:
+    def __init__(self):
+        self.metrics = {}
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+
+def run_stage(project: Path, monkeypatch, vocab_size=256, model_type="unigram") -> bytes:
+    project.mkdir(parents=True, exist_ok=True)
+    ctx = SimpleNamespace(tracker=Tracker(), threads=2, device="cpu")
+    with monkeypatch.context() as m:
+        m.chdir(project)
+        tok.run({"run": {"seed": 0}, "tokenizer": {"vocab_size": vocab_size, "model_type": model_type}}, ctx)
+    assert ctx.tracker.metrics["vocab_size"] == vocab_size
+    return (project / tok.OUT_DIR / "spm.model").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def clean_model(tmp_path_factory, smaller_corpus):
+    with pytest.MonkeyPatch.context() as m:
+        return run_stage(tmp_path_factory.mktemp("clean"), m)
+
+
+def write_private_captions(project: Path) -> None:
+    """Private shards whose captions repeat one made-up word, where the shards stage puts them."""
+    image = np.zeros((8, 8, 3), np.uint8)
+    for split in ("private", "eval"):
+        with ShardWriter(project / "data/shards" / split, prefix=split, samples_per_shard=500) as writer:
+            for i in range(1000):
+                writer.write(f"{split}{i:05d}", encode_png(image), f"a {POISON} {POISON}ish {POISON}s photo", {})
+
+
+def check_public_only(project: Path, clean: bytes, monkeypatch) -> None:
+    """Train with private captions on disk; the model must be the one trained without them."""
+    write_private_captions(project)
+    tok.public_corpus.cache_clear()  # build the corpus again, here, beside the private data
+    poisoned = run_stage(project, monkeypatch)
+    pieces = [p.lstrip("▁") for p in tok.Tokenizer(project / tok.OUT_DIR).sp.id_to_piece(list(range(256)))]
+    assert not [p for p in pieces if len(p) >= 6 and p in POISON], "a piece of the private word is in the vocab"
+    assert poisoned == clean, "the vocabulary changed when private captions were present"
+
+
+def test_private_captions_do_not_change_the_vocabulary(clean_model, tmp_path, monkeypatch):
+    check_public_only(tmp_path, clean_model, monkeypatch)
+
+
+def test_the_check_catches_a_corpus_that_reads_the_private_captions(clean_model, tmp_path, monkeypatch):
+    public = tok.public_corpus
+
+    def leaky_corpus():  # a broken stage: it adds the captions it finds under data/shards
+        ds = ShardDataset("data/shards/private")
+        return public() + tuple(ds.caption(i) for i in range(len(ds)))
+
+    leaky_corpus.cache_clear = public.cache_clear
+    monkeypatch.setattr(tok, "public_corpus", leaky_corpus)
+    with pytest.raises(AssertionError, match="private word|vocabulary changed"):
+        check_public_only(tmp_path, clean_model, monkeypatch)
+
+
+def test_training_is_deterministic(clean_model, tmp_path, monkeypatch):
+    assert run_stage(tmp_path, monkeypatch) == clean_model
+    info = json.loads((tmp_path / tok.OUT_DIR / "tokenizer.json").read_text())
+    assert info["vocab_size"] == 256 and info["chars"] > 600_000
+    assert sorted(p.name for p in (tmp_path / tok.OUT_DIR).iterdir()) == ["spm.model", "tokenizer.json"]
+
+
+def test_the_vocabulary_size_param_is_honoured(tmp_path, monkeypatch):
+    for size in (300, 1000):
+        run_stage(tmp_path, monkeypatch, vocab_size=size, model_type="bpe")
+        assert tok.Tokenizer(tmp_path / tok.OUT_DIR).vocab_size == size
+
+
+def test_a_vocabulary_size_the_corpus_cannot_give_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"tokenizer.vocab_size=200000 is more than .* at most \d+"):
+        run_stage(tmp_path, monkeypatch, vocab_size=200000, model_type="bpe")
+    with pytest.raises(ValueError, match=r"tokenizer.vocab_size=64 is less than .* at least \d+"):
+        run_stage(tmp_path, monkeypatch, vocab_size=64, model_type="bpe")
+
+
+def test_encode_adds_bos_eos_pads_and_truncates(clean_model, tmp_path):
+    (tmp_path / "spm.model").write_bytes(clean_model)
+    t = tok.Tokenizer(tmp_path)
+    caption = "the number seven written by hand"
+    pieces = t.sp.encode(caption)
+    ids = t.encode([caption, ""], max_len=len(pieces) + 4)
+    assert ids.dtype == torch.long and ids.shape == (2, len(pieces) + 4)
+    assert ids[0].tolist() == [tok.BOS_ID, *pieces, tok.EOS_ID, tok.PAD_ID, tok.PAD_ID]
+    assert ids[1].tolist() == [tok.BOS_ID, tok.EOS_ID] + [tok.PAD_ID] * (len(pieces) + 2)
+    short = t.encode([caption], max_len=4)
+    assert short[0].tolist() == [tok.BOS_ID, *pieces[:2], tok.EOS_ID]  # cut, but still ends with EOS
+    assert t.decode(ids[:1]) == [caption]
+    assert int(ids.max()) < t.vocab_size
+    with pytest.raises(ValueError, match="max_len=1"):
+        t.encode([caption], max_len=1)

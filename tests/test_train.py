@@ -1,0 +1,122 @@
+"""The shared training loop (pipeline/train.py): schedule, optimiser groups, autocast policy, atomic
+checkpoints and exact resume of run_loop on a toy problem."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline import train
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_zero():
+    base, warmup, total = 0.1, 5, 25
+    lrs = [train.lr_at(s, base, warmup, total) for s in range(total + 1)]
+    assert lrs[:warmup] == pytest.approx([base * (s + 1) / warmup for s in range(warmup)])
+    assert lrs[warmup] == pytest.approx(base)
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    assert lrs[warmup + 10] == pytest.approx(base * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lrs[total] == pytest.approx(0.0)
+    assert train.lr_at(3, base, 0, 10) < base  # no warm-up: cosine from the first step
+
+
+def test_adamw_betas_and_no_decay_on_norms_biases_and_tokens():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = train.make_optimizer(model, "adamw", 1e-3, 0.05)
+    assert opt.defaults["betas"] == (0.9, 0.95)
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.05 and [p.shape for p in decayed["params"]] == [torch.Size([3, 4])]
+    assert plain["weight_decay"] == 0.0 and all(p.ndim == 1 for p in plain["params"]) and len(plain["params"]) == 3
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        train.make_optimizer(model, "adam", 1e-3, 0.05)
+
+
+def test_autocast_is_bf16_only_when_asked_or_on_a_supporting_gpu():
+    with train.autocast("cpu", "bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    for precision in ("auto", "fp32"):
+        with train.autocast("cpu", precision):
+            assert not torch.is_autocast_enabled("cpu")
+    assert train.uses_bf16("cpu", "auto") is False
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        train.uses_bf16("cpu", "fp8")
+
+
+def test_state_dir_is_keyed_by_params():
+    a = train.state_dir("pretrain", {"x": 1, "y": [1, 2]})
+    assert a == train.state_dir("pretrain", {"y": [1, 2], "x": 1})  # key order does not matter
+    assert a != train.state_dir("pretrain", {"x": 2, "y": [1, 2]})
+    assert a != train.state_dir("dp-train", {"x": 1, "y": [1, 2]})
+    assert a.parent == train.STATE_ROOT
+
+
+def test_checkpoint_round_trip(tmp_path):
+    ckpt = train.Checkpointer(tmp_path / "run")
+    assert ckpt.load() is None
+    state = {"model": {"w": torch.randn(3, 4), "step": torch.tensor(7)}, "rng": torch.get_rng_state(),
+             "history": {"step": [0, 10], "metrics": [{"loss": 1.5}, {"loss": 1.25}]}, "step": 11}
+    ckpt.save(state)
+    back = ckpt.load()
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and torch.equal(back["rng"], state["rng"])
+    assert back["history"] == state["history"] and back["step"] == 11
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint.pt"]
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    ckpt = train.Checkpointer(tmp_path)
+    ckpt.save({"step": 1})
+    real_save = torch.save
+
+    def half_written(obj, path):
+        real_save(obj, path)
+        with open(path, "r+b") as f:
+            f.truncate(10)  # the process dies mid-write
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", half_written)
+    with pytest.raises(OSError):
+        ckpt.save({"step": 2})
+    assert ckpt.load() == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temp file left behind
+
+
+def _toy_run(directory, total, fail_at=None, log=None):
+    """A tiny regression whose steps draw data and dropout from the global RNG: the resume has to
+    restore it, as well as the model and the optimizer, to match."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    opt = train.make_optimizer(model, "adamw", 0.01, 0.1)
+
+    def step_fn(step):
+        if step == fail_at:
+            raise KeyboardInterrupt
+        x = torch.randn(16, 3)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return {"loss": loss.item()}
+
+    starts = []
+    history = train.run_loop(model=model, optimizer=opt, total_steps=total, base_lr=0.01, warmup=2,
+                             step_fn=step_fn, checkpointer=train.Checkpointer(directory), checkpoint_every=3,
+                             desc="toy", log_every=1, on_start=starts.append,
+                             on_log=(lambda s, m: log.append(s)) if log is not None else None)
+    return model, history, starts
+
+
+def test_run_loop_resumes_exactly(tmp_path):
+    torch.set_num_threads(1)
+    straight, straight_history, _ = _toy_run(tmp_path / "a", 10)
+    with pytest.raises(KeyboardInterrupt):
+        _toy_run(tmp_path / "b", 10, fail_at=7)  # the last checkpoint is at step 6
+    log = []
+    resumed, history, starts = _toy_run(tmp_path / "b", 10, log=log)
+    assert starts == [6] and log == [6, 7, 8, 9]
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
+    assert [m["loss"] for m in history["metrics"]] == [m["loss"] for m in straight_history["metrics"]]
+    assert [round(m["lr"], 12) for m in history["metrics"]] == [round(train.lr_at(s, 0.01, 2, 10), 12)
+                                                                for s in range(10)]

@@ -1,0 +1,269 @@
+"""The `verify` stage: a ledger from a realistic run passes; a ledger doctored to break one guarantee
+fails exactly the check that guards it; the stage exits 3 and leaves no verification.json."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import cli
+from pipeline.config import load_params
+from pipeline.data.sampling import PoissonSampler
+from pipeline.dp_train import plan_mechanism
+from pipeline.errors import VerificationFailed
+from pipeline.io import read_json, write_json
+from pipeline.privacy import accounting, verify as V
+from pipeline.privacy.ledger import Ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 1257  # usable private examples of the default digits split
+ALPHA = 0.001
+ACCOUNTANTS = ["pld", "rdp"]
+
+
+def default_dp() -> dict:
+    return load_params(ROOT / "params.yaml", schema_path=ROOT / "schemas/params.schema.yaml")["dp"]
+
+
+def realistic_ledger(tmp, dp: dict, n: int = N, key: int = 7, steps: int | None = None, q: float | None = None) -> dict:
+    """What dp-train writes: plan_mechanism's header, the real Poisson sampler's batch sizes, the claimed ε."""
+    mech = plan_mechanism(dp, n)
+    sampler = PoissonSampler(n, q or mech["sample_rate"], key)
+    ledger = Ledger(tmp / f"ledger-{key}-{dp['objective']}.jsonl", mech)
+    for t in range(steps or dp["steps"]):
+        ledger.record_step(t, len(sampler.batch(t)))
+    record = ledger.to_dict()
+    record["nonfinite_examples"] = 0
+    record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], ledger.steps, mech["delta"],
+                                           accountant=mech["accountant"])
+    return record
+
+
+@pytest.fixture(scope="module")
+def dp():
+    return default_dp()
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory, dp):
+    return realistic_ledger(tmp_path_factory.mktemp("ledger"), dp)
+
+
+def failed(result: dict) -> set[str]:
+    return {c["name"] for c in result["checks"] if not c["passed"]}
+
+
+def run_verify(ledger, steps=None, dp=None):
+    dp = dp or default_dp()
+    return V.verify(ledger, len(ledger["batch_sizes"]) if steps is None else steps, dp, ACCOUNTANTS, ALPHA)
+
+
+def test_realistic_run_passes_every_check(valid, dp):
+    result = run_verify(valid, dp=dp)
+    assert failed(result) == set(), result["checks"]
+    assert len(result["checks"]) == 10
+    assert result["epsilon_reported"] == pytest.approx(valid["epsilon"], rel=1e-3)
+    assert result["epsilon"]["pld"] <= result["epsilon"]["rdp"]
+    assert result["epsilon_reported"] <= dp["epsilon"]
+
+
+def test_realistic_clip_run_passes(tmp_path, dp):
+    dp = {**dp, "objective": "clip"}
+    ledger = realistic_ledger(tmp_path, dp)
+    assert ledger["sensitivity"] == 2.0 and ledger["noise_std"] == pytest.approx(2 * ledger["sigma"] * dp["clip_norm"])
+    assert failed(run_verify(ledger, dp=dp)) == set()
+
+
+def test_epsilon_curve_ends_at_the_reported_epsilon(valid):
+    result = run_verify(valid)
+    curve = result["epsilon_curve"]
+    assert curve["steps"][-1] == valid["steps"] and len(curve["steps"]) == len(curve["pld"]) == len(curve["rdp"])
+    assert curve["steps"] == sorted(set(curve["steps"]))
+    assert all(np.diff(curve["pld"]) > 0) and all(np.diff(curve["rdp"]) > 0)
+    assert curve["pld"][-1] == pytest.approx(result["epsilon"]["pld"], rel=2e-3)
+    assert curve["rdp"][-1] == pytest.approx(result["epsilon"]["rdp"], rel=1e-9)
+
+
+def _with(ledger, **changes):
+    out = copy.deepcopy(ledger)
+    out.update(changes)
+    return out
+
+
+def _reclaim(ledger):
+    """Re-derive the claimed ε from the (doctored) ledger, so only the doctored property is wrong."""
+    m = ledger["noise_std"] / (ledger["sensitivity"] * ledger["clip_norm"])
+    return _with(ledger, epsilon=accounting.epsilon(m, ledger["sample_rate"], len(ledger["batch_sizes"]),
+                                                    ledger["delta"], accountant=ledger["accountant"]))
+
+
+def _sizes(ledger, q, steps=None, key=99):
+    sampler = PoissonSampler(ledger["n"], q, key)
+    return [len(sampler.batch(t)) for t in range(steps or ledger["steps"])]
+
+
+# Each case: (doctored ledger, the optimizer's step count, params dp) -> the checks that must fail.
+DOCTORED = {
+    "optimizer applied an uncharged step": (lambda L, dp: (L, L["steps"] + 1, dp), {"ledger_steps_match_optimizer"}),
+    "optimizer applied fewer steps": (lambda L, dp: (L, L["steps"] - 1, dp), {"ledger_steps_match_optimizer"}),
+    "header step count disagrees": (lambda L, dp: (_with(L, steps=L["steps"] - 1), None, dp),
+                                    {"ledger_steps_match_optimizer"}),
+    "shuffling sampler": (lambda L, dp: (_with(L, sampler="shuffle"), None, dp), {"sampler_is_poisson"}),
+    "clip objective accounted at sensitivity 1": (
+        lambda L, dp: (_with(L, objective="clip"), None, {**dp, "objective": "clip"}),
+        {"sensitivity_matches_objective"}),
+    "per-sample objective accounted at sensitivity 2": (
+        lambda L, dp: (_reclaim(_with(L, sensitivity=2.0, noise_std=2 * L["noise_std"])), None, dp),
+        {"sensitivity_matches_objective"}),
+    "σ recorded above the noise applied": (lambda L, dp: (_with(L, sigma=1.5 * L["sigma"]), None, dp),
+                                           {"noise_matches_sigma"}),
+    "noise applied below σ·K·C": (lambda L, dp: (_with(L, noise_std=0.8 * L["noise_std"]), None, dp),
+                                  {"noise_matches_sigma", "epsilon_within_target", "claimed_epsilon_reproduced"}),
+    "fixed-size batches of q·n": (lambda L, dp: (_with(L, batch_sizes=[round(L["sample_rate"] * L["n"])] * L["steps"]),
+                                                 None, dp), {"batch_sizes_binomial"}),
+    "Poisson batches at 1.25·q": (lambda L, dp: (_with(L, batch_sizes=_sizes(L, 1.25 * L["sample_rate"])), None, dp),
+                                  {"batch_sizes_binomial"}),
+    "Poisson batches at 0.8·q": (lambda L, dp: (_with(L, batch_sizes=_sizes(L, 0.8 * L["sample_rate"])), None, dp),
+                                 {"batch_sizes_binomial"}),
+    "twice the planned steps": (
+        lambda L, dp: (_reclaim(_with(L, steps=2 * L["steps"], batch_sizes=_sizes(L, L["sample_rate"], 2 * L["steps"]))),
+                       None, dp), {"epsilon_within_target"}),
+    "claimed ε below the recomputed one": (lambda L, dp: (_with(L, epsilon=0.9 * L["epsilon"]), None, dp),
+                                           {"claimed_epsilon_reproduced"}),
+    "claimed ε above the recomputed one": (lambda L, dp: (_with(L, epsilon=1.01 * L["epsilon"]), None, dp),
+                                           {"claimed_epsilon_reproduced"}),
+    "δ of 2/n": (lambda L, dp: (_reclaim(_with(L, delta=2 / L["n"])), None, {**dp, "delta": 2 / L["n"]}),
+                 {"delta_below_1_over_n"}),
+    "ledger target above the params target": (
+        lambda L, dp: (_reclaim(_with(L, target_epsilon=100.0, noise_std=0.7 * L["noise_std"], sigma=0.7 * L["sigma"])),
+                       None, dp), {"ledger_matches_params", "epsilon_within_target"}),
+    "clip norm other than params": (lambda L, dp: (L, None, {**dp, "clip_norm": 2 * dp["clip_norm"]}),
+                                    {"ledger_matches_params"}),
+    "expected batch size other than params": (
+        lambda L, dp: (L, None, {**dp, "expected_batch_size": dp["expected_batch_size"] + 1}),
+        {"ledger_matches_params"}),
+    "σ other than the params' fixed σ": (lambda L, dp: (L, None, {**dp, "sigma": 2 * L["sigma"]}),
+                                        {"ledger_matches_params"}),
+}
+
+
+def test_every_check_has_a_doctored_case(valid):
+    covered = set().union(*(expected for _, expected in DOCTORED.values())) | {"accountants_agree"}  # see below
+    assert {c["name"] for c in run_verify(valid)["checks"]} <= covered
+
+
+@pytest.mark.parametrize("case", list(DOCTORED))
+def test_each_doctored_ledger_fails_its_check(valid, dp, case):
+    doctor, expected = DOCTORED[case]
+    ledger, steps, dp_used = doctor(copy.deepcopy(valid), dp)
+    result = run_verify(ledger, steps, dp_used)
+    assert failed(result) == expected, [c for c in result["checks"] if not c["passed"]]
+    assert not result["passed"]
+
+
+def test_broken_accountant_is_caught(valid, monkeypatch):
+    """The two accountants are cross-checked: a PLD that under-reports against RDP... here an RDP
+    that under-reports against PLD (so the reported PLD figure stays right) fails accountants_agree."""
+    real = accounting.epsilon
+
+    def broken(*args, accountant="pld", **kw):
+        value = real(*args, accountant=accountant, **kw)
+        return value * 0.5 if accountant == "rdp" else value
+
+    monkeypatch.setattr(accounting, "epsilon", broken)
+    assert failed(run_verify(valid)) == {"accountants_agree"}
+
+
+@pytest.mark.parametrize("doctor, message", [
+    (lambda L: L.pop("noise_std"), "missing noise_std"),
+    (lambda L: L.update(noise_std=0.0), "noise_std=0.0 must be a finite number > 0"),
+    (lambda L: L.update(batch_sizes=L["batch_sizes"][:-1] + [-1]), "batch_sizes must lie in [0, n="),
+    (lambda L: L.update(sample_rate=1.5), "sample_rate=1.5 must be in (0, 1]"),
+    (lambda L: L.update(accountant="moments"), "accountant='moments' must be one of"),
+])
+def test_malformed_ledger_is_refused_with_its_reason(valid, doctor, message):
+    ledger = copy.deepcopy(valid)
+    doctor(ledger)
+    with pytest.raises(VerificationFailed, match=None) as err:
+        run_verify(ledger, valid["steps"])
+    assert message in str(err.value)
+
+
+def test_batch_size_check_fails_a_genuine_run_at_about_rate_alpha(dp):
+    """The Binomial test is calibrated: over many runs whose sizes are Binomial(n, q) it fails about
+    α of them: not more (Bonferroni over its two tests), and not none (it is not vacuous)."""
+    q, alpha, trials = dp["expected_batch_size"] / N, 0.05, 2000
+    sizes = np.random.default_rng(0).binomial(N, q, size=(trials, dp["steps"]))
+    fails = sum(not V.batch_sizes_pass(V.batch_size_tests(run.tolist(), N, q), alpha) for run in sizes)
+    assert 0.03 <= fails / trials <= 0.065, fails
+
+
+def test_dispersion_test_separates_fixed_size_from_poisson():
+    n, q, t = 5000, 0.02, 200
+    rng = np.random.default_rng(0)
+    poisson = V.batch_size_tests(rng.binomial(n, q, size=t).tolist(), n, q)
+    fixed = V.batch_size_tests([int(n * q)] * t, n, q)
+    overdispersed = V.batch_size_tests(rng.binomial(n, q, size=t) + rng.integers(-20, 21, size=t), n, q)
+    assert min(poisson.values()) > 0.001
+    assert fixed["p_mean"] == 1.0 and fixed["p_dispersion"] < 1e-12
+    assert overdispersed["p_dispersion"] < 1e-6
+
+
+# ---- the stage through the `dpfm` command, in a scratch project ------------------------------------
+
+@pytest.fixture
+def project(in_tmp, monkeypatch, valid):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DPFM_PARENT_RUN_ID", raising=False)
+
+    def write(ledger, optimizer_steps=None):
+        write_json("models/dp/ledger.json", ledger)
+        torch.save({"optimizer_steps": ledger["steps"] if optimizer_steps is None else optimizer_steps},
+                   "models/dp/checkpoint.pt")
+    write(valid)
+    return write
+
+
+def test_stage_writes_verification_with_curves_and_logs_them(project, in_tmp, valid):
+    assert cli.main(["verify"]) == 0
+    out = read_json(in_tmp / V.OUT)
+    assert out["passed"] and out["epsilon_reported"] == pytest.approx(valid["epsilon"], rel=1e-3)
+    assert set(out["epsilon_curve"]) == {"steps", "pld", "rdp"}
+    assert not (in_tmp / V.FAILED_OUT).exists()
+
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id])[0]
+    assert run.data.tags["dpfm.verified"] == "true"
+    history = client.get_metric_history(run.info.run_id, "epsilon_curve_pld")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == out["epsilon_curve"]["steps"]
+    assert sorted(history, key=lambda m: m.step)[-1].value == pytest.approx(out["epsilon_curve"]["pld"][-1])
+
+
+def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, valid, capsys):
+    doctored = {"sampler_is_poisson": (_with(valid, sampler="shuffle"), None),
+                "ledger_steps_match_optimizer": (valid, valid["steps"] + 1),
+                "batch_sizes_binomial": (_with(valid, batch_sizes=[128] * valid["steps"]), None)}
+    for check, (ledger, optimizer_steps) in doctored.items():
+        write_json(in_tmp / V.OUT, {"passed": True, "stale": True})  # a pass from an earlier run
+        project(ledger, optimizer_steps)
+        assert cli.main(["verify"]) == 3
+        assert not (in_tmp / V.OUT).exists()
+        assert check in capsys.readouterr().err
+        assert failed(read_json(in_tmp / V.FAILED_OUT)) == {check}
+
+    # The target that counts is params.yaml's, not the ledger's own (which this run meets).
+    project(valid)
+    assert cli.main(["verify", "--set", f"dp.epsilon={valid['epsilon'] / 2}"]) == 3
+    assert failed(read_json(in_tmp / V.FAILED_OUT)) == {"epsilon_within_target", "ledger_matches_params"}
+
+    torch.save({"model": {}}, "models/dp/checkpoint.pt")
+    assert cli.main(["verify"]) == 3
+    assert "has no optimizer_steps" in capsys.readouterr().err
+    (in_tmp / "models/dp/checkpoint.pt").unlink()
+    assert cli.main(["verify"]) == 3
+    assert "checkpoint.pt is missing" in capsys.readouterr().err
+    assert not (in_tmp / V.OUT).exists()
