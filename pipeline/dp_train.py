@@ -119,7 +119,8 @@ def run(params: dict, ctx) -> None:
     if n != stats_n:
         raise ValueError(f"{SHARDS}/private index has {n} usable examples but stats.json says {stats_n}")
     mech = plan_mechanism(dp, n)
-    work = state_dir("dp-train", params)
+    inputs = [f"{SHARDS}/private"] + ([PRETRAIN] if dp["init"] == "pretrain" else []) + ([TOKENIZER] if tokenizer else [])
+    work = state_dir("dp-train", params, inputs)
     key = broadcast_int(secret_key(work, dp["noise_seed"]) if world.is_main else 0, world)
     trainer = Trainer(params, mcfg, train_inputs, held_inputs, mech, world, device)
 
@@ -154,13 +155,6 @@ def run(params: dict, ctx) -> None:
 def save_checkpoint(path, objective, mcfg, model, optimizer_steps) -> None:
     torch.save({"objective": objective, "model_cfg": mcfg, "model": model.state_dict(),
                 "encoder": model.encoder.state_dict(), "optimizer_steps": optimizer_steps}, path)
-
-
-class _NoCheckpoint(Checkpointer):
-    """Non-main ranks read the shared checkpoint on resume but never write it."""
-
-    def save(self, state: dict) -> None:
-        pass
 
 
 class Trainer:
@@ -241,7 +235,7 @@ class Trainer:
         prefix = "" if private else "nonprivate_"
         history = run_loop(model=model, optimizer=optimizer, total_steps=dp["steps"], base_lr=dp["lr"],
                            warmup=dp["warmup_steps"], step_fn=step_fn,
-                           checkpointer=Checkpointer(work) if world.is_main else _NoCheckpoint(work),
+                           checkpointer=Checkpointer(work, write=world.is_main),
                            checkpoint_every=dp["checkpoint_every"], desc=f"dp-train{'' if private else ' (non-private)'}",
                            log_every=1, extra_state=lambda: dict(counters), restore_extra=counters.update,
                            on_log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s))

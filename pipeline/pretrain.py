@@ -9,18 +9,16 @@ model, optimizer and RNG state in the checkpoint, an interrupted run resumes exa
 from __future__ import annotations
 
 import functools
-import hashlib
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.data.index import INDEX_NAME
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
-from pipeline.data.synthetic_stage import MANIFEST
+from pipeline.distributed import barrier, init_world
 from pipeline.io import atomic_dir, write_json
 from pipeline.modelcfg import model_config
 from pipeline.models import build_model
@@ -49,20 +47,6 @@ def batch_indices(seed: int, step: int, batch_size: int, n: int) -> np.ndarray:
     return out
 
 
-def input_digest(directory: str | Path) -> str:
-    """Identifies the synthetic data, so a checkpoint trained on other images is never resumed: the
-    index plus the shards' sha256 from the manifest, or (shards written without one) their sizes and
-    modification times, which can only make a resume less likely, never wrong."""
-    directory = Path(directory)
-    h = hashlib.sha256((directory / INDEX_NAME).read_bytes())
-    if (directory / MANIFEST).exists():
-        h.update((directory / MANIFEST).read_bytes())
-    else:
-        for path in sorted(directory.iterdir()):
-            h.update(f"{path.name} {path.stat().st_size} {path.stat().st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
-
-
 def mae_step(model, optimizer, images: torch.Tensor, noise: torch.Tensor, device: str, precision: str,
              grad_clip: float) -> dict:
     """One optimiser step on the mean MAE loss (the masks are `noise`'s argsort, as in the models)."""
@@ -87,21 +71,27 @@ def run(params: dict, ctx) -> None:
         raise ValueError(f"{IN_DIR} has no usable images: run the synthetic stage")
     # Images are centre-cropped/resized to the model's size, should the synthetic resolution differ.
     loader = BatchLoader(dataset, mcfg["img_size"], workers=cfg["data_workers"])
+    world = init_world(device)
+    if batch % world.size:
+        raise ValueError(f"pretrain.batch_size={batch} must divide evenly over the {world.size} torchrun ranks")
     torch.manual_seed(seed)
     model = build_model("mae", mcfg).to(device)
     optimizer = make_optimizer(model, "adamw", cfg["lr"], cfg["weight_decay"])
+    # Each rank takes every world.size-th example of the global batch; DDP averages the gradients.
+    trained = model if world.size == 1 else DistributedDataParallel(model)
+    mine = slice(world.rank, None, world.size)
     num_patches = (mcfg["img_size"] // mcfg["patch_size"]) ** 2
-    work = state_dir("pretrain", {**params, "data": input_digest(IN_DIR)})
+    work = state_dir("pretrain", params, inputs=[IN_DIR])
     run_state = {"start": 0, "batches": None}
 
     def on_start(start: int) -> None:
         run_state["start"] = start
-        run_state["batches"] = loader(batch_indices(seed, s, batch, n) for s in range(start, cfg["steps"]))
+        run_state["batches"] = loader(batch_indices(seed, s, batch, n)[mine] for s in range(start, cfg["steps"]))
 
     def step_fn(step: int) -> dict:
         _, (images,) = next(run_state["batches"])
-        noise = torch.rand(batch, num_patches, generator=step_generator(seed, step))
-        return mae_step(model, optimizer, images, noise, device, cfg["precision"], cfg["grad_clip"])
+        noise = torch.rand(batch, num_patches, generator=step_generator(seed, step))[mine]
+        return mae_step(trained, optimizer, images, noise, device, cfg["precision"], cfg["grad_clip"])
 
     def on_log(step: int, metrics: dict) -> None:
         ctx.tracker.log_metrics({**metrics, "images_per_s": metrics["steps_per_s"] * batch}, step=step)
@@ -109,13 +99,16 @@ def run(params: dict, ctx) -> None:
     started = time.time()
     try:
         history = run_loop(model=model, optimizer=optimizer, total_steps=cfg["steps"], base_lr=cfg["lr"],
-                           warmup=cfg["warmup_steps"], step_fn=step_fn, checkpointer=Checkpointer(work),
+                           warmup=cfg["warmup_steps"], step_fn=step_fn, checkpointer=Checkpointer(work, write=world.is_main),
                            checkpoint_every=cfg["checkpoint_every"], desc="pretrain", log_every=cfg["log_every"],
                            on_log=on_log, on_start=on_start)
     finally:
         if run_state["batches"] is not None:
             run_state["batches"].close()  # stops the decoding workers
         dataset.close()
+    if not world.is_main:
+        barrier(world)
+        return
     elapsed, steps_now = time.time() - started, cfg["steps"] - run_state["start"]
     # Points logged before a resume went to the interrupted run: give this run the whole curve.
     earlier = [(s, m) for s, m in zip(history["step"], history["metrics"]) if s < run_state["start"]]
@@ -134,6 +127,7 @@ def run(params: dict, ctx) -> None:
         write_json(out / "history.json", history)
         write_json(out / "summary.json", summary)
     shutil.rmtree(work, ignore_errors=True)  # the output holds the finished model; the state is spent
+    barrier(world)
     # "images_per_s" is the per-step curve; the run's mean gets its own name.
     ctx.tracker.log_metrics({("mean_" + k if k == "images_per_s" else k): v for k, v in summary.items()
                              if isinstance(v, (int, float))})

@@ -38,11 +38,29 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def state_dir(stage: str, params: dict) -> Path:
+def state_dir(stage: str, params: dict, inputs=()) -> Path:
     """Resumable state lives outside the stage outputs (a failed Snakemake job's outputs are deleted)
-    and is keyed by the params, so a changed config never resumes from a stale run."""
-    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
-    return STATE_ROOT / f"{stage}-{digest}"
+    and is keyed by the params and the inputs, so a changed config or changed data never resumes a
+    stale run (for dp-train that would mix another dataset's checkpoint and ledger into this one)."""
+    key = json.dumps({"params": params, "inputs": [input_digest(p) for p in inputs]}, sort_keys=True)
+    return STATE_ROOT / f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+SMALL_FILE = 1 << 20
+
+
+def input_digest(path: str | Path) -> str:
+    """Identifies an input file or directory cheaply at any scale: the bytes of its small files
+    (indexes, manifests, stats) and the size and modification time of large ones (shards,
+    checkpoints). A rewrite of a large file changes its mtime, so this can only make a resume less
+    likely, never wrong."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for f in sorted([path] if path.is_file() else (p for p in path.rglob("*") if p.is_file())):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(path.parent)} {size}\n".encode())
+        h.update(f.read_bytes() if size <= SMALL_FILE else str(f.stat().st_mtime_ns).encode())
+    return h.hexdigest()[:16]
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -61,10 +79,13 @@ def autocast(device: str, precision: str):
 
 
 class Checkpointer:
-    def __init__(self, directory: Path):
-        self.path = Path(directory) / "checkpoint.pt"
+    def __init__(self, directory: Path, write: bool = True):
+        """`write=False` for non-main torchrun ranks: they resume from the shared checkpoint, rank 0 saves it."""
+        self.path, self.write = Path(directory) / "checkpoint.pt", write
 
     def save(self, state: dict) -> None:
+        if not self.write:
+            return
         with atomic_path(self.path) as tmp:
             torch.save(state, tmp)
 

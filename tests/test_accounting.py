@@ -7,7 +7,6 @@ as a mismatch.  Runtime is ~1 minute on 2 cores; speed is not asserted.
 
 import argparse
 import json
-import math
 
 import dp_accounting
 import pytest

@@ -195,9 +195,9 @@ def test_single_node_dp_train_job_asks_for_eight_gpus_and_runs_once(tmp_path, mo
     assert dp.shell.startswith("python -m pipeline.launch --nodes 1 --gpus 8 -- dpfm dp-train --threads 8 ")
 
     sbatch = sbatch_command(pre, monkeypatch)
-    assert "--gpus=h100:1" in sbatch and "--cpus-per-gpu=8" in sbatch
+    assert "--gpus=h100:8" in sbatch and "--cpus-per-gpu=8" in sbatch
     assert_one_launcher_per_node(sbatch, nodes=1)
-    assert pre.shell.startswith("python -m pipeline.launch --nodes 1 --gpus 1 -- dpfm pretrain ")
+    assert pre.shell.startswith("python -m pipeline.launch --nodes 1 --gpus 8 -- dpfm pretrain ")
 
     sbatch = sbatch_command(shards, monkeypatch)  # CPU stages: CPU partition, one task, no GPU
     assert "-p cpu-placeholder" in sbatch and "--ntasks=1" in sbatch and "--gpus" not in sbatch
