@@ -130,6 +130,13 @@ def main(argv=None) -> int:
     except VerificationFailed as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 3
+    except OSError as e:
+        from pipeline.io import DISK_FULL
+
+        if e.errno not in DISK_FULL:
+            raise
+        print(f"dpfm: {e.strerror}", file=sys.stderr)  # atomic_path's message names the file
+        return 1
     return int(code or 0)
 
 

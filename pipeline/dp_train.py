@@ -16,6 +16,7 @@ import secrets
 import numpy as np
 import torch
 
+from pipeline.config import ParamsError
 from pipeline.data.sampling import PoissonSampler
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer
@@ -112,13 +113,16 @@ def run(params: dict, ctx) -> None:
     objective = dp["objective"]
     tokenizer = Tokenizer(TOKENIZER) if objective != "mae" else None
     mcfg = model_config(params["model"], objective, tokenizer.vocab_size if tokenizer else None)
-    private, train_inputs = load_split("private", objective, tokenizer, mcfg["max_len"])
-    _, held_inputs = load_split("eval", objective, tokenizer, mcfg["max_len"])
-    n = len(private)
+    n = len(ShardDataset(f"{SHARDS}/private"))
     stats_n = read_json(f"{SHARDS}/stats.json")["private"]["usable"]
     if n != stats_n:
         raise ValueError(f"{SHARDS}/private index has {n} usable examples but stats.json says {stats_n}")
-    mech = plan_mechanism(dp, n)
+    try:  # contradictions in the params stop the run here, before any image is decoded or state written
+        mech = plan_mechanism(dp, n)
+    except ValueError as e:
+        raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
+    _, train_inputs = load_split("private", objective, tokenizer, mcfg["max_len"])
+    _, held_inputs = load_split("eval", objective, tokenizer, mcfg["max_len"])
     inputs = [f"{SHARDS}/private"] + ([PRETRAIN] if dp["init"] == "pretrain" else []) + ([TOKENIZER] if tokenizer else [])
     work = state_dir("dp-train", params, inputs)
     key = broadcast_int(secret_key(work, dp["noise_seed"]) if world.is_main else 0, world)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _umask() -> int:
@@ -29,6 +32,11 @@ def atomic_path(path: str | Path):
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files; artifacts are ordinary files
         os.replace(tmp, path)
+    except OSError as e:
+        if e.errno in DISK_FULL:  # say which file and that the old one survived, not just "errno 28"
+            raise OSError(e.errno, f"{os.strerror(e.errno)} while writing {path}; any previous {path.name} "
+                                   "is intact: free space and re-run", str(path)) from e
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -86,10 +86,15 @@ class Checkpointer:
     def save(self, state: dict) -> None:
         if not self.write:
             return
-        with atomic_path(self.path) as tmp:
-            torch.save(state, tmp)
+        # Through a Python file: torch.save(path) reports a full disk as an obscure "unexpected pos"
+        # RuntimeError, a file object raises OSError(ENOSPC), which atomic_path names clearly.
+        with atomic_path(self.path) as tmp, open(tmp, "wb") as f:
+            torch.save(state, f)
 
     def load(self) -> dict | None:
+        if self.write:  # a kill -9 mid-save leaves a temp file nobody will finish: reclaim its space
+            for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+                stale.unlink(missing_ok=True)
         return torch.load(self.path, map_location="cpu", weights_only=False) if self.path.exists() else None
 
 

@@ -3,6 +3,7 @@ checkpoints and exact resume of run_loop on a toy problem."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -70,10 +71,10 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     ckpt.save({"step": 1})
     real_save = torch.save
 
-    def half_written(obj, path):
-        real_save(obj, path)
-        with open(path, "r+b") as f:
-            f.truncate(10)  # the process dies mid-write
+    def half_written(obj, f):  # Checkpointer saves through a file object
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[:10])  # the write fails part-way
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", half_written)

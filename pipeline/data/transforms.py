@@ -26,6 +26,8 @@ def decode_image(data: bytes, size: int | None = None) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as im:
         if size:
             im.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale still >= size
+        if im.mode.startswith("I"):  # 16-bit grey: convert("RGB") would clip every value above 255 to white
+            im = Image.fromarray((np.asarray(im, dtype=np.float64) / 257.0).round().clip(0, 255).astype(np.uint8))
         rgb = im.convert("RGB")
     if size and rgb.size != (size, size):
         w, h = rgb.size

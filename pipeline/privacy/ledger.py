@@ -22,14 +22,26 @@ class Ledger:
         self.path = Path(path)
         self.header = header
         self.batch_sizes: dict[int, int] = {}
+        lines = []
         if self.path.exists():
+            self._drop_torn_tail()
             lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            if lines and lines[0] != {"header": header}:
-                raise LedgerError(f"{self.path} was written for a different mechanism; refusing to mix ledgers")
-            for rec in lines[1:]:
-                self.batch_sizes[rec["step"]] = rec["batch_size"]
-        else:
+        if not lines:  # new, or killed while its header was being written
             self._append({"header": header})
+        elif lines[0] != {"header": header}:
+            raise LedgerError(f"{self.path} was written for a different mechanism; refusing to mix ledgers")
+        for rec in lines[1:]:
+            self.batch_sizes[rec["step"]] = rec["batch_size"]
+
+    def _drop_torn_tail(self) -> None:
+        """A kill -9 inside `_append` can leave a last line without its newline. Its fsync never
+        returned, so its update was never applied: dropping it is safe, and the step is charged
+        again when it is re-run. (Keeping it would make the ledger unreadable, the run unresumable.)"""
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+                os.fsync(f.fileno())
 
     def _append(self, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,396 @@
+"""Faults: real `kill -9` of real stage processes, bad images, contradictory params, a full disk and
+two Snakemake invocations on one workdir. After each, a re-run finishes with what an uninterrupted
+run gives, and the privacy ledger never counts fewer steps than were applied.
+
+Stage processes run `dpfm` through FAULT_HOOKS below, which can stop a process at an exact point
+(after a step is charged, after its update, half-way through a checkpoint write, after some
+synthetic shards) so the kill lands there and not at a random moment. The hooks live here, in the
+test, never in the pipeline.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_dp_train import data_dir, project, run_in_process, train  # noqa: F401 (data_dir is a fixture)
+from test_shards import excluded, good, index, raw_tar
+
+from pipeline import cli
+from pipeline.data import synthetic_stage
+from pipeline.data.transforms import decode_image, encode_jpeg
+from pipeline.privacy.ledger import Ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MARKER = "fault.reached"
+STEPS = 6  # test_dp_train's MICRO: 6 steps, a checkpoint every 2
+
+FAULT_HOOKS = r"""
+import os, sys, time
+from pathlib import Path
+
+def hang(what):
+    Path(os.environ["DPFM_FAULT_MARKER"]).write_text(what)  # the test kills us now
+    while True:
+        time.sleep(60)
+
+import torch
+import pipeline.dp_train as dp_train
+from pipeline.data import synthetic_stage
+from pipeline.privacy.ledger import Ledger
+
+faults = dict(f.partition(":")[::2] for f in os.environ.get("DPFM_FAULT", "").split(",") if f)
+if "charged" in faults:  # step k is in the ledger (fsynced), its update not yet applied
+    real_record = Ledger.record_step
+    def record_step(self, step, batch_size):
+        real_record(self, step, batch_size)
+        if step == int(faults["charged"]):
+            hang("charged")
+    Ledger.record_step = record_step
+if "updated" in faults:  # step k's update is applied, no checkpoint holds it yet
+    real_make = dp_train.make_optimizer
+    def make_optimizer(*args, **kw):
+        opt, seen = real_make(*args, **kw), [0]
+        def after(*_):
+            seen[0] += 1
+            if seen[0] > int(faults["updated"]):
+                hang("updated")
+        opt.register_step_post_hook(after)
+        return opt
+    dp_train.make_optimizer = make_optimizer
+if "saving" in faults:  # half of the k-th checkpoint of this process is on disk
+    real_save, saves = torch.save, [0]
+    def save(obj, f, *args, **kw):
+        saves[0] += 1
+        if saves[0] < int(faults["saving"]):
+            return real_save(obj, f, *args, **kw)
+        import io
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        hang("saving")
+    torch.save = save
+if "lazy-ledger" in faults:  # BROKEN on purpose: steps kept in memory, not on disk before the update
+    real_append = Ledger._append
+    Ledger._append = lambda self, rec: real_append(self, rec) if "header" in rec else None
+if "shards" in faults:  # the parent has collected k synthetic shards; the workers go on rendering
+    real_build = synthetic_stage.build_shards
+    def build_shards(*args, **kw):
+        for i, record in enumerate(real_build(*args, **kw)):
+            yield record
+            if i + 1 == int(faults["shards"]):
+                hang("shards")
+    synthetic_stage.build_shards = build_shards
+
+from pipeline.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def dpfm(work: Path, args: list[str], fault: str = "") -> subprocess.Popen:
+    """Start `dpfm <args>` in `work` (its own session, so a kill reaches its workers too, as a preemption)."""
+    env = {**os.environ, "DPFM_FAULT": fault, "DPFM_FAULT_MARKER": str(work / MARKER), "OMP_NUM_THREADS": "1",
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    (work / MARKER).unlink(missing_ok=True)
+    log = open(work / "dpfm.log", "a")
+    return subprocess.Popen([sys.executable, "-c", FAULT_HOOKS, *args, "--threads", "1"], cwd=work, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_at_fault(proc: subprocess.Popen, work: Path, timeout: float = 120) -> str:
+    """Wait until the process reaches its fault point, then SIGKILL its whole process group."""
+    deadline = time.time() + timeout
+    while not (work / MARKER).exists():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before its fault point:\n{log_tail(work)}"
+        assert time.time() < deadline, "fault point not reached in time"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    return (work / MARKER).read_text()
+
+
+def complete(proc: subprocess.Popen, work: Path) -> None:
+    assert proc.wait(timeout=300) == 0, log_tail(work)
+
+
+def log_tail(work: Path) -> str:
+    return (work / "dpfm.log").read_text()[-3000:]
+
+
+# -- dp-train: kill -9 at every point of a step ----------------------------------------------------
+
+def dp_state(work: Path) -> tuple[list[int], dict | None]:
+    """(charged steps in the ledger, the last checkpoint) of the run's resumable state."""
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    lines = [json.loads(line) for line in (state / "ledger.jsonl").read_text().splitlines()]
+    ckpt = torch.load(state / "checkpoint.pt", weights_only=False) if (state / "checkpoint.pt").exists() else None
+    return [rec["step"] for rec in lines[1:]], ckpt
+
+
+def dp_outcome(work: Path) -> tuple[dict, dict]:
+    ledger = json.loads((work / "models/dp/ledger.json").read_text())
+    return ledger, torch.load(work / "models/dp/checkpoint.pt", weights_only=False)
+
+
+def check_same_as_uninterrupted(got: tuple[dict, dict], ref: tuple[dict, dict]) -> None:
+    """The privacy check of a resumed run: every applied step charged once, the same batches and model."""
+    (ledger, ckpt), (ref_ledger, ref_ckpt) = got, ref
+    assert ledger["steps"] == ckpt["optimizer_steps"] == STEPS, "ledger and optimizer disagree on the steps"
+    assert ledger["batch_sizes"] == ref_ledger["batch_sizes"], "the resumed run drew other batches"
+    for name, value in ref_ckpt["model"].items():
+        assert torch.equal(value, ckpt["model"][name]), f"{name} differs from the uninterrupted run"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):  # noqa: F811
+    return train(project(data_dir, tmp_path_factory.mktemp("uninterrupted")))
+
+
+def test_kill_9_mid_step_mid_checkpoint_and_after_an_update_resumes_to_the_uninterrupted_run(
+        data_dir, tmp_path, uninterrupted):  # noqa: F811
+    work = project(data_dir, tmp_path)
+    # 1. Killed after step 2 was charged, before its update: the charge stays, the update is redone.
+    assert kill_at_fault(dpfm(work, ["dp-train"], "charged:2"), work) == "charged"
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 2
+    # 2. Resumed, then killed half-way through writing the step-4 checkpoint.
+    assert kill_at_fault(dpfm(work, ["dp-train"], "saving:1"), work) == "saving"
+    charged, ckpt = dp_state(work)
+    state = ckpt and next((work / ".dpfm/state").glob("dp-train-*"))
+    assert list(state.glob(".checkpoint.pt.*.tmp")), "the kill did not land inside the checkpoint write"
+    assert charged == [0, 1, 2, 3] and ckpt["step"] == 2  # the torn write is invisible: step 2 still holds
+    # 3. Resumed, then killed after the update of step 4, which no checkpoint holds yet.
+    assert kill_at_fault(dpfm(work, ["dp-train"], "updated:2"), work) == "updated"
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2, 3, 4] and ckpt["step"] == 4
+    assert not list(state.glob(".checkpoint.pt.*.tmp"))  # the torn temp file was reclaimed on resume
+    # After every kill the ledger held at least the steps applied (the in-memory step 4 included).
+    complete(dpfm(work, ["dp-train"]), work)
+    check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+def test_the_resume_check_catches_a_ledger_not_written_before_the_update(data_dir, tmp_path, uninterrupted):  # noqa: F811
+    """Against a deliberately broken ledger (records kept in memory), the same kill and check fail."""
+    work = project(data_dir, tmp_path)
+    kill_at_fault(dpfm(work, ["dp-train"], "lazy-ledger,charged:3"), work)
+    charged, ckpt = dp_state(work)
+    assert len(charged) < ckpt["step"]  # applied updates that nobody charged
+    complete(dpfm(work, ["dp-train"], "lazy-ledger"), work)
+    with pytest.raises(AssertionError, match="ledger and optimizer disagree"):
+        check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+def test_a_torn_last_ledger_line_is_dropped_and_charged_again(tmp_path):
+    """A kill inside the ledger's own append leaves half a line: the ledger still opens, loses no step."""
+    path, header = tmp_path / "ledger.jsonl", {"n": 10, "sigma": 1.0}
+    ledger = Ledger(path, header)
+    for step, size in [(0, 3), (1, 4)]:
+        ledger.record_step(step, size)
+    with open(path, "a") as f:
+        f.write('{"batch_size": 5, "st')  # step 2's record, cut mid-write: its update never ran
+    ledger = Ledger(path, header)
+    assert ledger.steps == 2
+    ledger.record_step(2, 5)  # charged again when re-run
+    assert Ledger(path, header).to_dict()["batch_sizes"] == [3, 4, 5]
+    path.write_text('{"header": {"n"')  # killed while writing the header itself
+    assert Ledger(path, header).steps == 0 and json.loads(path.read_text()) == {"header": header}
+
+
+# -- dp-train: contradictory params and a full disk --------------------------------------------------
+
+@pytest.fixture
+def no_tracking(monkeypatch):
+    """In-process `dpfm` calls without an MLflow store (these tests are about the stage, not tracking)."""
+    from contextlib import contextmanager
+
+    from pipeline.tracking import NullRun
+
+    monkeypatch.setattr("pipeline.tracking.stage_run", contextmanager(lambda *a, **kw: (yield NullRun())))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dp.epsilon=0.000001", "unreachable"),
+    ("dp.delta=0.01", ">= 1/n"),
+    ("dp.expected_batch_size=5000", "exceeds the 1258 usable private examples"),
+    ("dp.sigma=0.1", "above the target dp.epsilon=8.0"),
+])
+def test_contradictory_dp_params_stop_dpfm_before_any_work(data_dir, tmp_path, monkeypatch, capsys, no_tracking,
+                                                          override, message):  # noqa: F811
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    decoded = []
+    monkeypatch.setattr("pipeline.dp_train.load_split", lambda *a: decoded.append(a))
+    assert cli.main(["dp-train", "--set", override, "--set", "dp.noise_seed=null"]) == 2
+    err = capsys.readouterr().err
+    assert "dpfm: dp params (n=1258 usable private examples) is invalid:\n  - " in err and message in err
+    assert "Traceback" not in err and not decoded  # no image decoded
+    assert not (work / "models/dp").exists() and not (work / ".dpfm").exists()  # no state, no secret key
+
+
+def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one_and_says_so(data_dir, tmp_path, monkeypatch,
+                                                                                capsys, no_tracking):  # noqa: F811
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    real_save, saves = torch.save, []
+
+    def full_disk(obj, f, *args, **kw):  # the second checkpoint meets a full disk half-way
+        saves.append(1)
+        if len(saves) == 2:
+            f.write(b"\0" * 1000)
+            with open("/dev/full", "wb") as full:  # a real ENOSPC from the kernel
+                real_save(obj, full)
+        return real_save(obj, f, *args, **kw)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert cli.main(["dp-train"]) == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    assert last_line == (f"dpfm: No space left on device while writing {state.relative_to(work)}/checkpoint.pt; "
+                         "any previous checkpoint.pt is intact: free space and re-run")
+    assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert sorted(p.name for p in state.iterdir()) == ["checkpoint.pt", "ledger.jsonl"]  # no temp file left
+
+
+def test_a_full_disk_under_plain_torch_save_would_be_unreadable():
+    """Why Checkpointer writes through a file object: torch.save(path) hides ENOSPC."""
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        torch.save({"x": torch.zeros(1000)}, "/dev/full")
+    with pytest.raises(OSError) as e, open("/dev/full", "wb") as f:
+        torch.save({"x": torch.zeros(1000)}, f)
+    assert e.value.errno == errno.ENOSPC
+
+
+# -- synthetic: kill -9 of the parent and its worker processes -------------------------------------------
+
+def test_kill_9_during_synthetic_generation_resumes_to_the_same_bytes(tmp_path):
+    sets = ["synthetic.num_programs=24", "synthetic.frames_per_program=2", "synthetic.resolution=16",
+            "synthetic.samples_per_shard=4", "synthetic.workers=2"]
+    ref, work = tmp_path / "ref", tmp_path / "killed"
+    for d in (ref, work):
+        shutil.copytree(ROOT / "schemas", d / "schemas")
+        shutil.copy(ROOT / "params.yaml", d / "params.yaml")
+    cwd = os.getcwd()
+    os.chdir(ref)
+    try:
+        run_in_process("synthetic", sets[:-1] + ["synthetic.workers=1"])
+    finally:
+        os.chdir(cwd)
+    args = ["synthetic", *sum((["--set", s] for s in sets), [])]
+    kill_at_fault(dpfm(work, args, "shards:3"), work)
+    [staging] = (work / ".dpfm/state").glob("synthetic-*")
+    assert 3 <= len(list(staging.glob("*.json"))) < 12 and not (work / "data/synthetic").exists()
+    complete(dpfm(work, args), work)
+    assert "resuming" in log_tail(work)
+    out, expected = work / synthetic_stage.OUT_DIR, ref / synthetic_stage.OUT_DIR
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
+    for p in expected.iterdir():
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# -- bad images: every mode decodes to the same RGB, bombs and empty files are excluded and counted -----------
+
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_grey_rgba_cmyk_and_16_bit_images_decode_to_what_they_show():
+    grey = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
+    as_rgb = np.repeat(grey[..., None], 3, axis=-1)
+    assert np.array_equal(decode_image(encoded(Image.fromarray(grey), "PNG")), as_rgb)
+    rgba = Image.fromarray(as_rgb).convert("RGBA")
+    assert np.array_equal(decode_image(encoded(rgba, "PNG")), as_rgb)
+    # 16-bit grey: scaled to 8 bits, not clipped (convert("RGB") alone turns everything above 255 white).
+    assert np.array_equal(decode_image(encoded(Image.fromarray(grey.astype(np.uint16) * 257), "PNG")), as_rgb)
+    cmyk = decode_image(encoded(Image.fromarray(as_rgb).convert("CMYK"), "JPEG"))
+    assert cmyk.shape == (8, 8, 3) and np.abs(cmyk.astype(int) - as_rgb).max() < 40
+
+
+def test_image_modes_are_kept_and_bombs_and_empty_files_counted(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    picture = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses above 2x this: a 64x64 image is a bomb
+    members = (good("a", rng)
+               + [("b.png", encoded(Image.fromarray(picture[..., 0]), "PNG")), ("b.txt", b"grey")]
+               + [("c.png", encoded(Image.fromarray(picture).convert("RGBA"), "PNG")), ("c.txt", b"rgba")]
+               + [("d.png", encoded(Image.fromarray(picture[..., 0].astype(np.uint16) * 257), "PNG")),
+                  ("d.txt", b"16 bit")]
+               + [("e.jpg", encoded(Image.fromarray(picture).convert("CMYK"), "JPEG")), ("e.txt", b"cmyk")]
+               + [("f.png", encoded(Image.new("L", (64, 64)), "PNG")), ("f.txt", b"a bomb")]
+               + [("g.jpg", b""), ("g.txt", b"zero bytes")]
+               + [("h.jpg", encode_jpeg(picture)), ("h.txt", b"")])
+    raw_tar(tmp_path / "modes.tar", members)
+    stats, ds = index([tmp_path / "modes.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "b", "c", "d", "e"]
+    assert excluded(stats) == {"corrupt_image": 2, "missing_caption": 1}
+    assert stats["private"]["rows"] == 8
+
+
+# -- Snakemake: two invocations on one workdir, and a kill -9 of the whole run -------------------------------------
+
+def snakemake_project(work: Path) -> Path:
+    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
+        (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, work / item)
+    return work
+
+
+def snakemake(work: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.Popen([str(BIN / "snakemake"), "--cores", "1", *args], cwd=work, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_a_second_snakemake_on_the_same_workdir_is_locked_out(tmp_path):
+    work = snakemake_project(tmp_path)
+    first = snakemake(work, "models/tokenizer")
+    wait_for(lambda: (work / "logs/tokenizer.log").exists(), first)  # the first is inside a job
+    second = snakemake(work, "models/tokenizer")
+    out2 = second.communicate(timeout=120)[0]
+    out1 = first.communicate(timeout=300)[0]
+    assert second.returncode != 0 and "cannot be locked" in out2, out2[-3000:]
+    assert first.returncode == 0, out1[-3000:]
+    assert (work / "models/tokenizer/spm.model").is_file()
+
+
+@pytest.mark.e2e
+def test_after_kill_9_of_snakemake_unlock_and_rerun_completes(tmp_path):
+    work = snakemake_project(tmp_path)
+    run = snakemake(work, "models/tokenizer")
+    wait_for(lambda: (work / "logs/tokenizer.log").exists(), run)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=30)
+    rerun = snakemake(work, "models/tokenizer")
+    out = rerun.communicate(timeout=120)[0]
+    assert rerun.returncode != 0 and "--unlock" in out  # the dead run's lock stays until removed
+    assert snakemake(work, "--unlock").wait(timeout=120) == 0
+    rerun = snakemake(work, "models/tokenizer")
+    out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    assert (work / "models/tokenizer/spm.model").is_file()
