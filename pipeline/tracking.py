@@ -15,6 +15,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.io import file_digest
+
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
 
 
@@ -52,19 +54,11 @@ def dvc_hash(path: str | Path) -> str:
     """The md5 DVC records for a file, or its `<md5>.dir` hash for a directory."""
     path = Path(path)
     if path.is_file():
-        return _md5_file(path)
-    entries = [{"md5": _md5_file(p), "relpath": p.relative_to(path).as_posix()}
+        return file_digest(path, "md5")
+    entries = [{"md5": file_digest(p, "md5"), "relpath": p.relative_to(path).as_posix()}
                for p in sorted(path.rglob("*")) if p.is_file()]
     entries.sort(key=lambda e: e["relpath"])
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode()).hexdigest() + ".dir"
-
-
-def _md5_file(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from pipeline.data import remote
 from pipeline.data.shards import TarShard
 from pipeline.data.transforms import decode_image, encode_jpeg
-from pipeline.io import read_json, write_json
+from pipeline.io import file_digest, read_json, write_json
 
 USER_AGENT = "dpfm-downloader/0.1"
 MAX_IMAGE_BYTES = 32 << 20
@@ -172,14 +172,6 @@ def _fetch_row(url, caption, image_size: int, timeout_s: float, retries: int) ->
         return None, "not_image"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _rows_digest(urls, captions, image_size: int) -> str:
     h = hashlib.sha256(f"{image_size}\n".encode())
     for u, c in zip(urls, captions):
@@ -193,7 +185,7 @@ def _finished(out_dir: Path, name: str, digest: str) -> dict | None:
     if not (manifest.exists() and tar.exists()):
         return None
     m = read_json(manifest)
-    if m.get("rows_sha256") != digest or tar.stat().st_size != m.get("size") or _sha256(tar) != m.get("sha256"):
+    if m.get("rows_sha256") != digest or tar.stat().st_size != m.get("size") or file_digest(tar) != m.get("sha256"):
         return None
     return m
 
@@ -256,7 +248,7 @@ def _write_shard(out_dir: Path, name: str, rows, results, captions, urls, digest
         shard.abort(type(e), e, e.__traceback__)
         raise
     size = shard.close()
-    manifest = {"shard": f"{name}.tar", "size": size, "sha256": _sha256(out_dir / f"{name}.tar"),
+    manifest = {"shard": f"{name}.tar", "size": size, "sha256": file_digest(out_dir / f"{name}.tar"),
                 "first_row": rows.start, "rows": len(rows), "rows_sha256": digest, "written": written,
                 "failed": failed}
     write_json(out_dir / f"{name}.json", manifest)

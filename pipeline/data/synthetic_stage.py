@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pipeline.data import synthetic
 from pipeline.data.index import INDEX_NAME, SCHEMA, index_writer
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
-from pipeline.io import atomic_dir, read_json, write_json
+from pipeline.io import atomic_dir, file_digest, read_json, write_json
 from pipeline.train import state_dir
 
 OUT_DIR = "data/synthetic"
@@ -65,14 +65,6 @@ def staging_dir(cfg: dict, seed: int) -> Path:
                                    "synthetic": {k: v for k, v in cfg.items() if k != "workers"}})
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def build_shard(staging: Path, shard: int, cfg: dict, seed: int) -> dict:
     """Render one shard, write it through ShardWriter, then record its size and sha256. The record is
     written last, so a shard counts as done only once its tar is whole."""
@@ -88,7 +80,7 @@ def build_shard(staging: Path, shard: int, cfg: dict, seed: int) -> dict:
         [written] = writer.shards  # numbered from 0 by the writer: renamed to its place in the set
         os.replace(Path(tmp) / written["url"], staging / name)
     record = {"index": shard, "shard": name, "images": len(items), "size": (staging / name).stat().st_size,
-              "sha256": file_sha256(staging / name)}
+              "sha256": file_digest(staging / name)}
     write_json(staging / f"{name}.json",
                {**record, "rows": [{**row, "shard": name, "shard_id": shard} for row in writer.rows]})
     return record  # the index rows stay on disk: at 1M images they would not fit comfortably in memory
@@ -103,7 +95,7 @@ def completed_shards(staging: Path, cfg: dict) -> dict[int, dict]:
         if not rec.exists():
             continue
         record = read_json(rec)
-        if tar.exists() and tar.stat().st_size == record["size"] and file_sha256(tar) == record["sha256"]:
+        if tar.exists() and tar.stat().st_size == record["size"] and file_digest(tar) == record["sha256"]:
             done[shard] = {k: v for k, v in record.items() if k != "rows"}
         else:
             print(f"synthetic: staged {name} does not match its record; rendering it again")
