@@ -19,6 +19,17 @@ from pipeline.privacy import accounting
 OUT_DIR = "results/report"
 VERIFICATION, METRICS = "results/privacy/verification.json", "results/eval/metrics.json"
 LEDGER = "models/dp/ledger.json"
+SHARD_STATS = "data/shards/stats.json"
+
+
+def data_card(stats: dict) -> tuple[str, str, str]:
+    """Usable private examples (the n of the accounting) and what the shard scan skipped, by reason."""
+    private = stats["private"]
+    skipped = private.get("excluded") or {}
+    detail = (", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in sorted(skipped.items()))
+              if skipped else "none")
+    return ("Private data", f"{private['usable']} usable",
+            f"of {private.get('rows', private['usable'])} rows from {stats.get('source', '?')}; skipped: {detail}")
 
 
 # -- ε against step ---------------------------------------------------------------------------
@@ -165,6 +176,7 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
     cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}",
               f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
               f"{ver['steps']} DP steps on n = {ver['n']}")]
+    cards.append(data_card(read_json(SHARD_STATS)) if Path(SHARD_STATS).exists() else ("Data", "n/a", "no shard stats"))
     for name in lp:
         diff = (f"linear probe on {primary}" if name == "dp"
                 else f"DP model {signed(100 * (lp['dp'] - lp[name]))} points")

@@ -80,7 +80,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("report", "HTML and Markdown report with plots",
           "pipeline.report", ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "verify",
                               "evaluate", "report"),
-          inputs=("data/synthetic/", "models/pretrain/", "models/dp/",
+          inputs=("data/shards/", "data/synthetic/", "models/pretrain/", "models/dp/",
                   "results/privacy/verification.json", "results/eval/metrics.json"),
           outputs=("results/report/",), resources=Resources(threads=1, mem_mb=2000)),
 )

@@ -208,3 +208,14 @@ def test_report_renders_in_headless_chromium_and_the_screenshot_shows_the_table(
     console, _ = render(broken, tmp_path, "broken")
     assert any("broken image: lost" in line for line in console)
     assert any("undefinedFunction" in line for line in console)
+
+
+def test_data_card_reports_usable_n_and_skipped_examples_by_reason():
+    from pipeline.report import data_card
+
+    stats = {"source": "urls", "private": {"usable": 97, "rows": 100,
+                                           "excluded": {"corrupt_image": 2, "missing_caption": 1}}}
+    title, value, detail = data_card(stats)
+    assert value == "97 usable"
+    assert detail == "of 100 rows from urls; skipped: 2 corrupt image, 1 missing caption"
+    assert data_card({"source": "digits", "private": {"usable": 5, "rows": 5, "excluded": {}}})[2].endswith("skipped: none")
