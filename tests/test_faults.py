@@ -133,6 +133,26 @@ def log_tail(work: Path) -> str:
     return (work / "dpfm.log").read_text()[-3000:]
 
 
+# -- pretrain: kill -9 while a checkpoint is half written ------------------------------------------
+
+def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path):
+    from test_pretrain import MICRO_MODEL, SHORT, make_project, saved
+
+    sets = [f"model.{k}={json.dumps(v)}" for k, v in MICRO_MODEL.items()]
+    sets += [f"pretrain.{k}={json.dumps(v)}" for k, v in SHORT.items()] + ["run.device=cpu"]
+    args = ["pretrain", *sum((["--set", s] for s in sets), [])]
+    ref = make_project(tmp_path / "ref")
+    complete(dpfm(ref, args), ref)
+    work = make_project(tmp_path / "work")
+    assert kill_at_fault(dpfm(work, args, fault="saving:2"), work) == "saving"  # 2nd checkpoint half on disk
+    [state] = (work / ".dpfm/state").glob("pretrain-*")
+    assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 2  # the first one is intact
+    complete(dpfm(work, args), work)
+    assert "resuming at step 2" in log_tail(work)
+    for name, value in saved(ref)["model"].items():
+        assert torch.equal(value, saved(work)["model"][name]), name
+
+
 # -- dp-train: kill -9 at every point of a step ----------------------------------------------------
 
 def dp_state(work: Path) -> tuple[list[int], dict | None]:
