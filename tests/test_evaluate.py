@@ -18,6 +18,7 @@ from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subse
 from pipeline.eval.probe import SOLVERS, extract_features, probe_accuracy
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
 from pipeline.models import build_encoder, build_model
+from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = dict(size="micro", img_size=16, patch_size=4)
@@ -249,20 +250,6 @@ def test_eval_set_split_is_stratified_and_needs_two_per_class():
 
 
 # -- the stage ---------------------------------------------------------------------------------
-
-class RecordingTracker:
-    def __init__(self):
-        self.metrics, self.tags, self.artifacts = {}, {}, []
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.update(metrics)
-
-    def set_tags(self, tags):
-        self.tags.update(tags)
-
-    def log_artifact(self, path, artifact_path=None):
-        self.artifacts.append(str(path))
-
 
 def make_tokenizer(directory):
     import sentencepiece as spm

@@ -16,6 +16,7 @@ from pipeline.config import load_params, sections_of
 from pipeline.data.shards import ShardWriter, encode_png
 from pipeline.modelcfg import model_config
 from pipeline.models import build_model
+from recording import RecordingTracker
 
 MICRO_MODEL = {"size": "micro", "img_size": 16, "patch_size": 4, "decoder_width": 32, "decoder_depth": 1,
                "decoder_heads": 2, "text_width": 32, "text_depth": 1, "text_heads": 2, "max_caption_len": 12}
@@ -23,23 +24,6 @@ MICRO_MODEL = {"size": "micro", "img_size": 16, "patch_size": 4, "decoder_width"
 SHORT = {"steps": 6, "batch_size": 8, "lr": 0.001, "warmup_steps": 2, "checkpoint_every": 2, "log_every": 1,
          "precision": "fp32"}
 IMAGES = 20
-
-
-class Tracker:
-    def __init__(self):
-        self.points, self.series, self.metrics = [], {}, {}
-
-    def log_metrics(self, metrics, step=None):
-        if step is None:
-            self.metrics.update(metrics)
-        else:
-            self.points += [(k, step, v) for k, v in metrics.items()]
-
-    def log_series(self, name, values, steps):
-        self.series.setdefault(name, []).extend(zip(steps, values))
-
-    def curve(self, name) -> dict:
-        return {**dict(self.series.get(name, [])), **{s: v for k, s, v in self.points if k == name}}
 
 
 def make_project(root: Path, image_seed: int = 0) -> Path:
@@ -63,8 +47,8 @@ def stage_params(**pretrain_overrides) -> dict:
     return sections_of(load_params("params.yaml", sets), ("run", "model", "pretrain"))
 
 
-def run_stage(project: Path, monkeypatch, **pretrain_overrides) -> Tracker:
-    ctx = SimpleNamespace(tracker=Tracker(), threads=1, device="cpu")
+def run_stage(project: Path, monkeypatch, **pretrain_overrides) -> RecordingTracker:
+    ctx = SimpleNamespace(tracker=RecordingTracker(), threads=1, device="cpu")
     with monkeypatch.context() as m:
         m.chdir(project)
         pretrain.run(stage_params(**pretrain_overrides), ctx)
@@ -113,7 +97,7 @@ def crash_at(monkeypatch, step_to_fail: int) -> None:
     monkeypatch.setattr(pretrain, "run_loop", run_loop)
 
 
-def interrupted_then_resumed(tmp_path, monkeypatch, break_resume=None) -> tuple[Path, Tracker]:
+def interrupted_then_resumed(tmp_path, monkeypatch, break_resume=None) -> tuple[Path, RecordingTracker]:
     project = make_project(tmp_path / "project")
     with monkeypatch.context() as m:
         crash_at(m, 5)  # after the checkpoint of step 4, with step 4 done but not saved

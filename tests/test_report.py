@@ -15,17 +15,10 @@ from PIL import Image
 from pipeline import report
 from pipeline.eval.render import TABLE_HEAD_COLOR
 from pipeline.io import write_json
+from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-class Tracker:
-    def __init__(self):
-        self.artifacts = []
-
-    def log_artifact(self, path, artifact_path=None):
-        self.artifacts.append((str(path), artifact_path))
 
 
 def history(key, steps):
@@ -83,7 +76,7 @@ def project(tmp_path, monkeypatch):
 
 def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project):
     root, params = project
-    tracker = Tracker()
+    tracker = RecordingTracker()
     report.run(params, SimpleNamespace(tracker=tracker))
     out = root / "results/report"
     page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
@@ -110,7 +103,7 @@ def test_failed_verification_is_the_first_thing_the_report_says(project):
     ver = yaml.safe_load(Path("results/privacy/verification.json").read_text())
     ver["passed"], ver["checks"] = False, [check("sampler_is_poisson", passed=False)]
     write_json("results/privacy/verification.json", ver)
-    report.run(params, SimpleNamespace(tracker=Tracker()))
+    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
     page = (root / "results/report/report.html").read_text()
     assert "class='verdict bad'" in page and "FAILED" in page and "0 of 1 checks passed" in page
     assert "✘ FAIL" in page
@@ -193,7 +186,7 @@ def table_head_pixels(image: Image.Image) -> int:
                                              "(apt-get install chromium); the browser check cannot run")
 def test_report_renders_in_headless_chromium_and_the_screenshot_shows_the_table(project, tmp_path):
     root, params = project
-    report.run(params, SimpleNamespace(tracker=Tracker()))
+    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
     page = (root / "results/report/report.html").read_text()
     console, shot = render(page, tmp_path, "report")
     assert console == []

@@ -17,26 +17,16 @@ from PIL import Image
 
 from pipeline.data import synthetic, synthetic_stage
 from pipeline.data.shards import ShardDataset
+from recording import RecordingTracker
 
 CFG = {"num_programs": 12, "frames_per_program": 3, "resolution": 16, "mix_k": 1, "mix_alpha": 1.0,
        "samples_per_shard": 8, "workers": 1}  # 36 images in 5 shards, the last one short
 SHARDS = 5
 
 
-class Tracker:
-    def __init__(self):
-        self.metrics, self.artifacts = {}, []
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.update(metrics)
-
-    def log_artifact(self, path, artifact_path=None):
-        self.artifacts.append(str(path))
-
-
-def run_stage(workdir: Path, **overrides) -> Tracker:
+def run_stage(workdir: Path, **overrides) -> RecordingTracker:
     """Run the stage in `workdir` (its outputs and .dpfm/state are relative to the working directory)."""
-    ctx = SimpleNamespace(tracker=Tracker(), threads=1, device="cpu")
+    ctx = SimpleNamespace(tracker=RecordingTracker(), threads=1, device="cpu")
     params = {"run": {"seed": 7}, "synthetic": {**CFG, **overrides}}
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workdir)
@@ -165,7 +155,7 @@ def test_index_manifest_images_and_stats_agree(reference):
     sheet = np.asarray(Image.open(io.BytesIO((out / "contact_sheet.png").read_bytes())))
     assert sheet.shape == (5 * 18 + 2, 8 * 18 + 2, 3)  # 36 images, 8 a row, 2 px gaps
     assert {"near_constant_fraction", "diversity", "images", "images_per_s"} <= set(tracker.metrics)
-    assert any(a.endswith("contact_sheet.png") for a in tracker.artifacts)
+    assert any(path.endswith("contact_sheet.png") for path, _ in tracker.artifacts)
 
 
 def test_quality_sample_is_seeded_and_capped(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 
 from pipeline.data import tokenizer as tok
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from recording import RecordingTracker
 
 POISON = "wombatronic"  # a word no public corpus holds
 
@@ -27,17 +28,9 @@ def smaller_corpus():
     tok.public_corpus.cache_clear()
 
 
-class Tracker:
-    def __init__(self):
-        self.metrics = {}
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.update(metrics)
-
-
 def run_stage(project: Path, monkeypatch, vocab_size=256, model_type="unigram") -> bytes:
     project.mkdir(parents=True, exist_ok=True)
-    ctx = SimpleNamespace(tracker=Tracker(), threads=2, device="cpu")
+    ctx = SimpleNamespace(tracker=RecordingTracker(), threads=2, device="cpu")
     with monkeypatch.context() as m:
         m.chdir(project)
         tok.run({"run": {"seed": 0}, "tokenizer": {"vocab_size": vocab_size, "model_type": model_type}}, ctx)

@@ -1,0 +1,25 @@
+"""A stand-in for pipeline.tracking.StageRun that records what a stage logs, for assertions."""
+
+
+class RecordingTracker:
+    def __init__(self):
+        self.metrics, self.points, self.series, self.tags, self.artifacts = {}, [], {}, {}, []
+
+    def log_metrics(self, metrics, step=None):
+        if step is None:
+            self.metrics.update(metrics)
+        else:
+            self.points += [(k, step, v) for k, v in metrics.items()]
+
+    def log_series(self, name, values, steps):
+        self.series.setdefault(name, []).extend(zip(steps, values))
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append((str(path), artifact_path))
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def curve(self, name) -> dict:
+        """step -> value of a metric, from per-step logging and whole-series logging alike."""
+        return {**dict(self.series.get(name, [])), **{s: v for k, s, v in self.points if k == name}}
