@@ -43,6 +43,16 @@ def atomic_path(path: str | Path):
             os.unlink(tmp)
 
 
+def remove_stale_temps(directory: str | Path, name: str = "*") -> None:
+    """Delete the temporaries that atomic writes of `name` in `directory` left behind when killed
+    (kill -9 skips every `finally`). Call it where one writer owns the directory: at a stage's start."""
+    for stale in Path(directory).glob(f".{name}.*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def write_json(path: str | Path, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -57,6 +67,7 @@ def atomic_dir(path: str | Path):
     """Yield a fresh temporary directory; on success it replaces `path` as a whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent, path.name)  # a killed earlier run's half-written copy
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp

@@ -151,12 +151,32 @@ def stage_run(stage, params: dict, experiment: str):
 
 
 def start_parent(experiment: str, name: str = "pipeline") -> str:
+    """Open the pipeline's parent run. Called under Snakemake's lock on this workdir."""
     mlflow = _mlflow(experiment)
     client = mlflow.tracking.MlflowClient()
     exp_id = mlflow.get_experiment_by_name(experiment).experiment_id
+    workdir = str(Path.cwd().resolve())
+    mark_killed_runs(client, exp_id, workdir)
     run = _retry(lambda: client.create_run(exp_id, run_name=name, tags={
-        "dpfm.pipeline": "true", "mlflow.source.git.commit": git_commit()}))
+        "dpfm.pipeline": "true", "dpfm.workdir": workdir, "mlflow.source.git.commit": git_commit()}))
     return run.info.run_id
+
+
+def mark_killed_runs(client, experiment_id: str, workdir: str) -> list[str]:
+    """A pipeline killed with -9 (a preempted job) never ends its runs: they would show as running
+    forever. We hold Snakemake's lock on `workdir`, so its runs still open are dead: mark them KILLED,
+    with their open stage runs."""
+    open_runs = _retry(lambda: client.search_runs(
+        [experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=10_000))
+    parents = {r.info.run_id for r in open_runs
+               if r.data.tags.get("dpfm.pipeline") == "true" and r.data.tags.get("dpfm.workdir") == workdir}
+    killed = [r.info.run_id for r in open_runs
+              if r.info.run_id in parents or r.data.tags.get("mlflow.parentRunId") in parents]
+    for run_id in killed:
+        _retry(lambda: client.set_terminated(run_id, status="KILLED"))
+    if parents:
+        print(f"MLflow: marked {len(parents)} pipeline run(s) of this workdir that were killed as KILLED")
+    return killed
 
 
 def end_parent(experiment: str, run_id: str, ok: bool) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from pipeline.io import atomic_path
+from pipeline.io import atomic_path, remove_stale_temps
 
 STATE_ROOT = Path(".dpfm/state")
 
@@ -93,8 +93,7 @@ class Checkpointer:
 
     def load(self) -> dict | None:
         if self.write:  # a kill -9 mid-save leaves a temp file nobody will finish: reclaim its space
-            for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):
-                stale.unlink(missing_ok=True)
+            remove_stale_temps(self.path.parent, self.path.name)
         return torch.load(self.path, map_location="cpu", weights_only=False) if self.path.exists() else None
 
 

@@ -1,5 +1,5 @@
-"""Faults: real `kill -9` of real stage processes, bad images, contradictory params, a full disk and
-two Snakemake invocations on one workdir. After each, a re-run finishes with what an uninterrupted
+"""Faults: real `kill -9` of real stage processes (and of a whole Snakemake run, as a preemption),
+bad images, contradictory params, a full disk and two Snakemake invocations on one workdir. After each, a re-run finishes with what an uninterrupted
 run gives, and the privacy ledger never counts fewer steps than were applied.
 
 Stage processes run `dpfm` through FAULT_HOOKS below, which can stop a process at an exact point
@@ -27,10 +27,13 @@ import torch
 from PIL import Image
 from test_dp_train import data_dir, project, run_in_process, train  # noqa: F401 (data_dir is a fixture)
 from test_shards import excluded, good, index, raw_tar
+from test_sources import serve  # noqa: F401 (a fixture)
 
 from pipeline import cli
 from pipeline.data import synthetic_stage
+from pipeline.data.shards import ShardDataset
 from pipeline.data.transforms import decode_image, encode_jpeg
+from pipeline.io import atomic_dir, read_json
 from pipeline.privacy.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +100,15 @@ if "shards" in faults:  # the parent has collected k synthetic shards; the worke
                 hang("shards")
     synthetic_stage.build_shards = build_shards
 
+if "fetching" in faults:  # a download worker is fetching image k; the shard holding it is half written
+    from pipeline.data import sources
+    real_fetch = sources._fetch_row
+    def fetch_row(url, *args):
+        if url.endswith(f"/img{faults['fetching']}.png"):
+            hang("fetching")
+        return real_fetch(url, *args)
+    sources._fetch_row = fetch_row
+
 from pipeline.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -133,6 +145,60 @@ def log_tail(work: Path) -> str:
     return (work / "dpfm.log").read_text()[-3000:]
 
 
+def bare_project(work: Path) -> Path:
+    """A project folder with the default params and their schema (stages run with `--set` overrides)."""
+    shutil.copytree(ROOT / "schemas", work / "schemas")
+    shutil.copy(ROOT / "params.yaml", work / "params.yaml")
+    return work
+
+
+def with_sets(stage: str, sets: list[str]) -> list[str]:
+    return [stage, *sum((["--set", s] for s in sets), [])]
+
+
+# -- shards: kill -9 in the middle of a download -----------------------------------------------------
+
+def test_kill_9_during_a_download_resumes_without_fetching_finished_shards_again(tmp_path, serve):
+    rng = np.random.default_rng(0)
+    (tmp_path / "www").mkdir()
+    for i in range(12):
+        picture = Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+        (tmp_path / "www" / f"img{i}.png").write_bytes(encoded(picture, "PNG"))
+    server = serve(tmp_path / "www")
+    table = tmp_path / "pairs.csv"
+    table.write_text("url,caption\n" + "".join(f"{server.url}/img{i}.png,picture {i}\n" for i in range(12)))
+    args = with_sets("shards", ["shards.source=download", f"shards.path={table}", "shards.image_size=16",
+                                "shards.samples_per_shard=4", "shards.eval_fraction=0.25", "shards.workers=1",
+                                "shards.download.threads=2"])
+    ref, work = bare_project(tmp_path / "ref"), bare_project(tmp_path / "work")
+    complete(dpfm(ref, args), ref)
+
+    before = server.requests.copy()
+    assert kill_at_fault(dpfm(work, args, "fetching:6"), work) == "fetching"  # row 6 is in shard 1 (rows 4-7)
+    cache = work / "data/cache/download"
+    assert sorted(p.name for p in cache.glob("pairs-*")) == ["pairs-000000.json", "pairs-000000.tar"]
+    assert list(cache.glob(".pairs-000001.tar.*.tmp")), "the kill did not land inside shard 1's write"
+    assert not (work / "data/shards").exists()
+    killed_run = server.requests - before
+    complete(dpfm(work, args), work)
+    resumed_run = server.requests - before - killed_run
+    assert all(resumed_run[f"/img{i}.png"] == 0 for i in range(4)), "a finished shard was downloaded again"
+    assert all(resumed_run[f"/img{i}.png"] == 1 for i in range(4, 12))
+    assert not list(cache.glob(".*.tmp"))  # the torn shard was reclaimed
+
+    # The same shard bytes, dataset and stats as the uninterrupted run (but for the reuse count).
+    for tar in (ref / "data/cache/download").glob("*.tar"):
+        assert (cache / tar.name).read_bytes() == tar.read_bytes(), tar.name
+    stats, ref_stats = (read_json(d / "data/shards/stats.json") for d in (work, ref))
+    assert (stats["download"].pop("reused_shards"), ref_stats["download"].pop("reused_shards")) == (1, 0)
+    assert stats == ref_stats and stats["private"]["usable"] + stats["eval"]["usable"] == 12
+    for split in ("private", "eval"):
+        got, expected = (ShardDataset(d / "data/shards" / split) for d in (work, ref))
+        assert got.index["key"] == expected.index["key"]
+        for i in range(len(got)):
+            assert got.caption(i) == expected.caption(i) and np.array_equal(got.image(i), expected.image(i))
+
+
 # -- pretrain: kill -9 while a checkpoint is half written ------------------------------------------
 
 def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path):
@@ -140,7 +206,7 @@ def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path):
 
     sets = [f"model.{k}={json.dumps(v)}" for k, v in MICRO_MODEL.items()]
     sets += [f"pretrain.{k}={json.dumps(v)}" for k, v in SHORT.items()] + ["run.device=cpu"]
-    args = ["pretrain", *sum((["--set", s] for s in sets), [])]
+    args = with_sets("pretrain", sets)
     ref = make_project(tmp_path / "ref")
     complete(dpfm(ref, args), ref)
     work = make_project(tmp_path / "work")
@@ -168,10 +234,10 @@ def dp_outcome(work: Path) -> tuple[dict, dict]:
     return ledger, torch.load(work / "models/dp/checkpoint.pt", weights_only=False)
 
 
-def check_same_as_uninterrupted(got: tuple[dict, dict], ref: tuple[dict, dict]) -> None:
+def check_same_as_uninterrupted(got: tuple[dict, dict], ref: tuple[dict, dict], steps: int = STEPS) -> None:
     """The privacy check of a resumed run: every applied step charged once, the same batches and model."""
     (ledger, ckpt), (ref_ledger, ref_ckpt) = got, ref
-    assert ledger["steps"] == ckpt["optimizer_steps"] == STEPS, "ledger and optimizer disagree on the steps"
+    assert ledger["steps"] == ckpt["optimizer_steps"] == steps, "ledger and optimizer disagree on the steps"
     assert ledger["batch_sizes"] == ref_ledger["batch_sizes"], "the resumed run drew other batches"
     for name, value in ref_ckpt["model"].items():
         assert torch.equal(value, ckpt["model"][name]), f"{name} differs from the uninterrupted run"
@@ -301,17 +367,14 @@ def test_a_full_disk_under_plain_torch_save_would_be_unreadable():
 def test_kill_9_during_synthetic_generation_resumes_to_the_same_bytes(tmp_path):
     sets = ["synthetic.num_programs=24", "synthetic.frames_per_program=2", "synthetic.resolution=16",
             "synthetic.samples_per_shard=4", "synthetic.workers=2"]
-    ref, work = tmp_path / "ref", tmp_path / "killed"
-    for d in (ref, work):
-        shutil.copytree(ROOT / "schemas", d / "schemas")
-        shutil.copy(ROOT / "params.yaml", d / "params.yaml")
+    ref, work = bare_project(tmp_path / "ref"), bare_project(tmp_path / "killed")
     cwd = os.getcwd()
     os.chdir(ref)
     try:
         run_in_process("synthetic", sets[:-1] + ["synthetic.workers=1"])
     finally:
         os.chdir(cwd)
-    args = ["synthetic", *sum((["--set", s] for s in sets), [])]
+    args = with_sets("synthetic", sets)
     kill_at_fault(dpfm(work, args, "shards:3"), work)
     [staging] = (work / ".dpfm/state").glob("synthetic-*")
     assert 3 <= len(list(staging.glob("*.json"))) < 12 and not (work / "data/synthetic").exists()
@@ -321,6 +384,26 @@ def test_kill_9_during_synthetic_generation_resumes_to_the_same_bytes(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
     for p in expected.iterdir():
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# -- any stage output: the temporary copy a killed writer leaves is reclaimed --------------------------
+
+def test_the_next_write_reclaims_what_a_killed_writer_left(tmp_path):
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import os, time\n"
+        "from pipeline.io import atomic_dir\n"
+        "with atomic_dir('shards') as out:\n"
+        "    (out / 'private.tar').write_bytes(os.urandom(4096))\n"
+        "    open('fault.reached', 'w').close()\n"
+        "    time.sleep(600)\n")], cwd=tmp_path, start_new_session=True)
+    kill_at_fault(writer, tmp_path)
+    [stale] = tmp_path.glob(".shards.*.tmp")  # kill -9 skips atomic_dir's clean-up
+    unrelated = tmp_path / ".synthetic.x1y2z3.tmp"
+    unrelated.mkdir()
+    with atomic_dir(tmp_path / "shards") as out:
+        (out / "private.tar").write_text("whole")
+    assert not stale.exists() and unrelated.exists()
+    assert [p.name for p in (tmp_path / "shards").iterdir()] == ["private.tar"]
 
 
 # -- bad images: every mode decodes to the same RGB, bombs and empty files are excluded and counted -----------
@@ -366,13 +449,14 @@ def test_image_modes_are_kept_and_bombs_and_empty_files_counted(tmp_path, monkey
 # -- Snakemake: two invocations on one workdir, and a kill -9 of the whole run -------------------------------------
 
 def snakemake_project(work: Path) -> Path:
+    work.mkdir(exist_ok=True)
     for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
         (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, work / item)
     return work
 
 
-def snakemake(work: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+def snakemake(work: Path, *args: str, path: str = f"{BIN}{os.pathsep}{os.environ['PATH']}", **env) -> subprocess.Popen:
+    env = {**os.environ, "PATH": path, **env}
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.Popen([str(BIN / "snakemake"), "--cores", "1", *args], cwd=work, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -397,6 +481,38 @@ def test_a_second_snakemake_on_the_same_workdir_is_locked_out(tmp_path):
     assert second.returncode != 0 and "cannot be locked" in out2, out2[-3000:]
     assert first.returncode == 0, out1[-3000:]
     assert (work / "models/tokenizer/spm.model").is_file()
+    # The locked-out run opened no MLflow run (so it could not mark the live one killed).
+    [parent] = [r for r in mlflow_runs(work) if r.data.tags.get("dpfm.pipeline") == "true"]
+    assert parent.info.status == "FINISHED"
+
+
+@pytest.fixture
+def local_mlflow(tmp_path, monkeypatch):
+    """The default SQLite store in tmp_path; mlflow's process-wide URI is reset for the next tests."""
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    yield
+    mlflow.set_tracking_uri(None)  # tracking._mlflow set it for the whole process (and its environment)
+
+
+def test_only_this_workdirs_dead_pipeline_runs_are_marked_killed(local_mlflow):
+    from pipeline import tracking
+
+    finished = tracking.start_parent("dpfm")
+    tracking.end_parent("dpfm", finished, ok=True)
+    dead = tracking.start_parent("dpfm")  # then kill -9: never ended
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    exp_id = client.get_experiment_by_name("dpfm").experiment_id
+    dead_stage = client.create_run(exp_id, tags={"mlflow.parentRunId": dead, "dpfm.stage": "dp-train"}).info.run_id
+    elsewhere = client.create_run(exp_id, tags={"dpfm.pipeline": "true", "dpfm.workdir": "/another/project"}).info.run_id
+    standalone = client.create_run(exp_id, tags={"dpfm.stage": "evaluate"}).info.run_id  # `dpfm evaluate` by hand
+    new = tracking.start_parent("dpfm")
+    status = {run_id: client.get_run(run_id).info.status for run_id in (finished, dead, dead_stage, elsewhere,
+                                                                           standalone, new)}
+    assert status == {finished: "FINISHED", dead: "KILLED", dead_stage: "KILLED", elsewhere: "RUNNING",
+                      standalone: "RUNNING", new: "RUNNING"}
 
 
 @pytest.mark.e2e
@@ -414,3 +530,72 @@ def test_after_kill_9_of_snakemake_unlock_and_rerun_completes(tmp_path):
     out = rerun.communicate(timeout=300)[0]
     assert rerun.returncode == 0, out[-3000:]
     assert (work / "models/tokenizer/spm.model").is_file()
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every descendant at once, as a preempted SLURM job's cgroup is killed."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    family = [root, *root.children(recursive=True)]
+    for p in family:
+        p.kill()
+    psutil.wait_procs(family, timeout=30)
+    proc.wait(timeout=30)
+
+
+def mlflow_runs(work: Path) -> list:
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    return client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=100)
+
+
+@pytest.mark.e2e
+def test_preempted_whole_dag_run_resumes_dp_train_to_the_uninterrupted_result(tmp_path):
+    """The whole pipeline killed -9 mid dp-train (after step 2 is charged); then what a user does:
+    `snakemake --unlock; snakemake`. Only the killed stage and those after it run; dp-train resumes
+    from its checkpoint with the same secret key, and ends where an uninterrupted run ends."""
+    from test_e2e import MICRO, planned_rules, set_params
+
+    work = snakemake_project(tmp_path / "project")
+    set_params(work, MICRO)
+    dp_steps = MICRO["dp"]["steps"]
+    shim = tmp_path / "shim"  # `dpfm` as the rules call it, with the fault hooks loaded
+    shim.mkdir()
+    (shim / "hooks.py").write_text(FAULT_HOOKS)
+    (shim / "dpfm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{shim / "hooks.py"}" "$@"\n')
+    (shim / "dpfm").chmod(0o755)
+    run = snakemake(work, path=f"{shim}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+                    DPFM_FAULT="charged:2", DPFM_FAULT_MARKER=str(work / MARKER))
+    wait_for(lambda: (work / MARKER).exists(), run, timeout=400)
+    kill_tree(run)
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 2 and not (work / "models/dp/ledger.json").exists()
+    [killed_parent] = [r for r in mlflow_runs(work) if r.data.tags.get("dpfm.pipeline") == "true"]
+    assert killed_parent.info.status == "RUNNING"  # nobody was left alive to end it
+
+    out = snakemake(work).communicate(timeout=120)[0]
+    assert "--unlock" in out, out[-3000:]
+    assert snakemake(work, "--unlock").wait(timeout=120) == 0
+    rerun = snakemake(work)
+    out = rerun.communicate(timeout=600)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    assert planned_rules(out) == {"dp_train", "verify", "evaluate", "report"}
+    assert "resuming at step 2" in (work / "logs/dp-train.log").read_text()
+    assert json.loads((work / "results/privacy/verification.json").read_text())["passed"]
+    runs = {r.info.run_id: r for r in mlflow_runs(work)}
+    assert runs[killed_parent.info.run_id].info.status == "KILLED"
+    killed_children = [r for r in runs.values() if r.data.tags.get("mlflow.parentRunId") == killed_parent.info.run_id]
+    assert {r.data.tags["dpfm.stage"]: r.info.status for r in killed_children}["dp-train"] == "KILLED"
+    assert not [r for r in runs.values() if r.info.status == "RUNNING"]
+
+    # The uninterrupted reference: dp-train again from a fresh state holding only the same secret key.
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    state.rename(tmp_path / "resumed-state")
+    state.mkdir()
+    shutil.copy(tmp_path / "resumed-state/secret.key", state / "secret.key")
+    resumed = dp_outcome(work)
+    shutil.rmtree(work / "models/dp")
+    complete(dpfm(work, ["dp-train"]), work)
+    check_same_as_uninterrupted(resumed, dp_outcome(work), steps=dp_steps)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from pipeline.data import remote
 from pipeline.data.shards import TarShard
 from pipeline.data.transforms import decode_image, encode_jpeg
-from pipeline.io import file_digest, read_json, write_json
+from pipeline.io import file_digest, read_json, remove_stale_temps, write_json
 
 USER_AGENT = "dpfm-downloader/0.1"
 MAX_IMAGE_BYTES = 32 << 20
@@ -205,6 +205,7 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
         raise ValueError(f"{table_path} has no rows")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_dir)  # shards a killed run was writing: they are downloaded again
     prefix = Path(table_path.rstrip("/")).name.split(".")[0] or "download"
     starts = range(0, len(urls), samples_per_shard)
     shards, failed, written, reused = [], {}, 0, 0

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pipeline.data import synthetic
 from pipeline.data.index import INDEX_NAME, SCHEMA, index_writer
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
-from pipeline.io import atomic_dir, file_digest, read_json, write_json
+from pipeline.io import atomic_dir, file_digest, read_json, remove_stale_temps, write_json
 from pipeline.train import state_dir
 
 OUT_DIR = "data/synthetic"
@@ -72,7 +72,7 @@ def build_shard(staging: Path, shard: int, cfg: dict, seed: int) -> dict:
     images = synthetic.render_items(items, cfg["resolution"], base_seed=seed, mix_k=cfg["mix_k"],
                                     mix_alpha=cfg["mix_alpha"], mix_pool=cfg["num_programs"]).numpy()
     name = shard_name(shard)
-    with tempfile.TemporaryDirectory(dir=staging, prefix=f".{name}.") as tmp:
+    with tempfile.TemporaryDirectory(dir=staging, prefix=f".{name}.", suffix=".tmp") as tmp:
         with ShardWriter(tmp, prefix=PREFIX, samples_per_shard=len(items)) as writer:
             for (program, frame), image in zip(items, images):
                 writer.write(f"p{program:06d}-f{frame:03d}", encode_png(image),
@@ -156,6 +156,7 @@ def run(params: dict, ctx) -> None:
     n, shards = total_images(cfg), num_shards(cfg)
     staging = staging_dir(cfg, seed)
     staging.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(staging)  # shards a killed run was rendering
     done = completed_shards(staging, cfg)
     todo = [s for s in range(shards) if s not in done]
     workers = max(1, min(cfg["workers"] or ctx.threads, len(todo)))
