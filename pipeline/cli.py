@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.config import ParamsError, load_params, sections_of
-from pipeline.errors import VerificationFailed
+from pipeline.errors import Stopped, VerificationFailed
 from pipeline.stages import STAGES, Stage, stage
 
 
@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     except VerificationFailed as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 3
+    except Stopped as e:
+        print(f"dpfm: {e}", file=sys.stderr)
+        return 128 + e.signum
     except OSError as e:
         from pipeline.io import DISK_FULL
 

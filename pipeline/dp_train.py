@@ -242,7 +242,8 @@ class Trainer:
                            checkpointer=Checkpointer(work, write=world.is_main),
                            checkpoint_every=dp["checkpoint_every"], desc=f"dp-train{'' if private else ' (non-private)'}",
                            log_every=1, extra_state=lambda: dict(counters), restore_extra=counters.update,
-                           on_log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s))
+                           on_log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s),
+                           world=world)
         return model, counters, history
 
     @torch.no_grad()

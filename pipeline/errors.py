@@ -3,3 +3,12 @@
 
 class VerificationFailed(RuntimeError):
     """A privacy check of `verify` failed: nothing downstream may publish the model as private."""
+
+
+class Stopped(RuntimeError):
+    """A SIGTERM or Ctrl-C stopped training at a step boundary, after a checkpoint; `dpfm` exits
+    128 + signum, as a process killed by it would, so schedulers see the job as interrupted."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum

@@ -101,7 +101,7 @@ def run(params: dict, ctx) -> None:
         history = run_loop(model=model, optimizer=optimizer, total_steps=cfg["steps"], base_lr=cfg["lr"],
                            warmup=cfg["warmup_steps"], step_fn=step_fn, checkpointer=Checkpointer(work, write=world.is_main),
                            checkpoint_every=cfg["checkpoint_every"], desc="pretrain", log_every=cfg["log_every"],
-                           on_log=on_log, on_start=on_start)
+                           on_log=on_log, on_start=on_start, world=world)
     finally:
         if run_state["batches"] is not None:
             run_state["batches"].close()  # stops the decoding workers

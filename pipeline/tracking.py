@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.errors import Stopped
 from pipeline.io import file_digest
 
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
@@ -144,8 +145,8 @@ def stage_run(stage, params: dict, experiment: str):
         _retry(lambda: mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                                           for k, v in flat.items()}))
         yield StageRun(mlflow, run.info.run_id)
-    except BaseException:
-        _retry(lambda: mlflow.end_run(status="FAILED"))
+    except BaseException as e:
+        _retry(lambda: mlflow.end_run(status="KILLED" if isinstance(e, (Stopped, KeyboardInterrupt)) else "FAILED"))
         raise
     _retry(lambda: mlflow.end_run(status="FINISHED"))
 

@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from pipeline.distributed import World
 from pipeline.io import atomic_path, remove_stale_temps
+from pipeline.preemption import StopRequests, stop
 
 STATE_ROOT = Path(".dpfm/state")
 
@@ -100,13 +102,14 @@ class Checkpointer:
 def run_loop(*, model, optimizer, total_steps: int, base_lr: float, warmup: int, step_fn: Callable[[int], dict],
              checkpointer: Checkpointer, checkpoint_every: int, desc: str, extra_state: Callable[[], dict] = dict,
              restore_extra: Callable[[dict], None] = lambda s: None, on_log: Callable[[int, dict], None] = None,
-             log_every: int = 10, on_start: Callable[[int], None] | None = None) -> dict:
+             log_every: int = 10, on_start: Callable[[int], None] | None = None, world: World = World()) -> dict:
     """Run steps [start, total) where start comes from the last checkpoint; return the history.
 
     A checkpoint holds the model, optimizer, step, torch RNG states, history and `extra_state()`;
     the learning rate is a function of the step, so restoring these resumes the run exactly when
     `step_fn(step)` draws its data and randomness as a function of the step. `on_start(start)` is
-    called once, before the first step, with the step the run starts (or resumes) at.
+    called once, before the first step, with the step the run starts (or resumes) at. A SIGTERM or
+    Ctrl-C ends the run after the step in flight, with a checkpoint (`Stopped`).
     """
     start, history = 0, {"step": [], "metrics": []}
     saved = checkpointer.load()
@@ -129,18 +132,23 @@ def run_loop(*, model, optimizer, total_steps: int, base_lr: float, warmup: int,
                            "extra": extra_state()})
 
     t0, done = time.time(), 0
-    for step in tqdm(range(start, total_steps), desc=desc, initial=start, total=total_steps, unit="step"):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, base_lr, warmup, total_steps)
-        metrics = step_fn(step)
-        done += 1
-        metrics["lr"] = optimizer.param_groups[0]["lr"]
-        if step % log_every == 0 or step == total_steps - 1:
-            metrics["steps_per_s"] = done / max(1e-9, time.time() - t0)
-            history["step"].append(step)
-            history["metrics"].append(metrics)
-            if on_log:
-                on_log(step, metrics)
-        if (step + 1) % checkpoint_every == 0 or step + 1 == total_steps:
-            save(step + 1)
+    with StopRequests() as requests:
+        for step in tqdm(range(start, total_steps), desc=desc, initial=start, total=total_steps, unit="step"):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, base_lr, warmup, total_steps)
+            metrics = step_fn(step)
+            done += 1
+            metrics["lr"] = optimizer.param_groups[0]["lr"]
+            if step % log_every == 0 or step == total_steps - 1:
+                metrics["steps_per_s"] = done / max(1e-9, time.time() - t0)
+                history["step"].append(step)
+                history["metrics"].append(metrics)
+                if on_log:
+                    on_log(step, metrics)
+            last = step + 1 == total_steps
+            signum = None if last else requests.agreed(world)
+            if (step + 1) % checkpoint_every == 0 or last or signum:
+                save(step + 1)
+            if signum:
+                raise stop(signum, desc, step + 1, total_steps, checkpointer.path)
     return history

@@ -189,13 +189,13 @@ def test_single_node_dp_train_job_asks_for_eight_gpus_and_runs_once(tmp_path, mo
     sbatch = sbatch_command(dp, monkeypatch)
     args = shlex.split(sbatch)
     for flag in ("-A", "acct-placeholder", "-p", "gpu-placeholder", "--gpus=h100:8", "--cpus-per-gpu=8",
-                 "--mem", "256000", "-t", "2880", "--nodes=1"):
+                 "--mem", "256000", "-t", "2880", "--nodes=1", "--signal=TERM@300"):
         assert flag in args, (flag, sbatch)
     assert_one_launcher_per_node(sbatch, nodes=1)
     assert dp.shell.startswith("python -m pipeline.launch --nodes 1 --gpus 8 -- dpfm dp-train --threads 8 ")
 
     sbatch = sbatch_command(pre, monkeypatch)
-    assert "--gpus=h100:8" in sbatch and "--cpus-per-gpu=8" in sbatch
+    assert "--gpus=h100:8" in sbatch and "--cpus-per-gpu=8" in sbatch and "--signal=TERM@300" in sbatch
     assert_one_launcher_per_node(sbatch, nodes=1)
     assert pre.shell.startswith("python -m pipeline.launch --nodes 1 --gpus 8 -- dpfm pretrain ")
 

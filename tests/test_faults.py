@@ -42,7 +42,7 @@ MARKER = "fault.reached"
 STEPS = 6  # test_dp_train's MICRO: 6 steps, a checkpoint every 2
 
 FAULT_HOOKS = r"""
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
 
 def hang(what):
@@ -88,6 +88,30 @@ if "saving" in faults:  # half of the k-th checkpoint of this process is on disk
         os.fsync(f.fileno())
         hang("saving")
     torch.save = save
+if "sigterm" in faults and os.environ.get("RANK", "0") == faults.get("rank", os.environ.get("RANK", "0")):
+    real_optimizer = dp_train.make_optimizer  # in step k, before its update, the job is told to end
+    def make_optimizer(*args, **kw):
+        opt, seen = real_optimizer(*args, **kw), [0]
+        def before(*_):
+            seen[0] += 1
+            if seen[0] == int(faults["sigterm"]) + 1:
+                for _ in range(int(faults.get("times", "1"))):  # SIGTERM once, or twice
+                    os.kill(os.getpid(), signal.SIGTERM)
+        opt.register_step_pre_hook(before)
+        return opt
+    dp_train.make_optimizer = make_optimizer
+if "group-sigterm" in faults:  # in pretraining step k, before its update, the whole job is told to end
+    import pipeline.pretrain as pretrain
+    real_pretrain_optimizer = pretrain.make_optimizer
+    def make_pretrain_optimizer(*args, **kw):
+        opt, seen = real_pretrain_optimizer(*args, **kw), [0]
+        def before(*_):
+            seen[0] += 1
+            if seen[0] == int(faults["group-sigterm"]) + 1:
+                os.killpg(0, signal.SIGTERM)
+        opt.register_step_pre_hook(before)
+        return opt
+    pretrain.make_optimizer = make_pretrain_optimizer
 if "lazy-ledger" in faults:  # BROKEN on purpose: steps kept in memory, not on disk before the update
     real_append = Ledger._append
     Ledger._append = lambda self, rec: real_append(self, rec) if "header" in rec else None
@@ -201,22 +225,77 @@ def test_kill_9_during_a_download_resumes_without_fetching_finished_shards_again
 
 # -- pretrain: kill -9 while a checkpoint is half written ------------------------------------------
 
-def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path):
-    from test_pretrain import MICRO_MODEL, SHORT, make_project, saved
+def pretrain_args() -> list[str]:
+    from test_pretrain import MICRO_MODEL, SHORT
 
     sets = [f"model.{k}={json.dumps(v)}" for k, v in MICRO_MODEL.items()]
-    sets += [f"pretrain.{k}={json.dumps(v)}" for k, v in SHORT.items()] + ["run.device=cpu"]
-    args = with_sets("pretrain", sets)
-    ref = make_project(tmp_path / "ref")
-    complete(dpfm(ref, args), ref)
+    sets += [f"pretrain.{k}={json.dumps(v)}" for k, v in SHORT.items()] + ["run.device=cpu", "pretrain.data_workers=2"]
+    return with_sets("pretrain", sets)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> dict:
+    """The uninterrupted pretraining run's weights."""
+    from test_pretrain import make_project, saved
+
+    ref = make_project(tmp_path_factory.mktemp("pretrain-ref"))
+    complete(dpfm(ref, pretrain_args()), ref)
+    return saved(ref)["model"]
+
+
+def check_same_pretrained(work: Path, expected: dict) -> None:
+    from test_pretrain import saved
+
+    for name, value in expected.items():
+        assert torch.equal(value, saved(work)["model"][name]), name
+
+
+def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path, pretrained):
+    from test_pretrain import make_project
+
     work = make_project(tmp_path / "work")
-    assert kill_at_fault(dpfm(work, args, fault="saving:2"), work) == "saving"  # 2nd checkpoint half on disk
+    assert kill_at_fault(dpfm(work, pretrain_args(), fault="saving:2"), work) == "saving"  # 2nd checkpoint half on disk
     [state] = (work / ".dpfm/state").glob("pretrain-*")
     assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 2  # the first one is intact
-    complete(dpfm(work, args), work)
+    complete(dpfm(work, pretrain_args()), work)
     assert "resuming at step 2" in log_tail(work)
-    for name, value in saved(ref)["model"].items():
-        assert torch.equal(value, saved(work)["model"][name]), name
+    check_same_pretrained(work, pretrained)
+
+
+def test_sigterm_to_pretrain_and_its_decoding_workers_checkpoints_then_resumes_bit_for_bit(tmp_path, pretrained):
+    """As SLURM does, the signal reaches the whole process group: the decoding workers keep serving
+    the step in flight until the trainer has saved its checkpoint."""
+    from test_pretrain import make_project
+
+    work = make_project(tmp_path / "work")
+    proc = dpfm(work, pretrain_args(), fault="group-sigterm:2")
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM, log_tail(work)
+    assert "dpfm: pretrain stopped by SIGTERM after step 3 of 6;" in log_tail(work)
+    [state] = (work / ".dpfm/state").glob("pretrain-*")
+    assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 3
+    complete(dpfm(work, pretrain_args()), work)
+    assert "resuming at step 3" in log_tail(work)
+    check_same_pretrained(work, pretrained)
+
+
+def test_decoding_workers_outlive_a_sigterm_so_the_step_in_flight_can_finish(tmp_path):
+    import psutil
+    from test_sources import write_set
+
+    from pipeline.data.loader import BatchLoader
+
+    write_set(tmp_path / "set", n=40, per_shard=10)
+    before = {p.pid for p in psutil.Process().children()}
+    batches = BatchLoader(ShardDataset(tmp_path / "set"), 8, workers=2, prefetch=1)(
+        [np.arange(i, i + 2) for i in range(0, 40, 2)])
+    got = [next(batches)[0]]
+    workers = [p for p in psutil.Process().children() if p.pid not in before]
+    assert len(workers) == 2
+    for worker in workers:  # what SLURM's SIGTERM to the process group does to them
+        worker.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    got += [indices for indices, _ in batches]
+    assert np.array_equal(np.concatenate(got), np.arange(40))
 
 
 # -- dp-train: kill -9 at every point of a step ----------------------------------------------------
@@ -269,6 +348,43 @@ def test_kill_9_mid_step_mid_checkpoint_and_after_an_update_resumes_to_the_unint
     # After every kill the ledger held at least the steps applied (the in-memory step 4 included).
     complete(dpfm(work, ["dp-train"]), work)
     check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+def test_sigterm_mid_step_finishes_the_step_checkpoints_and_resumes_to_the_uninterrupted_run(
+        data_dir, tmp_path, uninterrupted):  # noqa: F811
+    """SLURM's SIGTERM (time limit, preemption) costs no step: the one in flight ends, then a checkpoint."""
+    work = project(data_dir, tmp_path)
+    proc = dpfm(work, ["dp-train"], "sigterm:2")
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM, log_tail(work)
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 3  # checkpoint_every is 2: this one is the signal's
+    assert "dpfm: dp-train stopped by SIGTERM after step 3 of 6;" in log_tail(work)
+    complete(dpfm(work, ["dp-train"]), work)
+    assert "resuming at step 3" in log_tail(work)
+    check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+def test_a_second_sigterm_stops_at_once(data_dir, tmp_path):  # noqa: F811
+    work = project(data_dir, tmp_path)
+    proc = dpfm(work, ["dp-train"], "sigterm:2,times:2")
+    assert proc.wait(timeout=300) == -signal.SIGTERM, log_tail(work)
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 2  # step 2 is charged and will be redone
+
+
+def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path):  # noqa: F811
+    work = project(data_dir, tmp_path)
+    (work / "hooks.py").write_text(FAULT_HOOKS)
+    env = {**os.environ, "DPFM_FAULT": "sigterm:2,rank:1", "DPFM_FAULT_MARKER": str(work / MARKER),
+           "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hooks.py",
+           "dp-train", "--threads", "1", "--set", "run.device=cpu"]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("dp-train stopped by SIGTERM after step 3 of 6;") == 2, proc.stderr[-3000:]
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 3
 
 
 def test_the_resume_check_catches_a_ledger_not_written_before_the_update(data_dir, tmp_path, uninterrupted):  # noqa: F811

@@ -8,6 +8,7 @@ Normalisation (fixed public constants) and caption tokenisation run in the calli
 
 from __future__ import annotations
 
+import signal
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -42,6 +43,10 @@ def _as_is(batch):
 
 def _worker_init(_):
     torch.set_num_threads(1)  # one core per decoding process
+    # A SIGTERM or Ctrl-C reaches the whole process group: the training process decides when to stop
+    # (after a checkpoint) and its workers must keep serving the step in flight until then.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class BatchLoader:
