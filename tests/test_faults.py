@@ -359,6 +359,8 @@ def test_sigterm_mid_step_finishes_the_step_checkpoints_and_resumes_to_the_unint
     charged, ckpt = dp_state(work)
     assert charged == [0, 1, 2] and ckpt["step"] == 3  # checkpoint_every is 2: this one is the signal's
     assert "dpfm: dp-train stopped by SIGTERM after step 3 of 6;" in log_tail(work)
+    [stopped] = mlflow_runs(work)
+    assert stopped.info.status == "KILLED" and stopped.data.tags["dpfm.stage"] == "dp-train"
     complete(dpfm(work, ["dp-train"]), work)
     assert "resuming at step 3" in log_tail(work)
     check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
