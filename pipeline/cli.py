@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.config import ParamsError, load_params, sections_of
-from pipeline.errors import Stopped, VerificationFailed
+from pipeline.errors import StageBusy, Stopped, VerificationFailed
 from pipeline.stages import STAGES, Stage, stage
 
 
@@ -49,13 +49,14 @@ def run_stage(name: str, params_path: str = "params.yaml", overrides=(), section
     torch.set_num_threads(threads)
     module = importlib.import_module(st.module)
     from pipeline.distributed import process_rank
+    from pipeline.locking import stage_lock
     from pipeline.tracking import NullRun, stage_run
 
     device = resolve_device(params["run"]["device"])
     if process_rank() > 0:  # torchrun: rank 0 alone tracks the stage
         module.run(params, StageContext(st, NullRun(), threads, device))
         return
-    with stage_run(st, params, params["run"]["experiment"]) as tracker:
+    with stage_lock(st.name), stage_run(st, params, params["run"]["experiment"]) as tracker:
         module.run(params, StageContext(st, tracker, threads, device))
 
 
@@ -133,6 +134,9 @@ def main(argv=None) -> int:
     except Stopped as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
+    except StageBusy as e:
+        print(f"dpfm: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         from pipeline.io import DISK_FULL
 

@@ -12,3 +12,7 @@ class Stopped(RuntimeError):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class StageBusy(RuntimeError):
+    """Another process is running the same stage in this directory."""

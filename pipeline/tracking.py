@@ -146,7 +146,8 @@ def stage_run(stage, params: dict, experiment: str):
                                           for k, v in flat.items()}))
         yield StageRun(mlflow, run.info.run_id)
     except BaseException as e:
-        _retry(lambda: mlflow.end_run(status="KILLED" if isinstance(e, (Stopped, KeyboardInterrupt)) else "FAILED"))
+        status = "KILLED" if isinstance(e, (Stopped, KeyboardInterrupt)) else "FAILED"
+        _retry(lambda: mlflow.end_run(status=status))
         raise
     _retry(lambda: mlflow.end_run(status="FINISHED"))
 

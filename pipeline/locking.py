@@ -1,0 +1,42 @@
+"""One process per stage and workdir. Snakemake locks a workdir against a second `snakemake`, but
+not against `dpfm <stage>` run by hand beside it; two processes on one stage would interleave one
+ledger and checkpoint and delete each other's temporary files."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipeline.errors import StageBusy
+
+LOCK_DIR = Path(".dpfm/locks")
+
+
+@contextmanager
+def stage_lock(stage: str):
+    """Hold `.dpfm/locks/<stage>.lock` while the stage runs. The kernel drops the lock when the
+    holder dies, even by kill -9, so a crash never leaves a stale lock behind."""
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    path = LOCK_DIR / f"{stage}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise StageBusy(f"{stage} is already running in this directory ({holder}, {path}): "
+                            "wait for it to end, or stop it, then re-run") from None
+        except OSError as e:  # a file system without locks (Lustre mounted without -o flock): go on
+            print(f"dpfm: WARNING cannot lock {path} ({e.strerror}); not guarded against a second {stage}",
+                  file=sys.stderr)
+            yield
+            return
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
