@@ -90,29 +90,23 @@ if "saving" in faults:  # half of the k-th checkpoint of this process is on disk
         hang("saving")
     torch.save = save
 if "sigterm" in faults and os.environ.get("RANK", "0") == faults.get("rank", os.environ.get("RANK", "0")):
-    real_optimizer = dp_train.make_optimizer  # in step k, before its update, the job is told to end
-    def make_optimizer(*args, **kw):
-        opt, seen = real_optimizer(*args, **kw), [0]
-        def before(*_):
-            seen[0] += 1
-            if seen[0] == int(faults["sigterm"]) + 1:
-                for _ in range(int(faults.get("times", "1"))):  # SIGTERM once, or twice
-                    os.kill(os.getpid(), signal.SIGTERM)
-        opt.register_step_pre_hook(before)
-        return opt
-    dp_train.make_optimizer = make_optimizer
-if "group-sigterm" in faults:  # in pretraining step k, before its update, the whole job is told to end
+    # In training step k, before its update, the job is told to end: SIGTERM to this process (once,
+    # or twice), or with "group" to its whole process group, as SLURM does.
     import pipeline.pretrain as pretrain
-    real_pretrain_optimizer = pretrain.make_optimizer
-    def make_pretrain_optimizer(*args, **kw):
-        opt, seen = real_pretrain_optimizer(*args, **kw), [0]
-        def before(*_):
-            seen[0] += 1
-            if seen[0] == int(faults["group-sigterm"]) + 1:
-                os.killpg(0, signal.SIGTERM)
-        opt.register_step_pre_hook(before)
-        return opt
-    pretrain.make_optimizer = make_pretrain_optimizer
+    def told_to_end(module):
+        real = module.make_optimizer
+        def make_optimizer(*args, **kw):
+            opt, seen = real(*args, **kw), [0]
+            def before(*_):
+                seen[0] += 1
+                if seen[0] == int(faults["sigterm"]) + 1:
+                    for _ in range(int(faults.get("times", "1"))):
+                        os.killpg(0, signal.SIGTERM) if "group" in faults else os.kill(os.getpid(), signal.SIGTERM)
+            opt.register_step_pre_hook(before)
+            return opt
+        module.make_optimizer = make_optimizer
+    told_to_end(dp_train)
+    told_to_end(pretrain)
 if "lazy-ledger" in faults:  # BROKEN on purpose: steps kept in memory, not on disk before the update
     real_append = Ledger._append
     Ledger._append = lambda self, rec: real_append(self, rec) if "header" in rec else None
@@ -269,7 +263,7 @@ def test_sigterm_to_pretrain_and_its_decoding_workers_checkpoints_then_resumes_b
     from test_pretrain import make_project
 
     work = make_project(tmp_path / "work")
-    proc = dpfm(work, pretrain_args(), fault="group-sigterm:2")
+    proc = dpfm(work, pretrain_args(), fault="sigterm:2,group")
     assert proc.wait(timeout=300) == 128 + signal.SIGTERM, log_tail(work)
     assert "dpfm: pretrain stopped by SIGTERM after step 3 of 6;" in log_tail(work)
     [state] = (work / ".dpfm/state").glob("pretrain-*")
