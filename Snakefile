@@ -1,5 +1,5 @@
 # dpfm: shards -> synthetic -> tokenizer -> pretrain -> dp-train -> verify -> evaluate -> report.
-# Rules come from the stage table in pipeline/stages.py (the same table writes dvc.yaml).
+# Rules come from the stage table in pipeline/stages/__init__.py (the same table writes dvc.yaml).
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -9,10 +9,7 @@ configfile: "params.yaml"
 
 
 include: "rules/common.smk"
-include: "rules/data.smk"
-include: "rules/train.smk"
-include: "rules/privacy.smk"
-include: "rules/evaluate.smk"
+include: "rules/stages.smk"
 
 
 rule all:

@@ -47,13 +47,13 @@ def _setup(model_name: str, engines: list[str], threads: int):
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
     from pipeline.models import build_model
-    from pipeline.privacy.clipping import PlainSum
+    from pipeline.objectives import OBJECTIVES
     from pipeline.privacy.engine import make_clipper
 
     objective, cfg, batch_size = MODELS[model_name]
     torch.manual_seed(0)
     imgs = torch.randn(batch_size, 3, cfg["img_size"], cfg["img_size"])
-    if objective == "mae":
+    if OBJECTIVES[objective].masks:
         batch = (imgs, torch.rand(batch_size, (cfg["img_size"] // cfg["patch_size"]) ** 2))
     else:
         batch = (imgs, torch.randint(4, cfg["vocab_size"], (batch_size, cfg["max_len"])))
@@ -61,7 +61,8 @@ def _setup(model_name: str, engines: list[str], threads: int):
     for engine in engines:
         torch.manual_seed(0)
         model = build_model(objective, cfg)
-        clippers[engine] = PlainSum(model) if engine == "nonprivate" else make_clipper(objective, model, 1.0, engine)
+        clippers[engine] = make_clipper(OBJECTIVES[objective].clipping, model, 1.0,
+                                        "plain" if engine == "nonprivate" else engine)
     return clippers, batch
 
 

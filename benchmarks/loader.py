@@ -32,7 +32,7 @@ from pipeline.data.loader import BatchLoader  # noqa: E402
 from pipeline.data.shards import ShardDataset, ShardWriter  # noqa: E402
 from pipeline.data.transforms import encode_jpeg  # noqa: E402
 from pipeline.models import build_model  # noqa: E402
-from pipeline.privacy.engine import make_clipper, noisy_update  # noqa: E402
+from pipeline.privacy.engine import Mechanism, dp_step, make_clipper  # noqa: E402
 
 TARGET_RATIO = 3.0
 
@@ -70,17 +70,16 @@ def dp_step_rate(res: int, size: str, batch: int, steps: int, device: str) -> fl
     """Images/s consumed by full DP-SGD steps (clip, noise, optimizer) of the MAE at `res`."""
     torch.manual_seed(0)
     model = build_model("mae", {"size": size, "img_size": res, "patch_size": 16}).to(device)
-    clipper = make_clipper("mae", model, 1.0, "bookkeeping")
+    clipper = make_clipper("per_sample", model, 1.0, "bookkeeping")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, 3, res, res, device=device)
     noise = torch.rand(batch, (res // 16) ** 2, device=device)
-    gen = torch.Generator().manual_seed(0)
+    whole = type("Whole", (), {"batch": lambda self, step: np.arange(batch)})()
+    mech = Mechanism(sample_rate=1.0, sigma=1.0, clip_norm=1.0, sensitivity=1.0, denominator=batch, steps=1 << 30)
 
     def step():
-        clipper.reset()
-        clipper.accumulate(x, noise)
-        opt.zero_grad(set_to_none=True)
-        noisy_update(clipper, 1.0, batch, gen)
+        dp_step(0, sampler=whole, fetch=lambda s, idx, pos: (x[pos], noise[pos]), clipper=clipper, mech=mech, key=0,
+                physical_batch_size=batch)
         opt.step()
         if device == "cuda":
             torch.cuda.synchronize()

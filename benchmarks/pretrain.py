@@ -30,17 +30,18 @@ from pipeline.config import load_params  # noqa: E402
 from pipeline.data import synthetic  # noqa: E402
 from pipeline.data.loader import BatchLoader  # noqa: E402
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png  # noqa: E402
-from pipeline.modelcfg import model_config  # noqa: E402
+from pipeline.models import ModelConfig  # noqa: E402
 from pipeline.models import build_model  # noqa: E402
-from pipeline.pretrain import mae_step  # noqa: E402
+from pipeline.stages.pretrain import mae_step  # noqa: E402
 from pipeline.train import make_optimizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def default_model_cfg() -> dict:
-    return model_config(load_params(os.path.join(ROOT, "params.yaml"),
-                                    schema_path=os.path.join(ROOT, "schemas/params.schema.yaml"))["model"], "mae")
+    return ModelConfig.from_params(load_params(os.path.join(ROOT, "params.yaml"),
+                                               schema_path=os.path.join(ROOT, "schemas/params.schema.yaml"))["model"],
+                                   "mae").to_dict()
 
 
 def sync(device: str) -> None:

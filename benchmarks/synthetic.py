@@ -1,4 +1,4 @@
-"""Throughput of the Shaders21k-style generator (pipeline/data/synthetic.py).
+"""Throughput of the Shaders21k-style generator (the pipeline/data/synthetic/ package).
 
     python benchmarks/synthetic.py [--quick] [--repeats N]
 

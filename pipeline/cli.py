@@ -40,7 +40,9 @@ def run_stage(name: str, params_path: str = "params.yaml", overrides=(), section
     overrides = list(overrides)
     if sections_json:
         # Snakemake passes the sections it tracks, so what re-runs a stage is exactly what it reads.
-        overrides += [f"{k}={json.dumps(v)}" for k, v in json.loads(sections_json).items()]
+        # Key by key: the untracked keys of a section (run.threads, ...) keep their params.yaml values.
+        overrides += [f"{s}.{k}={json.dumps(v)}" for s, values in json.loads(sections_json).items()
+                      for k, v in values.items()]
     params = load_params(params_path, overrides)
     params = sections_of(params, st.sections)
     threads = threads or params["run"]["threads"] or os.cpu_count() or 1
@@ -92,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_accounting_commands(sub)
 
-    from pipeline.privacy.audit import add_audit_command
+    from pipeline.privacy.audit_cli import add_audit_command
 
     add_audit_command(sub)
     return parser

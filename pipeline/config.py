@@ -51,8 +51,35 @@ def apply_overrides(params: dict, overrides) -> dict:
             if not isinstance(node.get(part), dict):
                 raise ParamsError([f"--set {item!r}: {part!r} is not a section"])
             node = node[part]
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ParamsError([f"--set {item!r}: the value is not valid YAML ({e.problem}); quote strings that "
+                               "hold { } [ ] : or #, e.g. shards.urls=\"['s3://b/{0..9}.tar']\""]) from None
     return params
+
+
+def typed(values):
+    """Snakemake's `--config dp='{epsilon: 2}'` hands nested values over as strings ('2'): read each
+    string leaf as YAML, as params.yaml and `--set` are read, so 2 is a number and null is None."""
+    if isinstance(values, dict):
+        return {k: typed(v) for k, v in values.items()}
+    if isinstance(values, list):
+        return [typed(v) for v in values]
+    if isinstance(values, str):
+        try:
+            return yaml.safe_load(values) if values.strip() else values
+        except yaml.YAMLError:
+            return values
+    return values
+
+
+def merge(params: dict, overrides: dict) -> dict:
+    """params with `overrides` merged in key by key (a section given in part keeps its other keys)."""
+    out = copy.deepcopy(params)
+    for k, v in overrides.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def validate(params: dict, schema: dict | None = None, source: str = "params") -> None:

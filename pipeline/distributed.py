@@ -60,3 +60,42 @@ def broadcast_int(value: int, world: World) -> int:
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """All ranks' rows in rank order; the backward sends each rank the summed gradient of its rows
+    (all-reduce rather than reduce-scatter, which gloo lacks). Parts may differ in length."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: tuple, rank: int) -> torch.Tensor:
+        ctx.sizes, ctx.rank = sizes, rank
+        padded = x.new_zeros((max(sizes), *x.shape[1:]))
+        padded[:len(x)] = x
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded)
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        start = sum(ctx.sizes[:ctx.rank])
+        return grad[start:start + ctx.sizes[ctx.rank]], None, None
+
+
+def gather_with_grad(world: World):
+    """x -> (every rank's x concatenated in rank order, where this rank's rows start), differentiable:
+    a loss that couples examples across ranks (CLIP's) sees the whole batch, and the gradients of the
+    ranks' parts add up to the gradient of the whole. Collective: every rank calls it, the same times."""
+
+    def gather(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if world.size == 1:
+            return x, 0
+        size = torch.tensor([len(x)], dtype=torch.int64, device=x.device)
+        sizes = [torch.zeros_like(size) for _ in range(world.size)]
+        dist.all_gather(sizes, size)
+        sizes = tuple(int(s.item()) for s in sizes)
+        full = _GatherWithGrad.apply(x.float().contiguous(), sizes, world.rank).to(x.dtype)
+        return full, sum(sizes[:world.rank])
+
+    return gather

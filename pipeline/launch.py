@@ -1,9 +1,10 @@
 """How a training rule starts its stage: one process, torchrun on one node, or srun + torchrun on many.
 
-The rules call `python -m pipeline.launch --nodes N --gpus G -- dpfm <stage> ...` with the job's
-resources (G is the job's total GPU count, as the SLURM plugin's `gpu` resource). The stage itself
-reads its rank from torchrun's environment (pipeline.distributed), so the DVC command stays
-`dpfm <stage>`: torchrun is only how Snakemake starts it.
+The rules call `PYTHON -m pipeline.launch --nodes N --gpus G -- PYTHON -m pipeline.cli <stage> ...` with
+the job's resources (G is the job's total GPU count, as the SLURM plugin's `gpu` resource), PYTHON
+being the interpreter that runs Snakemake: a job needs no activated environment. torchrun is started
+as `PYTHON -m torch.distributed.run` for the same reason. The stage reads its rank from torchrun's
+environment (pipeline.distributed), so the DVC command stays `dpfm <stage>`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 BASE_PORT = 20000  # rendezvous ports: BASE_PORT + job id mod PORT_SPAN, so jobs sharing a head node differ
 PORT_SPAN = 20000
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # not `torchrun`: a job's PATH may lack the venv
 
 
 def launch_command(command: list[str], nodes: int = 1, gpus: int = 0, head: str | None = None,
@@ -31,14 +33,14 @@ def launch_command(command: list[str], nodes: int = 1, gpus: int = 0, head: str 
     if nodes == 1:
         if gpus <= 1:
             return list(command)
-        return ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "--no-python", *command]
+        return [*TORCHRUN, "--standalone", f"--nproc_per_node={gpus}", "--no-python", *command]
     if gpus < nodes or gpus % nodes:
         raise ValueError(f"launch: a {nodes}-node run needs the same number of GPUs on every node; "
                          f"resources.gpu (the job's total) is {gpus}, not a multiple of {nodes}")
     if not head or port is None or not job_id:
         raise ValueError("launch: a multi-node run needs the rendezvous head host, port and job id")
     return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            "torchrun", f"--nnodes={nodes}", f"--nproc_per_node={gpus // nodes}", "--rdzv_backend=c10d",
+            *TORCHRUN, f"--nnodes={nodes}", f"--nproc_per_node={gpus // nodes}", "--rdzv_backend=c10d",
             f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={job_id}", "--no-python", *command]
 
 

@@ -1,8 +1,10 @@
 """MLflow tracking: one parent run per pipeline invocation, one nested child run per stage.
 
 The Snakefile's `onstart` opens the parent and exports its id in DPFM_PARENT_RUN_ID, which every
-stage process inherits. `MLFLOW_TRACKING_URI` is honoured (use a server on clusters); the default
-is a SQLite store at the project root.
+stage process inherits. At the end the parent is named after what ran (e.g. `ViP ε=7.99 σ=0.34`)
+and holds params.yaml as params, the headline metrics and the report; a parent under which no stage
+ran (`snakemake --touch`) is deleted. `MLFLOW_TRACKING_URI` is honoured (use a server on clusters);
+the default is a SQLite store at the project root.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pipeline.errors import Stopped
 from pipeline.io import file_digest
 
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
+SYSTEM_METRICS_EVERY_S = 2
 
 
 def tracking_uri() -> str:
@@ -104,6 +107,40 @@ class StageRun:
     def set_tags(self, tags: dict) -> None:
         _retry(lambda: self._mlflow.set_tags({k: str(v) for k, v in tags.items()}))
 
+    def log_dict(self, data: dict, name: str) -> None:
+        _retry(lambda: self._mlflow.log_dict(data, name))
+
+    def log_dp_model(self, checkpoint: str | Path, epsilon: float, delta: float) -> str:
+        """The DP encoder (images -> features) as an MLflow model, registered as `dpfm-<objective>`
+        with its ε and δ as version tags. Only verified models get here (the verify stage)."""
+        import torch
+        from mlflow.models import infer_signature
+
+        from pipeline.models import build_encoder
+
+        ckpt = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        if "encoder" not in ckpt:
+            print(f"MLflow: {checkpoint} holds no encoder weights; no model logged")
+            return ""
+        if not ckpt.get("private", True):
+            raise ValueError(f"{checkpoint} is not private: it is never registered as a DP model")
+        encoder = build_encoder(ckpt["model_cfg"])
+        encoder.load_state_dict(ckpt["encoder"])
+        encoder.eval()
+        example = torch.zeros(2, 3, encoder.img_size, encoder.img_size)
+        with torch.no_grad():
+            signature = infer_signature(example.numpy(), encoder(example).numpy())
+        name = f"dpfm-{ckpt['objective']}"
+        info = _retry(lambda: self._mlflow.pytorch.log_model(
+            encoder, name="dp_encoder", signature=signature, registered_model_name=name,
+            serialization_format="pickle", code_paths=[str(Path(__file__).parent)],  # the classes travel with it
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy"]))
+        client = self._mlflow.tracking.MlflowClient()
+        version = info.registered_model_version
+        for key, value in (("epsilon", f"{epsilon:.4f}"), ("delta", f"{delta:.3e}"), ("private", "true")):
+            _retry(lambda: client.set_model_version_tag(name, version, key, value))
+        return name
+
 
 class NullRun:
     """For non-main ranks of a torchrun job: one MLflow run per stage, logged by rank 0 only."""
@@ -114,6 +151,8 @@ class NullRun:
     def log_series(self, name, values, steps): ...
     def log_artifact(self, path, artifact_path=None): ...
     def set_tags(self, tags): ...
+    def log_dict(self, data, name): ...
+    def log_dp_model(self, checkpoint, epsilon, delta): ...
 
 
 def _retry(fn, attempts: int = 8):
@@ -129,7 +168,8 @@ def _retry(fn, attempts: int = 8):
 
 @contextmanager
 def stage_run(stage, params: dict, experiment: str):
-    """Open the stage's MLflow run (nested under the pipeline's parent run when there is one)."""
+    """Open the stage's MLflow run (nested under the pipeline's parent run when there is one); training
+    stages also record system metrics (CPU, memory, GPU) while they run."""
     mlflow = _mlflow(experiment)
     parent = os.environ.get(PARENT_ENV)
     tags = {"dpfm.stage": stage.name, "mlflow.source.git.commit": git_commit()}
@@ -138,7 +178,10 @@ def stage_run(stage, params: dict, experiment: str):
     for path in stage.inputs:
         if Path(path).exists():
             tags[f"dvc.input.{path.rstrip('/')}"] = dvc_hash(path)
-    run = _retry(lambda: mlflow.start_run(run_name=stage.name, tags=tags))
+    system = stage.resources.gpu > 0  # training stages: CPU, memory (and GPU with pynvml) while they run
+    if system:
+        mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_EVERY_S)
+    run = _retry(lambda: mlflow.start_run(run_name=stage.name, tags=tags, log_system_metrics=system))
     try:
         # Secrets never reach the tracking store.
         flat = {k: v for k, v in flatten(params).items() if not k.endswith("noise_seed")}
@@ -152,16 +195,41 @@ def stage_run(stage, params: dict, experiment: str):
     _retry(lambda: mlflow.end_run(status="FINISHED"))
 
 
-def start_parent(experiment: str, name: str = "pipeline") -> str:
-    """Open the pipeline's parent run. Called under Snakemake's lock on this workdir."""
+def start_parent(experiment: str, params: dict | None = None) -> str:
+    """Open the pipeline's parent run, with params.yaml as its params. Called under Snakemake's lock
+    on this workdir."""
     mlflow = _mlflow(experiment)
     client = mlflow.tracking.MlflowClient()
     exp_id = mlflow.get_experiment_by_name(experiment).experiment_id
     workdir = str(Path.cwd().resolve())
     mark_killed_runs(client, exp_id, workdir)
+    params = params or {}
+    dp = params.get("dp")
+    name = f"{dp['objective']} ε≤{dp['epsilon']:g}" if dp else "pipeline"  # renamed after what ran (end_parent)
     run = _retry(lambda: client.create_run(exp_id, run_name=name, tags={
         "dpfm.pipeline": "true", "dpfm.workdir": workdir, "mlflow.source.git.commit": git_commit()}))
+    flat = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in flatten(params).items()
+            if not k.endswith("noise_seed")}  # secrets never reach the tracking store
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)) for k, v in flat.items()]
+    for i in range(0, len(items), 90):
+        _retry(lambda: client.log_batch(run.info.run_id, params=items[i:i + 90]))
     return run.info.run_id
+
+
+def headline(verification: dict | None, metrics: dict | None) -> dict:
+    """The numbers a run is compared by: ε, δ, σ, and the DP model's linear probe and zero-shot on
+    the first eval set."""
+    out = {}
+    if verification:
+        out.update(epsilon=verification["epsilon_reported"], delta=verification["delta"], sigma=verification["sigma"])
+        if "composition" in verification:
+            out["epsilon_composed"] = verification["composition"]["epsilon"]
+    if metrics and metrics.get("sets"):
+        dp = metrics["sets"][metrics["primary_set"]]["results"].get("dp", {})
+        out.update({key: dp[key] for key in ("linear_probe", "zero_shot") if isinstance(dp.get(key), (int, float))})
+    return out
 
 
 def mark_killed_runs(client, experiment_id: str, workdir: str) -> list[str]:
@@ -182,6 +250,37 @@ def mark_killed_runs(client, experiment_id: str, workdir: str) -> list[str]:
 
 
 def end_parent(experiment: str, run_id: str, ok: bool) -> None:
+    """Close the parent: delete it if no stage ran under it (`--touch`, nothing to do); else name it
+    after what ran and attach the headline metrics, params.yaml and the report."""
+    from pipeline.io import read_json
+    from pipeline.objectives import recipe_name
+
     mlflow = _mlflow(experiment)
     client = mlflow.tracking.MlflowClient()
+    exp_id = client.get_run(run_id).info.experiment_id
+    children = _retry(lambda: client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
+                                                 max_results=1))
+    if not children:
+        _retry(lambda: client.delete_run(run_id))
+        return
+    if ok:
+        def load(path):
+            return read_json(path) if Path(path).is_file() else None
+
+        verification, metrics = load("results/privacy/verification.json"), load("results/eval/metrics.json")
+        numbers = headline(verification, metrics)
+        if numbers:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            _retry(lambda: client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in numbers.items()]))
+        if verification:
+            objective = read_json("models/dp/ledger.json")["objective"] if Path("models/dp/ledger.json").is_file() else ""
+            name = f"{recipe_name(objective)} ε={verification['epsilon_reported']:.2f} σ={verification['sigma']:.2f}"
+            _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))
+        for path, where in (("params.yaml", None), ("results/report", "report")):
+            if Path(path).is_dir():
+                _retry(lambda: client.log_artifacts(run_id, path, where))
+            elif Path(path).is_file():
+                _retry(lambda: client.log_artifact(run_id, path, where))
     _retry(lambda: client.set_terminated(run_id, status="FINISHED" if ok else "FAILED"))

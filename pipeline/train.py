@@ -1,5 +1,6 @@
-"""The training loop shared by `pretrain` and `dp-train`: optimiser, schedule, atomic checkpoints,
-exact resume, progress and metrics. What one step computes is the caller's `step_fn`."""
+"""What `pretrain` and `dp-train` share: the optimiser and its schedule, the precision policy, the
+step-seed scheme, the resumable state (atomic checkpoints, exact resume), the finished-model writer
+and the loop itself. What one step computes is the caller's `step_fn`."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import hashlib
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -44,7 +47,11 @@ def state_dir(stage: str, params: dict, inputs=()) -> Path:
     """Resumable state lives outside the stage outputs (a failed Snakemake job's outputs are deleted)
     and is keyed by the params and the inputs, so a changed config or changed data never resumes a
     stale run (for dp-train that would mix another dataset's checkpoint and ledger into this one)."""
-    key = json.dumps({"params": params, "inputs": [input_digest(p) for p in inputs]}, sort_keys=True)
+    from pipeline.stages import UNTRACKED  # naming and scheduling keys are not part of the key
+
+    kept = {s: {k: v for k, v in value.items() if k not in UNTRACKED[s]} if s in UNTRACKED else value
+            for s, value in params.items()}
+    key = json.dumps({"params": kept, "inputs": [input_digest(p) for p in inputs]}, sort_keys=True)
     return STATE_ROOT / f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -65,19 +72,45 @@ def input_digest(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+FP16_LOSS_SCALE = 2.0 ** 12  # fixed: under DP, a scale that backs off on overflow would depend on private data
 
 
 def uses_bf16(device: str, precision: str) -> bool:
-    """bf16 when asked for, or with `auto` on a GPU that supports it; fp32 otherwise."""
+    """bf16 when asked for, or with `auto` on a GPU that supports it."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} (allowed: {', '.join(PRECISIONS)})")
     return precision == "bf16" or (precision == "auto" and device == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def autocast(device: str, precision: str):
-    """bf16 autocast where `uses_bf16` says so (weights, gradients and optimizer stay fp32)."""
+    """The forward pass's autocast: bf16 where `uses_bf16`, fp16 for fp16, else none (weights,
+    gradients and optimizer always stay fp32)."""
+    if precision == "fp16":
+        return torch.autocast(device_type=device, dtype=torch.float16)
     return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=uses_bf16(device, precision))
+
+
+def loss_scale(precision: str) -> float:
+    """The loss multiplier that keeps fp16 gradients from underflowing (1 otherwise)."""
+    return FP16_LOSS_SCALE if precision == "fp16" else 1.0
+
+
+def step_generator(key: int, step: int, stream: int) -> torch.Generator:
+    """The one step-seed scheme: an independent generator per (key, step, stream), the same on every
+    rank and on every re-run, so a step's randomness does not depend on how the run got there."""
+    seed = int(np.random.SeedSequence([key, step, stream]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return torch.Generator().manual_seed(seed)
+
+
+MASKS, NOISE = 1, 2  # streams of step_generator: MAE masks, DP noise
+
+
+def save_model(path: Path, objective: str, model_cfg: dict, model: torch.nn.Module, **meta) -> None:
+    """A finished model: the whole model, its encoder alone (what evaluation and warm starts read),
+    its config and `meta` (steps, privacy)."""
+    torch.save({"objective": objective, "model_cfg": model_cfg, "model": model.state_dict(),
+                "encoder": model.encoder.state_dict(), **meta}, path)
 
 
 class Checkpointer:
@@ -99,56 +132,74 @@ class Checkpointer:
         return torch.load(self.path, map_location="cpu", weights_only=False) if self.path.exists() else None
 
 
-def run_loop(*, model, optimizer, total_steps: int, base_lr: float, warmup: int, step_fn: Callable[[int], dict],
-             checkpointer: Checkpointer, checkpoint_every: int, desc: str, extra_state: Callable[[], dict] = dict,
-             restore_extra: Callable[[dict], None] = lambda s: None, on_log: Callable[[int, dict], None] = None,
-             log_every: int = 10, on_start: Callable[[int], None] | None = None, world: World = World()) -> dict:
-    """Run steps [start, total) where start comes from the last checkpoint; return the history.
+@dataclass
+class TrainState:
+    """What a run carries from step to step and across a resume: saved in every checkpoint."""
 
-    A checkpoint holds the model, optimizer, step, torch RNG states, history and `extra_state()`;
-    the learning rate is a function of the step, so restoring these resumes the run exactly when
-    `step_fn(step)` draws its data and randomness as a function of the step. `on_start(start)` is
-    called once, before the first step, with the step the run starts (or resumes) at. A SIGTERM or
-    Ctrl-C ends the run after the step in flight, with a checkpoint (`Stopped`).
-    """
-    start, history = 0, {"step": [], "metrics": []}
-    saved = checkpointer.load()
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    counters: dict = field(default_factory=dict)  # the caller's running figures (kept across a resume)
+    step: int = 0                                  # the next step to run
+    resumed_at: int = 0                            # the step this process started at
+    history: dict = field(default_factory=lambda: {"step": [], "metrics": []})
+
+    def save(self, checkpointer: "Checkpointer") -> None:
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        checkpointer.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                           "step": self.step, "rng": torch.get_rng_state(), "cuda_rng": cuda_rng,
+                           "history": self.history, "extra": self.counters})
+
+    def restore(self, saved: dict) -> None:
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng"])
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda_rng"])
-        start, history = saved["step"], saved["history"]
-        restore_extra(saved.get("extra", {}))
-        print(f"{desc}: resuming at step {start} from {checkpointer.path}")
-    if on_start:
-        on_start(start)
+        self.step = self.resumed_at = saved["step"]
+        self.history = saved["history"]
+        self.counters.update(saved.get("extra", {}))
 
-    def save(step: int) -> None:
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        checkpointer.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                           "rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "history": history,
-                           "extra": extra_state()})
 
-    t0, done = time.time(), 0
+@dataclass(frozen=True)
+class Schedule:
+    steps: int
+    lr: float
+    warmup: int
+    checkpoint_every: int
+    log_every: int = 10
+
+
+def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dict], checkpointer: Checkpointer,
+             desc: str, log: Callable[[int, dict], None] | None = None, world: World = World()) -> TrainState:
+    """Run steps [state.step, schedule.steps), starting from the last checkpoint if there is one.
+
+    The learning rate is a function of the step, so restoring the state resumes the run exactly when
+    `step_fn(step)` draws its data and randomness as a function of the step (step_generator). Metrics
+    every `log_every` steps go to the history and `log`. A SIGTERM or Ctrl-C ends the run after the
+    step in flight, with a checkpoint (`Stopped`).
+    """
+    saved = checkpointer.load()
+    if saved is not None:
+        state.restore(saved)
+        print(f"{desc}: resuming at step {state.step} from {checkpointer.path}")
+    t0, done, total = time.time(), 0, schedule.steps
     with StopRequests() as requests:
-        for step in tqdm(range(start, total_steps), desc=desc, initial=start, total=total_steps, unit="step"):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, base_lr, warmup, total_steps)
+        for step in tqdm(range(state.step, total), desc=desc, initial=state.step, total=total, unit="step"):
+            for group in state.optimizer.param_groups:
+                group["lr"] = lr_at(step, schedule.lr, schedule.warmup, total)
             metrics = step_fn(step)
-            done += 1
-            metrics["lr"] = optimizer.param_groups[0]["lr"]
-            if step % log_every == 0 or step == total_steps - 1:
+            state.step, done = step + 1, done + 1
+            metrics["lr"] = state.optimizer.param_groups[0]["lr"]
+            if step % schedule.log_every == 0 or step == total - 1:
                 metrics["steps_per_s"] = done / max(1e-9, time.time() - t0)
-                history["step"].append(step)
-                history["metrics"].append(metrics)
-                if on_log:
-                    on_log(step, metrics)
-            last = step + 1 == total_steps
+                state.history["step"].append(step)
+                state.history["metrics"].append(metrics)
+                if log:
+                    log(step, metrics)
+            last = step + 1 == total
             signum = None if last else requests.agreed(world)
-            if (step + 1) % checkpoint_every == 0 or last or signum:
-                save(step + 1)
+            if (step + 1) % schedule.checkpoint_every == 0 or last or signum:
+                state.save(checkpointer)
             if signum:
-                raise stop(signum, desc, step + 1, total_steps, checkpointer.path)
-    return history
+                raise stop(signum, desc, step + 1, total, checkpointer.path)
+    return state

@@ -1,25 +1,52 @@
 # Shared by every rule: params validation, the stage table, and the MLflow parent run.
 import json
 import os
-import shutil
 import subprocess
+import sys
 
 from snakemake.utils import validate
 
 from pipeline import tracking
-from pipeline.config import load_schema
+from pipeline.config import ParamsError, load_schema, merge, typed
 from pipeline.config import validate as check_params
-from pipeline.stages import stage
+from pipeline.stages import STAGES, stage, tracked
 
-# Readable errors first (key path and allowed values), then Snakemake's own schema validation.
-check_params(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
+# `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings).
+config.update(merge(config, typed(workflow.config_settings.overwrite_config or {})))
+# Readable errors first (key path and allowed values, one line each, exit 2 as `dpfm` does), then
+# Snakemake's own schema validation.
+try:
+    check_params(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
+except ParamsError as e:
+    print(f"dpfm: {e}", file=sys.stderr)
+    sys.exit(2)
 validate(config, "../schemas/params.schema.yaml")
 
 STAGE_ENV = "../envs/dpfm.yaml"
+PYTHON = sys.executable  # the interpreter running Snakemake, by absolute path: jobs need no activated venv
 
 
-def stage_inputs(name):
-    return stage(name).input_paths
+# Outputs of these stages are registered for `snakemake --report` (captions in report/).
+SNAKEMAKE_REPORT = {
+    "evaluate": dict(caption="../report/metrics.rst", category="Evaluation"),
+    "report": dict(caption="../report/report.rst", category="Report", htmlindex="report.html"),
+}
+
+
+def rule_outputs(st):
+    outputs = stage_outputs(st.name)
+    if st.name in SNAKEMAKE_REPORT:
+        return [report(p, **SNAKEMAKE_REPORT[st.name]) for p in outputs]
+    return outputs
+
+
+def stage_command(st, resources):
+    """How a job starts its stage: by this interpreter's absolute path (no activated environment),
+    through pipeline/launch.py for the stages that ask for GPUs."""
+    cli = f"{PYTHON} -m pipeline.cli {st.name}"
+    if st.resources.gpu:
+        return f"{PYTHON} -m pipeline.launch --nodes {resources.nodes} --gpus {resources.gpu} -- {cli}"
+    return cli
 
 
 def stage_outputs(name):
@@ -28,9 +55,9 @@ def stage_outputs(name):
 
 
 def stage_params(name):
-    """The params sections a stage reads, as JSON: a change to them (only) re-runs the stage."""
-    st = stage(name)
-    return json.dumps({s: config[s] for s in st.sections}, sort_keys=True)
+    """The params a stage's results depend on, as JSON: a change to them (only) re-runs the stage.
+    Naming and scheduling keys (run.experiment, run.threads, run.device) re-run nothing."""
+    return json.dumps(tracked(config, stage(name).sections), sort_keys=True)
 
 
 def stage_resources(name):
@@ -46,14 +73,19 @@ onstart:
         # Concurrent cluster jobs writing one SQLite file (often on NFS) lock or corrupt it.
         print(f"WARNING: cluster run logging to SQLite ({tracking.tracking_uri()}); start an MLflow "
               "tracking server and export MLFLOW_TRACKING_URI (README: Running on a SLURM cluster)")
-    os.environ[tracking.PARENT_ENV] = tracking.start_parent(config["run"]["experiment"])
+    os.environ[tracking.PARENT_ENV] = tracking.start_parent(config["run"]["experiment"], config)
 
 
 onsuccess:
     tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=True)
     # Version what this run produced: DVC records the outputs' hashes in dvc.lock and its cache.
-    if os.path.isdir(".dvc") and shutil.which("dvc"):
-        subprocess.run(["dvc", "commit", "--force", "--quiet"], check=False)
+    if os.path.isdir(".dvc"):
+        done = subprocess.run([PYTHON, "-m", "dvc", "commit", "--force", "--quiet"], capture_output=True, text=True)
+        if done.returncode:
+            print(f"\nWARNING: `dvc commit` failed, so DVC does not version this run:\n{done.stderr.strip()}",
+                  file=sys.stderr)
+        else:
+            print("\nDVC: outputs cached and recorded in dvc.lock (`git add dvc.lock`, then `dvc push`)")
     print("\nReport: results/report/report.html (open it in a browser)")
     print("MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  then http://127.0.0.1:5000")
 

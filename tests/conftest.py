@@ -1,10 +1,17 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
+from http_server import serving, stop
+
+from pipeline.config import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The helper modules' asserts report their values as a test's own do.
+pytest.register_assert_rewrite("fault_hooks", "shard_data")
 
 
 @pytest.fixture
@@ -15,3 +22,33 @@ def in_tmp(tmp_path, monkeypatch):
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """Private/eval shards and a tokenizer at stage_runs.MICRO scale, made once by the real stages;
+    each test copies them into its own project (stage_runs.project)."""
+    from stage_runs import MICRO, run_in_process  # here, not above: it imports torch, which most tests need not
+
+    work = tmp_path_factory.mktemp("dpdata")
+    for item in ("schemas", "params.yaml"):
+        (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, work / item)
+    params = apply_overrides(yaml.safe_load((work / "params.yaml").read_text()), MICRO)
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        for name in ("shards", "tokenizer"):
+            run_in_process(name, [])
+    finally:
+        os.chdir(cwd)
+    return work
+
+
+@pytest.fixture
+def serve():
+    """serve(root, ignore_range=False): a loopback HTTP server for files under root (tests/http_server.py);
+    every one started is stopped after the test."""
+    start, started = serving()
+    yield start
+    stop(started)

@@ -20,6 +20,12 @@ class RecordingTracker:
     def set_tags(self, tags):
         self.tags.update(tags)
 
+    def log_dict(self, data, name):
+        self.artifacts.append((name, data))
+
+    def log_dp_model(self, checkpoint, epsilon, delta):
+        self.tags["logged_model"] = (str(checkpoint), epsilon, delta)
+
     def curve(self, name) -> dict:
         """step -> value of a metric, from per-step logging and whole-series logging alike."""
         return {**dict(self.series.get(name, [])), **{s: v for k, s, v in self.points if k == name}}

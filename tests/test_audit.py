@@ -12,7 +12,7 @@ from scipy import stats
 
 from pipeline import cli
 from pipeline.privacy import audit as A
-from pipeline.privacy.clipping import BookKeepingClipper
+from pipeline.privacy.layer_rules import LinearRule
 
 SMALL = A.AuditConfig(canaries=400, steps=40, expected_batch_size=256, epsilon=1.0)
 
@@ -125,13 +125,13 @@ def test_noise_ten_times_too_small_is_flagged():
 def test_a_bug_in_the_clipper_code_is_flagged(monkeypatch):
     """Not a setting but a code bug: ghost norms of Linear layers under-estimated 10× (so a canary of
     norm 10·C passes unclipped). The audit sees it because canaries go through the real clipper."""
-    real = BookKeepingClipper._ghost_sq_norm
+    real = LinearRule.ghost_sq_norm
 
-    def broken(self, record):
-        sq = real(self, record)
+    def broken(self, m, a, g, force):
+        sq = real(self, m, a, g, force)
         return None if sq is None else sq / 100
 
-    monkeypatch.setattr(BookKeepingClipper, "_ghost_sq_norm", broken)
+    monkeypatch.setattr(LinearRule, "ghost_sq_norm", broken)
     r = A.run_audit(SMALL, progress=False)
     assert r["verdict"] == "flagged" and r["epsilon_lower"] > r["epsilon_claimed"]
 
@@ -156,7 +156,7 @@ def test_bad_settings_are_named(change, message):
 
 
 def test_dpfm_audit_prints_verdict_writes_json_and_exits_nonzero_when_flagged(tmp_path, capsys):
-    args = ["audit", "--canaries", "400", "--steps", "40", "--batch-size", "256", "--epsilon", "1"]
+    args = ["audit", "--one-run", "--canaries", "400", "--steps", "40", "--batch-size", "256", "--epsilon", "1"]
     assert cli.main(args + ["--json", str(tmp_path / "audit.json")]) == 0
     out = capsys.readouterr().out
     assert "ε claimed" in out and "ε lower" in out and "consistent" in out

@@ -12,7 +12,7 @@ from scipy import stats
 from pipeline.models import build_model
 from pipeline.models.layers import ClassToken
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, VmapClipper
-from pipeline.privacy.engine import make_clipper, noisy_update
+from pipeline.privacy.engine import add_noise, make_clipper
 
 torch.manual_seed(0)
 
@@ -84,7 +84,7 @@ def test_clipped_sum_equals_brute_force(name, engine):
     elif engine.startswith("opacus"):
         if name != "mae":
             pytest.skip("Opacus supports neither LayerNorm without bias (captioner) nor tied layers with ghost clipping")
-        got, st = clipped_sum(lambda m, c: make_clipper("mae", m, c, engine), model, batch, clip_norm)
+        got, st = clipped_sum(lambda m, c: make_clipper("per_sample", m, c, engine), model, batch, clip_norm)
     else:
         ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
         got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost)
@@ -132,15 +132,22 @@ def test_per_batch_clipping_bounds_the_whole_batch_gradient():
     clipper = PerBatchClipper(model, 1e-3)
     clipper.reset()
     clipper.accumulate(*batch)
+    assert clipper.finish(5) == 0
     total = math.sqrt(sum(v.pow(2).sum().item() for v in clipper.sum.values()))
     assert total == pytest.approx(1e-3, rel=1e-3)
+    # The clipped quantity is the gradient of the batch's mean loss, in its direction.
+    loss = model(*batch).mean()
+    want = torch.autograd.grad(loss, list(clipper.params.values()))
+    flat = torch.cat([g.flatten() for g in want])
+    got = torch.cat([v.flatten() for v in clipper.sum.values()])
+    assert torch.allclose(got, flat * (1e-3 / flat.norm()), rtol=1e-4, atol=1e-9)
 
 
 def noise_std_of(noise_std, scale=1.0):
     model = nn.Linear(300, 300)
     clipper = BookKeepingClipper(model, 1.0)
     clipper.reset()
-    noisy_update(clipper, noise_std * scale, 1.0, torch.Generator().manual_seed(1))
+    add_noise(clipper, noise_std * scale, 1.0, torch.Generator().manual_seed(1))
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 

@@ -24,6 +24,7 @@ from pipeline import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+PY = (BIN / "snakemake").read_text().splitlines()[0][2:]  # the interpreter the rules call stages with
 PROFILE_ENV = ("DPFM_SLURM_ACCOUNT", "DPFM_SLURM_PARTITION", "DPFM_SLURM_GPU_PARTITION", "DPFM_GPU_MODEL",
                "DPFM_GPUS_PER_NODE", "DPFM_NODES")
 PLACEHOLDERS = {"DPFM_SLURM_ACCOUNT": "acct-placeholder", "DPFM_SLURM_PARTITION": "cpu-placeholder",
@@ -51,15 +52,15 @@ def test_one_process_runs_the_stage_as_it_is():
 
 def test_one_node_starts_torchrun_standalone_with_a_process_per_gpu():
     assert launch.launch_command(STAGE, nodes=1, gpus=8) == [
-        "torchrun", "--standalone", "--nproc_per_node=8", "--no-python", *STAGE]
+        *launch.TORCHRUN, "--standalone", "--nproc_per_node=8", "--no-python", *STAGE]
 
 
 def test_two_nodes_of_eight_gpus_render_srun_with_one_torchrun_per_node():
     got = launch.launch_command(STAGE, nodes=2, gpus=16, head="gpu001", port=21234, job_id="41234")
     assert shlex.join(got) == (
         "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=gpu001:21234 "
-        "--rdzv_id=41234 --no-python dpfm dp-train --threads 8")
+        f"{shlex.join(launch.TORCHRUN)} --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d "
+        "--rdzv_endpoint=gpu001:21234 --rdzv_id=41234 --no-python dpfm dp-train --threads 8")
 
 
 @pytest.mark.parametrize("nodes, gpus, match", [(2, 13, "multiple of 2"), (2, 0, "multiple of 2"),
@@ -98,7 +99,7 @@ def test_the_rendered_multi_node_torchrun_meets_on_one_rendezvous():
     """Two torchrun agents (the two srun tasks), here both on loopback: 2 nodes x 1 process = world of 2."""
     say = ["sh", "-c", 'echo "rank=$RANK world=$WORLD_SIZE"']
     argv = launch.launch_command(say, nodes=2, gpus=2, head="127.0.0.1", port=free_port(), job_id="7")
-    agent = argv[argv.index("torchrun"):]  # what srun starts on each node
+    agent = argv[argv.index("torch.distributed.run") - 2:]  # what srun starts on each node
     procs = [subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=tool_env())
              for _ in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -192,12 +193,12 @@ def test_single_node_dp_train_job_asks_for_eight_gpus_and_runs_once(tmp_path, mo
                  "--mem", "256000", "-t", "2880", "--nodes=1", "--signal=TERM@300"):
         assert flag in args, (flag, sbatch)
     assert_one_launcher_per_node(sbatch, nodes=1)
-    assert dp.shell.startswith("python -m pipeline.launch --nodes 1 --gpus 8 -- dpfm dp-train --threads 8 ")
+    assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 1 --gpus 8 -- {PY} -m pipeline.cli dp-train --threads 8 ")
 
     sbatch = sbatch_command(pre, monkeypatch)
     assert "--gpus=h100:8" in sbatch and "--cpus-per-gpu=8" in sbatch and "--signal=TERM@300" in sbatch
     assert_one_launcher_per_node(sbatch, nodes=1)
-    assert pre.shell.startswith("python -m pipeline.launch --nodes 1 --gpus 8 -- dpfm pretrain ")
+    assert pre.shell.startswith(f"{PY} -m pipeline.launch --nodes 1 --gpus 8 -- {PY} -m pipeline.cli pretrain ")
 
     sbatch = sbatch_command(shards, monkeypatch)  # CPU stages: CPU partition, one task, no GPU
     assert "-p cpu-placeholder" in sbatch and "--ntasks=1" in sbatch and "--gpus" not in sbatch
@@ -211,7 +212,7 @@ def test_two_node_dp_train_job_gets_one_task_per_node(tmp_path, monkeypatch):
     args = shlex.split(sbatch)
     assert {"--nodes=2", "--ntasks=2", "--gpus=h100:16", "--cpus-per-gpu=8"} <= set(args), sbatch
     assert_one_launcher_per_node(sbatch, nodes=2)
-    assert dp.shell.startswith("python -m pipeline.launch --nodes 2 --gpus 16 -- dpfm dp-train ")
+    assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 16 -- {PY} -m pipeline.cli dp-train ")
     assert planned_job(out, "pretrain").resources["nodes"] == 1
 
 

@@ -67,3 +67,43 @@ def test_cli_reports_errors_before_any_work(in_tmp, capsys):
     assert "shards.eval_fraction: 2 is not allowed (exclusiveMaximum); allowed: number > 0 and < 1" in err
     assert not (in_tmp / "data").exists()
     assert not (in_tmp / "mlflow.db").exists()
+
+
+def test_an_override_that_is_not_yaml_is_one_clear_line():
+    with pytest.raises(ParamsError, match=r"--set 'shards.urls=\[/a/\{0..3\}.tar\]': the value is not valid YAML"):
+        apply_overrides({"shards": {"urls": []}}, ["shards.urls=[/a/{0..3}.tar]"])
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["shards.source=img2dataset", "shards.path=/nonexistent"], "shards.path=/nonexistent is not a folder"),
+    (["shards.source=download", "shards.path=/nonexistent.csv"], "shards.path=/nonexistent.csv does not exist"),
+    (["shards.source=urls", "shards.urls=['/nonexistent/{0..1}.tar']"], "none of the 2 shards could be read"),
+])
+def test_a_bad_source_path_exits_2_with_one_line_and_keeps_the_previous_shards(in_tmp, capsys, sets, message):
+    (in_tmp / "data/shards").mkdir(parents=True)
+    (in_tmp / "data/shards/index.parquet").write_bytes(b"the previous index")
+    assert main(["shards", *sum((["--set", s] for s in sets), [])]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert (in_tmp / "data/shards/index.parquet").read_bytes() == b"the previous index"
+
+
+def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, snakemake = Path(__file__).resolve().parents[1], Path(sys.executable).parent / "snakemake"
+    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
+        (shutil.copytree if (root / item).is_dir() else shutil.copy)(root / item, tmp_path / item)
+
+    def dry(config):
+        return subprocess.run([str(snakemake), "-n", "-p", "--cores", "1", "--config", config, "--", "models/dp"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    ok = dry("dp={epsilon: 2, sigma: null}")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert '"epsilon": 2' in ok.stdout and '"sigma": null' in ok.stdout  # the stage gets numbers and None
+    bad = dry("dp={epsilon: -2}")
+    assert bad.returncode == 2 and "dp.epsilon: -2 is not allowed" in bad.stderr and "Traceback" not in bad.stderr

@@ -9,19 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from snakemake_project import MICRO, planned_rules, set_params, snakemake_project
 
 ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 STAGE_RULES = ["shards", "synthetic", "tokenizer", "pretrain", "dp_train", "verify", "evaluate", "report"]
-MICRO = {
-    "shards": {"image_size": 16},
-    "synthetic": {"num_programs": 24, "frames_per_program": 2, "resolution": 16, "samples_per_shard": 20},
-    "tokenizer": {"vocab_size": 128},
-    "model": {"size": "micro", "img_size": 16, "patch_size": 4, "decoder_width": 32, "decoder_depth": 1,
-              "decoder_heads": 2, "text_width": 32, "text_depth": 1, "text_heads": 2, "max_caption_len": 12},
-    "pretrain": {"steps": 6, "batch_size": 16, "warmup_steps": 2, "checkpoint_every": 3, "log_every": 2},
-    "dp": {"steps": 4, "expected_batch_size": 32, "physical_batch_size": 16, "warmup_steps": 1,
-           "eval_every": 2, "checkpoint_every": 2},
-}
 
 
 def snakemake(workdir: Path, *args: str) -> str:
@@ -33,28 +25,31 @@ def snakemake(workdir: Path, *args: str) -> str:
     return proc.stdout + proc.stderr
 
 
-def planned_rules(output: str) -> set[str]:
-    return set(re.findall(r"^(?:local)?rule (\w+):", output, flags=re.M)) - {"all"}
-
-
-def set_params(workdir: Path, edits: dict) -> None:
-    params = yaml.safe_load((workdir / "params.yaml").read_text())
-    for section, values in edits.items():
-        params[section].update(values)
-    (workdir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("project")
-    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
+    work = snakemake_project(tmp_path_factory.mktemp("project"), "dvc.yaml", ".gitignore", ".dvcignore")
     set_params(work, MICRO)
-    shutil.copy(ROOT / "dvc.yaml", work / "dvc.yaml")
-    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "--no-scm", "-q"], cwd=work, check=True)
+    git(work, "init", "-q")  # a clone, as a user has it: DVC then checks what git ignores
+    subprocess.run([str(BIN / "dvc"), "init", "-q"], cwd=work, check=True)
+    shutil.copy(ROOT / ".dvc/config", work / ".dvc/config")  # the local remote, ../dvc-remote
+    git(work, "add", "-A")
+    git(work, "commit", "-qm", "project")
     out = snakemake(work)
     return work, out
+
+
+def git(work: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.email=ci@dpfm", "-c", "user.name=ci", *args], cwd=work, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def dvc(work: Path, *args: str) -> str:
+    """dvc as `make` runs it: with the environment's bin on PATH (dvc.yaml's commands call `dpfm`)."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run([str(BIN / "dvc"), *args], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (args, proc.stdout[-3000:] + proc.stderr[-3000:])
+    return proc.stdout + proc.stderr
 
 
 @pytest.mark.e2e
@@ -85,7 +80,18 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(finished_run):
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert sorted(r.data.tags["dpfm.stage"] for r in children) == sorted(r.replace("_", "-") for r in STAGE_RULES)
     assert len(runs) == 1 + len(STAGE_RULES)
+    # The parent: named after what ran, params.yaml as params, the headline figures, the report.
+    parent = parents[0]
+    assert re.fullmatch(r"ViP ε=\d+\.\d\d σ=\d+\.\d\d", parent.info.run_name), parent.info.run_name
+    assert parent.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in parent.data.params
+    assert {"epsilon", "delta", "sigma", "linear_probe"} <= set(parent.data.metrics)
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"params.yaml", "report"}
+    # The verified DP encoder is logged and registered with its ε and δ; training stages record system metrics.
+    [version] = client.search_model_versions("name='dpfm-mae'")
+    assert float(version.tags["epsilon"]) == pytest.approx(parent.data.metrics["epsilon"], rel=1e-3)
+    assert version.tags["private"] == "true" and "delta" in version.tags
     dp = next(r for r in children if r.data.tags["dpfm.stage"] == "dp-train")
+    assert any(k.startswith("system/") for k in dp.data.metrics), sorted(dp.data.metrics)
     assert dp.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in dp.data.params
     assert dp.data.metrics["epsilon"] <= 8.0
     # The input hashes tagged on each stage are the ones DVC recorded for the producing stage.
@@ -105,6 +111,10 @@ def test_editing_params_replans_exactly_the_dependent_stages(finished_run):
         (work / "params.yaml").write_text(original)
         set_params(work, {"dp": {"clip_norm": 2.0}})
         assert planned_rules(snakemake(work, "-n")) == {"dp_train", "verify", "evaluate", "report"}
+        (work / "params.yaml").write_text(original)
+        # What only names or schedules a run re-runs nothing (a dp-train re-run would spend privacy again).
+        set_params(work, {"run": {"experiment": "renamed", "threads": 1}})
+        assert planned_rules(snakemake(work, "-n")) == set()
     finally:
         (work / "params.yaml").write_text(original)
 
@@ -120,13 +130,16 @@ def test_restored_outputs_with_new_mtimes_are_touched_up_to_date(finished_run):
     assert planned_rules(snakemake(work, "-n")) >= {"dp_train", "pretrain", "report"}
     snakemake(work, "--touch")  # what `make restore` runs after `dvc pull`
     assert planned_rules(snakemake(work, "-n")) == set()
+    import mlflow  # a run in which no stage ran leaves no empty parent behind
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=100)
+    assert all(r.info.run_name != "mae ε≤8" for r in runs)
 
 
 @pytest.mark.e2e
 def test_dry_run_of_a_fresh_clone_lists_all_eight_stages(tmp_path):
-    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    snakemake_project(tmp_path)
     assert planned_rules(snakemake(tmp_path, "-n")) == set(STAGE_RULES)
     assert not (tmp_path / "mlflow.db").exists()  # a dry run opens no MLflow run
 
@@ -141,9 +154,7 @@ def dot_edges(dot: str, labels: bool) -> set[tuple[str, str]]:
 
 @pytest.mark.e2e
 def test_dvc_and_snakemake_run_the_same_dag(tmp_path):
-    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml", "dvc.yaml"):
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    snakemake_project(tmp_path, "dvc.yaml")
     bin_dir = Path(sys.executable).parent
     subprocess.run([str(bin_dir / "dvc"), "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
     dvc_dot = subprocess.run([str(bin_dir / "dvc"), "dag", "--dot"], cwd=tmp_path, capture_output=True,
@@ -155,3 +166,36 @@ def test_dvc_and_snakemake_run_the_same_dag(tmp_path):
     producer = {out: s.name for s in STAGES for out in s.all_outputs}
     table = {(producer[i].replace("-", "_"), s.name.replace("-", "_")) for s in STAGES for i in s.inputs}
     assert dot_edges(dvc_dot, labels=False) == table
+
+
+@pytest.mark.e2e
+def test_dvc_versions_pushes_restores_and_runs_experiments_from_a_fresh_clone(finished_run, tmp_path):
+    """After a run: dvc.lock is written (the run said so), `dvc status` is clean, `dvc push` and, with
+    the outputs gone, `dvc pull` + `snakemake --touch` (`make restore`) bring back an up-to-date
+    workspace, metrics included; `dvc exp run -S` runs the affected stages and `dvc exp show` has
+    params and metrics for every row."""
+    work = tmp_path / "clone"
+    shutil.copytree(finished_run[0], work, symlinks=True)  # this test changes the workspace
+    assert "DVC: outputs cached and recorded in dvc.lock" in finished_run[1]
+    assert "up to date" in dvc(work, "status")
+    git(work, "add", "dvc.lock")
+    git(work, "commit", "-qm", "a run")
+    dvc(work, "push")
+    for path in ("data", "models", "results"):
+        shutil.rmtree(work / path)
+    dvc(work, "pull")
+    snakemake(work, "--touch")
+    assert planned_rules(snakemake(work, "-n")) == set()
+    assert (work / "results/privacy/verification.json").is_file()  # metrics are cached like outputs
+    out = dvc(work, "exp", "run", "-S", "dp.epsilon=2")
+    assert "Running stage 'dp-train'" in out and "Running stage 'shards'" not in out
+    import json
+
+    rows = json.loads(dvc(work, "exp", "show", "--json"))
+    committed = rows[1]["data"]  # the commit of the run (row 0 is the workspace)
+    assert committed["params"]["params.yaml"]["data"]["dp"]["epsilon"] == 8.0
+    assert committed["metrics"]["results/privacy/verification.json"]["data"]["epsilon_reported"] <= 8.0
+    [experiment] = rows[1]["experiments"]
+    ran = experiment["revs"][0]["data"]
+    assert ran["params"]["params.yaml"]["data"]["dp"]["epsilon"] == 2
+    assert ran["metrics"]["results/privacy/verification.json"]["data"]["epsilon_reported"] <= 2.0

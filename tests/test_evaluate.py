@@ -254,7 +254,7 @@ def test_eval_set_split_is_stratified_and_needs_two_per_class():
 def make_tokenizer(directory):
     import sentencepiece as spm
 
-    from pipeline.data.shards_stage import CAPTION_TEMPLATES, NUMBER_WORDS
+    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS
     from pipeline.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
     directory.mkdir(parents=True)
@@ -306,7 +306,7 @@ def eval_params(**overrides):
 
 
 def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
-    from pipeline import evaluate
+    from pipeline.stages import evaluate
 
     monkeypatch.chdir(tmp_path)
     make_project(tmp_path)
@@ -328,7 +328,7 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
 
 
 def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, monkeypatch):
-    from pipeline import evaluate
+    from pipeline.stages import evaluate
 
     monkeypatch.chdir(tmp_path)
     make_project(tmp_path, objective="mae", nonprivate=False, steps=3)

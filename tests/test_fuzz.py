@@ -12,7 +12,7 @@ import numpy as np
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_shards import good, raw_tar
+from shard_data import good, raw_tar
 
 from pipeline.config import ParamsError, load_params
 from pipeline.data.index import build_index

@@ -12,7 +12,6 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 from pipeline.models import (
-    ALLOWED_LEAF_TYPES,
     CLIP,
     VIT_SIZES,
     BroadcastParameter,
@@ -25,6 +24,7 @@ from pipeline.models import (
     random_masking,
     unpatchify,
 )
+from pipeline.privacy.layer_rules import SUPPORTED_LAYERS
 from pipeline.models.layers import sincos_pos_embed_2d
 
 # The CPU SDPA kernel has no vmap batching rule; torch falls back to a loop and warns.
@@ -85,7 +85,7 @@ def test_paper_size_shapes_on_meta(size):
         imgs = torch.empty(2, 3, 224, 224)
         tokens, mask, ids_restore = vit.forward_features(imgs, mask_ratio=0.75, noise=torch.rand(2, 196))
         feats = vit.encode(imgs)
-        mae = MaskedAutoencoder(vit)
+        mae = build_model("mae", {"size": size})
         loss = mae(imgs, noise=torch.rand(2, 196))
     width = VIT_SIZES[size]["width"]
     assert tokens.shape == (2, 1 + 49, width)
@@ -200,7 +200,7 @@ def non_dp_parameter_owners(model: nn.Module) -> list[str]:
     return [
         f"{name or '<root>'}:{type(m).__name__}"
         for name, m in model.named_modules()
-        if list(m.parameters(recurse=False)) and not isinstance(m, ALLOWED_LEAF_TYPES)
+        if list(m.parameters(recurse=False)) and not isinstance(m, SUPPORTED_LAYERS)
     ]
 
 
@@ -208,7 +208,7 @@ def non_dp_parameter_owners(model: nn.Module) -> list[str]:
 def test_only_allowed_leaf_types_own_parameters(objective):
     model = micro(objective)
     assert non_dp_parameter_owners(model) == []
-    owned = sum(p.numel() for m in model.modules() if isinstance(m, ALLOWED_LEAF_TYPES)
+    owned = sum(p.numel() for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)
                 for p in m.parameters(recurse=False))
     assert owned == n_params(model) > 0
     for m in model.modules():  # token leaves hold exactly one parameter
@@ -426,3 +426,26 @@ def test_broadcast_parameter_grad_output_is_per_sample_grad():
     assert set(captured) == {"mask_token", "encoder.cls_token"}
     for name, g in captured.items():
         assert torch.allclose(g, ref[f"{name}.weight"], atol=1e-6), name
+
+
+def test_the_params_model_section_is_checked_against_the_model_config():
+    """One place for model defaults: every `model` key of params.yaml and of its schema is a
+    ModelConfig field (under its params name), and the defaults of a size come from ModelConfig."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from pipeline.models.config import FROM_PARAMS, ModelConfig
+
+    root = Path(__file__).resolve().parents[1]
+    schema = yaml.safe_load((root / "schemas/params.schema.yaml").read_text())["properties"]["model"]
+    params = yaml.safe_load((root / "params.yaml").read_text())["model"]
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(schema["properties"]) == set(schema["required"]) == set(params)
+    assert {FROM_PARAMS.get(k, k) for k in params} <= fields
+    cfg = ModelConfig.from_params(params, "caption", vocab_size=77)
+    assert (cfg.max_len, cfg.vocab_size, cfg.mask_ratio) == (params["max_caption_len"], 77, 0.0)
+    assert ModelConfig.of({"size": "micro"}).decoder_width == 32 and ModelConfig().decoder_width == 512
+    with pytest.raises(ValueError, match="unknown model settings \\['depth'\\]"):
+        ModelConfig.of({"depth": 3})

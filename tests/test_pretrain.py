@@ -10,41 +10,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-from pipeline import pretrain, train
-from pipeline.config import load_params, sections_of
-from pipeline.data.shards import ShardWriter, encode_png
-from pipeline.modelcfg import model_config
-from pipeline.models import build_model
+from pretrain_project import IMAGES, make_project, micro_sets, saved
 from recording import RecordingTracker
 
-MICRO_MODEL = {"size": "micro", "img_size": 16, "patch_size": 4, "decoder_width": 32, "decoder_depth": 1,
-               "decoder_heads": 2, "text_width": 32, "text_depth": 1, "text_heads": 2, "max_caption_len": 12}
-# 6 steps of 8 from 20 images: batches cross epoch boundaries; a checkpoint every 2 steps.
-SHORT = {"steps": 6, "batch_size": 8, "lr": 0.001, "warmup_steps": 2, "checkpoint_every": 2, "log_every": 1,
-         "precision": "fp32"}
-IMAGES = 20
-
-
-def make_project(root: Path, image_seed: int = 0) -> Path:
-    """A project directory with params, schema and a small set of synthetic shards."""
-    root.mkdir(parents=True, exist_ok=True)
-    repo = Path(__file__).resolve().parents[1]
-    (root / "schemas").mkdir(exist_ok=True)
-    (root / "schemas/params.schema.yaml").write_text((repo / "schemas/params.schema.yaml").read_text())
-    (root / "params.yaml").write_text((repo / "params.yaml").read_text())
-    rng = np.random.default_rng(image_seed)
-    with ShardWriter(root / pretrain.IN_DIR, prefix="synthetic", samples_per_shard=8) as writer:
-        for i in range(IMAGES):
-            image = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
-            writer.write(f"img{i:03d}", encode_png(image), "a procedural image", {"program": i})
-    return root
+from pipeline import train
+from pipeline.stages import pretrain
+from pipeline.config import load_params, sections_of
+from pipeline.models import ModelConfig, build_model
 
 
 def stage_params(**pretrain_overrides) -> dict:
-    sets = [f"model.{k}={json.dumps(v)}" for k, v in MICRO_MODEL.items()]
-    sets += [f"pretrain.{k}={json.dumps(v)}" for k, v in {**SHORT, **pretrain_overrides}.items()]
-    return sections_of(load_params("params.yaml", sets), ("run", "model", "pretrain"))
+    return sections_of(load_params("params.yaml", micro_sets(**pretrain_overrides)), ("run", "model", "pretrain"))
 
 
 def run_stage(project: Path, monkeypatch, **pretrain_overrides) -> RecordingTracker:
@@ -53,10 +29,6 @@ def run_stage(project: Path, monkeypatch, **pretrain_overrides) -> RecordingTrac
         m.chdir(project)
         pretrain.run(stage_params(**pretrain_overrides), ctx)
     return ctx.tracker
-
-
-def saved(project: Path) -> dict:
-    return torch.load(project / pretrain.OUT_DIR / "checkpoint.pt", map_location="cpu", weights_only=False)
 
 
 def state_files(project: Path) -> list[Path]:
@@ -84,15 +56,13 @@ def crash_at(monkeypatch, step_to_fail: int) -> None:
     """Make step_fn raise when it reaches `step_to_fail` (a checkpoint was written before it)."""
     real = pretrain.run_loop
 
-    def run_loop(**kw):
-        step_fn = kw["step_fn"]
-
+    def run_loop(state, schedule, step_fn, *args, **kw):
         def failing(step):
             if step == step_to_fail:
                 raise KeyboardInterrupt(f"simulated kill at step {step}")
             return step_fn(step)
 
-        return real(**{**kw, "step_fn": failing})
+        return real(state, schedule, failing, *args, **kw)
 
     monkeypatch.setattr(pretrain, "run_loop", run_loop)
 
@@ -143,12 +113,12 @@ def _lose_optimizer_state(m):
 
 def _masks_from_a_process_stream(m):
     stream = torch.Generator().manual_seed(0)
-    m.setattr(pretrain, "step_generator", lambda seed, step: stream)
+    m.setattr(pretrain, "step_generator", lambda seed, step, stream_id: stream)
 
 
 def _restart_the_data(m):
-    real = pretrain.run_loop
-    m.setattr(pretrain, "run_loop", lambda **kw: real(**{**kw, "on_start": lambda start: kw["on_start"](0)}))
+    real = pretrain.step_batches
+    m.setattr(pretrain, "step_batches", lambda loader, seed, start, *rest: real(loader, seed, 0, *rest))
 
 
 @pytest.mark.parametrize("break_resume", [_lose_optimizer_state, _masks_from_a_process_stream, _restart_the_data])
@@ -165,7 +135,7 @@ def test_the_saved_encoder_initialises_every_objective(uninterrupted, monkeypatc
     monkeypatch.chdir(ref)
     model_params = stage_params()["model"]
     for objective in ("mae", "caption", "clip"):
-        model = build_model(objective, model_config(model_params, objective, vocab_size=64))
+        model = build_model(objective, ModelConfig.from_params(model_params, objective, vocab_size=64))
         model.encoder.load_state_dict(checkpoint["encoder"])  # strict: every key and shape matches
         assert params_equal(model.encoder.state_dict(), checkpoint["encoder"])
     mae = build_model("mae", checkpoint["model_cfg"])
@@ -239,8 +209,7 @@ def test_two_gloo_ranks_train_the_one_process_model(uninterrupted, tmp_path):
     import sys
 
     project = make_project(tmp_path / "ddp")
-    sets = [f"model.{k}={json.dumps(v)}" for k, v in MICRO_MODEL.items()]
-    sets += [f"pretrain.{k}={json.dumps(v)}" for k, v in SHORT.items()] + ["run.device=cpu"]
+    sets = micro_sets() + ["run.device=cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline.cli",
            "pretrain", "--threads", "1", *sum((["--set", s] for s in sets), [])]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from pipeline import report
+from pipeline.stages import report
 from pipeline.eval.render import TABLE_HEAD_COLOR
 from pipeline.io import write_json
 from recording import RecordingTracker
@@ -36,7 +36,7 @@ def metrics_json():
                "nonprivate": {"linear_probe": 0.9, "fewshot_logreg": few, "zero_shot": 0.6},
                "synthetic": {"linear_probe": 0.804, "fewshot_logreg": few},
                "random": {"linear_probe": 0.5, "fewshot_logreg": few, "zero_shot": 0.1}}
-    labels = {"dp": "DP (DP-Cap)", "nonprivate": "Non-private (DP-Cap without DP)",
+    labels = {"dp": "DP (DP-Cap)", "nonprivate": "Not private (DP-Cap without DP, ε = ∞)",
               "synthetic": "Synthetic only (Syn-ViP)", "random": "Random init"}
     return {"primary_set": "digits", "objective": "caption", "model_order": list(labels),
             "models": {k: {"label": v, "source": "x"} for k, v in labels.items()},
@@ -85,7 +85,7 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
         assert text in page and text in md, text
     # Rows keep the evaluate stage's order (the JSON itself is key-sorted).
     table = page[page.index("<table class='acc'"):]
-    rows = [table.index(m) for m in ("DP (DP-Cap)", "Non-private", "Synthetic only", "Random init")]
+    rows = [table.index(m) for m in ("DP (DP-Cap)", "Not private", "Synthetic only", "Random init")]
     assert rows == sorted(rows)
     assert "123456" not in page and "123456" not in md  # a known noise seed would undo the noise
     assert "objective: mae" in page  # the params of the run are shown
@@ -204,7 +204,7 @@ def test_report_renders_in_headless_chromium_and_the_screenshot_shows_the_table(
 
 
 def test_data_card_reports_usable_n_and_skipped_examples_by_reason():
-    from pipeline.report import data_card
+    from pipeline.stages.report import data_card
 
     stats = {"source": "urls", "private": {"usable": 97, "rows": 100,
                                            "excluded": {"corrupt_image": 2, "missing_caption": 1}}}

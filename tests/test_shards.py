@@ -18,60 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from shard_data import SIZE, excluded, good, index, picture, raw_tar, write_set
 
-from pipeline.data import shards_stage
-from pipeline.data.index import INDEX_NAME, IndexMismatch, build_index, duplicate_mask
+from pipeline.stages import shards as shards_stage
+from pipeline.data.index import INDEX_NAME, IndexMismatch, _split_hash, build_index, duplicate_mask, key_hash
 from pipeline.data.loader import BatchLoader
 from pipeline.data.remote import ShardReadError, filesystem
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import read_json
-
-SIZE = 8
-
-
-def picture(rng, size=SIZE) -> np.ndarray:
-    return rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-
-
-def write_set(directory, n=23, per_shard=5, prefix="s", seed=0) -> list[tuple]:
-    rng = np.random.default_rng(seed)
-    samples = [(f"{prefix}{i:04d}", encode_png(picture(rng)), f"caption number {i}", {"label": i % 3})
-               for i in range(n)]
-    with ShardWriter(directory, prefix=prefix, samples_per_shard=per_shard) as w:
-        for s in samples:
-            w.write(*s)
-    return samples
-
-
-def raw_tar(path, members) -> None:
-    """A tar holding exactly `members` [(name, bytes)], whatever they are."""
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            t.addfile(info, io.BytesIO(data))
-
-
-def good(key, rng, caption="a photo"):
-    return [(f"{key}.jpg", encode_jpeg(picture(rng, 16))), (f"{key}.txt", caption.encode()),
-            (f"{key}.json", b"{}")]
-
-
-def index(urls, tmp_path, name="out", workers=1):
-    stats = build_index([str(u) for u in urls], tmp_path / name, eval_fraction=1e-9, seed=0,
-                        cache_dir=tmp_path / f"{name}-cache", workers=workers, check_size=SIZE)
-    ds = ShardDataset(tmp_path / name / "private")
-    assert len(ds) == stats["private"]["usable"]  # the n accounting reads is what training reads
-    return stats, ds
-
-
-def excluded(stats) -> dict:
-    out = {}
-    for split in ("private", "eval"):
-        for k, v in stats[split]["excluded"].items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 # -- writer and reader -----------------------------------------------------------------------------
@@ -373,3 +328,19 @@ def test_index_written_before_image_formats_were_recorded_still_reads(tmp_path):
     assert len(ds) == 6 and ds.status_counts == {"ok": 6, "corrupt": 1}
     assert [ds.caption(i) for i in range(6)] == [s[2] for j, s in enumerate(samples) if j != 2]
     assert ds.read_member(5, "png") == samples[6][1]
+
+
+def test_key_hash_and_split_hash_are_pinned():
+    """The eval split is a public function of (seed, key): these values must never change."""
+    keys = ["a", "p000001-f002", "sample/0042", "ünï"]
+    hashes = [key_hash(k) for k in keys]
+    assert hashes == [3405396810240292928, 17999449861128510578, 7046866633665362826, 10938549402560586072]
+    hashes = np.array(hashes, dtype=np.uint64)
+    assert _split_hash(hashes, 0).tolist() == [5176070045968237, 6130894691748742, 1071556014825212,
+                                               2991454428176193]
+    assert _split_hash(hashes, 3).tolist() == [1438132064806915, 1740191441288700, 3457767380144349,
+                                               6774793315003243]
+    assert _split_hash(hashes, -1).tolist() == [8814952727909403, 443484150666229, 8625889468561468,
+                                                3346392537386807]
+    assert _split_hash(hashes, 2**40).tolist() == [1086391519962111, 3935090871261176, 3975415982119241,
+                                                   8336609483162168]

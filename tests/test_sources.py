@@ -1,21 +1,16 @@
 """Shard sources (pipeline/data/sources.py) and remote shards: URL lists with brace patterns, shards
 over http with ranged reads, img2dataset folders, and the resumable (url, caption) downloader.
 
-Network traffic stays on a loopback server started per test (127.0.0.1, an ephemeral port), which
-speaks HTTP Range like S3 and web servers do, and can be told to ignore it, to fail, to be slow.
+Network traffic stays on a loopback server started per test (127.0.0.1, an ephemeral port; the `serve`
+fixture, tests/http_server.py), which speaks HTTP Range like S3 and web servers do, and can be told to
+ignore it, to fail, to be slow.
 """
 
 from __future__ import annotations
 
-import collections
-import http.server
 import io
 import json
-import re
-import socket
 import tarfile
-import threading
-import time
 import types
 from pathlib import Path
 
@@ -24,12 +19,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from http_server import closed_port
+from shard_data import write_set
 
 from pipeline.config import load_params, sections_of
-from pipeline.data import remote, shards_stage, sources
+from pipeline.data import remote, sources
+from pipeline.stages import shards as shards_stage
 from pipeline.data.index import build_index
 from pipeline.data.loader import BatchLoader
-from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from pipeline.data.shards import ShardDataset, encode_png
 from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import read_json
 
@@ -37,94 +35,6 @@ from pipeline.io import read_json
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    """Files under server.root; /slow/<f> answers after 3 s; /flaky/<f> fails once with 503."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def do_HEAD(self):
-        self._serve(body=False)
-
-    def do_GET(self):
-        self._serve(body=True)
-
-    def _serve(self, body: bool):
-        server = self.server
-        path = self.path.split("?", 1)[0]
-        server.requests[path] += 1
-        if path.startswith("/slow/"):
-            time.sleep(3.0)
-            path = path[len("/slow"):]
-        if path.startswith("/flaky/"):
-            path = path[len("/flaky"):]
-            if server.requests["/flaky" + path] == 1:
-                self.send_error(503)
-                return
-        file = server.root / path.lstrip("/")
-        if not file.is_file():
-            self.send_error(404)
-            return
-        data = file.read_bytes()
-        wanted = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if wanted and not server.ignore_range:
-            start = int(wanted.group(1))
-            end = int(wanted.group(2)) + 1 if wanted.group(2) else len(data)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-            data = data[start:end]
-        else:
-            self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Accept-Ranges", "none" if server.ignore_range else "bytes")
-        self.end_headers()
-        if body:
-            try:
-                self.wfile.write(data)
-            except OSError:  # the client gave up (a timeout test)
-                pass
-
-
-class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address):
-        pass
-
-
-@pytest.fixture
-def serve(tmp_path):
-    started = []
-
-    def start(root: Path, ignore_range: bool = False) -> Server:
-        server = Server(("127.0.0.1", 0), Handler)
-        server.root, server.ignore_range, server.requests = root, ignore_range, collections.Counter()
-        server.url = f"http://127.0.0.1:{server.server_address[1]}"
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.shutdown()
-        server.server_close()
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_set(directory, n=14, per_shard=5, seed=0):
-    rng = np.random.default_rng(seed)
-    with ShardWriter(directory, prefix="s", samples_per_shard=per_shard) as w:
-        for i in range(n):
-            w.write(f"k{i:04d}", encode_png(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)), f"caption {i}", {"i": i})
 
 
 def scan(urls, tmp_path, name="out"):
@@ -152,7 +62,7 @@ def test_a_shard_listed_twice_or_no_shard_is_an_error():
 # -- shards over http -------------------------------------------------------------------------------
 
 def test_http_shards_are_scanned_and_read_by_range(tmp_path, serve):
-    write_set(tmp_path / "w")
+    write_set(tmp_path / "w", n=14)
     server = serve(tmp_path / "w")
     urls = sources.expand_urls([f"{server.url}/s-{{000000..000002}}.tar"])
     stats = scan(urls, tmp_path)
@@ -245,7 +155,7 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve):
                (f"http://127.0.0.1:{closed_port()}/img.png", "dead")])
     table = tmp_path / "pairs.csv"
     table.write_text("url,caption\n" + "".join(f'{a},"{b}"\n' for a, b in rows))
-    kwargs = dict(image_size=16, samples_per_shard=6, threads=4, timeout_s=1.0, retries=1)
+    kwargs = dict(image_size=16, samples_per_shard=6, threads=4, timeout_s=4.0, retries=1)
     out = tmp_path / "dl"
 
     shards, stats = sources.download(str(table), out, **kwargs)

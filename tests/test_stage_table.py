@@ -1,11 +1,18 @@
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
 
 from pipeline.cli import main
 from pipeline.dvc_export import check_dvc_yaml, render_dvc_yaml
-from pipeline.stages import STAGES, Stage, check_table
+from pipeline.stages import STAGES, TRACKED, UNTRACKED, Stage, check_table, tracked
 
 ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 EXPECTED = ["shards", "synthetic", "tokenizer", "pretrain", "dp-train", "verify", "evaluate", "report"]
 
 
@@ -24,19 +31,46 @@ def test_export_dvc_check_catches_a_table_change(tmp_path, monkeypatch, capsys):
     assert main(["export-dvc", "--check", "--output", str(path)]) == 0
     import pipeline.dvc_export as dvc_export
 
-    changed = STAGES[:-1] + (Stage("report", "x", "pipeline.report", ("run",), outputs=("results/other/",)),)
+    changed = STAGES[:-1] + (Stage("report", "x", "pipeline.stages.report", ("run",), outputs=("results/other/",)),)
     monkeypatch.setattr(dvc_export, "STAGES", changed)
     assert main(["export-dvc", "--check", "--output", str(path)]) == 1
     assert "results/other" in capsys.readouterr().err
 
 
-def test_every_stage_has_a_rule_with_the_required_directives():
-    rules = "\n".join(p.read_text() for p in sorted((ROOT / "rules").glob("*.smk")))
-    for name in EXPECTED:
-        body = rules.split(f"rule {name.replace('-', '_')}:")[1].split("\nrule ")[0]
-        for directive in ("log:", "benchmark:", "resources:", "conda:", "threads:", "params:", "output:"):
-            assert directive in body, (name, directive)
-        assert f'stage_params("{name}")' in body and f"dpfm {name} " in body
+def dry_run(tmp_path, *args) -> str:
+    """`snakemake -n -p --forceall` in a copy of the project (with more arguments)."""
+    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml", "report"):
+        src = ROOT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    cmd = [str(BIN / "snakemake"), "-n", "-p", "--forceall", "--cores", "2", *args]
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = "/usr/bin:/bin"  # no activated environment: the rules must not need one
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_every_stage_has_a_generated_rule_calling_its_stage_by_absolute_interpreter(tmp_path):
+    out = dry_run(tmp_path)
+    python = (BIN / "snakemake").read_text().splitlines()[0][2:]
+    for st in STAGES:
+        block = out.split(f"\nrule {st.name.replace('-', '_')}:\n")[1].split("\n\n")[0]
+        assert f"log: logs/{st.name}.log" in block
+        command = out.split(f"{python} -m pipeline.cli {st.name} --threads ")[1].splitlines()[0]
+        assert "--sections-json" in command and f"tee logs/{st.name}.log" in command
+        launched = f"{python} -m pipeline.launch --nodes 1 --gpus 0 -- {python} -m pipeline.cli {st.name} " in out
+        assert launched == bool(st.resources.gpu), st.name
+
+
+def test_brace_patterns_and_templates_pass_through_the_dag_unchanged(tmp_path):
+    """A URL brace pattern and a `{c}` template are not Snakemake wildcards (they once crashed the DAG)."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["shards"].update(source="urls", urls=["s3://b/laion/{00000..00099}.tar"])
+    params["evaluate"]["sets"] = [{"name": "pets", "source": "folder", "path": "/data/pets",
+                                   "templates": ["a photo of a {c}."]}]
+    (tmp_path / "edited.yaml").write_text(yaml.safe_dump(params))
+    out = dry_run(tmp_path, "--configfile", "edited.yaml")
+    assert "s3://b/laion/{00000..00099}.tar" in out and "a photo of a {c}." in out
 
 
 def test_cli_has_a_subcommand_per_stage(capsys):
@@ -46,3 +80,13 @@ def test_cli_has_a_subcommand_per_stage(capsys):
         except SystemExit as e:
             assert e.code == 0
         assert re.search(r"--set", capsys.readouterr().out)
+
+
+def test_naming_and_scheduling_keys_are_untracked_and_the_rest_tracked():
+    schema = yaml.safe_load((ROOT / "schemas/params.schema.yaml").read_text())["properties"]
+    for section, keys in UNTRACKED.items():
+        assert set(keys) | set(TRACKED[section]) == set(schema[section]["properties"])
+        assert not set(keys) & set(TRACKED[section])
+    params = {"run": {"seed": 3, "experiment": "x", "threads": 4, "device": "cuda"}, "dp": {"epsilon": 8}}
+    assert tracked(params, ("run", "dp")) == {"run": {"seed": 3}, "dp": {"epsilon": 8}}
+    assert render_dvc_yaml().count("- run.seed") == len(STAGES) and "- run\n" not in render_dvc_yaml()

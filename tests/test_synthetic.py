@@ -1,4 +1,4 @@
-"""Tests for the Shaders21k-style generator (pipeline/data/synthetic.py).
+"""Tests for the Shaders21k-style generator (the pipeline/data/synthetic/ package).
 
 Everything renders at tiny resolutions so the file runs in well under a minute
 on two shared cores.  Each test checks a property the pretraining stage relies
@@ -8,6 +8,7 @@ on and can fail if it breaks.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import multiprocessing as mp
 import os
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.data import splitmix
 from pipeline.data import synthetic as S
+from pipeline.data.synthetic import noise, rendering, rng, shader_math
 
 SEED = 1234
 RES = 32
@@ -101,7 +104,7 @@ def test_float_stage_is_bitwise_batch_invariant(monkeypatch):
         together = S.render_float(prog, frames, ODD, base_seed=SEED)
         singles = torch.cat([S.render_float(prog, [f], ODD, base_seed=SEED) for f in frames])
         assert torch.equal(together, singles), S.describe_program(prog, SEED)
-    monkeypatch.setitem(S._CHUNK_PIXELS, "cpu", 1)  # one frame per torch call
+    monkeypatch.setitem(rendering._CHUNK_PIXELS, "cpu", 1)  # one frame per torch call
     assert torch.equal(S.render_float(prog, frames, ODD, base_seed=SEED), together)
     # render_items with mix_k=1 is the same as render
     items = [(prog, f) for f in frames]
@@ -116,9 +119,9 @@ def test_pixel_math_is_layout_invariant():
     x = torch.rand(150_001, generator=g) * 40 - 20
     y = torch.rand(150_001, generator=g) * 40 - 20
     fns = {
-        "atan2": lambda a, b: S._atan2(a, b),
-        "powf": lambda a, b: S._powf(a.abs(), 1.7),
-        "hash": lambda a, b: S._hash21(torch.floor(a), torch.floor(b), 3.7),
+        "atan2": lambda a, b: shader_math._atan2(a, b),
+        "powf": lambda a, b: shader_math._powf(a.abs(), 1.7),
+        "hash": lambda a, b: shader_math._hash21(torch.floor(a), torch.floor(b), 3.7),
         "sin": lambda a, b: torch.sin(a), "cos": lambda a, b: torch.cos(a),
         "exp": lambda a, b: torch.exp(a * 0.2), "log": lambda a, b: torch.log(a.abs() + 1e-3),
         "atan": lambda a, b: torch.atan(a / b), "sqrt": lambda a, b: torch.sqrt(a * a + b * b),
@@ -243,6 +246,105 @@ def test_contact_sheet_writes_png_atomically(tmp_path):
     with Image.open(path) as im:
         assert im.format == "PNG" and im.size == (4 * 18 + 2, 3 * 18 + 2)
     assert os.listdir(path.parent) == ["contact.png"]  # no temp file left behind
+
+
+# --------------------------------------------------------------------------- #
+# Pinned outputs                                                               #
+# --------------------------------------------------------------------------- #
+# The generator's bytes, pinned as digests so a refactor cannot change them
+# unnoticed (staged shards and published data sets depend on them).  Programs
+# (seed SEED) chosen by a greedy cover over ids < 3000 so that together they use
+# every domain op, every field and each of its styles, every raymarch variant,
+# blend mode, palette style, transfer and post grade; the test below checks that.
+PINNED_PROGRAMS = (5, 9, 11, 52, 73, 96, 107, 134, 167, 197, 273, 636, 658, 818, 852, 1109, 1619, 2134, 2167, 2711)
+PINNED_FRAMES = (0, 123456)
+# torch's CPU kernels for sin/exp/... round differently per ATen dispatch level, so
+# the image digests are per (torch minor version, CPU capability).  AVX2 and AVX512
+# agree; DEFAULT (ATEN_CPU_CAPABILITY=default) does not.  Check another level with
+# e.g. `ATEN_CPU_CAPABILITY=avx2 pytest tests/test_synthetic.py -k pinned`.
+_SIMD = {"render_items": "c26450f442638de3fb54c731646a8911ac93f144edd9952ee4d8832ff5e4eeb3",
+         "render": "a92fda27757286c7f042999ccc0ddf34d9ca97ba5e721edee8ff35fa7bf4e7bc",
+         "render_float": "91c1ba17e710761e9ade4bc7128b83da787a0bfc54ffd84c8b686e105367fe0e",
+         "mixed": "b824435bd229ccca3df104d45a5d7f5a5e9e7f832740ebe8e973869a15f71875"}
+PINNED_IMAGES = {
+    ("2.13", "AVX512"): _SIMD,
+    ("2.13", "AVX2"): _SIMD,
+    ("2.13", "DEFAULT"): {"render_items": "3fb8f879a39a33391406a6d9aae77e97994ea9f0bad16d2c9cf4afdc8d313b65",
+                          "render": "f0829442c0cbd76efa979469565878bba711526b3c8b5e334a0e10e2eaaefa3e",
+                          "render_float": "54cd78e36b21c1c7ac86041c33f05f28d2e1b48058c78085296cf4abff85665b",
+                          "mixed": "b824435bd229ccca3df104d45a5d7f5a5e9e7f832740ebe8e973869a15f71875"},
+}
+
+
+def _sha256(data) -> str:
+    return hashlib.sha256(data if isinstance(data, bytes) else str(data).encode()).hexdigest()
+
+
+def _features(program_id: int) -> set:
+    """(block kind, token) pairs of a program's structure: kinds, blend modes and
+    the options that name a variant (integer counts such as n=5 are left out)."""
+    out = set()
+    for block in S.program_signature(program_id, SEED)[0]:
+        kind = block[0]
+        for token in block:
+            if "=" not in token:
+                kind = token
+            elif token.split("=", 1)[1].isdigit():
+                continue
+            out.add((kind, token))
+    return out
+
+
+def test_pinned_programs_cover_every_block():
+    everything = set().union(*(_features(p) for p in range(3000)))
+    assert set().union(*(_features(p) for p in PINNED_PROGRAMS)) == everything
+
+
+def test_pinned_image_bytes():
+    key = (".".join(torch.__version__.split(".")[:2]), torch.backends.cpu.get_cpu_capability())
+    if key not in PINNED_IMAGES:
+        pytest.skip(f"image digests are pinned for {sorted(PINNED_IMAGES)}, not {key}")
+    want = PINNED_IMAGES[key]
+    items = [(p, f) for f in PINNED_FRAMES for p in PINNED_PROGRAMS]
+    assert _sha256(S.render_items(items, RES, base_seed=SEED).numpy().tobytes()) == want["render_items"]
+    per_program = b"".join(S.render(p, PINNED_FRAMES, RES, base_seed=SEED).numpy().tobytes()
+                           for p in PINNED_PROGRAMS)
+    assert _sha256(per_program) == want["render"]
+    floats = b"".join(S.render_float(p, PINNED_FRAMES, RES, base_seed=SEED).numpy().tobytes()
+                      for p in PINNED_PROGRAMS[:8])
+    assert _sha256(floats) == want["render_float"]
+    mixed = S.render_items(items[:10], RES, base_seed=SEED, mix_k=3, mix_alpha=0.5)
+    assert _sha256(mixed.numpy().tobytes()) == want["mixed"]
+
+
+def test_pinned_programs_times_and_noise():
+    """Pure-Python and numpy parts: the same on every machine."""
+    assert _sha256(repr([S.program_signature(p, SEED) for p in range(300)])) == \
+        "00e32ea5ff7d0e53286268ab37724b3f790a4354f67f2be6edf2716919394f03"
+    assert _sha256("\n".join(S.describe_program(p, SEED) for p in range(300))) == \
+        "f328e964c73dfaabed2e9a3d1468b551d8d93484bd2c51aa3c973c1059955d5a"
+    assert _sha256(repr([S.frame_time(SEED, p, f) for p in range(20) for f in (0, 1, 99)])) == \
+        "b15764b620db6515aff4f29d536bac044a168c3a387b3cd420145b3bc78e2622"
+    mixes = [S.mix_components(item, base_seed=SEED, mix_k=k, mix_alpha=a)
+             for item in [(0, 0), (17, 3), (20_999, 999_999)] for k, a in [(2, 1.0), (6, 0.3), (4, 5.0)]]
+    assert _sha256(repr(mixes)) == "c76dc253fdeabc493f12456040fa2d3e338dbc7cdd21e769464ee9a878729429"
+    bank = noise._noise_bank_np()
+    assert bank.shape == (4, 512, 512) and bank.dtype == np.float32
+    assert _sha256(bank.tobytes()) == "341d30f1e1e3b59150187d2c8a96622538fe2715c4f441850cba7bf97115f396"
+    assert _sha256(rng._np_uniform(1000, 12345).tobytes()) == \
+        "c704d1b1a6c02db996b984ec8b6aa9393411aff65436005f0f6ee0728c18c0a1"
+
+
+def test_pinned_splitmix64_stream():
+    # splitmix64's reference outputs for seed 0: mix64(k * golden) for k = 1, 2
+    assert splitmix.mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    assert splitmix.mix64(2 * 0x9E3779B97F4A7C15 % 2**64) == 0x6E789E6AA1B965F4
+    # the numpy form is the same function
+    z = np.array([0x9E3779B97F4A7C15, 2 * 0x9E3779B97F4A7C15 % 2**64], dtype=np.uint64)
+    assert splitmix.mix64_np(z).tolist() == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    assert rng._hash_ints(1, -2, 3) == 10743108811300713331
+    stream = rng._Rng(7, 8, 9)
+    assert [stream.random() for _ in range(3)] == [0.7068908910700414, 0.1347906759375852, 0.5834102851357266]
 
 
 # --------------------------------------------------------------------------- #

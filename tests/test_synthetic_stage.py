@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.data import synthetic, synthetic_stage
+from pipeline.data import synthetic
+from pipeline.stages import synthetic as synthetic_stage
 from pipeline.data.shards import ShardDataset
 from recording import RecordingTracker
 
@@ -123,6 +124,22 @@ def test_staging_is_keyed_by_what_decides_the_bytes():
     assert synthetic_stage.staging_dir(CFG, 8) != key
     assert synthetic_stage.staging_dir({**CFG, "resolution": 32}, 7) != key
     assert synthetic_stage.staging_dir({**CFG, "samples_per_shard": 9}, 7) != key
+
+
+def test_staging_is_keyed_by_every_generator_module(tmp_path, monkeypatch):
+    sources = synthetic_stage.generator_sources()
+    package = Path(synthetic.__file__).parent
+    assert [p for p in sources if p.parent == package] == sorted(package.glob("*.py"))
+    assert {"__init__.py", "raymarch.py", "rng.py", "splitmix.py", "synthetic.py"} <= {p.name for p in sources}
+    copies = []
+    for p in sources:  # hash copies, so one can be edited
+        copies.append(tmp_path / p.name)
+        shutil.copyfile(p, copies[-1])
+    monkeypatch.setattr(synthetic_stage, "generator_sources", lambda: copies)
+    key = synthetic_stage.staging_dir(CFG, 7)
+    assert key == synthetic_stage.staging_dir(CFG, 7)
+    (tmp_path / "raymarch.py").write_text((tmp_path / "raymarch.py").read_text() + "\n# edited\n")
+    assert synthetic_stage.staging_dir(CFG, 7) != key
 
 
 def test_index_manifest_images_and_stats_agree(reference):

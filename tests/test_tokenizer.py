@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline.data import tokenizer as tok
+from pipeline.stages import tokenizer as tokenizer_stage
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from recording import RecordingTracker
 
@@ -33,7 +34,7 @@ def run_stage(project: Path, monkeypatch, vocab_size=256, model_type="unigram") 
     ctx = SimpleNamespace(tracker=RecordingTracker(), threads=2, device="cpu")
     with monkeypatch.context() as m:
         m.chdir(project)
-        tok.run({"run": {"seed": 0}, "tokenizer": {"vocab_size": vocab_size, "model_type": model_type}}, ctx)
+        tokenizer_stage.run({"run": {"seed": 0}, "tokenizer": {"vocab_size": vocab_size, "model_type": model_type}}, ctx)
     assert ctx.tracker.metrics["vocab_size"] == vocab_size
     return (project / tok.OUT_DIR / "spm.model").read_bytes()
 
@@ -75,7 +76,7 @@ def test_the_check_catches_a_corpus_that_reads_the_private_captions(clean_model,
         return public() + tuple(ds.caption(i) for i in range(len(ds)))
 
     leaky_corpus.cache_clear = public.cache_clear
-    monkeypatch.setattr(tok, "public_corpus", leaky_corpus)
+    monkeypatch.setattr(tokenizer_stage, "public_corpus", leaky_corpus)
     with pytest.raises(AssertionError, match="private word|vocabulary changed"):
         check_public_only(tmp_path, clean_model, monkeypatch)
 

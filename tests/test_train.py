@@ -41,9 +41,18 @@ def test_autocast_is_bf16_only_when_asked_or_on_a_supporting_gpu():
     for precision in ("auto", "fp32"):
         with train.autocast("cpu", precision):
             assert not torch.is_autocast_enabled("cpu")
+    with train.autocast("cpu", "fp16"):
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+    assert train.loss_scale("fp16") == 2.0 ** 12 and train.loss_scale("bf16") == 1.0
     assert train.uses_bf16("cpu", "auto") is False
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         train.uses_bf16("cpu", "fp8")
+
+
+def test_step_generators_are_a_function_of_key_step_and_stream_alone():
+    draw = lambda *a: torch.rand(4, generator=train.step_generator(*a))  # noqa: E731
+    assert torch.equal(draw(7, 3, train.MASKS), draw(7, 3, train.MASKS))
+    assert len({tuple(draw(*a).tolist()) for a in [(7, 3, 1), (7, 3, 2), (7, 4, 1), (8, 3, 1)]}) == 4
 
 
 def test_state_dir_is_keyed_by_params():
@@ -52,6 +61,11 @@ def test_state_dir_is_keyed_by_params():
     assert a != train.state_dir("pretrain", {"x": 2, "y": [1, 2]})
     assert a != train.state_dir("dp-train", {"x": 1, "y": [1, 2]})
     assert a.parent == train.STATE_ROOT
+    # What only names or schedules a run does not key the state: a renamed run resumes.
+    run = {"seed": 0, "experiment": "a", "threads": 2, "device": "cpu"}
+    assert train.state_dir("dp-train", {"run": run}) == train.state_dir(
+        "dp-train", {"run": {**run, "experiment": "b", "threads": 8, "device": "cuda"}})
+    assert train.state_dir("dp-train", {"run": run}) != train.state_dir("dp-train", {"run": {**run, "seed": 1}})
 
 
 def test_checkpoint_round_trip(tmp_path):
@@ -101,12 +115,10 @@ def _toy_run(directory, total, fail_at=None, log=None):
         opt.step()
         return {"loss": loss.item()}
 
-    starts = []
-    history = train.run_loop(model=model, optimizer=opt, total_steps=total, base_lr=0.01, warmup=2,
-                             step_fn=step_fn, checkpointer=train.Checkpointer(directory), checkpoint_every=3,
-                             desc="toy", log_every=1, on_start=starts.append,
-                             on_log=(lambda s, m: log.append(s)) if log is not None else None)
-    return model, history, starts
+    state = train.TrainState(model, opt)
+    train.run_loop(state, train.Schedule(total, 0.01, 2, checkpoint_every=3, log_every=1), step_fn,
+                   train.Checkpointer(directory), desc="toy", log=(lambda s, m: log.append(s)) if log is not None else None)
+    return model, state.history, [state.resumed_at]
 
 
 def test_run_loop_resumes_exactly(tmp_path):

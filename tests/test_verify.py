@@ -11,7 +11,7 @@ import torch
 from pipeline import cli
 from pipeline.config import load_params
 from pipeline.data.sampling import PoissonSampler
-from pipeline.dp_train import plan_mechanism
+from pipeline.stages.dp_train import plan_mechanism
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json, write_json
 from pipeline.privacy import accounting, verify as V

@@ -27,7 +27,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from pipeline.config import ParamsError
 from pipeline.data import remote
+from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
 
@@ -323,11 +325,7 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
 
 def _split_hash(hashes: np.ndarray, seed: int) -> np.ndarray:
     """A uniform 53-bit value per key, mixed with the public seed (splitmix64's finaliser)."""
-    with np.errstate(over="ignore"):
-        x = hashes ^ np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return (x ^ (x >> np.uint64(31))) >> np.uint64(11)
+    return mix64_np(hashes ^ np.uint64((seed * GOLDEN) & MASK64)) >> np.uint64(11)
 
 
 def duplicate_mask(hashes: np.ndarray, usable: np.ndarray) -> np.ndarray:
@@ -352,7 +350,7 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     lands on both sides. Returns the stats for stats.json.
     """
     if not urls:
-        raise ValueError("no shards to index: the source resolved to an empty shard list")
+        raise ParamsError(["no shards to index: the source resolved to an empty shard list"], source="shards source")
     urls = [remote.canonical(u) for u in urls]
     results = scan_shards(urls, cache_dir, workers, check_size)
     good = [(p, info) for p, info in results if p is not None]
@@ -360,7 +358,8 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     for info in skipped:
         print(f"shards: skipped {info['url']}: {info['error']}")
     if not good:
-        raise ValueError(f"none of the {len(urls)} shards could be read; first error: {skipped[0]['error']}")
+        raise ParamsError([f"none of the {len(urls)} shards could be read; first error: {skipped[0]['error']}"],
+                          source="shards source")
     damaged = [{"url": i["url"], "problem": i["problem"]} for _, i in good if i.get("problem")]
     for d in damaged:
         print(f"shards: {d['url']} {d['problem']}")

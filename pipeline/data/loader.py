@@ -41,12 +41,18 @@ def _as_is(batch):
     return batch
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 def _worker_init(_):
     torch.set_num_threads(1)  # one core per decoding process
     # A SIGTERM or Ctrl-C reaches the whole process group: the training process decides when to stop
-    # (after a checkpoint) and its workers must keep serving the step in flight until then.
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    # (after a checkpoint) and its workers must keep serving the step in flight until then. They were
+    # started with the signals blocked (BatchLoader.__call__), so one sent while a worker was still
+    # starting is pending: ignoring it discards it, then the signals are unblocked.
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 class BatchLoader:
@@ -80,5 +86,12 @@ class BatchLoader:
         loader = torch.utils.data.DataLoader(self._decoded, batch_size=None, sampler=batches,
                                              num_workers=self.workers, prefetch_factor=self.prefetch,
                                              worker_init_fn=_worker_init, collate_fn=_as_is)
-        for indices, images, captions in loader:
+        # The workers are forked by iter(): with the stop signals blocked meanwhile, none can die of one
+        # before _worker_init ignores it. This process gets any that arrived once they are unblocked.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            batches_in_flight = iter(loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for indices, images, captions in batches_in_flight:
             yield indices, self._inputs(images, captions)

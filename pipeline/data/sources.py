@@ -1,6 +1,6 @@
 """Where the shards come from: a list of shard URLs, an img2dataset output folder, or a table of
 (url, caption) rows downloaded into shards here. Each source resolves to a list of tar shards that
-index.py scans; only the bundled digits set (shards_stage.py) is written without a scan.
+index.py scans; only the bundled digits set (stages/shards.py) is written without a scan.
 """
 
 from __future__ import annotations
@@ -21,10 +21,20 @@ import pyarrow.parquet as pq
 from braceexpand import braceexpand
 from tqdm import tqdm
 
+from pipeline.config import ParamsError
 from pipeline.data import remote
 from pipeline.data.shards import TarShard
 from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import file_digest, read_json, remove_stale_temps, write_json
+
+
+class SourceError(ParamsError):
+    """The configured source cannot be used (missing path, wrong format): `dpfm shards` says so in one
+    line and exits 2, before anything is written."""
+
+    def __init__(self, problem: str):
+        super().__init__([problem], source="shards source")
+
 
 USER_AGENT = "dpfm-downloader/0.1"
 MAX_IMAGE_BYTES = 32 << 20
@@ -40,11 +50,11 @@ def expand_urls(patterns: list[str]) -> list[str]:
     """
     urls = [remote.canonical(u) for p in patterns for u in braceexpand(p)]
     if not urls:
-        raise ValueError("shards.urls is empty: list webdataset shard URLs or paths (brace patterns allowed)")
+        raise SourceError("shards.urls is empty: list webdataset shard URLs or paths (brace patterns allowed)")
     seen = set()
     for u in urls:
         if u in seen:
-            raise ValueError(f"shard {u} is listed twice in shards.urls: each shard must appear once")
+            raise SourceError(f"shard {u} is listed twice in shards.urls: each shard must appear once")
         seen.add(u)
     return urls
 
@@ -59,10 +69,10 @@ def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
     """
     fs, root = remote.filesystem(folder)
     if not fs.isdir(root):
-        raise ValueError(f"shards.path={folder} is not a folder (expected img2dataset output)")
+        raise SourceError(f"shards.path={folder} is not a folder (expected img2dataset output)")
     tars = sorted(fs.glob(f"{root.rstrip('/')}/*.tar"))
     if not tars:
-        raise ValueError(f"{folder} has no .tar shards: is it img2dataset output with output_format=webdataset?")
+        raise SourceError(f"{folder} has no .tar shards: is it img2dataset output with output_format=webdataset?")
     urls, incomplete = [], []
     totals = {"count": 0, "successes": 0, "failed_to_download": 0, "failed_to_resize": 0}
     for tar in tars:
@@ -93,7 +103,7 @@ def read_url_table(path: str, url_column: str, caption_column: str) -> tuple[lis
     """(urls, captions) from a parquet, CSV or TSV file (local or any fsspec URL)."""
     fs, p = remote.filesystem(path)
     if not fs.exists(p):
-        raise ValueError(f"shards.path={path} does not exist")
+        raise SourceError(f"shards.path={path} does not exist")
     name = p.lower().removesuffix(".gz")
     with fs.open(p, "rb", compression="infer") as f:
         if name.endswith(".parquet"):
@@ -104,11 +114,11 @@ def read_url_table(path: str, url_column: str, caption_column: str) -> tuple[lis
                                   convert_options=pcsv.ConvertOptions(column_types={url_column: pa.string(),
                                                                                     caption_column: pa.string()}))
         else:
-            raise ValueError(f"shards.path={path}: expected a .parquet, .csv or .tsv table of (url, caption)")
+            raise SourceError(f"shards.path={path}: expected a .parquet, .csv or .tsv table of (url, caption)")
     for col, key in ((url_column, "url_column"), (caption_column, "caption_column")):
         if col not in table.column_names:
-            raise ValueError(f"{path} has no column {col!r} (columns: {', '.join(table.column_names)}); "
-                             f"set shards.download.{key}")
+            raise SourceError(f"{path} has no column {col!r} (columns: {', '.join(table.column_names)}); "
+                              f"set shards.download.{key}")
     return table.column(url_column).to_pylist(), table.column(caption_column).to_pylist()
 
 
@@ -202,7 +212,7 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
     """
     urls, captions = read_url_table(table_path, url_column, caption_column)
     if not urls:
-        raise ValueError(f"{table_path} has no rows")
+        raise SourceError(f"{table_path} has no rows")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir)  # shards a killed run was writing: they are downloaded again

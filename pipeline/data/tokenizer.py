@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import io
 import re
 import sysconfig
@@ -19,7 +18,6 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
-from pipeline.io import atomic_dir, atomic_path, write_json
 
 OUT_DIR = "models/tokenizer"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -38,7 +36,7 @@ def public_corpus() -> tuple[str, ...]:
     order) up to MAX_CORPUS_CHARS: the same lines on every run of one Python version."""
     from pydoc_data.topics import topics
 
-    from pipeline.data.shards_stage import CAPTION_TEMPLATES, NUMBER_WORDS
+    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS
 
     lines = [t.format(w=w) for t in CAPTION_TEMPLATES for w in NUMBER_WORDS]
     lines += [line.strip() for name in sorted(topics) for line in topics[name].splitlines() if _useful(line.strip())]
@@ -77,22 +75,6 @@ def train_model(corpus, vocab_size: int, model_type: str) -> bytes:
                              f"special pieces need: at least {least.group(1)}") from None
         raise
     return model.getvalue()
-
-
-def run(params: dict, ctx) -> None:
-    cfg = params["tokenizer"]
-    corpus = public_corpus()
-    model = train_model(corpus, cfg["vocab_size"], cfg["model_type"])
-    digest = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
-    with atomic_dir(OUT_DIR) as out:
-        with atomic_path(out / "spm.model") as tmp:
-            tmp.write_bytes(model)
-        info = {"corpus": "python-pydoc-topics+stdlib-docstrings+caption-templates", "lines": len(corpus),
-                "chars": sum(map(len, corpus)), "sha256": digest, "model_type": cfg["model_type"],
-                "vocab_size": Tokenizer(out).vocab_size}
-        write_json(out / "tokenizer.json", info)
-    ctx.tracker.log_metrics({"vocab_size": info["vocab_size"], "corpus_chars": info["chars"]})
-    print(f"tokenizer: vocabulary of {info['vocab_size']} pieces from {info['lines']} public lines")
 
 
 class Tokenizer:

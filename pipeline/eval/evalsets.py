@@ -86,7 +86,7 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
 
 
 def _digits(spec: dict, image_size: int) -> EvalSet:
-    from pipeline.data.shards_stage import CAPTION_TEMPLATES, NUMBER_WORDS
+    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS
 
     ds = ShardDataset(DIGITS_EVAL)
     images = np.stack([square(Image.fromarray(ds.image(i)), image_size) for i in range(len(ds))])

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pipeline.eval import RECIPES  # noqa: E402
+from pipeline.objectives import recipe_name  # noqa: E402
 
 MODEL_COLORS = {"dp": "#c8313e", "nonprivate": "#1f3a5f", "synthetic": "#0f8b8d", "random": "#9a9a9a"}
 DPI = 150
@@ -80,7 +80,7 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
         seen = set()
         for p in sorted(points, key=lambda p: p["current"]):
             obj = p.get("objective") or "?"
-            label = None if obj in seen else f"DP runs ({RECIPES.get(obj, obj)})"
+            label = None if obj in seen else f"DP runs ({recipe_name(obj)})"
             seen.add(obj)
             ax.scatter(p["epsilon"], 100 * p["accuracy"], marker=markers.get(obj, "D"), s=36, alpha=0.75,
                        color=MODEL_COLORS["dp"], edgecolor="white", lw=0.5, label=label, zorder=3)

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data.transforms import to_tensor
+from pipeline.objectives import OBJECTIVES
 
-ZERO_SHOT_OBJECTIVES = ("caption", "clip")
+ZERO_SHOT_OBJECTIVES = tuple(name for name, o in OBJECTIVES.items() if o.zero_shot)
 
 
 @torch.no_grad()
@@ -35,12 +36,13 @@ def class_scores(model, objective: str, images: np.ndarray, prompts: list[list[s
     per_class = torch.zeros(len(prompts), len(owner), device=device)
     per_class[owner, torch.arange(len(owner), device=device)] = 1.0
     per_class /= per_class.sum(dim=1, keepdim=True)  # rows average a class's prompts
-    if objective == "clip":
+    method = OBJECTIVES[objective].zero_shot
+    if method == "embedding":
         text = F.normalize(per_class @ model.encode_text(tokens), dim=-1)
     out = []
     for i in range(0, len(images), batch_size):
         imgs = to_tensor(images[i:i + batch_size]).to(device)
-        if objective == "caption":
+        if method == "caption_loss":
             out.append(-(model.score_captions(imgs, tokens) @ per_class.t()))
         else:
             out.append(model.encode_image(imgs) @ text.t())

@@ -25,12 +25,12 @@ class Captioner(nn.Module):
         self,
         encoder: VisionTransformer,
         vocab_size: int,
-        width: int = 768,
-        depth: int = 6,
-        heads: int = 12,
-        max_len: int = 40,
-        pad_id: int = 0,
-        mask_ratio: float = 0.0,
+        width: int,
+        depth: int,
+        heads: int,
+        max_len: int,
+        pad_id: int,
+        mask_ratio: float,
         mlp_ratio: float = 4.0,
         bias: bool = False,  # DP-Cap's decoder has no biases
     ):

@@ -21,13 +21,13 @@ class CLIP(nn.Module):
         self,
         encoder: VisionTransformer,
         vocab_size: int,
-        text_width: int = 512,
-        text_depth: int = 12,
-        text_heads: int = 8,
-        max_len: int = 40,
-        embed_dim: int = 512,
-        pad_id: int = 0,
-        pool: str = "cls",
+        text_width: int,
+        text_depth: int,
+        text_heads: int,
+        max_len: int,
+        embed_dim: int,
+        pad_id: int,
+        pool: str,
         mlp_ratio: float = 4.0,
     ):
         super().__init__()
@@ -58,15 +58,24 @@ class CLIP(nn.Module):
     def logits(self, imgs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Scaled cosine similarities, (B, B): row i = image i against every caption."""
         img, txt = self.encode_image(imgs), self.encode_text(tokens)
-        # The (B,) broadcast of the log temperature keeps the leaf-module contract; clamp as CLIP.
-        scale = self.logit_scale(img).clamp(max=math.log(100.0)).exp()
-        return scale.unsqueeze(1) * img @ txt.t()
+        return self._scale(img).unsqueeze(1) * img @ txt.t()
 
-    def forward(self, imgs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _scale(self, img: torch.Tensor) -> torch.Tensor:
+        # The (B,) broadcast of the log temperature keeps the leaf-module contract; clamp as CLIP.
+        return self.logit_scale(img).clamp(max=math.log(100.0)).exp()
+
+    def forward(self, imgs: torch.Tensor, tokens: torch.Tensor, gather=None) -> torch.Tensor:
         """Symmetric InfoNCE per sample, (B,): mean of the image->text and text->image terms.
-        Batch-coupled (see module docstring); ``.mean()`` gives the standard CLIP loss."""
-        logits = self.logits(imgs, tokens)
-        labels = torch.arange(logits.shape[0], device=logits.device)
-        loss_i2t = F.cross_entropy(logits, labels, reduction="none")
-        loss_t2i = F.cross_entropy(logits.t(), labels, reduction="none")
+        Batch-coupled (see module docstring); ``.mean()`` gives the standard CLIP loss.
+
+        ``gather(x) -> (x of every rank, offset of this rank's rows)`` (distributed.gather_with_grad)
+        makes each rank's terms those of the whole batch split across ranks, as open_clip does: the
+        ranks' losses, and their gradients, add up to those of one process holding the whole batch."""
+        img, txt = self.encode_image(imgs), self.encode_text(tokens)
+        all_img, offset = gather(img) if gather else (img, 0)
+        all_txt, _ = gather(txt) if gather else (txt, 0)
+        scale = self._scale(img).unsqueeze(1)
+        labels = torch.arange(offset, offset + len(img), device=img.device)
+        loss_i2t = F.cross_entropy(scale * img @ all_txt.t(), labels, reduction="none")
+        loss_t2i = F.cross_entropy(scale * txt @ all_img.t(), labels, reduction="none")
         return 0.5 * (loss_i2t + loss_t2i)

@@ -1,7 +1,7 @@
 """Transformer building blocks shared by the ViT, the MAE decoder, the captioner and CLIP.
 
 DP constraint that shapes this file: a per-sample-gradient engine hooks leaf modules, so every
-trainable parameter must live in one of ``ALLOWED_LEAF_TYPES``:
+trainable parameter must live in a layer with a clipping rule (pipeline/privacy/layer_rules.py):
 
 * ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding`` (standard per-sample gradient rules), and
 * ``BroadcastParameter`` subclasses (cls token, mask token, log temperature).  Their forward
@@ -71,8 +71,6 @@ class LogitScale(BroadcastParameter):
     def __init__(self, init_temperature: float = 0.07):
         super().__init__(init_value=math.log(1.0 / init_temperature))
 
-
-ALLOWED_LEAF_TYPES = (nn.Linear, nn.LayerNorm, nn.Embedding, BroadcastParameter)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:

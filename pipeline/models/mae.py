@@ -17,12 +17,12 @@ class MaskedAutoencoder(nn.Module):
     def __init__(
         self,
         encoder: VisionTransformer,
-        decoder_width: int = 512,
-        decoder_depth: int = 4,
-        decoder_heads: int = 16,
+        decoder_width: int,
+        decoder_depth: int,
+        decoder_heads: int,
+        mask_ratio: float,
+        norm_pix_loss: bool,
         mlp_ratio: float = 4.0,
-        mask_ratio: float = 0.75,
-        norm_pix_loss: bool = False,
     ):
         super().__init__()
         self.encoder = encoder  # kept whole so its state_dict moves to the other models

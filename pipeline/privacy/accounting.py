@@ -23,16 +23,13 @@ the same mechanism as noise multiplier sigma/K.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
-import warnings
 from typing import Callable, Iterable, List, Optional, Tuple
 
-import numpy as np
-from dp_accounting.pld import privacy_loss_distribution as _pld_lib
-from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.analysis import rdp as _rdp_lib
+# The back-ends (accountants.py) import their libraries where they are used: Opacus (rdp, prv) brings
+# torch, dp_accounting (pld) scipy; so `dpfm --help` needs neither and `dpfm calibrate` only one.
+from pipeline.privacy.accountants import _PLD_SEARCH_INTERVALS, _eps_noise, _pld_eps_at, _pld_epsilon_and_interval
 
 __all__ = [
     "ACCOUNTANTS",
@@ -45,21 +42,6 @@ __all__ = [
 ]
 
 ACCOUNTANTS = ("pld", "rdp", "prv")
-
-# PLD discretisation ladder: start coarse, halve until two successive values
-# agree to PLD_REL_TOL.  The pessimistic error shrinks at least linearly in
-# the interval, so the last difference bounds the error left in the final
-# value (measured errors are 2-10x smaller than the bound).
-PLD_START_INTERVAL = 4e-3
-PLD_REL_TOL = 1e-3
-_PLD_MIN_INTERVAL = 1e-6
-_PLD_MAX_GRID = 2_000_000  # one-step PLD points; bounds memory of the FFT
-_PLD_NOISE_TOL = 0.01  # spread of the last values tolerated at a noise floor
-# Coarse intervals used only to steer searches, never to report a number.
-_PLD_SEARCH_INTERVALS = (1e-2, 1e-3)
-
-# Opacus' PRV default; its result is the upper end of a +-eps_error band.
-PRV_EPS_ERROR = 0.01
 
 # Noise multipliers outside this range are treated as "target unreachable":
 # above it the model learns nothing, below it DP-SGD is not meaningful and
@@ -169,140 +151,6 @@ def check_delta(delta: float, n: int) -> float:
         )
     return delta
 
-
-# --------------------------------------------------------------------------
-# Accountant back-ends (all work with the effective noise multiplier)
-# --------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=64)
-def _pld_step(noise: float, q: float, interval: float):
-    # Building the one-step PLD dominates the cost (~70%); caching it lets
-    # curves and step searches recompose it for many step counts cheaply.
-    return _pld_lib.from_gaussian_mechanism(
-        standard_deviation=noise,
-        sensitivity=1.0,
-        sampling_prob=q,
-        pessimistic_estimate=True,
-        value_discretization_interval=interval,
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _pld_eps_at(noise: float, q: float, steps: int, delta: float, interval: float) -> float:
-    """dp_accounting PLD epsilon at one fixed discretisation interval."""
-    composed = _pld_step(noise, q, interval).self_compose(steps)
-    return float(composed.get_epsilon_for_delta(delta))
-
-
-def _pld_grid_size(noise: float, q: float, interval: float) -> int:
-    # Number of points of the one-step PLD (private attribute; 0 if absent).
-    pmf = getattr(_pld_step(noise, q, interval), "_pmf_remove", None)
-    return int(getattr(pmf, "size", 0) or 0)
-
-
-def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float) -> Tuple[float, float]:
-    """Refine the interval until epsilon is stable to PLD_REL_TOL.
-
-    The ladder always starts at PLD_START_INTERVAL and halves, so the result
-    is a deterministic function of the inputs (and the cache is reused).
-
-    Very long runs at tiny delta hit floating-point limits: dp_accounting
-    composes by raising the FFT of the one-step PLD to the power T, so
-    round-off of ~T * 1e-16 in probability mass competes with delta.  At
-    T ~ 3e5, delta ~ 2e-9 this is ~0.1% noise in epsilon; at T ~ 2e6,
-    delta ~ 1e-10 the values are garbage in *both* directions.  When a
-    refinement changes epsilon more than the previous one did (noise floor)
-    or the grid gets huge, the ladder stops: if its last three values agree
-    to 1% it reports their maximum (conservative), otherwise PLD cannot be
-    trusted and the RDP bound (closed-form, always valid) is reported with a
-    RuntimeWarning.  A PLD value above RDP is likewise a numerical failure
-    (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
-    """
-    interval = PLD_START_INTERVAL
-    values = [_pld_eps_at(noise, q, steps, delta, interval)]
-    diffs: List[float] = []
-    while True:
-        interval /= 2
-        current = _pld_eps_at(noise, q, steps, delta, interval)
-        if not math.isfinite(current):
-            return current, interval
-        diffs.append(abs(values[-1] - current))
-        values.append(current)
-        if diffs[-1] <= PLD_REL_TOL * current:
-            return _capped_by_rdp(current, noise, q, steps, delta), interval
-        noise_floor = len(diffs) >= 3 and diffs[-1] > diffs[-2]
-        too_fine = (
-            interval / 2 < _PLD_MIN_INTERVAL
-            or _pld_grid_size(noise, q, interval) > _PLD_MAX_GRID // 2
-        )
-        if noise_floor or too_fine:
-            recent = values[-3:]
-            if max(recent) - min(recent) <= _PLD_NOISE_TOL * max(recent):
-                return _capped_by_rdp(max(recent), noise, q, steps, delta), interval
-            warnings.warn(
-                f"PLD accounting is numerically unstable here (steps={steps}, "
-                f"delta={delta:g}: epsilon varies {min(recent):.4g}..{max(recent):.4g} "
-                "with the grid); reporting the RDP upper bound instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return _rdp_eps(noise, q, steps, delta), interval
-
-
-def _capped_by_rdp(eps: float, noise: float, q: float, steps: int, delta: float) -> float:
-    rdp = _rdp_eps(noise, q, steps, delta)
-    if eps > rdp:
-        warnings.warn(
-            f"PLD epsilon {eps:.4g} exceeds the RDP bound {rdp:.4g} (numerical "
-            "failure of the PLD composition); reporting the RDP bound",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return rdp
-    return eps
-
-
-@functools.lru_cache(maxsize=256)
-def _rdp_per_step(noise: float, q: float) -> Tuple[float, ...]:
-    # RDP composes additively, so one step's curve serves every step count.
-    orders = RDPAccountant.DEFAULT_ALPHAS
-    return tuple(_rdp_lib.compute_rdp(q=q, noise_multiplier=noise, steps=1, orders=orders))
-
-
-def _rdp_eps(noise: float, q: float, steps: int, delta: float) -> float:
-    rdp = np.asarray(_rdp_per_step(noise, q)) * steps
-    with warnings.catch_warnings():
-        # "Optimal order is the largest alpha": the bound is still valid,
-        # just looser; it is reported as-is to match Opacus.
-        warnings.filterwarnings("ignore", message="Optimal order")
-        eps, _ = _rdp_lib.get_privacy_spent(
-            orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta
-        )
-    return float(eps)
-
-
-@functools.lru_cache(maxsize=1024)
-def _prv_eps(noise: float, q: float, steps: int, delta: float) -> float:
-    accountant = PRVAccountant()
-    accountant.history = [(noise, q, steps)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus' domain-size chatter
-        return float(accountant.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
-
-
-def _eps_noise(noise: float, q: float, steps: int, delta: float, accountant: str) -> float:
-    if steps == 0:
-        return 0.0  # nothing released, nothing spent
-    if accountant == "pld":
-        return _pld_epsilon_and_interval(noise, q, steps, delta)[0]
-    if accountant == "rdp":
-        return _rdp_eps(noise, q, steps, delta)
-    return _prv_eps(noise, q, steps, delta)
-
-
-# --------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------
 
 def epsilon(
     sigma: float,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -35,47 +35,9 @@ from scipy import stats
 from tqdm import tqdm
 
 from pipeline.data.sampling import PoissonSampler
-from pipeline.io import write_json
+from pipeline.privacy.audit_settings import AuditConfig
 from pipeline.privacy import accounting
-from pipeline.privacy.engine import CLIPPERS, SENSITIVITY, make_clipper, noisy_update
-
-
-@dataclass(frozen=True)
-class AuditConfig:
-    canaries: int = 5000
-    steps: int = 300
-    expected_batch_size: int = 512
-    physical_batch_size: int = 128
-    epsilon: float = 2.0               # the audited run's σ is calibrated to this ε (PLD)
-    delta: float = 1e-5
-    clip_norm: float = 1.0
-    canary_gradient_norm: float = 10.0  # canary gradients before clipping, in units of C
-    lr: float = 0.05
-    clipping: str = "bookkeeping"      # the per-sample clipping method audited (as dp.clipping)
-    confidence: float = 0.95
-    seed: int = 0
-    # Deliberate faults, so one can see the audit catch a broken engine:
-    clipping_enabled: bool = True      # False: the clipper is built with an infinite clip norm
-    noise_scale: float = 1.0           # 0.1: noise ten times below what was accounted
-
-    def check(self) -> None:
-        problems = []
-        if self.canaries < 2:
-            problems.append(f"canaries={self.canaries} must be ≥ 2")
-        for name in ("steps", "expected_batch_size", "physical_batch_size"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be ≥ 1")
-        for name in ("epsilon", "clip_norm", "lr", "noise_scale"):
-            if not getattr(self, name) > 0:
-                problems.append(f"{name}={getattr(self, name)} must be > 0")
-        if not self.canary_gradient_norm >= 1:
-            problems.append(f"canary_gradient_norm={self.canary_gradient_norm} must be ≥ 1 (a canary must reach C)")
-        if not 0 < self.delta < 1:
-            problems.append(f"delta={self.delta} must be in (0, 1)")
-        if not 0.5 <= self.confidence < 1:
-            problems.append(f"confidence={self.confidence} must be in [0.5, 1)")
-        if problems:
-            raise ValueError("audit settings are invalid: " + "; ".join(problems))
+from pipeline.privacy.engine import CLIPPERS, SENSITIVITY, Mechanism, dp_step, make_clipper
 
 
 # ---- the statistics: correct guesses -> ε lower bound ------------------------------------------------
@@ -185,19 +147,22 @@ def run_audit(cfg: AuditConfig = AuditConfig(), progress: bool = True) -> dict:
 
     torch.manual_seed(init_seed)
     model = CanaryModel(x_real.shape[1], int(y_real.max()) + 1, m)
-    # Any per-sample objective selects the per-sample clipper; a broken run gets no effective clipping.
+    # A broken run gets no effective clipping.
     try:
-        clipper = make_clipper("mae", model, clip if cfg.clipping_enabled else math.inf, cfg.clipping)
-    except KeyError:
+        clipper = make_clipper("per_sample", model, clip if cfg.clipping_enabled else math.inf, cfg.clipping)
+    except ValueError:
         raise ValueError(f"audit settings are invalid: clipping={cfg.clipping!r} is not a per-sample clipping "
                          f"method of the engine (the values of dp.clipping, e.g. {', '.join(CLIPPERS)})") from None
-    noise_std = sigma * SENSITIVITY["per_sample"] * clip * cfg.noise_scale
+    # Divided by the expected batch size, as dp-train does.
+    mech = Mechanism(sample_rate=q, sigma=sigma * cfg.noise_scale, clip_norm=clip, sensitivity=SENSITIVITY["per_sample"],
+                     denominator=cfg.expected_batch_size, steps=cfg.steps)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # plain SGD: the update is a sum of steps
     sampler = PoissonSampler(n, q, sample_key)
     canary_value = cfg.canary_gradient_norm * clip
     start_weights = model.canary.weight.detach().clone()
 
-    def inputs(chunk: np.ndarray):
+    def inputs(step: int, indices: np.ndarray, positions: np.ndarray):
+        chunk = indices[positions]
         is_canary = chunk >= n_real
         rows = torch.as_tensor(chunk[~is_canary])
         x = torch.zeros(len(chunk), x_real.shape[1])
@@ -208,14 +173,8 @@ def run_audit(cfg: AuditConfig = AuditConfig(), progress: bool = True) -> dict:
         return x, y, z, torch.as_tensor(is_canary, dtype=torch.float32)
 
     for step in tqdm(range(cfg.steps), desc="audit", disable=not progress):
-        indices = sampler.batch(step)
-        clipper.reset()
-        for chunk in sampler.split(indices, cfg.physical_batch_size):
-            if len(chunk):
-                clipper.accumulate(*inputs(chunk))
-        optimizer.zero_grad(set_to_none=True)
-        # Divided by the expected batch size, as dp-train does.
-        noisy_update(clipper, noise_std, cfg.expected_batch_size, torch.Generator().manual_seed(noise_seed + step))
+        dp_step(step, sampler=sampler, fetch=inputs, clipper=clipper, mech=mech, key=noise_seed,
+                physical_batch_size=cfg.physical_batch_size)
         optimizer.step()
 
     # ⟨θ_T - θ_0, e_j⟩ for each canary direction e_j, sign flipped so that "sampled" scores high.
@@ -223,58 +182,6 @@ def run_audit(cfg: AuditConfig = AuditConfig(), progress: bool = True) -> dict:
     found = audit_scores(scores, included, cfg.delta, cfg.confidence)
     flagged = found["epsilon_lower"] > eps_claimed
     return {"settings": asdict(cfg), "included": int(included.sum()), "n": n, "sample_rate": q, "sigma": sigma,
-            "noise_std": noise_std, "epsilon_claimed": eps_claimed, **found,
+            "noise_std": mech.noise_std, "epsilon_claimed": eps_claimed, **found,
             "score_gap": float(scores[included].mean() - scores[~included].mean()),
             "verdict": "flagged" if flagged else "consistent", "seconds": time.perf_counter() - started}
-
-
-# ---- `dpfm audit` ----------------------------------------------------------------------------------
-
-def add_audit_command(subparsers) -> None:
-    d = AuditConfig()
-    p = subparsers.add_parser("audit", help="empirical privacy audit of the DP engine in one training run",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--canaries", type=int, default=d.canaries, help=f"m (default {d.canaries})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"DP-SGD steps (default {d.steps})")
-    p.add_argument("--batch-size", type=int, default=d.expected_batch_size, dest="expected_batch_size",
-                   help=f"expected (Poisson) batch size (default {d.expected_batch_size})")
-    p.add_argument("--epsilon", type=float, default=d.epsilon, help=f"ε the run is calibrated to (default {d.epsilon})")
-    p.add_argument("--delta", type=float, default=d.delta, help=f"δ (default {d.delta})")
-    p.add_argument("--clipping", default=d.clipping,
-                   help=f"per-sample clipping method to audit, as dp.clipping (default {d.clipping})")
-    p.add_argument("--confidence", type=float, default=d.confidence, help="of the lower bound (default 0.95)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-clipping", action="store_false", dest="clipping_enabled",
-                   help="FAULT: disable per-sample clipping (the audit should flag the run)")
-    p.add_argument("--noise-scale", type=float, default=d.noise_scale,
-                   help="FAULT when < 1: multiply the accounted noise, e.g. 0.1 (the audit should flag the run)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the model is tiny)")
-    p.set_defaults(func=_run_audit_command, _parser=p)
-
-
-def _run_audit_command(args) -> int:
-    fields = {k: getattr(args, k) for k in ("canaries", "steps", "expected_batch_size", "epsilon", "delta", "clipping",
-                                            "confidence", "seed", "clipping_enabled", "noise_scale")}
-    torch.set_num_threads(max(1, args.threads))
-    try:
-        result = run_audit(AuditConfig(**fields))
-    except ValueError as e:
-        args._parser.error(str(e))
-    faults = [f for f, on in (("clipping disabled", not args.clipping_enabled),
-                              (f"noise ×{args.noise_scale:g}", args.noise_scale != 1)) if on]
-    print(f"audit: {args.canaries} canaries ({result['included']} included), {args.steps} steps, "
-          f"q={result['sample_rate']:.4g}, σ={result['sigma']:.4g}, δ={args.delta:g}"
-          + (f"; faults injected: {', '.join(faults)}" if faults else ""))
-    print(f"  {'ε claimed (PLD)':<20} = {result['epsilon_claimed']:.3f}")
-    how = (f"{result['correct']}/{result['guesses']} correct: top {result['k_in']} guessed in, "
-           f"bottom {result['k_out']} out" if result["guesses"] else "no guess count beats chance")
-    print(f"  {f'ε lower ({args.confidence:.0%} conf.)':<20} = {result['epsilon_lower']:.3f}   ({how})")
-    if result["verdict"] == "flagged":
-        print("  verdict: FLAGGED: the run leaks more than the ε claimed for it; the engine is broken")
-    else:
-        print("  verdict: consistent: the audit found no leak beyond the ε claimed")
-    print(f"  ({result['seconds']:.1f} s)")
-    if args.json:
-        write_json(args.json, result)
-    return 1 if result["verdict"] == "flagged" else 0

@@ -1,309 +1,275 @@
-"""Exact per-sample gradient clipping in one backward pass (book-keeping style).
+"""Clippers: what one rank contributes to a DP step's sum. The step itself (all-reduce, noise,
+division) is `engine.dp_step`; nothing here adds noise.
 
-Forward hooks keep each layer's input; tensor hooks keep the gradient of its output. One backward
-of Σ_i loss_i then gives, per layer and per example i, everything its per-sample gradient is made of:
+- `BookKeepingClipper`: exact per-example clipping in one backward pass. Forward hooks keep each
+  layer's input, tensor hooks keep the gradient of its output; one backward of Σ_i loss_i then gives,
+  per layer and example, everything its per-example gradient is made of (the rules in
+  layer_rules.py). Norms are summed over layers, c_i = min(1, C/‖g_i‖), and Σ_i c_i g_i is formed
+  from the same tensors: no second backward. Parameters are held out of autograd (requires_grad
+  off) so the backward computes only what the hooks read.
+- `VmapClipper`: the reference, per-example gradients from torch.func (any layer, O(B·params) memory).
+- `PerBatchClipper`: for batch-coupled losses (CLIP); the batch gradient, clipped once after the
+  ranks' parts are summed (`finish`).
+- `PlainSum`: the unclipped sum, for the non-private baseline only.
 
-  Linear      G_i = Σ_t g_it a_itᵀ           (+ bias Σ_t g_it)
-  LayerNorm   γ_i = Σ_t g_it ⊙ x̂_it,  β_i = Σ_t g_it
-  Embedding   E_i = Σ_t onehot(id_it) g_itᵀ
-  Broadcast   P_i = g_i                       (cls/mask tokens, CLIP's temperature)
-
-Per-sample squared norms come from the ghost-norm identity ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s)
-where that is cheaper (T² < d_in·d_out), otherwise from the instantiated G_i. With the norms summed
-over layers, c_i = min(1, C/‖g_i‖), and the clipped sum Σ_i c_i G_i is formed per layer from the same
-tensors: there is no second backward pass. Parameters are kept out of autograd (requires_grad off)
-so the backward computes only what the hooks read, not the unclipped parameter gradients as well.
-
-Norms, clipping factors and sums are computed in fp32 whatever the autocast dtype.
+Only the model's forward runs under autocast. Norms, clip factors and sums are fp32 with autocast
+switched off, whatever the caller's context: in bf16 a clipped contribution could exceed C, and in
+fp16 the ghost-norm Gram products overflow. fp16 multiplies the loss by a fixed `loss_scale` (not
+one that reacts to overflows: that would depend on private data); an example whose norm is not
+finite contributes nothing.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from pipeline.models.layers import BroadcastParameter
+from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
+
 
 @dataclass
 class ClipStats:
-    norms: list            # per-sample (or per-batch) gradient norms before clipping
+    norms: list            # per-example (or per-batch) gradient norms before clipping
     nonfinite: int = 0     # examples whose norm was not finite: they contribute nothing
 
 
-SUPPORTED = (nn.Linear, nn.LayerNorm, nn.Embedding, BroadcastParameter)
+class UnboundableModel(TypeError):
+    """The model has something per-example clipping cannot bound; the message names it."""
 
 
-def _as_3d(x: torch.Tensor) -> torch.Tensor:
-    """(B, d) -> (B, 1, d); (B, T1, T2, ..., d) -> (B, T, d)."""
-    return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() != 2 else x.unsqueeze(1)
+def reject_unboundable(model: nn.Module, per_example_rules: bool) -> None:
+    """Refuse, before step 1, what would break the bound C: buffers that change with the data
+    (BatchNorm's running statistics leave the DP boundary un-noised), and for the hook-based clipper
+    also trainable parameters outside a registered layer and tied parameters (a weight used by two
+    layers gets a per-example norm up to √2 off)."""
+    problems = [f"{name or 'the model'} ({type(m).__name__}) keeps running statistics of its inputs"
+                for name, m in model.named_modules()
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    if per_example_rules:
+        owners: dict[int, list[str]] = {}
+        for name, m in model.named_modules():
+            for attr, p in m.named_parameters(recurse=False):
+                if p.requires_grad:
+                    owners.setdefault(id(p), []).append(f"{name}.{attr}" if name else attr)
+                    if rule_for(m) is None:
+                        problems.append(f"{name or 'the model'}.{attr} belongs to {type(m).__name__}, which has no "
+                                        f"clipping rule (supported: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)})")
+        problems += [f"one parameter is tied to {', '.join(names)}" for names in owners.values() if len(names) > 1]
+    if problems:
+        raise UnboundableModel("DP training cannot bound this model's per-example influence: " + "; ".join(problems))
 
 
 def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, torch.zeros_like(x))
 
 
+def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    finite = torch.isfinite(norms)
+    factors = torch.where(finite, (clip_norm / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
+    return factors, finite
+
+
+def fp32_only(device: torch.device):
+    """Autocast off: the privacy arithmetic stays fp32 even inside a caller's autocast region."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 class _Record:
     """One call of one module: its input (activation) and, after backward, its output gradient."""
 
-    __slots__ = ("module", "activation", "grad")
+    __slots__ = ("module", "rule", "activation", "grad")
 
-    def __init__(self, module, activation):
-        self.module, self.activation, self.grad = module, activation, None
+    def __init__(self, module, rule, activation):
+        self.module, self.rule, self.activation, self.grad = module, rule, activation, None
 
 
-class BookKeepingClipper:
-    """Σ_i min(1, C/‖∇loss_i‖) ∇loss_i over micro-batches, accumulated into `self.sum` (name -> tensor)."""
+class _Summing:
+    """What every clipper shares: `sum` (name -> fp32 tensor), reset, the forward under autocast."""
 
     mode = "per_sample"
 
-    def __init__(self, model: nn.Module, clip_norm: float, ghost: bool | None = None):
-        """`ghost`: None picks per layer by cost; True/False force ghost norms on/off (for tests)."""
-        self.model, self.clip_norm, self.ghost = model, clip_norm, ghost
-        self.loss_scale = 1.0  # fp16 training multiplies the loss so small gradients do not underflow
+    def __init__(self, model: nn.Module, clip_norm: float, autocast=contextlib.nullcontext, loss_scale: float = 1.0):
+        self.model, self.clip_norm, self.autocast, self.loss_scale = model, clip_norm, autocast, loss_scale
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        owned = {id(p) for m in model.modules() if isinstance(m, SUPPORTED) for p in m.parameters(recurse=False)}
-        foreign = [n for n, p in self.params.items() if id(p) not in owned]
-        if foreign:
-            raise TypeError(f"parameters outside supported layers {[t.__name__ for t in SUPPORTED]}: {foreign}")
-        self.layers = [m for m in model.modules() if isinstance(m, SUPPORTED)
-                       and any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.sum = None
+
+    def reset(self) -> None:
+        self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
+
+    def finish(self, batch_size: int) -> int:
+        """After the ranks' sums are added up: per-example clippers are done (0 batches dropped)."""
+        return 0
+
+
+class BookKeepingClipper(_Summing):
+    """Σ_i min(1, C/‖∇loss_i‖) ∇loss_i over micro-batches, accumulated into `self.sum`."""
+
+    def __init__(self, model, clip_norm, ghost: bool | None = None, **kw):
+        """`ghost`: None picks per layer by cost; True/False force ghost norms on/off (for tests)."""
+        reject_unboundable(model, per_example_rules=True)
+        super().__init__(model, clip_norm, **kw)
+        self.ghost = ghost
         self._names = {id(p): n for n, p in self.params.items()}
         self._records: list[_Record] = []
         self._capturing = False
-        self.sum = None
-        for m in self.layers:
-            m.register_forward_hook(self._forward_hook)
+        for m in model.modules():
+            if rule_for(m) is not None and any(p.requires_grad for p in m.parameters(recurse=False)):
+                m.register_forward_hook(self._forward_hook)
 
-    # -- capture ----------------------------------------------------------------------------------
     def _forward_hook(self, module, inputs, output):
         if not self._capturing:
             return None
-        activation = None if isinstance(module, BroadcastParameter) else inputs[0].detach()
-        record = _Record(module, activation)
+        rule = rule_for(module)
+        record = _Record(module, rule, inputs[0].detach() if rule.needs_input else None)
         self._records.append(record)
         if not output.requires_grad:  # a layer fed only by data/ids: start the graph here
             output = output.detach().requires_grad_(True)
-
-        def keep(grad):
-            record.grad = grad.detach()
-
-        output.register_hook(keep)
+        output.register_hook(lambda g: setattr(record, "grad", g.detach()))
         return output
 
-    @contextmanager
+    @contextlib.contextmanager
     def _capture(self):
-        frozen = [p for p in self.params.values()]
-        for p in frozen:
+        for p in self.params.values():
             p.requires_grad_(False)
         self._records, self._capturing = [], True
         try:
             yield
         finally:
             self._capturing = False
-            for p in frozen:
+            for p in self.params.values():
                 p.requires_grad_(True)
 
-    # -- per-layer algebra ------------------------------------------------------------------------
-    @staticmethod
-    def _per_sample_grads(record: _Record) -> dict[str, torch.Tensor]:
-        """Instantiated per-sample gradients {param attr: (B, *shape)} of one call."""
-        m, g = record.module, record.grad.float()
-        if isinstance(m, BroadcastParameter):
-            return {"weight": g}
-        g3 = _as_3d(g)
-        if isinstance(m, nn.Linear):
-            a3 = _as_3d(record.activation.float())
-            out = {"weight": torch.einsum("bto,bti->boi", g3, a3)}
-            if m.bias is not None:
-                out["bias"] = g3.sum(1)
-            return out
-        if isinstance(m, nn.LayerNorm):
-            x_hat = F.layer_norm(record.activation.float(), m.normalized_shape, eps=m.eps)
-            out = {}
-            if m.weight is not None:
-                out["weight"] = (g * x_hat).reshape(g.shape[0], -1, *m.normalized_shape).sum(1)
-            if m.bias is not None:
-                out["bias"] = g.reshape(g.shape[0], -1, *m.normalized_shape).sum(1)
-            return out
-        if isinstance(m, nn.Embedding):
-            ids = record.activation.reshape(g.shape[0], -1)
-            per = torch.zeros(g.shape[0], m.num_embeddings, m.embedding_dim, dtype=torch.float32, device=g.device)
-            per.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, m.embedding_dim), g3)
-            return {"weight": per}
-        raise TypeError(type(m))
-
-    def _ghost_sq_norm(self, record: _Record) -> torch.Tensor | None:
-        """Per-sample squared gradient norm without instantiating it, where that is cheaper."""
-        m = record.module
-        if self.ghost is False:
-            return None
-        if isinstance(m, nn.Linear):
-            g3, a3 = _as_3d(record.grad.float()), _as_3d(record.activation.float())
-            T = g3.shape[1]
-            if T * T >= m.in_features * m.out_features and not self.ghost:
-                return None
-            sq = ((a3 @ a3.transpose(1, 2)) * (g3 @ g3.transpose(1, 2))).sum((1, 2))
-            if m.bias is not None:
-                sq = sq + g3.sum(1).pow(2).sum(1)
-            return sq
-        if isinstance(m, nn.Embedding):
-            g3 = _as_3d(record.grad.float())
-            ids = record.activation.reshape(g3.shape[0], -1)
-            T = ids.shape[1]
-            if T * T >= m.num_embeddings * m.embedding_dim and not self.ghost:
-                return None
-            same = (ids.unsqueeze(2) == ids.unsqueeze(1)).float()
-            return (same * (g3 @ g3.transpose(1, 2))).sum((1, 2))
-        return None
-
-    @staticmethod
-    def _clipped_sum(record: _Record, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Σ_i scale_i · (per-sample gradient of this call) for a ghost-normed Linear or Embedding,
-        without instantiating it. (Other layers are small and instantiated.)"""
-        m = record.module
-        g3 = _as_3d(record.grad.float() * scale.view(-1, *[1] * (record.grad.dim() - 1)))
-        if isinstance(m, nn.Linear):
-            out = {"weight": torch.einsum("bto,bti->oi", g3, _as_3d(record.activation.float()))}
-            if m.bias is not None:
-                out["bias"] = g3.sum((0, 1))
-            return out
-        out = torch.zeros(m.num_embeddings, m.embedding_dim, dtype=torch.float32, device=g3.device)
-        out.index_add_(0, record.activation.reshape(-1), g3.reshape(-1, m.embedding_dim))
-        return {"weight": out}
-
-    # -- the public step --------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
-
-    def accumulate(self, *batch: torch.Tensor) -> ClipStats:
+    def _backward(self, batch) -> tuple[int, list[_Record]]:
         with self._capture():
-            losses = self.model(*batch)
+            with self.autocast():
+                losses = self.model(*batch)
             (losses.float().sum() * self.loss_scale).backward()
-        records = [r for r in self._records if r.grad is not None]  # a call that did not reach the loss
+        records = [r for r in self._records if r.grad is not None]  # calls that did not reach the loss: none
+        self._records = []
         for r in records:
             r.grad = r.grad.float() / self.loss_scale
-        calls: dict[int, list[_Record]] = {}
-        for r in records:
-            calls.setdefault(id(r.module), []).append(r)
-        batch_size = losses.shape[0]
-        sq = torch.zeros(batch_size, dtype=torch.float32, device=losses.device)
-        kept: list[tuple[nn.Module, dict]] = []  # instantiated grads of layers called more than once
-        for module_calls in calls.values():
-            if len(module_calls) == 1 and (ghost := self._ghost_sq_norm(module_calls[0])) is not None:
-                sq += ghost
-                continue
-            # One call without a cheap ghost norm, or a layer reused: sum its calls per sample first.
-            per: dict[str, torch.Tensor] = {}
-            for r in module_calls:
-                for k, v in self._per_sample_grads(r).items():
-                    per[k] = per[k] + v if k in per else v
-            sq += sum(v.flatten(1).pow(2).sum(1) for v in per.values())
-            kept.append((module_calls[0].module, per))
-        norms = sq.sqrt()
-        finite = torch.isfinite(norms)
-        scale = torch.where(finite, (self.clip_norm / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
-        instantiated = {id(m) for m, _ in kept}
-        for m, per in kept:
-            for k, v in per.items():
-                v = _zero_rows(v, finite)
-                self.sum[self._names[id(getattr(m, k))]] += torch.einsum("b,b...->...", scale, v)
-        for r in records:
-            if id(r.module) in instantiated:
-                continue
-            if not finite.all():  # a non-finite example contributes nothing (0·NaN would still be NaN)
-                r.grad = _zero_rows(r.grad, finite)
-                if r.activation is not None and r.activation.is_floating_point():
-                    r.activation = _zero_rows(r.activation, finite)
-            for k, v in self._clipped_sum(r, scale).items():
-                self.sum[self._names[id(getattr(r.module, k))]] += v
-        self._records = []
+            if r.activation is not None and r.activation.is_floating_point():
+                r.activation = r.activation.float()
+        return losses.shape[0], records
+
+    def accumulate(self, *batch: torch.Tensor) -> ClipStats:
+        batch_size, records = self._backward(batch)
+        device = next(iter(self.params.values())).device
+        with fp32_only(device):
+            calls: dict[int, list[_Record]] = {}
+            for r in records:
+                calls.setdefault(id(r.module), []).append(r)
+            sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
+            instantiated = []  # (module, per-example grads) of layers without a cheap ghost norm, or reused
+            for module_calls in calls.values():
+                first = module_calls[0]
+                if len(module_calls) == 1:
+                    ghost = first.rule.ghost_sq_norm(first.module, first.activation, first.grad, self.ghost)
+                    if ghost is not None:
+                        sq += ghost
+                        continue
+                per: dict[str, torch.Tensor] = {}
+                for r in module_calls:  # a reused layer: its calls summed per example first
+                    for k, v in r.rule.per_sample(r.module, r.activation, r.grad).items():
+                        per[k] = per[k] + v if k in per else v
+                sq += sum(v.flatten(1).pow(2).sum(1) for v in per.values())
+                instantiated.append((first.module, per))
+            norms = sq.sqrt()
+            factors, finite = clip_factors(norms, self.clip_norm)
+            for m, per in instantiated:
+                for k, v in per.items():
+                    self.sum[self._names[id(getattr(m, k))]] += torch.einsum("b,b...->...", factors, _zero_rows(v, finite))
+            done = {id(m) for m, _ in instantiated}
+            for r in records:
+                if id(r.module) in done:
+                    continue
+                grad = _zero_rows(r.grad, finite) * factors.view(-1, *[1] * (r.grad.dim() - 1))
+                activation = r.activation
+                if activation is not None and activation.is_floating_point():
+                    activation = _zero_rows(activation, finite)  # 0·NaN would still be NaN
+                for k, v in r.rule.clipped_sum(r.module, activation, grad).items():
+                    self.sum[self._names[id(getattr(r.module, k))]] += v
         return ClipStats(norms.tolist(), int((~finite).sum()))
 
 
-class VmapClipper:
-    """Reference engine: per-sample gradients from torch.func (vmap of grad over single samples).
-    Exact for any layer but slower and O(B·params) in memory. Σ_i min(1, C/‖g_i‖) g_i over a micro-batch, accumulated into `self.sum`."""
+class VmapClipper(_Summing):
+    """Reference engine: per-example gradients from torch.func (vmap of grad over single examples).
+    Exact for any layer but slower and O(B·params) in memory."""
 
-    mode = "per_sample"
-
-    def __init__(self, model: torch.nn.Module, clip_norm: float):
-        self.model, self.clip_norm = model, clip_norm
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.sum = None
-
+    def __init__(self, model: nn.Module, clip_norm: float, **kw):
+        reject_unboundable(model, per_example_rules=False)
+        super().__init__(model, clip_norm, **kw)
 
         def loss_one(params, buffers, *sample):
-            batch = tuple(x.unsqueeze(0) for x in sample)
-            return functional_call(model, (params, buffers), batch)[0]
+            with self.autocast():
+                loss = functional_call(model, (params, buffers), tuple(x.unsqueeze(0) for x in sample))[0]
+            return loss.float() * self.loss_scale
 
         self._grad_one = grad(loss_one)
 
-    def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p) for n, p in self.model.named_parameters() if p.requires_grad}
-
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
-        params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-        buffers = dict(self.model.named_buffers())
-        in_dims = (None, None) + (0,) * len(batch)
-        grads = vmap(self._grad_one, in_dims=in_dims)(params, buffers, *batch)
-        flat_sq = sum(g.float().pow(2).flatten(1).sum(1) for g in grads.values())
-        norms = flat_sq.sqrt()
-        finite = torch.isfinite(norms)
-        scale = torch.where(finite, (self.clip_norm / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
-        for n, g in grads.items():
-            g = torch.where(finite.view(-1, *[1] * (g.ndim - 1)), g, torch.zeros_like(g))
-            self.sum[n] += torch.einsum("b,b...->...", scale, g.float())
+        params = {n: p.detach() for n, p in self.params.items()}
+        grads = vmap(self._grad_one, in_dims=(None, None) + (0,) * len(batch))(
+            params, dict(self.model.named_buffers()), *batch)
+        device = next(iter(params.values())).device
+        with fp32_only(device):
+            grads = {n: g.float() / self.loss_scale for n, g in grads.items()}
+            norms = sum(g.pow(2).flatten(1).sum(1) for g in grads.values()).sqrt()
+            factors, finite = clip_factors(norms, self.clip_norm)
+            for n, g in grads.items():
+                self.sum[n] += torch.einsum("b,b...->...", factors, _zero_rows(g, finite))
         return ClipStats(norms.tolist(), int((~finite).sum()))
 
 
-class PerBatchClipper:
-    """The whole batch's mean-loss gradient clipped to C (for batch-coupled losses such as CLIP)."""
+class PerBatchClipper(_Summing):
+    """For batch-coupled losses (CLIP): the gradient of the logical batch's mean loss, clipped to C
+    once. `accumulate` adds this rank's part of ∇Σ_i loss_i (the model all-gathers what couples the
+    examples, with gradient, through `gather`), the engine sums the parts over ranks, and `finish`
+    divides by the batch size and clips the total: C bounds the whole batch, whatever the world size."""
 
     mode = "per_batch"
 
-    def __init__(self, model: torch.nn.Module, clip_norm: float):
-        self.model, self.clip_norm = model, clip_norm
-        self.sum = None
-
-    def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p) for n, p in self.model.named_parameters() if p.requires_grad}
+    def __init__(self, model: nn.Module, clip_norm: float, gather=None, **kw):
+        reject_unboundable(model, per_example_rules=False)
+        super().__init__(model, clip_norm, **kw)
+        self.gather = gather
 
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
-        if len(batch[0]) == 0:
-            return ClipStats([])
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        loss = self.model(*batch).mean()
-        grads = torch.autograd.grad(loss, [p for _, p in named])
-        norm = torch.sqrt(sum(g.float().pow(2).sum() for g in grads))
-        if not torch.isfinite(norm):
-            return ClipStats([float(norm)], nonfinite=1)
-        scale = min(1.0, self.clip_norm / (float(norm) + 1e-6))
-        for (n, _), g in zip(named, grads):
-            self.sum[n] += scale * g.float()
-        return ClipStats([float(norm)])
+        with self.autocast():
+            losses = self.model(*batch, gather=self.gather)
+        grads = torch.autograd.grad(losses.float().sum() * self.loss_scale, list(self.params.values()),
+                                    allow_unused=True)
+        with fp32_only(losses.device):
+            for n, g in zip(self.params, grads):
+                if g is not None:
+                    self.sum[n] += g.float() / self.loss_scale
+        return ClipStats([])
+
+    def finish(self, batch_size: int) -> int:
+        if batch_size == 0:
+            return 0
+        device = next(iter(self.sum.values())).device
+        with fp32_only(device):
+            norm = torch.sqrt(sum(v.pow(2).sum() for v in self.sum.values())) / batch_size
+            factor, finite = clip_factors(norm, self.clip_norm)
+            for v in self.sum.values():
+                v.copy_(torch.where(finite, v * (factor / batch_size), torch.zeros_like(v)))
+        return int((~finite).sum())
 
 
-class PlainSum:
-    """Σ_i ∇loss_i with no clipping: the non-private baseline of the same recipe (never for DP runs)."""
-
-    mode = "per_sample"
-
-    def __init__(self, model: torch.nn.Module, clip_norm: float = float("inf")):
-        self.model = model
-        self.sum = None
-
-    def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.model.named_parameters()
-                    if p.requires_grad}
+class PlainSum(_Summing):
+    """Σ_i ∇loss_i with no clipping: the non-private baseline of a per-example recipe (never DP)."""
 
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        grads = torch.autograd.grad(self.model(*batch).float().sum(), [p for _, p in named])
-        for (n, _), g in zip(named, grads):
-            self.sum[n] += g.float()
+        with self.autocast():
+            losses = self.model(*batch)
+        grads = torch.autograd.grad(losses.float().sum() * self.loss_scale, list(self.params.values()),
+                                    allow_unused=True)
+        for n, g in zip(self.params, grads):
+            if g is not None:
+                self.sum[n] += g.float() / self.loss_scale
         return ClipStats([])

@@ -1,36 +1,130 @@
-"""The DP-SGD step: clip, sum, add Gaussian noise once per logical batch, divide by the expected
-batch size. Clipping engines live in clipping.py.
+"""The DP-SGD step, written once. dp-train, its non-private baseline and `dpfm audit` call
+`dp_step`; nothing else in the project samples a private batch, clips or adds noise.
 
-Per-batch clipping (Dp-CLIP, whose contrastive loss does not split per sample) clips the whole
-batch gradient; under add/remove of one example its sensitivity is 2C (both batches' clipped
-gradients have norm ≤ C), so noise of std 2σC gives the same guarantee as σC does per sample.
+One logical step t:
+  1. sample   B_t: Poisson with rate q, drawn from (secret key, t), the same on every rank;
+              charged to the ledger before anything else (so the count never trails the updates)
+  2. clip     each rank runs its share of B_t through the clipper:
+                per example: Σ_{i in share} min(1, C/‖g_i‖)·g_i, in micro-batches
+                per batch:   its part of ∇Σ_{i in B_t} loss_i (the loss all-gathers what couples
+                             the examples, with gradient, so the parts add up to the whole)
+  3. sum      one all-reduce over ranks: every rank holds the sum over the whole of B_t, each
+              example in it exactly once whatever the world size W
+              (per batch: now divided by |B_t| and clipped to C, once)
+  4. noise    z ~ N(0, (σ·K·C)²) from the generator of (key, t): identical on every rank, so it
+              is added once, not W times
+  5. divide   by the expected batch size q·n (per example; never the realised |B_t|, which is
+              private) or 1 (per batch: the clipped quantity is already a mean)
+
+Sensitivity K·C under add/remove of one example x:
+  per example  K = 1: the sum gains or loses the one term c_x·g_x, ‖c_x·g_x‖ ≤ C.
+  per batch    K = 2: x changes every term of a contrastive loss, but the released quantity is the
+               clipped batch mean, so both neighbours' values have norm ≤ C and differ by ≤ 2C.
+               Under W ranks the parts are summed before the one clip, so the bound is the same
+               for any W (clipping each rank's part and summing would give 2·W·C).
+
+All of 2-5 is fp32 outside autocast (clipping.py); only the model's forward runs in bf16/fp16.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
 import torch
 
-from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, VmapClipper
+from pipeline.distributed import World, all_reduce_sum
+from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
+from pipeline.train import NOISE, step_generator
 
 SENSITIVITY = {"per_sample": 1.0, "per_batch": 2.0}
 CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
 
 
-def make_clipper(objective: str, model: torch.nn.Module, clip_norm: float, method: str = "bookkeeping"):
-    if objective == "clip":
-        return PerBatchClipper(model, clip_norm)
+@dataclass(frozen=True)
+class Mechanism:
+    """What the accountant was told: the step must add exactly this noise for this sensitivity."""
+
+    sample_rate: float
+    sigma: float          # noise multiplier: noise std = σ·K·C
+    clip_norm: float      # C
+    sensitivity: float    # K, in units of C
+    denominator: float    # q·n per example, 1 per batch
+    steps: int            # the steps ε was paid for: a later step is refused
+
+    @property
+    def noise_std(self) -> float:
+        return self.sigma * self.sensitivity * self.clip_norm
+
+
+def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: str = "bookkeeping",
+                 autocast=contextlib.nullcontext, loss_scale: float = 1.0, gather=None):
+    """The clipper for a clipping mode ("per_sample" or "per_batch") and, per example, a method:
+    bookkeeping | vmap | opacus-hooks | opacus-ghost, or `plain` (no clipping: non-private only)."""
+    kw = {"autocast": autocast, "loss_scale": loss_scale}
+    if mode == "per_batch":
+        return PerBatchClipper(model, math.inf if method == "plain" else clip_norm, gather=gather, **kw)
+    if method == "plain":
+        return PlainSum(model, math.inf, **kw)
     if method.startswith("opacus-"):  # baselines; imported only when asked for
         from pipeline.privacy.opacus_clipper import OpacusGhostClipper, OpacusHooksClipper
 
-        return {"opacus-hooks": OpacusHooksClipper, "opacus-ghost": OpacusGhostClipper}[method](model, clip_norm)
-    return CLIPPERS[method](model, clip_norm)
+        return {"opacus-hooks": OpacusHooksClipper, "opacus-ghost": OpacusGhostClipper}[method](model, clip_norm, **kw)
+    if method not in CLIPPERS:
+        raise ValueError(f"unknown clipping method {method!r} (allowed: {', '.join(CLIPPERS)}, opacus-hooks, "
+                         "opacus-ghost)")
+    return CLIPPERS[method](model, clip_norm, **kw)
 
 
-def noisy_update(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
-    """Set p.grad = (clipped sum + N(0, noise_std²)) / denominator for every parameter the clipper
-    summed, noise drawn once per parameter (in a fixed order, so the same generator gives the same noise)."""
-    params = dict(clipper.model.named_parameters())
-    for n, total in clipper.sum.items():
-        p = params[n]
-        noise = torch.randn(p.shape, generator=generator, dtype=torch.float32) * noise_std
-        p.grad = ((total + noise.to(p.device)) / denominator).to(p.dtype)
+def rank_share(batch_size: int, mode: str, physical_batch_size: int, world: World) -> list[np.ndarray]:
+    """This rank's positions in the logical batch, as micro-batches. Per example: round-robin
+    micro-batches (every rank the same count). Per batch: one part per rank (the loss needs the
+    whole part at once)."""
+    from pipeline.data.sampling import PoissonSampler
+
+    physical = max(1, batch_size) if mode == "per_batch" else physical_batch_size
+    return PoissonSampler.split(np.arange(batch_size), physical, world.rank, world.size)
+
+
+@dataclass
+class StepResult:
+    batch_size: int   # |B_t|: private, for the ledger only
+    nonfinite: int    # examples (per batch: batches) dropped as non-finite, summed over ranks: private
+
+
+def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray], Iterable[torch.Tensor]],
+            clipper, mech: Mechanism, key: int, world: World = World(), physical_batch_size: int = 1 << 30,
+            ledger=None) -> StepResult:
+    """Steps 1-5 above; leaves the noisy gradient in p.grad for the caller's optimizer.
+
+    `fetch(step, indices, positions)` gives the model inputs of the examples `indices[positions]`;
+    `ledger.record_step(step, |B_t|)` (rank 0) charges the step before it is computed."""
+    if step >= mech.steps:  # budget guard: ε was paid for mech.steps steps, no more
+        raise RuntimeError(f"refusing step {step}: ε was accounted for {mech.steps} steps")
+    indices = sampler.batch(step)
+    if ledger is not None:
+        ledger.record_step(step, len(indices))
+    clipper.reset()
+    nonfinite = 0
+    for positions in rank_share(len(indices), clipper.mode, physical_batch_size, world):
+        if len(positions) or clipper.mode == "per_batch" and len(indices):  # a per-batch part joins the gathers
+            nonfinite += clipper.accumulate(*fetch(step, indices, positions)).nonfinite
+    count = torch.tensor([float(nonfinite)], device=next(iter(clipper.sum.values())).device)
+    all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
+    dropped = clipper.finish(len(indices))
+    add_noise(clipper, mech.noise_std, mech.denominator, step_generator(key, step, NOISE))
+    return StepResult(len(indices), int(count.item()) + dropped)
+
+
+def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
+    """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, the
+    noise drawn in fp32 on the CPU, one parameter after another in a fixed order (so the generator
+    gives every rank, and every re-run, the same noise)."""
+    for name, total in clipper.sum.items():
+        p = clipper.params[name]
+        if noise_std > 0:
+            total = total + (torch.randn(p.shape, generator=generator, dtype=torch.float32) * noise_std).to(total.device)
+        p.grad = (total / denominator).to(p.dtype)

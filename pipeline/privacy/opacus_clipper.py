@@ -11,18 +11,22 @@ with Opacus's into one per-sample norm.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 
 from pipeline.models.layers import BroadcastParameter
-from pipeline.privacy.clipping import ClipStats
+from pipeline.privacy.clipping import ClipStats, clip_factors
 
 
 class _OpacusBase:
     mode = "per_sample"
 
-    def __init__(self, model: torch.nn.Module, clip_norm: float):
-        self.model, self.clip_norm = model, clip_norm
+    def __init__(self, model: torch.nn.Module, clip_norm: float, autocast=contextlib.nullcontext, loss_scale=1.0):
+        if loss_scale != 1.0:
+            raise ValueError("the Opacus baselines have no loss scale: use dp.clipping=bookkeeping for fp16")
+        self.model, self.clip_norm, self.autocast = model, clip_norm, autocast
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.broadcast = [m for m in model.modules() if isinstance(m, BroadcastParameter) and m.weight.requires_grad]
         self.broadcast_names = {id(m.weight): n for n, m in model.named_modules() if m in self.broadcast
@@ -44,24 +48,28 @@ class _OpacusBase:
     def reset(self) -> None:
         self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
 
+    def finish(self, batch_size: int) -> int:
+        return 0
+
     def _broadcast_sq_norms(self) -> torch.Tensor:
         return sum(g.flatten(1).pow(2).sum(1) for g in self._grads.values())
 
 
 class OpacusHooksClipper(_OpacusBase):
-    def __init__(self, model, clip_norm):
-        super().__init__(model, clip_norm)
+    def __init__(self, model, clip_norm, **kw):
+        super().__init__(model, clip_norm, **kw)
         self._hidden_from_opacus()
         self.gsm = GradSampleModule(model, loss_reduction="sum", strict=False)
 
     def accumulate(self, *batch) -> ClipStats:
         self._grads = {}
-        self.gsm(*batch).sum().backward()
+        with self.autocast():
+            losses = self.gsm(*batch)
+        losses.float().sum().backward()
         grads = {n: p.grad_sample.float() for n, p in self.params.items() if id(p) not in self.broadcast_names}
         grads.update({self.broadcast_names[id(m.weight)]: self._grads[id(m)] for m in self.broadcast})
         norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))
-        finite = torch.isfinite(norms)
-        scale = torch.where(finite, (self.clip_norm / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
+        scale, finite = clip_factors(norms, self.clip_norm)
         for n, g in grads.items():
             g = torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, torch.zeros_like(g))
             self.sum[n] += torch.einsum("b,b...->...", scale, g)
@@ -71,8 +79,8 @@ class OpacusHooksClipper(_OpacusBase):
 
 
 class OpacusGhostClipper(_OpacusBase):
-    def __init__(self, model, clip_norm):
-        super().__init__(model, clip_norm)
+    def __init__(self, model, clip_norm, **kw):
+        super().__init__(model, clip_norm, **kw)
         self._hidden_from_opacus()
         self.gsm = GradSampleModuleFastGradientClipping(model, loss_reduction="sum", strict=False,
                                                         max_grad_norm=clip_norm, use_ghost_clipping=True)
@@ -80,11 +88,11 @@ class OpacusGhostClipper(_OpacusBase):
     def accumulate(self, *batch) -> ClipStats:
         self._grads = {}
         self.gsm.enable_hooks()
-        losses = self.gsm(*batch)
+        with self.autocast():
+            losses = self.gsm(*batch).float()
         losses.sum().backward(retain_graph=True)  # pass 1: per-sample norms through Opacus's hooks
         norms = torch.sqrt(self.gsm.get_norm_sample().float().pow(2) + self._broadcast_sq_norms())
-        finite = torch.isfinite(norms)
-        coef = torch.where(finite, (self.clip_norm / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
+        coef, finite = clip_factors(norms, self.clip_norm)
         for p in self.params.values():
             p.grad = None
         self.gsm.disable_hooks()

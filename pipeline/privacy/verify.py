@@ -17,9 +17,9 @@ import torch
 from scipy import stats as sstats
 
 from pipeline.errors import VerificationFailed
-from pipeline.io import read_json, write_json
+from pipeline.io import read_json
+from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import accounting
-from pipeline.privacy.engine import SENSITIVITY
 
 DP_DIR, OUT = "models/dp", "results/privacy/verification.json"
 FAILED_OUT = "results/privacy/verification-failed.json"
@@ -112,8 +112,7 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
     check("ledger_steps_match_optimizer", steps == ledger["steps"] == optimizer_steps,
           f"ledger records {steps} steps (header says {ledger['steps']}), the optimizer applied {optimizer_steps}")
     check("sampler_is_poisson", ledger["sampler"] == "poisson", f"sampler: {ledger['sampler']}")
-    kind = {"clip": "per_batch", "mae": "per_sample", "caption": "per_sample"}.get(ledger["objective"])
-    expected_k = SENSITIVITY[kind] if kind else None
+    expected_k = OBJECTIVES[ledger["objective"]].sensitivity if ledger["objective"] in OBJECTIVES else None
     check("sensitivity_matches_objective", expected_k is not None and ledger["sensitivity"] == expected_k,
           f"objective {ledger['objective']} needs sensitivity {expected_k}·C, ledger says {ledger['sensitivity']}·C")
     want_std = ledger["sigma"] * ledger["sensitivity"] * ledger["clip_norm"]
@@ -171,26 +170,3 @@ def load_run(dp_dir: str | Path = DP_DIR) -> tuple[dict, int]:
     if not isinstance(ckpt, dict) or "optimizer_steps" not in ckpt:
         raise VerificationFailed(f"{dp_dir / 'checkpoint.pt'} has no optimizer_steps: it was not written by dp-train")
     return read_json(dp_dir / "ledger.json"), ckpt["optimizer_steps"]
-
-
-def run(params: dict, ctx) -> None:
-    # A pass from an earlier run must never outlive a failed (or crashed) re-check.
-    Path(OUT).unlink(missing_ok=True)
-    ledger, optimizer_steps = load_run()
-    result = verify(ledger, optimizer_steps, params["dp"], params["verify"]["accountants"],
-                    params["verify"]["batch_size_alpha"])
-    for c in result["checks"]:
-        print(f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")
-    ctx.tracker.log_metrics({f"epsilon_{a}": e for a, e in result["epsilon"].items()})
-    curve = result["epsilon_curve"]
-    for a in result["epsilon"]:
-        ctx.tracker.log_series(f"epsilon_curve_{a}", curve[a], curve["steps"])
-    ctx.tracker.set_tags({"dpfm.verified": str(result["passed"]).lower()})
-    if not result["passed"]:
-        write_json(FAILED_OUT, result)
-        failed = [c["name"] for c in result["checks"] if not c["passed"]]
-        raise VerificationFailed(f"privacy verification failed: {', '.join(failed)} (details in {FAILED_OUT})")
-    Path(FAILED_OUT).unlink(missing_ok=True)
-    write_json(OUT, result)
-    print(f"verify: passed; ε = {result['epsilon_reported']:.3f} ({result['accountant']}), "
-          + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon"].items()))

@@ -1,8 +1,8 @@
 """The `dp-train` stage: DP-SGD on the private shards (ViP's MAE, DP-Cap's captioner or Dp-CLIP).
 
-One logical step: a Poisson batch (secret sampler), recorded in the ledger before anything else;
-per-sample clipped gradients summed over physical micro-batches and over torchrun ranks; Gaussian
-noise N(0, (σ·K·C)²) added once; divided by the expected batch size q·n; one optimizer update.
+One logical step is `privacy.engine.dp_step` (sample, charge the ledger, clip, sum over micro-batches
+and torchrun ranks, add noise once, divide): this module loads the data, plans the mechanism, builds
+the model and clipper from the objective's table entry, and runs the shared training loop.
 
 Privacy-relevant randomness (who is sampled, the noise, the MAE masks) comes from a secret key kept
 in the stage's state directory, never in params or MLflow. Only public-data figures are logged: the
@@ -21,24 +21,24 @@ from pipeline.data.sampling import PoissonSampler
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.data.transforms import to_tensor
-from pipeline.distributed import all_reduce_sum, barrier, broadcast_int, init_world
+from pipeline.distributed import barrier, broadcast_int, gather_with_grad, init_world
 from pipeline.io import atomic_dir, read_json, write_json
-from pipeline.modelcfg import model_config
-from pipeline.models import build_model
-from pipeline.privacy import accounting
-from pipeline.privacy.clipping import PlainSum
-from pipeline.privacy.engine import SENSITIVITY, make_clipper, noisy_update
+from pipeline.models import ModelConfig, build_model
+from pipeline.objectives import objective
+from pipeline.privacy import accounting, budget
+from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
 from pipeline.privacy.ledger import Ledger
-from pipeline.train import Checkpointer, autocast, make_optimizer, run_loop, state_dir
+from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
+                            save_model, state_dir, step_generator)
 
 SHARDS, PRETRAIN, TOKENIZER, OUT_DIR = "data/shards", "models/pretrain", "models/tokenizer", "models/dp"
 
 
-def load_split(split: str, objective: str, tokenizer: Tokenizer | None, max_len: int):
+def load_split(split: str, objective_name: str, tokenizer: Tokenizer | None, max_len: int):
     """Images (and caption tokens for caption/clip) of one split, as the model's inputs."""
     ds = ShardDataset(f"{SHARDS}/{split}")
     images = to_tensor(ds.load_images())
-    if objective == "mae":
+    if not objective(objective_name).tokens:
         return ds, (images,)
     tokens = tokenizer.encode([ds.caption(i) for i in range(len(ds))], max_len)
     return ds, (images, tokens)
@@ -56,15 +56,6 @@ def secret_key(directory, noise_seed: int | None) -> int:
     return int(path.read_text())
 
 
-def step_generator(key: int, step: int, stream: int) -> torch.Generator:
-    """Independent generators per (key, step, stream): the same on every rank and on every re-run."""
-    seed = int(np.random.SeedSequence([key, step, stream]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-    return torch.Generator().manual_seed(seed)
-
-
-MASKS, NOISE = 1, 2
-
-
 def plan_mechanism(dp: dict, n: int) -> dict:
     """q, δ, σ and the ε they give, checked for contradictions before any work."""
     q = dp["expected_batch_size"] / n
@@ -72,7 +63,7 @@ def plan_mechanism(dp: dict, n: int) -> dict:
         raise ValueError(f"dp.expected_batch_size={dp['expected_batch_size']} exceeds the {n} usable private examples")
     delta = accounting.parse_delta(dp["delta"], n)
     accounting.check_delta(delta, n)
-    sensitivity = SENSITIVITY["per_batch" if dp["objective"] == "clip" else "per_sample"]
+    sensitivity = objective(dp["objective"]).sensitivity
     # σ is the noise multiplier relative to the sensitivity: noise std = σ · sensitivity · C.
     sigma = dp["sigma"] or accounting.calibrate_sigma(dp["epsilon"], q, dp["steps"], delta, accountant=dp["accountant"])
     eps = accounting.epsilon(sigma, q, dp["steps"], delta, accountant=dp["accountant"])
@@ -85,34 +76,11 @@ def plan_mechanism(dp: dict, n: int) -> dict:
             "target_epsilon": dp["epsilon"], "accountant": dp["accountant"], "epsilon_planned": eps}
 
 
-class LossScaler:
-    """Dynamic fp16 loss scale: halve when an example overflowed (it was dropped), grow when stable."""
-
-    def __init__(self, enabled: bool, scale: float = 2.0 ** 12, growth_interval: int = 100):
-        self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, growth_interval, 0
-
-    def update(self, nonfinite: int) -> None:
-        if not self.enabled:
-            return
-        self.good = 0 if nonfinite else self.good + 1
-        if nonfinite:
-            self.scale = max(1.0, self.scale / 2)
-        elif self.good % self.interval == 0:
-            self.scale *= 2
-
-
-def precision_context(device: str, precision: str):
-    if precision == "fp16":
-        return torch.autocast(device_type=device, dtype=torch.float16)
-    return autocast(device, precision)
-
-
 def run(params: dict, ctx) -> None:
     dp, seed, device = params["dp"], params["run"]["seed"], ctx.device
     world = init_world(device)
-    objective = dp["objective"]
-    tokenizer = Tokenizer(TOKENIZER) if objective != "mae" else None
-    mcfg = model_config(params["model"], objective, tokenizer.vocab_size if tokenizer else None)
+    tokenizer = Tokenizer(TOKENIZER) if objective(dp["objective"]).tokens else None
+    mcfg = ModelConfig.from_params(params["model"], dp["objective"], tokenizer.vocab_size if tokenizer else None)
     n = len(ShardDataset(f"{SHARDS}/private"))
     stats_n = read_json(f"{SHARDS}/stats.json")["private"]["usable"]
     if n != stats_n:
@@ -121,10 +89,13 @@ def run(params: dict, ctx) -> None:
         mech = plan_mechanism(dp, n)
     except ValueError as e:
         raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
-    _, train_inputs = load_split("private", objective, tokenizer, mcfg["max_len"])
-    _, held_inputs = load_split("eval", objective, tokenizer, mcfg["max_len"])
+    _, train_inputs = load_split("private", dp["objective"], tokenizer, mcfg.max_len)
+    _, held_inputs = load_split("eval", dp["objective"], tokenizer, mcfg.max_len)
     inputs = [f"{SHARDS}/private"] + ([PRETRAIN] if dp["init"] == "pretrain" else []) + ([TOKENIZER] if tokenizer else [])
     work = state_dir("dp-train", params, inputs)
+    if world.is_main:  # charged to the dataset's budget before the first step (composition across runs)
+        data_id = budget.fingerprint(f"{SHARDS}/private")
+        budget.record(data_id, work.name, mech)
     key = broadcast_int(secret_key(work, dp["noise_seed"]) if world.is_main else 0, world)
     trainer = Trainer(params, mcfg, train_inputs, held_inputs, mech, world, device)
 
@@ -133,6 +104,7 @@ def run(params: dict, ctx) -> None:
         ledger = trainer.ledger
         record = ledger.to_dict()
         record["nonfinite_examples"] = counters["nonfinite"]
+        record["data_fingerprint"], record["run"] = data_id, work.name
         record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], ledger.steps, mech["delta"],
                                                accountant=mech["accountant"])
     baseline = None
@@ -142,9 +114,10 @@ def run(params: dict, ctx) -> None:
         barrier(world)
         return
     with atomic_dir(OUT_DIR) as out:
-        save_checkpoint(out / "checkpoint.pt", objective, mcfg, model, counters["applied_updates"])
-        if baseline is not None:
-            save_checkpoint(out / "nonprivate.pt", objective, mcfg, baseline, dp["steps"])
+        save_model(out / "checkpoint.pt", dp["objective"], mcfg.to_dict(), model, optimizer_steps=counters["applied_updates"],
+                   private=True)
+        if baseline is not None:  # NOT private: for the evaluation table only, never to be published
+            save_model(out / "nonprivate.pt", dp["objective"], mcfg.to_dict(), baseline, optimizer_steps=dp["steps"], private=False)
         write_json(out / "ledger.json", record)
         write_json(out / "history.json", history)
     barrier(world)
@@ -152,13 +125,11 @@ def run(params: dict, ctx) -> None:
                              "sample_rate": mech["sample_rate"]})
     ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": mech["accountant"]})
     print(f"dp-train: {ledger.steps} steps on n={n}, q={mech['sample_rate']:.4f}, σ={mech['sigma']:.4f}, "
-          f"ε={record['epsilon']:.3f} (δ={mech['delta']:.2e}, {mech['accountant']}), "
-          f"{record['nonfinite_examples']} non-finite examples dropped")
-
-
-def save_checkpoint(path, objective, mcfg, model, optimizer_steps) -> None:
-    torch.save({"objective": objective, "model_cfg": mcfg, "model": model.state_dict(),
-                "encoder": model.encoder.state_dict(), "optimizer_steps": optimizer_steps}, path)
+          f"ε={record['epsilon']:.3f} (δ={mech['delta']:.2e}, {mech['accountant']})")
+    if dp["log_private_stats"]:  # opted in: released without noise, not covered by the ε above
+        ctx.tracker.log_metrics({"private_nonfinite_examples": record["nonfinite_examples"]})
+        print(f"dp-train: {record['nonfinite_examples']} non-finite examples dropped "
+              "(a statistic of the private data, released without noise: dp.log_private_stats)")
 
 
 class Trainer:
@@ -167,7 +138,7 @@ class Trainer:
     def __init__(self, params, mcfg, train_inputs, held_inputs, mech, world, device):
         self.params, self.dp, self.mcfg = params, params["dp"], mcfg
         self.train_inputs, self.mech, self.world, self.device = train_inputs, mech, world, device
-        self.num_patches = (mcfg["img_size"] // mcfg["patch_size"]) ** 2
+        self.num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
         self.held = tuple(x[:256] for x in held_inputs)
         self.held_noise = torch.rand(len(self.held[0]), self.num_patches,
                                      generator=torch.Generator().manual_seed(params["run"]["seed"]))
@@ -182,75 +153,56 @@ class Trainer:
         return model
 
     def train(self, key: int, work, ctx, private: bool):
-        dp, mech, world, objective = self.dp, self.mech, self.world, self.dp["objective"]
-        n = mech["n"]
+        dp, plan, world, device = self.dp, self.mech, self.world, self.device
+        obj, n = objective(dp["objective"]), plan["n"]
         model = self.build()
         optimizer = make_optimizer(model, dp["optimizer"], dp["lr"], dp["weight_decay"])
-        clipper = make_clipper(objective, model, dp["clip_norm"], dp["clipping"]) if private else PlainSum(model)
-        scaler = LossScaler(dp["precision"] == "fp16")
-        if scaler.enabled and not hasattr(clipper, "loss_scale"):
-            raise ValueError(f"dp.precision=fp16 needs dp.clipping=bookkeeping (got {dp['clipping']})")
-        sampler = PoissonSampler(n, mech["sample_rate"], key)
-        ledger = Ledger(work / "ledger.jsonl", mech) if private and world.is_main else None
+        clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
+                               autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
+                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
+        mech = Mechanism(sample_rate=plan["sample_rate"], sigma=plan["sigma"] if private else 0.0,
+                         clip_norm=dp["clip_norm"], sensitivity=plan["sensitivity"], steps=plan["planned_steps"],
+                         denominator=1.0 if obj.clipping == "per_batch" else plan["sample_rate"] * n)
+        sampler = PoissonSampler(n, plan["sample_rate"], key)
+        ledger = Ledger(work / "ledger.jsonl", plan) if private and world.is_main else None
         if private:
             self.ledger = ledger
         # Counted by the optimizer's own hook, so `verify` can compare it with the ledger independently.
-        counters = {"applied_updates": 0, "nonfinite": 0}
+        state = TrainState(model, optimizer, counters={"applied_updates": 0, "nonfinite": 0})
+        counters = state.counters
         optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
-        noise_std = mech["noise_std"] if private else 0.0
-        denominator = 1.0 if clipper.mode == "per_batch" else mech["sample_rate"] * n
+        masks = {}
+
+        def fetch(step: int, indices: np.ndarray, positions: np.ndarray) -> tuple:
+            batch = tuple(x[indices[positions]] for x in self.train_inputs)
+            if obj.masks:  # drawn for the whole logical batch, so they do not depend on how it is split
+                if step not in masks:
+                    masks.clear()
+                    masks[step] = torch.rand(len(indices), self.num_patches, generator=step_generator(key, step, MASKS))
+                batch += (masks[step][positions],)
+            return tuple(x.to(device) for x in batch)
 
         def step_fn(step: int) -> dict:
-            if step >= mech["planned_steps"]:  # budget guard: ε was paid for planned_steps, no more
-                raise RuntimeError(f"refusing step {step}: ε was accounted for {mech['planned_steps']} steps")
-            indices = sampler.batch(step)
-            if ledger is not None:
-                ledger.record_step(step, len(indices))  # charged before the update is applied
-            # MAE masks for the whole logical batch, so they do not depend on how it is split.
-            masks = torch.rand(len(indices), self.num_patches, generator=step_generator(key, step, MASKS))
-            positions = np.arange(len(indices))
-            chunks = [positions] if clipper.mode == "per_batch" else \
-                sampler.split(positions, dp["physical_batch_size"], world.rank, world.size)
-            clipper.reset()
-            if scaler.enabled:
-                clipper.loss_scale = scaler.scale
-            nonfinite = 0
-            for pos in chunks:
-                if len(pos):
-                    batch = tuple(x[indices[pos]] for x in self.train_inputs)
-                    if objective == "mae":  # the masking noise is an input, so per-sample calls match
-                        batch = batch + (masks[pos],)
-                    with precision_context(self.device, dp["precision"]):
-                        nonfinite += clipper.accumulate(*(x.to(self.device) for x in batch)).nonfinite
-            all_reduce_sum(clipper.sum, world)
-            counters["nonfinite"] += nonfinite
-            scaler.update(nonfinite)
-            # Divide by the expected batch size q·n, not the realised one (whose size is private).
-            optimizer.zero_grad(set_to_none=True)
-            noisy_update(clipper, noise_std, denominator, step_generator(key, step, NOISE))
+            result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, mech=mech, key=key, world=world,
+                             physical_batch_size=dp["physical_batch_size"], ledger=ledger)
+            counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
             optimizer.step()
-            # Only public figures leave this loop: realised batch sizes and non-finite counts depend on
-            # private data and the secret sampler, so they stay in the ledger (an audit record).
             metrics = {}
-            if step % dp["eval_every"] == 0 or step == mech["planned_steps"] - 1:
+            if step % dp["eval_every"] == 0 or step == plan["planned_steps"] - 1:
                 metrics["heldout_loss"] = self.heldout_loss(model)
             return metrics
 
         prefix = "" if private else "nonprivate_"
-        history = run_loop(model=model, optimizer=optimizer, total_steps=dp["steps"], base_lr=dp["lr"],
-                           warmup=dp["warmup_steps"], step_fn=step_fn,
-                           checkpointer=Checkpointer(work, write=world.is_main),
-                           checkpoint_every=dp["checkpoint_every"], desc=f"dp-train{'' if private else ' (non-private)'}",
-                           log_every=1, extra_state=lambda: dict(counters), restore_extra=counters.update,
-                           on_log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s),
-                           world=world)
-        return model, counters, history
+        run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
+                 step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
+                 log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s), world=world)
+        return model, counters, state.history
 
     @torch.no_grad()
     def heldout_loss(self, model) -> float:
         model.eval()
         inputs = tuple(x.to(self.device) for x in self.held)
-        if self.dp["objective"] == "mae":
+        if objective(self.dp["objective"]).masks:
             inputs = inputs + (self.held_noise.to(self.device),)
         loss = model(*inputs).mean().item()
         model.train()

@@ -2,8 +2,9 @@
 
 Images stream from the shards by byte range (nothing is held in memory whole). What step s computes
 is a function of (seed, s): its batch is positions [s·B, (s+1)·B) of a sequence of seeded per-epoch
-shuffles (every image once per epoch), its masks come from a generator keyed by (seed, s). With the
-model, optimizer and RNG state in the checkpoint, an interrupted run resumes exactly.
+shuffles (every image once per epoch), its masks come from the shared step-seed scheme
+(train.step_generator). With the model, optimizer and RNG state in the checkpoint, an interrupted
+run resumes exactly.
 """
 
 from __future__ import annotations
@@ -20,16 +21,11 @@ from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
 from pipeline.distributed import barrier, init_world
 from pipeline.io import atomic_dir, write_json
-from pipeline.modelcfg import model_config
-from pipeline.models import build_model
-from pipeline.train import Checkpointer, autocast, make_optimizer, run_loop, state_dir, uses_bf16
+from pipeline.models import ModelConfig, build_model
+from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
+                            save_model, state_dir, step_generator, uses_bf16)
 
 IN_DIR, OUT_DIR = "data/synthetic", "models/pretrain"
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The masks of step `step`: a function of (seed, step), so a resumed run draws the same ones."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
 @functools.lru_cache(maxsize=2)
@@ -47,13 +43,21 @@ def batch_indices(seed: int, step: int, batch_size: int, n: int) -> np.ndarray:
     return out
 
 
+def step_batches(loader, seed: int, start: int, steps: int, batch: int, n: int, mine: slice):
+    """The decoded images of steps [start, steps), this rank's share of each, prefetched by `loader`."""
+    return loader(batch_indices(seed, s, batch, n)[mine] for s in range(start, steps))
+
+
 def mae_step(model, optimizer, images: torch.Tensor, noise: torch.Tensor, device: str, precision: str,
              grad_clip: float) -> dict:
     """One optimiser step on the mean MAE loss (the masks are `noise`'s argsort, as in the models)."""
     with autocast(device, precision):
         loss = model(images.to(device, non_blocking=True), noise=noise.to(device)).float().mean()
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    (loss * loss_scale(precision)).backward()
+    for p in model.parameters():  # fp16's fixed loss scale, taken back out before clipping
+        if p.grad is not None and loss_scale(precision) != 1.0:
+            p.grad.div_(loss_scale(precision))
     metrics = {"loss": loss.item()}
     if grad_clip > 0:
         metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
@@ -64,13 +68,13 @@ def mae_step(model, optimizer, images: torch.Tensor, noise: torch.Tensor, device
 def run(params: dict, ctx) -> None:
     cfg, seed, device = params["pretrain"], params["run"]["seed"], ctx.device
     batch = cfg["batch_size"]
-    mcfg = model_config(params["model"], "mae")
+    mcfg = ModelConfig.from_params(params["model"], "mae")
     dataset = ShardDataset(IN_DIR)
     n = len(dataset)
     if n == 0:
         raise ValueError(f"{IN_DIR} has no usable images: run the synthetic stage")
     # Images are centre-cropped/resized to the model's size, should the synthetic resolution differ.
-    loader = BatchLoader(dataset, mcfg["img_size"], workers=cfg["data_workers"])
+    loader = BatchLoader(dataset, mcfg.img_size, workers=cfg["data_workers"])
     world = init_world(device)
     if batch % world.size:
         raise ValueError(f"pretrain.batch_size={batch} must divide evenly over the {world.size} torchrun ranks")
@@ -80,50 +84,47 @@ def run(params: dict, ctx) -> None:
     # Each rank takes every world.size-th example of the global batch; DDP averages the gradients.
     trained = model if world.size == 1 else DistributedDataParallel(model)
     mine = slice(world.rank, None, world.size)
-    num_patches = (mcfg["img_size"] // mcfg["patch_size"]) ** 2
+    num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
     work = state_dir("pretrain", params, inputs=[IN_DIR])
-    run_state = {"start": 0, "batches": None}
-
-    def on_start(start: int) -> None:
-        run_state["start"] = start
-        run_state["batches"] = loader(batch_indices(seed, s, batch, n)[mine] for s in range(start, cfg["steps"]))
+    state, batches = TrainState(model, optimizer), None
 
     def step_fn(step: int) -> dict:
-        _, (images,) = next(run_state["batches"])
-        noise = torch.rand(batch, num_patches, generator=step_generator(seed, step))[mine]
+        nonlocal batches
+        if batches is None:  # the first step run here: after a resume, the one the checkpoint holds
+            batches = step_batches(loader, seed, step, cfg["steps"], batch, n, mine)
+        _, (images,) = next(batches)
+        noise = torch.rand(batch, num_patches, generator=step_generator(seed, step, MASKS))[mine]
         return mae_step(trained, optimizer, images, noise, device, cfg["precision"], cfg["grad_clip"])
 
-    def on_log(step: int, metrics: dict) -> None:
+    def log(step: int, metrics: dict) -> None:
         ctx.tracker.log_metrics({**metrics, "images_per_s": metrics["steps_per_s"] * batch}, step=step)
 
     started = time.time()
     try:
-        history = run_loop(model=model, optimizer=optimizer, total_steps=cfg["steps"], base_lr=cfg["lr"],
-                           warmup=cfg["warmup_steps"], step_fn=step_fn, checkpointer=Checkpointer(work, write=world.is_main),
-                           checkpoint_every=cfg["checkpoint_every"], desc="pretrain", log_every=cfg["log_every"],
-                           on_log=on_log, on_start=on_start, world=world)
+        run_loop(state, Schedule(cfg["steps"], cfg["lr"], cfg["warmup_steps"], cfg["checkpoint_every"], cfg["log_every"]),
+                 step_fn, Checkpointer(work, write=world.is_main), desc="pretrain", log=log, world=world)
     finally:
-        if run_state["batches"] is not None:
-            run_state["batches"].close()  # stops the decoding workers
+        if batches is not None:
+            batches.close()  # stops the decoding workers
         dataset.close()
     if not world.is_main:
         barrier(world)
         return
-    elapsed, steps_now = time.time() - started, cfg["steps"] - run_state["start"]
+    history, start = state.history, state.resumed_at
+    elapsed, steps_now = time.time() - started, cfg["steps"] - start
     # Points logged before a resume went to the interrupted run: give this run the whole curve.
-    earlier = [(s, m) for s, m in zip(history["step"], history["metrics"]) if s < run_state["start"]]
+    earlier = [(s, m) for s, m in zip(history["step"], history["metrics"]) if s < start]
     for key in ("loss", "lr", "grad_norm"):
         points = [(s, m[key]) for s, m in earlier if key in m]
         if points:
             ctx.tracker.log_series(key, [v for _, v in points], [s for s, _ in points])
 
-    summary = {"images": n, "steps": cfg["steps"], "resumed_at": run_state["start"],
+    summary = {"images": n, "steps": cfg["steps"], "resumed_at": start,
                "final_loss": history["metrics"][-1]["loss"] if history["step"] else None,
                "images_per_s": steps_now * batch / max(elapsed, 1e-9) if steps_now else None,
                "bf16": uses_bf16(device, cfg["precision"])}
     with atomic_dir(OUT_DIR) as out:
-        torch.save({"objective": "mae", "model_cfg": mcfg, "model": model.state_dict(),
-                    "encoder": model.encoder.state_dict(), "step": cfg["steps"]}, out / "checkpoint.pt")
+        save_model(out / "checkpoint.pt", "mae", mcfg.to_dict(), model, step=cfg["steps"])
         write_json(out / "history.json", history)
         write_json(out / "summary.json", summary)
     shutil.rmtree(work, ignore_errors=True)  # the output holds the finished model; the state is spent

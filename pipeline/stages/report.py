@@ -11,9 +11,10 @@ import datetime
 import shutil
 from pathlib import Path
 
-from pipeline.eval import plots, recipe_title
+from pipeline.eval import plots
 from pipeline.eval.render import accuracy_table, params_yaml, render_html, render_markdown
 from pipeline.io import atomic_dir, read_json
+from pipeline.objectives import OBJECTIVES, recipe_title
 from pipeline.privacy import accounting
 
 OUT_DIR = "results/report"
@@ -113,8 +114,8 @@ def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -
         parts.append(f"FT: the whole encoder and a linear head fine-tuned on K examples per class (AdamW), "
                      f"mean ± std over {protocol['finetune']['repeats']} subsets.")
     if "Zero-shot" in columns:
-        how = "the class whose prompt captions have the lowest loss" if objective == "caption" else \
-            "the class whose prompt embedding is closest (cosine)"
+        how = {"caption_loss": "the class whose prompt captions have the lowest loss",
+               "embedding": "the class whose prompt embedding is closest (cosine)"}[OBJECTIVES[objective].zero_shot]
         parts.append(f"Zero-shot: {how}, prompts averaged over templates; — where a model has no text tower.")
     return " ".join(parts + ["Bold: best in column."])
 
@@ -189,13 +190,20 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
         ("sampling", f"{ledger.get('sampler', 'poisson')}, rate q = {ver['sample_rate']:.5g} "
                      f"(expected batch {ver['sample_rate'] * ver['n']:.0f})"),
         ("clipping", f"C = {ledger.get('clip_norm')}, sensitivity {sensitivity:g}·C "
-                     f"({'per batch' if objective == 'clip' else 'per sample'})"),
+                     f"({OBJECTIVES[objective].clipping.replace('_', ' ')})"),
         ("noise", f"σ = {ver['sigma']:.4f} (std {ledger.get('noise_std', ver['sigma'] * sensitivity):.4f})"),
         ("steps", f"{ver['steps']} (planned {ledger.get('planned_steps', ver['steps'])})"),
         ("δ", delta_text(ver["delta"], dp.get("delta"))),
         ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())
          + f" (target {ledger.get('target_epsilon', '—')})"),
     ]
+    if "composition" in ver:  # several models trained on one dataset release more than any one
+        c = ver["composition"]
+        mechanism.append(("ε over all DP runs on this data", f"{c['epsilon']:.4f} at the same δ, {c['runs']} run"
+                          f"{'s' if c['runs'] > 1 else ''} ({', '.join(r['objective'] for r in c['by_run'])})"))
+    if dp.get("log_private_stats"):
+        mechanism.append(("released outside ε", "counts of dropped non-finite private examples "
+                          "(dp.log_private_stats: true): not covered by the ε above"))
     from pipeline.tracking import git_commit
 
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from pipeline.data import synthetic
+from pipeline.data import splitmix, synthetic
 from pipeline.data.index import INDEX_NAME, SCHEMA, index_writer
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from pipeline.io import atomic_dir, file_digest, read_json, remove_stale_temps, write_json
@@ -57,11 +57,19 @@ def shard_items(cfg: dict, shard: int) -> list[tuple[int, int]]:
     return [divmod(g, cfg["frames_per_program"]) for g in range(start, stop)]
 
 
+def generator_sources() -> list[Path]:
+    """The code that decides a shard's bytes: every module of the synthetic package (sorted by name),
+    the splitmix64 it draws from, and this file."""
+    return sorted(Path(synthetic.__file__).parent.glob("*.py")) + [Path(splitmix.__file__), Path(__file__)]
+
+
 def staging_dir(cfg: dict, seed: int) -> Path:
     """Keyed by everything that decides the bytes (seed, params but the worker count, generator code),
     so shards left by another config or an older generator are never reused."""
-    code = hashlib.sha256(Path(synthetic.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()
-    return state_dir("synthetic", {"seed": seed, "code": code,
+    code = hashlib.sha256()
+    for path in generator_sources():
+        code.update(path.name.encode() + b"\0" + path.read_bytes())
+    return state_dir("synthetic", {"seed": seed, "code": code.hexdigest(),
                                    "synthetic": {k: v for k, v in cfg.items() if k != "workers"}})
 
 

@@ -51,34 +51,34 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("shards", "write private-train and held-out eval webdataset shards with an index",
-          "pipeline.data.shards_stage", ("run", "shards"),
+          "pipeline.stages.shards", ("run", "shards"),
           outputs=("data/shards/",), resources=Resources(threads=1, mem_mb=2000)),
     Stage("synthetic", "render Shaders21k-style procedural images into shards",
-          "pipeline.data.synthetic_stage", ("run", "synthetic"),
+          "pipeline.stages.synthetic", ("run", "synthetic"),
           outputs=("data/synthetic/",), resources=Resources(threads=2, mem_mb=4000)),
     Stage("tokenizer", "train SentencePiece on public text (never the private captions)",
-          "pipeline.data.tokenizer", ("run", "tokenizer"),
+          "pipeline.stages.tokenizer", ("run", "tokenizer"),
           outputs=("models/tokenizer/",), resources=Resources(threads=1, mem_mb=2000)),
     Stage("pretrain", "non-private MAE pretraining on the synthetic images",
-          "pipeline.pretrain", ("run", "model", "pretrain"),
+          "pipeline.stages.pretrain", ("run", "model", "pretrain"),
           inputs=("data/synthetic/",), outputs=("models/pretrain/",),
           resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=720)),
     Stage("dp-train", "DP-SGD on the private shards, warm-started from the pretrained encoder",
-          "pipeline.dp_train", ("run", "model", "dp"),
+          "pipeline.stages.dp_train", ("run", "model", "dp"),
           inputs=("data/shards/", "models/pretrain/", "models/tokenizer/"), outputs=("models/dp/",),
           resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=1440)),
     Stage("verify", "recompute ε from the ledger with independent accountants and check the run",
-          "pipeline.privacy.verify", ("run", "dp", "verify"),
+          "pipeline.stages.verify", ("run", "dp", "verify"),
           inputs=("models/dp/",), metrics=("results/privacy/verification.json",),
           resources=Resources(threads=1, mem_mb=2000)),
     Stage("evaluate", "linear probe, few-shot and zero-shot of the DP encoder beside its baselines",
-          "pipeline.evaluate", ("run", "model", "evaluate"),
+          "pipeline.stages.evaluate", ("run", "model", "evaluate"),
           inputs=("data/shards/", "models/tokenizer/", "models/pretrain/", "models/dp/",
                   "results/privacy/verification.json"),
           metrics=("results/eval/metrics.json",), resources=Resources(threads=2, mem_mb=4000)),
     # The report shows every params section of the run (all are upstream of it: no extra re-runs).
     Stage("report", "HTML and Markdown report with plots",
-          "pipeline.report", ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "verify",
+          "pipeline.stages.report", ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "verify",
                               "evaluate", "report"),
           inputs=("data/shards/", "data/synthetic/", "models/pretrain/", "models/dp/",
                   "results/privacy/verification.json", "results/eval/metrics.json"),
@@ -86,6 +86,23 @@ STAGES: tuple[Stage, ...] = (
 )
 
 STAGE_BY_NAME = {s.name: s for s in STAGES}
+
+# Keys that only name or schedule a run (the MLflow experiment, CPU threads, the device): changing
+# them re-runs nothing, since neither Snakemake nor DVC tracks them and no resumable state is keyed
+# by them (a re-run of dp-train would spend privacy budget again on the same model). A section with
+# such keys lists its others in TRACKED (a test checks both against the schema).
+UNTRACKED = {"run": ("experiment", "threads", "device")}
+TRACKED = {"run": ("seed",)}
+
+
+def tracked(params: dict, sections) -> dict:
+    """The params a stage's results depend on: its sections less the naming and scheduling keys."""
+    return {s: {k: v for k, v in params[s].items() if k not in UNTRACKED.get(s, ())} for s in sections}
+
+
+def dvc_params(st: Stage) -> list[str]:
+    """The stage's params as dvc.yaml lists them: whole sections, or a section's tracked keys."""
+    return [item for s in st.sections for item in ([f"{s}.{k}" for k in TRACKED[s]] if s in TRACKED else [s])]
 
 
 def stage(name: str) -> Stage:

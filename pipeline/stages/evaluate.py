@@ -18,13 +18,13 @@ import torch
 from tqdm import tqdm
 
 from pipeline.errors import VerificationFailed
-from pipeline.eval import RECIPES
+from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import extract_features, probe_accuracy
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, zero_shot_accuracy
 from pipeline.io import read_json, write_json
-from pipeline.models import build_encoder, build_model, resolve_config
+from pipeline.models import ModelConfig, build_encoder, build_model
 
 PRETRAIN, DP_DIR, TOKENIZER = "models/pretrain", "models/dp", "models/tokenizer"
 VERIFICATION, OUT = "results/privacy/verification.json", "results/eval/metrics.json"
@@ -53,7 +53,7 @@ def from_checkpoint(name: str, label: str, path: str, with_text: bool) -> Candid
     if with_text and objective in ZERO_SHOT_OBJECTIVES:
         model = build_model(objective, ckpt["model_cfg"])
         model.load_state_dict(ckpt["model"])
-        max_len = resolve_config(ckpt["model_cfg"])["max_len"]
+        max_len = ModelConfig.of(ckpt["model_cfg"]).max_len
         return Candidate(name, label, path, model.encoder, model, objective, max_len)
     encoder = build_encoder(ckpt["model_cfg"])
     encoder.load_state_dict(ckpt["encoder"])
@@ -64,10 +64,10 @@ def load_candidates(baselines: list[str], seed: int, with_text: bool) -> list[Ca
     """The DP model first, then the baselines that exist (non-private only when dp-train made it)."""
     dp_ckpt = load_checkpoint(f"{DP_DIR}/checkpoint.pt")
     objective, mcfg = dp_ckpt["objective"], dp_ckpt["model_cfg"]
-    recipe = RECIPES.get(objective, objective)
+    recipe = recipe_name(objective)
     out = [from_checkpoint("dp", f"DP ({recipe})", f"{DP_DIR}/checkpoint.pt", with_text)]
     if "nonprivate" in baselines and Path(f"{DP_DIR}/nonprivate.pt").exists():
-        out.append(from_checkpoint("nonprivate", f"Non-private ({recipe} without DP)", f"{DP_DIR}/nonprivate.pt",
+        out.append(from_checkpoint("nonprivate", f"Not private ({recipe} without DP, ε = ∞)", f"{DP_DIR}/nonprivate.pt",
                                    with_text))
     if "synthetic" in baselines:
         encoder = build_encoder(mcfg)
@@ -78,7 +78,7 @@ def load_candidates(baselines: list[str], seed: int, with_text: bool) -> list[Ca
         if with_text and objective in ZERO_SHOT_OBJECTIVES:  # a random text tower too: zero-shot chance level
             model = build_model(objective, mcfg)
             out.append(Candidate("random", "Random init", f"seed {seed}", model.encoder, model, objective,
-                                 resolve_config(mcfg)["max_len"]))
+                                 ModelConfig.of(mcfg).max_len))
         else:
             out.append(Candidate("random", "Random init", f"seed {seed}", build_encoder(mcfg)))
     return out

@@ -1,0 +1,48 @@
+"""The three training objectives in one table: what each model reads, how DP-SGD clips it, and how
+it classifies zero-shot. Code asks this table instead of testing the objective's name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    recipe: str            # the paper's name for the DP recipe
+    description: str       # what it trains, in a few words
+    tokens: bool           # reads caption tokens (needs the tokenizer)
+    masks: bool            # reads per-example masking noise (so per-example calls mask the same patches)
+    clipping: str          # "per_sample" (the loss splits per example) | "per_batch" (batch-coupled loss)
+    zero_shot: str | None  # how classes are scored from prompts: None | "caption_loss" | "embedding"
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 sensitivity of the step in units of C (engine.SENSITIVITY; 2 for per-batch clipping)."""
+        from pipeline.privacy.engine import SENSITIVITY
+
+        return SENSITIVITY[self.clipping]
+
+
+OBJECTIVES = {o.name: o for o in (
+    Objective("mae", "ViP", "DP masked autoencoder", tokens=False, masks=True, clipping="per_sample", zero_shot=None),
+    Objective("caption", "DP-Cap", "DP image captioner", tokens=True, masks=False, clipping="per_sample", zero_shot="caption_loss"),
+    Objective("clip", "Dp-CLIP", "DP contrastive, per-batch clipping", tokens=True, masks=False, clipping="per_batch", zero_shot="embedding"),
+)}
+
+
+def objective(name: str) -> Objective:
+    try:
+        return OBJECTIVES[name]
+    except KeyError:
+        raise ValueError(f"unknown objective {name!r} (allowed: {', '.join(OBJECTIVES)})") from None
+
+
+def recipe_name(name: str | None) -> str:
+    """e.g. "ViP"; an unknown objective's own name."""
+    return OBJECTIVES[name].recipe if name in OBJECTIVES else str(name)
+
+
+def recipe_title(name: str | None) -> str:
+    """e.g. "ViP (DP masked autoencoder)"."""
+    return f"{OBJECTIVES[name].recipe} ({OBJECTIVES[name].description})" if name in OBJECTIVES else str(name)

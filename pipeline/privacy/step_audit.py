@@ -1,0 +1,119 @@
+"""White-box audit of the DP step that dp-train runs: the real `engine.dp_step` on the configured
+model, objective, clipping method, precision and world size (run it under torchrun with the
+training's ranks), fed public random inputs, never private data.
+
+It measures the two numbers the accountant takes on trust, from the step's own output:
+  noise        two runs on one batch with two keys: their difference is z₁ - z₂, so its std / √2,
+               times the divisor, is the std of the noise the step adds. Must be ≥ σ·K·C (a
+               one-sided chi-square test at level 1e-6: noise ×0.97 is already caught with 10⁵
+               parameters).
+  sensitivity  runs with one key on the batch and on the batch less one example: the noise cancels,
+               and the change, times the divisor, is what one example can move the release by.
+               Must be ≤ K·C. The loss is multiplied by a large factor so every example (or the
+               batch) is clipped: a clipper that lets more than C through shows here.
+A step whose noise is scaled ×0.5 or ×0.7, divided by the world size, or whose examples count W
+times, fails with a message naming the figure that is off. The one-run canary audit (audit.py) is
+the statistical, black-box complement.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+from scipy import stats
+
+from pipeline.distributed import World, gather_with_grad
+from pipeline.models import ModelConfig, build_model
+from pipeline.objectives import objective
+from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
+from pipeline.train import autocast, loss_scale
+
+LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
+SENSITIVITY_TOL = 1e-4  # fp32 round-off allowed above K·C
+AMPLIFY = 1e4           # loss factor that makes every gradient norm far exceed C
+
+
+class Amplified(nn.Module):
+    """The model with its per-example loss multiplied: the same layers (the clipper hooks them), larger
+    gradients, so clipping is always active."""
+
+    def __init__(self, model: nn.Module, factor: float):
+        super().__init__()
+        self.model, self.factor = model, factor
+
+    def forward(self, *batch, **kw):
+        return self.model(*batch, **kw) * self.factor
+
+
+class FixedBatch:
+    def __init__(self, indices: np.ndarray):
+        self.indices = indices
+
+    def batch(self, step: int) -> np.ndarray:
+        return self.indices
+
+
+def public_inputs(params: dict, count: int, seed: int) -> list[torch.Tensor]:
+    """Random images (and caption tokens, and masks) of the configured shapes: no private data."""
+    obj, m = objective(params["dp"]["objective"]), params["model"]
+    g = torch.Generator().manual_seed(seed)
+    inputs = [torch.rand(count, 3, m["img_size"], m["img_size"], generator=g) * 2 - 1]
+    if obj.tokens:
+        inputs.append(torch.randint(4, params["tokenizer"]["vocab_size"], (count, m["max_caption_len"]), generator=g))
+    if obj.masks:
+        inputs.append(torch.rand(count, (m["img_size"] // m["patch_size"]) ** 2, generator=g))
+    return inputs
+
+
+def audit_step(params: dict, sigma: float, world: World = World(), device: str = "cpu", batch_size: int = 16,
+               removed: int = 3, seed: int = 0) -> dict:
+    """The step's measured noise std and sensitivity against what the accountant was told."""
+    dp, obj = params["dp"], objective(params["dp"]["objective"])
+    vocab = params["tokenizer"]["vocab_size"] if obj.tokens else None
+    mcfg = ModelConfig.from_params(params["model"], dp["objective"], vocab)
+    mech = Mechanism(sample_rate=1.0, sigma=sigma, clip_norm=dp["clip_norm"], sensitivity=obj.sensitivity,
+                     denominator=1.0 if obj.clipping == "per_batch" else float(dp["expected_batch_size"]), steps=1)
+    inputs = [x.to(device) for x in public_inputs(params, batch_size, seed)]
+
+    def release(indices: np.ndarray, key: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        model = Amplified(build_model(dp["objective"], mcfg), AMPLIFY).to(device)
+        clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"],
+                               autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
+                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
+        dp_step(0, sampler=FixedBatch(indices), fetch=lambda s, idx, pos: [x[idx[pos]] for x in inputs],
+                clipper=clipper, mech=mech, key=key, world=world, physical_batch_size=dp["physical_batch_size"])
+        return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
+
+    batch = np.arange(batch_size)
+    first, second = release(batch, seed + 1), release(batch, seed + 2)
+    noise = (first - second) * mech.denominator / math.sqrt(2)
+    moves = [float((first - release(np.delete(batch, i), seed + 1)).norm()) * mech.denominator
+             for i in range(removed)]
+    return judge(noise, max(moves), mech, world.size)
+
+
+def judge(noise: torch.Tensor, largest_move: float, mech: Mechanism, world_size: int) -> dict:
+    accounted, bound = mech.noise_std, mech.sensitivity * mech.clip_norm
+    d = noise.numel()
+    measured = float(noise.pow(2).mean().sqrt())
+    # One-sided: Σ z²/s² ~ χ²(d) for a correct step; too small a sum means too little noise.
+    p_low = float(stats.chi2.cdf(float(noise.pow(2).sum()) / accounted ** 2, df=d))
+    problems = []
+    if p_low < LEVEL:
+        ratio = measured / accounted
+        hint = (f": 1/W = {1 / world_size:.3f} at this world size, is the noise divided by the ranks?"
+                if world_size > 1 and abs(ratio * world_size - 1) < 0.05 else "")
+        problems.append(f"the step adds noise of std {measured:.4g}, {ratio:.2f}× the accounted σ·K·C = "
+                        f"{accounted:.4g} (p = {p_low:.1e}){hint}")
+    if largest_move > bound * (1 + SENSITIVITY_TOL):
+        problems.append(f"one example moves the released sum by {largest_move:.4g}, {largest_move / bound:.2f}× "
+                        f"the accounted sensitivity K·C = {bound:.4g}")
+    return {"parameters": d, "noise_std": measured, "noise_std_accounted": accounted, "noise_ratio": measured / accounted,
+            "noise_p_low": p_low, "sensitivity": largest_move, "sensitivity_accounted": bound,
+            "sensitivity_ratio": largest_move / bound, "sigma_accounted": mech.sigma,
+            "sigma_effective": measured / max(largest_move, bound), "world_size": world_size,
+            "verdict": "flagged" if problems else "consistent", "problems": problems}

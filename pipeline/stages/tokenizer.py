@@ -1,0 +1,24 @@
+"""The `tokenizer` stage: SentencePiece trained on public text only (never the private captions)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from pipeline.data.tokenizer import OUT_DIR, Tokenizer, public_corpus, train_model
+from pipeline.io import atomic_dir, atomic_path, write_json
+
+
+def run(params: dict, ctx) -> None:
+    cfg = params["tokenizer"]
+    corpus = public_corpus()
+    model = train_model(corpus, cfg["vocab_size"], cfg["model_type"])
+    digest = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
+    with atomic_dir(OUT_DIR) as out:
+        with atomic_path(out / "spm.model") as tmp:
+            tmp.write_bytes(model)
+        info = {"corpus": "python-pydoc-topics+stdlib-docstrings+caption-templates", "lines": len(corpus),
+                "chars": sum(map(len, corpus)), "sha256": digest, "model_type": cfg["model_type"],
+                "vocab_size": Tokenizer(out).vocab_size}
+        write_json(out / "tokenizer.json", info)
+    ctx.tracker.log_metrics({"vocab_size": info["vocab_size"], "corpus_chars": info["chars"]})
+    print(f"tokenizer: vocabulary of {info['vocab_size']} pieces from {info['lines']} public lines")

@@ -1,0 +1,37 @@
+# One rule per stage of the stage table (pipeline/stages/__init__.py), generated in one loop: the table
+# is the single source of truth, as it is for dvc.yaml. Training stages (those asking for GPUs)
+# start through pipeline/launch.py: one process, torchrun over the job's GPUs, or srun + torchrun
+# over its nodes (resources.gpu is the job's total, as the SLURM plugin reads it).
+
+
+# Outputs registered for `snakemake --report` (captions in report/); the run report itself is
+# results/report/report.html.
+report: "../report/workflow.rst"
+
+
+for st in STAGES:
+
+    rule:
+        name:
+            st.name.replace("-", "_")
+        input:
+            st.input_paths,
+        output:
+            rule_outputs(st),
+        params:
+            # Functions: their values are not expanded as wildcards, so braces pass through unchanged
+            # (URL brace patterns, "a photo of a {c}." templates).
+            sections=lambda wildcards, name=st.name: stage_params(name),
+            # Bound here: the shell command is evaluated when the job runs, after the loop has moved on.
+            command=lambda wildcards, resources, st=st: stage_command(st, resources),
+        log:
+            f"logs/{st.name}.log",
+        benchmark:
+            f"logs/benchmarks/{st.name}.tsv"
+        threads: st.resources.threads
+        resources:
+            **stage_resources(st.name),
+        conda:
+            STAGE_ENV
+        shell:
+            "{params.command} --threads {threads} --sections-json {params.sections:q} 2>&1 | tee {log}"

@@ -1,0 +1,61 @@
+"""The DP step with one bug switched on (`with bug(name):`), for the checks that must catch it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch.distributed as dist
+
+from pipeline.models import CLIP
+from pipeline.privacy import clipping, engine
+
+
+def every_rank_takes_the_whole_batch(batch_size, mode, physical, world):
+    """Every example counted W times (the old per-batch DDP path did this, then clipped per rank)."""
+    return [np.arange(batch_size)]
+
+
+def local_negatives_only(self, imgs, tokens, gather=None):
+    """CLIP's loss computed per rank without the other ranks' examples as negatives."""
+    return REAL["clip_forward"](self, imgs, tokens, gather=None)
+
+
+def noise_divided_by_world_size(clipper, noise_std, denominator, generator):
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    return REAL["add_noise"](clipper, noise_std / ranks, denominator, generator)
+
+
+def noise_scaled(factor):
+    return lambda clipper, noise_std, denominator, generator: REAL["add_noise"](clipper, noise_std * factor,
+                                                                                 denominator, generator)
+
+
+def clip_bound_doubled(norms, clip_norm):
+    return REAL["clip_factors"](norms, 2 * clip_norm)
+
+
+REAL = {"rank_share": engine.rank_share, "add_noise": engine.add_noise, "clip_factors": clipping.clip_factors,
+        "clip_forward": CLIP.forward}
+BUGS = {
+    "local negatives only": (CLIP, "forward", local_negatives_only),
+    "whole batch per rank": (engine, "rank_share", every_rank_takes_the_whole_batch),
+    "noise / W": (engine, "add_noise", noise_divided_by_world_size),
+    "noise x0.7": (engine, "add_noise", noise_scaled(0.7)),
+    "noise x0.5": (engine, "add_noise", noise_scaled(0.5)),
+    "clip bound 2C": (clipping, "clip_factors", clip_bound_doubled),
+}
+
+
+@contextlib.contextmanager
+def bug(name):
+    if name is None:
+        yield
+        return
+    module, attr, broken = BUGS[name]
+    original = getattr(module, attr)
+    setattr(module, attr, broken)
+    try:
+        yield
+    finally:
+        setattr(module, attr, original)

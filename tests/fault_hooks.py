@@ -1,0 +1,187 @@
+"""Stage processes under test control: `dpfm()` runs `dpfm` through FAULT_HOOKS below, which can stop
+a process at an exact point (after a step is charged, after its update, half-way through a checkpoint
+write, after some synthetic shards, while an image is being fetched) so the kill lands there and not
+at a random moment, or have SIGTERM reach it inside a step. The hooks live here, in the tests, never
+in the pipeline.
+
+Also what the fault tests read back: dp-train's resumable state and finished outcome, the check that
+a resumed run equals the uninterrupted one, and the MLflow runs of a project.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BIN = Path(sys.executable).parent
+MARKER = "fault.reached"
+STEPS = 6  # stage_runs.MICRO: 6 steps, a checkpoint every 2
+
+FAULT_HOOKS = r"""
+import os, signal, sys, time
+from pathlib import Path
+
+def hang(what):
+    Path(os.environ["DPFM_FAULT_MARKER"]).write_text(what)  # the test kills us now
+    while True:
+        time.sleep(60)
+
+import torch
+import pipeline.stages.dp_train as dp_train
+from pipeline.stages import synthetic as synthetic_stage
+from pipeline.privacy.ledger import Ledger
+
+faults = dict(f.partition(":")[::2] for f in os.environ.get("DPFM_FAULT", "").split(",") if f)
+if "charged" in faults:  # step k is in the ledger (fsynced), its update not yet applied
+    real_record = Ledger.record_step
+    def record_step(self, step, batch_size):
+        real_record(self, step, batch_size)
+        if step == int(faults["charged"]):
+            hang("charged")
+    Ledger.record_step = record_step
+if "updated" in faults:  # step k's update is applied, no checkpoint holds it yet
+    real_make = dp_train.make_optimizer
+    def make_optimizer(*args, **kw):
+        opt, seen = real_make(*args, **kw), [0]
+        def after(*_):
+            seen[0] += 1
+            if seen[0] > int(faults["updated"]):
+                hang("updated")
+        opt.register_step_post_hook(after)
+        return opt
+    dp_train.make_optimizer = make_optimizer
+if "saving" in faults:  # half of the k-th checkpoint of this process is on disk
+    real_save, saves = torch.save, [0]
+    def save(obj, f, *args, **kw):
+        saves[0] += 1
+        if saves[0] < int(faults["saving"]):
+            return real_save(obj, f, *args, **kw)
+        import io
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        hang("saving")
+    torch.save = save
+if "sigterm" in faults and os.environ.get("RANK", "0") == faults.get("rank", os.environ.get("RANK", "0")):
+    # In training step k, before its update, the job is told to end: SIGTERM to this process (once,
+    # or twice), or with "group" to its whole process group, as SLURM does.
+    import pipeline.stages.pretrain as pretrain
+    def told_to_end(module):
+        real = module.make_optimizer
+        def make_optimizer(*args, **kw):
+            opt, seen = real(*args, **kw), [0]
+            def before(*_):
+                seen[0] += 1
+                if seen[0] == int(faults["sigterm"]) + 1:
+                    for _ in range(int(faults.get("times", "1"))):
+                        os.killpg(0, signal.SIGTERM) if "group" in faults else os.kill(os.getpid(), signal.SIGTERM)
+            opt.register_step_pre_hook(before)
+            return opt
+        module.make_optimizer = make_optimizer
+    told_to_end(dp_train)
+    told_to_end(pretrain)
+if "lazy-ledger" in faults:  # BROKEN on purpose: steps kept in memory, not on disk before the update
+    real_append = Ledger._append
+    Ledger._append = lambda self, rec: real_append(self, rec) if "header" in rec else None
+if "shards" in faults:  # exactly k synthetic shards are staged and collected; the others never start
+    from concurrent.futures import Future
+    real_submit = synthetic_stage.ProcessPoolExecutor.submit
+    def submit(self, fn, *args, **kw):  # args: (staging, shard, cfg, seed)
+        if fn is synthetic_stage.build_shard and args[1] >= int(faults["shards"]):
+            return Future()  # never scheduled: the workers fall idle after shard k-1
+        return real_submit(self, fn, *args, **kw)
+    synthetic_stage.ProcessPoolExecutor.submit = submit
+    real_build = synthetic_stage.build_shards
+    def build_shards(*args, **kw):
+        for i, record in enumerate(real_build(*args, **kw)):
+            yield record
+            if i + 1 == int(faults["shards"]):
+                hang("shards")
+    synthetic_stage.build_shards = build_shards
+
+if "fetching" in faults:  # a download worker is fetching image k; the shard holding it is half written
+    from pipeline.data import sources
+    real_fetch = sources._fetch_row
+    def fetch_row(url, *args):
+        if url.endswith(f"/img{faults['fetching']}.png"):
+            hang("fetching")
+        return real_fetch(url, *args)
+    sources._fetch_row = fetch_row
+
+"""
+RUN_DPFM = FAULT_HOOKS + "from pipeline.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def dpfm(work: Path, args: list[str], fault: str = "") -> subprocess.Popen:
+    """Start `dpfm <args>` in `work` (its own session, so a kill reaches its workers too, as a preemption)."""
+    env = {**os.environ, "DPFM_FAULT": fault, "DPFM_FAULT_MARKER": str(work / MARKER), "OMP_NUM_THREADS": "1",
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    (work / MARKER).unlink(missing_ok=True)
+    log = open(work / "dpfm.log", "a")
+    return subprocess.Popen([sys.executable, "-c", RUN_DPFM, *args, "--threads", "1"], cwd=work, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_at_fault(proc: subprocess.Popen, work: Path, timeout: float = 120) -> str:
+    """Wait until the process reaches its fault point, then SIGKILL its whole process group."""
+    deadline = time.time() + timeout
+    while not (work / MARKER).exists():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before its fault point:\n{log_tail(work)}"
+        assert time.time() < deadline, "fault point not reached in time"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    return (work / MARKER).read_text()
+
+
+def complete(proc: subprocess.Popen, work: Path) -> None:
+    assert proc.wait(timeout=300) == 0, log_tail(work)
+
+
+def log_tail(work: Path) -> str:
+    return (work / "dpfm.log").read_text()[-3000:]
+
+
+def with_sets(stage: str, sets: list[str]) -> list[str]:
+    return [stage, *sum((["--set", s] for s in sets), [])]
+
+
+# -- reading back what dp-train left --------------------------------------------------------------
+
+def dp_state(work: Path) -> tuple[list[int], dict | None]:
+    """(charged steps in the ledger, the last checkpoint) of the run's resumable state."""
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    lines = [json.loads(line) for line in (state / "ledger.jsonl").read_text().splitlines()]
+    ckpt = torch.load(state / "checkpoint.pt", weights_only=False) if (state / "checkpoint.pt").exists() else None
+    return [rec["step"] for rec in lines[1:]], ckpt
+
+
+def dp_outcome(work: Path) -> tuple[dict, dict]:
+    ledger = json.loads((work / "models/dp/ledger.json").read_text())
+    return ledger, torch.load(work / "models/dp/checkpoint.pt", weights_only=False)
+
+
+def check_same_as_uninterrupted(got: tuple[dict, dict], ref: tuple[dict, dict], steps: int = STEPS) -> None:
+    """The privacy check of a resumed run: every applied step charged once, the same batches and model."""
+    (ledger, ckpt), (ref_ledger, ref_ckpt) = got, ref
+    assert ledger["steps"] == ckpt["optimizer_steps"] == steps, "ledger and optimizer disagree on the steps"
+    assert ledger["batch_sizes"] == ref_ledger["batch_sizes"], "the resumed run drew other batches"
+    for name, value in ref_ckpt["model"].items():
+        assert torch.equal(value, ckpt["model"][name]), f"{name} differs from the uninterrupted run"
+
+
+def mlflow_runs(work: Path) -> list:
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    return client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=100)

@@ -1,0 +1,59 @@
+"""Small shard sets for the data tests: written by ShardWriter (`write_set`), or raw tars holding any
+members at all (`raw_tar`, `good`), indexed the way the shards stage indexes them (`index`)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+
+from pipeline.data.index import build_index
+from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from pipeline.data.transforms import encode_jpeg
+
+SIZE = 8
+
+
+def picture(rng, size=SIZE) -> np.ndarray:
+    return rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def write_set(directory, n=23, per_shard=5, prefix="s", seed=0) -> list[tuple]:
+    rng = np.random.default_rng(seed)
+    samples = [(f"{prefix}{i:04d}", encode_png(picture(rng)), f"caption number {i}", {"label": i % 3})
+               for i in range(n)]
+    with ShardWriter(directory, prefix=prefix, samples_per_shard=per_shard) as w:
+        for s in samples:
+            w.write(*s)
+    return samples
+
+
+def raw_tar(path, members) -> None:
+    """A tar holding exactly `members` [(name, bytes)], whatever they are."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+
+
+def good(key, rng, caption="a photo"):
+    return [(f"{key}.jpg", encode_jpeg(picture(rng, 16))), (f"{key}.txt", caption.encode()),
+            (f"{key}.json", b"{}")]
+
+
+def index(urls, tmp_path, name="out", workers=1):
+    stats = build_index([str(u) for u in urls], tmp_path / name, eval_fraction=1e-9, seed=0,
+                        cache_dir=tmp_path / f"{name}-cache", workers=workers, check_size=SIZE)
+    ds = ShardDataset(tmp_path / name / "private")
+    assert len(ds) == stats["private"]["usable"]  # the n accounting reads is what training reads
+    return stats, ds
+
+
+def excluded(stats) -> dict:
+    out = {}
+    for split in ("private", "eval"):
+        for k, v in stats[split]["excluded"].items():
+            out[k] = out.get(k, 0) + v
+    return out

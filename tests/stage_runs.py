@@ -1,0 +1,49 @@
+"""dp-train at micro scale, in this process: the MICRO overrides, a fresh project sharing the data
+made once (the `data_dir` fixture), and stages run the way `dpfm <stage>` runs them, without MLflow."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+
+from pipeline.cli import StageContext
+from pipeline.config import load_params, sections_of
+from pipeline.stages import stage
+from pipeline.tracking import NullRun
+
+MICRO = [
+    "shards.image_size=16", "tokenizer.vocab_size=128", "model.size=micro", "model.img_size=16",
+    "model.decoder_width=32", "model.decoder_depth=1", "model.decoder_heads=2", "model.text_width=32",
+    "model.text_depth=1", "model.text_heads=2", "model.max_caption_len=12", "dp.init=random",
+    "dp.steps=6", "dp.expected_batch_size=48", "dp.physical_batch_size=16", "dp.warmup_steps=1",
+    "dp.eval_every=3", "dp.checkpoint_every=2", "dp.noise_seed=123",
+]
+
+
+def run_in_process(name, overrides):
+    st = stage(name)
+    params = sections_of(load_params("params.yaml", overrides), st.sections)
+    __import__(st.module, fromlist=["run"]).run(params, StageContext(st, NullRun(), 1, "cpu"))
+
+
+def project(data_dir, tmp_path) -> Path:
+    """A fresh project dir sharing the data (its own state and outputs)."""
+    for item in ("schemas", "params.yaml", "data", "models"):
+        (shutil.copytree if (data_dir / item).is_dir() else shutil.copy)(data_dir / item, tmp_path / item)
+    return tmp_path
+
+
+def train(workdir, overrides=()):
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        run_in_process("dp-train", list(overrides))
+        ledger = yaml.safe_load((workdir / "models/dp/ledger.json").read_text())
+        ckpt = torch.load(workdir / "models/dp/checkpoint.pt", weights_only=False)
+        return ledger, ckpt
+    finally:
+        os.chdir(cwd)

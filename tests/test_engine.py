@@ -1,0 +1,265 @@
+"""The one DP step (`engine.dp_step`) for every objective, at 1 and at 2 ranks (gloo on CPU):
+
+- 2 ranks give the 1-rank update (each example enters the sum once; compared without noise, which
+  would otherwise drown the difference);
+- the noise added has std σ·K·C / divisor, and the noiseless part is bounded as accounted
+  (per example: one example moves it by ≤ C; per batch: the clipped total has norm ≤ C);
+- under bf16 autocast no clipped contribution exceeds C, and under fp16 no finite example is dropped;
+- what the clipper cannot bound (tied weights, unknown layers, BatchNorm) is refused before step 1.
+
+Each check is also run against the engine with one bug switched on (`BUGS`), to show it catches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from broken_engine import bug
+from ranks import on_two_ranks
+
+from pipeline.distributed import World, gather_with_grad
+from pipeline.models import build_model
+from pipeline.objectives import OBJECTIVES
+from pipeline.privacy import clipping, engine
+from pipeline.privacy.clipping import BookKeepingClipper, UnboundableModel, VmapClipper
+from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
+
+N, Q, C, SIGMA, KEY = 40, 0.3, 0.05, 1.3, 11
+CFG = {"size": "micro", "vocab_size": 50, "max_len": 8}
+
+
+class FixedSampler:
+    """Every step draws the same batch: the examples `indices`."""
+
+    def __init__(self, indices):
+        self.indices = np.asarray(indices, dtype=np.int64)
+
+    def batch(self, step):
+        return self.indices
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(N, 3, 16, 16, generator=g), torch.randint(4, 50, (N, 8), generator=g),
+            torch.rand(N, 16, generator=g))
+
+
+def fetcher(name):
+    imgs, tokens, noise = data()
+
+    def fetch(step, indices, positions):
+        rows = indices[positions]
+        return (imgs[rows], noise[rows]) if OBJECTIVES[name].masks else (imgs[rows], tokens[rows])
+    return fetch
+
+
+def mechanism(name, sigma=SIGMA):
+    mode = OBJECTIVES[name].clipping
+    return Mechanism(sample_rate=Q, sigma=sigma, clip_norm=C, sensitivity=engine.SENSITIVITY[mode],
+                     denominator=1.0 if mode == "per_batch" else Q * N, steps=100)
+
+
+def model_for(name):
+    torch.manual_seed(1)
+    return build_model(name, CFG)
+
+
+def clipper_for(name, model, world, precision=None):
+    mode = OBJECTIVES[name].clipping
+    autocast = (lambda: torch.autocast("cpu", dtype=precision)) if precision else contextlib.nullcontext
+    return make_clipper(mode, model, C, autocast=autocast, loss_scale=2.0 ** 12 if precision == torch.float16 else 1.0,
+                        gather=gather_with_grad(world) if mode == "per_batch" else None)
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+# ---- running the step at 1 and 2 ranks -----------------------------------------------------------
+
+def train(name, world, steps=3, bug_name=None):
+    """`steps` SGD steps of the real dp_step without noise; the flat parameters after them."""
+    model = model_for(name)
+    clipper = clipper_for(name, model, world)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    sampler = engine_sampler()
+    with bug(bug_name):
+        for step in range(steps):
+            dp_step(step, sampler=sampler, fetch=fetcher(name), clipper=clipper, mech=mechanism(name, 0.0), key=KEY,
+                    world=world, physical_batch_size=4)
+            optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def engine_sampler():
+    from pipeline.data.sampling import PoissonSampler
+
+    return PoissonSampler(N, Q, KEY)
+
+
+def noise_and_signal(name, world, bug_name=None):
+    """(noise, noiseless update, largest change one example makes to the noiseless update), all
+    multiplied back by the divisor, from three runs of the real step on one fixed batch."""
+    indices = np.arange(0, N, 3)
+    with bug(bug_name):
+        noisy, clean = run_once(name, world, indices, SIGMA), run_once(name, world, indices, 0.0)
+        without = [run_once(name, world, np.delete(indices, i), 0.0) for i in (0, 5)]
+    divisor = mechanism(name).denominator
+    return (noisy - clean) * divisor, clean * divisor, max(float((clean - w).norm()) * divisor for w in without)
+
+
+def run_once(name, world, indices, sigma, precision=None):
+    model = model_for(name)
+    dp_step(0, sampler=FixedSampler(indices), fetch=fetcher(name), clipper=clipper_for(name, model, world, precision),
+            mech=mechanism(name, sigma), key=KEY, world=world, physical_batch_size=4)
+    return grads(model)
+
+
+def _train(name, bug_name, world):
+    return train(name, world, bug_name=bug_name)
+
+
+def _noise_and_signal(name, bug_name, world):
+    return noise_and_signal(name, world, bug_name)
+
+
+def relative(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# ---- the tests -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_two_ranks_give_the_one_rank_update(tmp_path, name):
+    one = train(name, World())
+    two = on_two_ranks(tmp_path, _train, name, None)
+    start = torch.cat([p.detach().flatten() for p in model_for(name).parameters()])
+    assert relative(two - start, one - start) <= 1e-4
+
+
+@pytest.mark.parametrize("name, bug_name", [("mae", "whole batch per rank"), ("caption", "whole batch per rank"),
+                                            ("clip", "local negatives only")])
+def test_two_rank_equality_catches_a_broken_split(tmp_path, name, bug_name):
+    one = train(name, World())
+    two = on_two_ranks(tmp_path, _train, name, bug_name)
+    start = torch.cat([p.detach().flatten() for p in model_for(name).parameters()])
+    assert relative(two - start, one - start) > 1e-3
+
+
+def check_noise_and_signal(name, noise, clean, one_example):
+    """The accounted mechanism: noise std σ·K·C (within 5%), and the noiseless sum moved by at most
+    C by one example (per example) or bounded by C as a whole (per batch)."""
+    problems = []
+    std, want = float(noise.std()), SIGMA * engine.SENSITIVITY[OBJECTIVES[name].clipping] * C
+    if abs(std / want - 1) > 0.05:
+        problems.append(f"noise std {std:.4g}, accounted {want:.4g}")
+    if OBJECTIVES[name].clipping == "per_batch" and float(clean.norm()) > C * (1 + 1e-5):
+        problems.append(f"clipped batch gradient has norm {float(clean.norm()):.4g} > C={C}")
+    if one_example > C * (1 + 1e-5):
+        problems.append(f"one example moves the sum by {one_example:.4g} > C={C}")
+    return problems
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_noise_and_sensitivity_are_as_accounted_on_two_ranks(tmp_path, name):
+    assert check_noise_and_signal(name, *noise_and_signal(name, World())) == []
+    assert check_noise_and_signal(name, *on_two_ranks(tmp_path, _noise_and_signal, name, None)) == []
+
+
+@pytest.mark.parametrize("name, bug_name", [("mae", "noise / W"), ("caption", "noise x0.7"), ("clip", "noise / W"),
+                                            ("clip", "noise x0.7"), ("mae", "clip bound 2C"), ("clip", "clip bound 2C")])
+def test_noise_and_sensitivity_check_catches_broken_steps(tmp_path, name, bug_name):
+    assert check_noise_and_signal(name, *on_two_ranks(tmp_path, _noise_and_signal, name, bug_name)) != []
+
+
+# ---- precision: the privacy arithmetic is fp32 under autocast ----------------------------------------
+
+def contributions(name, precision):
+    """Each example's clipped contribution (one-example batches through the real step, no noise)."""
+    return [float(run_once(name, World(), np.array([i]), 0.0, precision).norm()) * mechanism(name).denominator
+            for i in range(0, N, 4)]
+
+
+def autocast_everywhere(dtype):
+    """BROKEN on purpose: the clipping arithmetic left under autocast, as it once was."""
+    return lambda device: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_no_clipped_contribution_exceeds_c_under_bf16(name, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "C", 1e-3)  # every example clipped: its contribution is C
+    assert max(contributions(name, torch.bfloat16)) <= 1e-3 * (1 + 1e-6)
+    if name != "clip":  # the per-batch clip is a single scalar product: bf16 cannot hurt it measurably
+        monkeypatch.setattr(clipping, "fp32_only", autocast_everywhere(torch.bfloat16))
+        assert max(contributions(name, torch.bfloat16)) > 1e-3 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("name", ["mae", "caption"])
+def test_fp16_drops_no_finite_example(name, monkeypatch):
+    model = model_for(name)
+    clipper = clipper_for(name, model, World(), torch.float16)
+    imgs, tokens, noise = data()
+    batch = (imgs[:8] * 30, noise[:8]) if OBJECTIVES[name].masks else (imgs[:8] * 30, tokens[:8])
+    clipper.reset()
+    assert clipper.accumulate(*batch).nonfinite == 0
+    monkeypatch.setattr(clipping, "fp32_only", autocast_everywhere(torch.float16))
+    clipper.reset()
+    assert clipper.accumulate(*batch).nonfinite > 0  # the Gram products overflow in fp16
+
+
+# ---- what cannot be bounded is refused ---------------------------------------------------------------
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.out = nn.Linear(6, 10, bias=False)
+        self.out.weight = self.embed.weight  # weight tying, as in many language models
+
+    def forward(self, ids):
+        return self.out(self.embed(ids)).logsumexp(-1).mean(-1)
+
+
+def test_tied_weights_are_refused_and_would_break_the_bound(monkeypatch):
+    with pytest.raises(UnboundableModel, match="tied to embed.weight, out.weight"):
+        BookKeepingClipper(Tied(), 1.0)
+    # What the refusal prevents: the clipper's per-example norm is not the true one.
+    monkeypatch.setattr(clipping, "reject_unboundable", lambda *a, **k: None)
+    torch.manual_seed(0)
+    model, ids = Tied(), torch.randint(0, 10, (6, 4))
+    ref = VmapClipper(model, 1e-4)  # exact for tied weights (functional_call)
+    hooked = BookKeepingClipper(model, 1e-4)
+    for c in (ref, hooked):
+        c.reset()
+    true_norms, hooked_norms = ref.accumulate(ids).norms, hooked.accumulate(ids).norms
+    assert max(abs(a / b - 1) for a, b in zip(hooked_norms, true_norms)) > 1e-3
+
+
+def test_unknown_layers_and_batchnorm_are_refused_by_name():
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 1))
+    with pytest.raises(UnboundableModel, match=r"0\.weight belongs to Conv2d, which has no clipping rule"):
+        BookKeepingClipper(conv, 1.0)
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    for make in (lambda: BookKeepingClipper(bn, 1.0), lambda: VmapClipper(bn, 1.0),
+                 lambda: make_clipper("per_batch", bn, 1.0)):
+        with pytest.raises(UnboundableModel, match=r"1 \(BatchNorm1d\) keeps running statistics"):
+            make()
+
+
+def test_every_model_is_accepted():
+    for name in OBJECTIVES:
+        make_clipper(OBJECTIVES[name].clipping, model_for(name), 1.0)  # raises if a model had a problem
+
+
+def test_budget_guard_refuses_a_step_beyond_the_accounted_ones():
+    model = model_for("mae")
+    mech = Mechanism(Q, SIGMA, C, 1.0, Q * N, steps=2)
+    with pytest.raises(RuntimeError, match="refusing step 2: ε was accounted for 2 steps"):
+        dp_step(2, sampler=engine_sampler(), fetch=fetcher("mae"), clipper=clipper_for("mae", model, World()),
+                mech=mech, key=KEY)
+

@@ -1,0 +1,163 @@
+"""Faults of the data stages: a real `kill -9` in the middle of a download and of synthetic
+generation (a re-run resumes to what an uninterrupted run gives, without fetching finished shards
+again), the temporary copy a killed writer leaves, and bad images (every mode decodes to the same RGB,
+bombs and empty files are excluded and counted).
+
+Stage processes run `dpfm` through tests/fault_hooks.py, which stops them at an exact point.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from fault_hooks import complete, dpfm, kill_at_fault, log_tail, with_sets
+from PIL import Image
+from shard_data import excluded, good, index, raw_tar
+from stage_runs import run_in_process
+
+from pipeline.data.shards import ShardDataset
+from pipeline.data.transforms import decode_image, encode_jpeg
+from pipeline.io import atomic_dir, read_json
+from pipeline.stages import synthetic as synthetic_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bare_project(work: Path) -> Path:
+    """A project folder with the default params and their schema (stages run with `--set` overrides)."""
+    shutil.copytree(ROOT / "schemas", work / "schemas")
+    shutil.copy(ROOT / "params.yaml", work / "params.yaml")
+    return work
+
+
+# -- shards: kill -9 in the middle of a download -----------------------------------------------------
+
+def test_kill_9_during_a_download_resumes_without_fetching_finished_shards_again(tmp_path, serve):
+    rng = np.random.default_rng(0)
+    (tmp_path / "www").mkdir()
+    for i in range(12):
+        picture = Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+        (tmp_path / "www" / f"img{i}.png").write_bytes(encoded(picture, "PNG"))
+    server = serve(tmp_path / "www")
+    table = tmp_path / "pairs.csv"
+    table.write_text("url,caption\n" + "".join(f"{server.url}/img{i}.png,picture {i}\n" for i in range(12)))
+    args = with_sets("shards", ["shards.source=download", f"shards.path={table}", "shards.image_size=16",
+                                "shards.samples_per_shard=4", "shards.eval_fraction=0.25", "shards.workers=1",
+                                "shards.download.threads=2"])
+    ref, work = bare_project(tmp_path / "ref"), bare_project(tmp_path / "work")
+    complete(dpfm(ref, args), ref)
+
+    before = server.requests.copy()
+    assert kill_at_fault(dpfm(work, args, "fetching:6"), work) == "fetching"  # row 6 is in shard 1 (rows 4-7)
+    cache = work / "data/cache/download"
+    assert sorted(p.name for p in cache.glob("pairs-*")) == ["pairs-000000.json", "pairs-000000.tar"]
+    assert list(cache.glob(".pairs-000001.tar.*.tmp")), "the kill did not land inside shard 1's write"
+    assert not (work / "data/shards").exists()
+    killed_run = server.requests - before
+    complete(dpfm(work, args), work)
+    resumed_run = server.requests - before - killed_run
+    assert all(resumed_run[f"/img{i}.png"] == 0 for i in range(4)), "a finished shard was downloaded again"
+    assert all(resumed_run[f"/img{i}.png"] == 1 for i in range(4, 12))
+    assert not list(cache.glob(".*.tmp"))  # the torn shard was reclaimed
+
+    # The same shard bytes, dataset and stats as the uninterrupted run (but for the reuse count).
+    for tar in (ref / "data/cache/download").glob("*.tar"):
+        assert (cache / tar.name).read_bytes() == tar.read_bytes(), tar.name
+    stats, ref_stats = (read_json(d / "data/shards/stats.json") for d in (work, ref))
+    assert (stats["download"].pop("reused_shards"), ref_stats["download"].pop("reused_shards")) == (1, 0)
+    assert stats == ref_stats and stats["private"]["usable"] + stats["eval"]["usable"] == 12
+    for split in ("private", "eval"):
+        got, expected = (ShardDataset(d / "data/shards" / split) for d in (work, ref))
+        assert got.index["key"] == expected.index["key"]
+        for i in range(len(got)):
+            assert got.caption(i) == expected.caption(i) and np.array_equal(got.image(i), expected.image(i))
+
+
+# -- synthetic: kill -9 of the parent and its worker processes -------------------------------------------
+
+def test_kill_9_during_synthetic_generation_resumes_to_the_same_bytes(tmp_path):
+    sets = ["synthetic.num_programs=24", "synthetic.frames_per_program=2", "synthetic.resolution=16",
+            "synthetic.samples_per_shard=4", "synthetic.workers=2"]
+    ref, work = bare_project(tmp_path / "ref"), bare_project(tmp_path / "killed")
+    cwd = os.getcwd()
+    os.chdir(ref)
+    try:
+        run_in_process("synthetic", sets[:-1] + ["synthetic.workers=1"])
+    finally:
+        os.chdir(cwd)
+    args = with_sets("synthetic", sets)
+    kill_at_fault(dpfm(work, args, "shards:3"), work)
+    [staging] = (work / ".dpfm/state").glob("synthetic-*")
+    assert len(list(staging.glob("*.json"))) == 3 and not (work / "data/synthetic").exists()
+    complete(dpfm(work, args), work)
+    assert "resuming" in log_tail(work)
+    out, expected = work / synthetic_stage.OUT_DIR, ref / synthetic_stage.OUT_DIR
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
+    for p in expected.iterdir():
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# -- any stage output: the temporary copy a killed writer leaves is reclaimed --------------------------
+
+def test_the_next_write_reclaims_what_a_killed_writer_left(tmp_path):
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import os, time\n"
+        "from pipeline.io import atomic_dir\n"
+        "with atomic_dir('shards') as out:\n"
+        "    (out / 'private.tar').write_bytes(os.urandom(4096))\n"
+        "    open('fault.reached', 'w').close()\n"
+        "    time.sleep(600)\n")], cwd=tmp_path, start_new_session=True)
+    kill_at_fault(writer, tmp_path)
+    [stale] = tmp_path.glob(".shards.*.tmp")  # kill -9 skips atomic_dir's clean-up
+    unrelated = tmp_path / ".synthetic.x1y2z3.tmp"
+    unrelated.mkdir()
+    with atomic_dir(tmp_path / "shards") as out:
+        (out / "private.tar").write_text("whole")
+    assert not stale.exists() and unrelated.exists()
+    assert [p.name for p in (tmp_path / "shards").iterdir()] == ["private.tar"]
+
+
+# -- bad images: every mode decodes to the same RGB, bombs and empty files are excluded and counted -----------
+
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_grey_rgba_cmyk_and_16_bit_images_decode_to_what_they_show():
+    grey = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
+    as_rgb = np.repeat(grey[..., None], 3, axis=-1)
+    assert np.array_equal(decode_image(encoded(Image.fromarray(grey), "PNG")), as_rgb)
+    rgba = Image.fromarray(as_rgb).convert("RGBA")
+    assert np.array_equal(decode_image(encoded(rgba, "PNG")), as_rgb)
+    # 16-bit grey: scaled to 8 bits, not clipped (convert("RGB") alone turns everything above 255 white).
+    assert np.array_equal(decode_image(encoded(Image.fromarray(grey.astype(np.uint16) * 257), "PNG")), as_rgb)
+    cmyk = decode_image(encoded(Image.fromarray(as_rgb).convert("CMYK"), "JPEG"))
+    assert cmyk.shape == (8, 8, 3) and np.abs(cmyk.astype(int) - as_rgb).max() < 40
+
+
+def test_image_modes_are_kept_and_bombs_and_empty_files_counted(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    picture = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses above 2x this: a 64x64 image is a bomb
+    members = (good("a", rng)
+               + [("b.png", encoded(Image.fromarray(picture[..., 0]), "PNG")), ("b.txt", b"grey")]
+               + [("c.png", encoded(Image.fromarray(picture).convert("RGBA"), "PNG")), ("c.txt", b"rgba")]
+               + [("d.png", encoded(Image.fromarray(picture[..., 0].astype(np.uint16) * 257), "PNG")),
+                  ("d.txt", b"16 bit")]
+               + [("e.jpg", encoded(Image.fromarray(picture).convert("CMYK"), "JPEG")), ("e.txt", b"cmyk")]
+               + [("f.png", encoded(Image.new("L", (64, 64)), "PNG")), ("f.txt", b"a bomb")]
+               + [("g.jpg", b""), ("g.txt", b"zero bytes")]
+               + [("h.jpg", encode_jpeg(picture)), ("h.txt", b"")])
+    raw_tar(tmp_path / "modes.tar", members)
+    stats, ds = index([tmp_path / "modes.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "b", "c", "d", "e"]
+    assert excluded(stats) == {"corrupt_image": 2, "missing_caption": 1}
+    assert stats["private"]["rows"] == 8

@@ -1,0 +1,76 @@
+"""dp-train's params and disk: contradictory dp params stop `dpfm dp-train` before any work (no image
+decoded, no state, no secret key) with a message naming the problem, and a full disk during a
+checkpoint write keeps the previous checkpoint and says so (and why the checkpoint is written through
+a file object: torch.save to a path hides ENOSPC)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+from stage_runs import project
+
+from pipeline import cli
+
+
+@pytest.fixture
+def no_tracking(monkeypatch):
+    """In-process `dpfm` calls without an MLflow store (these tests are about the stage, not tracking)."""
+    from contextlib import contextmanager
+
+    from pipeline.tracking import NullRun
+
+    monkeypatch.setattr("pipeline.tracking.stage_run", contextmanager(lambda *a, **kw: (yield NullRun())))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dp.epsilon=0.000001", "unreachable"),
+    ("dp.delta=0.01", ">= 1/n"),
+    ("dp.expected_batch_size=5000", "exceeds the 1258 usable private examples"),
+    ("dp.sigma=0.1", "above the target dp.epsilon=8.0"),
+])
+def test_contradictory_dp_params_stop_dpfm_before_any_work(data_dir, tmp_path, monkeypatch, capsys, no_tracking,
+                                                          override, message):
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    decoded = []
+    monkeypatch.setattr("pipeline.stages.dp_train.load_split", lambda *a: decoded.append(a))
+    assert cli.main(["dp-train", "--set", override, "--set", "dp.noise_seed=null"]) == 2
+    err = capsys.readouterr().err
+    assert "dpfm: dp params (n=1258 usable private examples) is invalid:\n  - " in err and message in err
+    assert "Traceback" not in err and not decoded  # no image decoded
+    assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()  # no state, no secret key
+
+
+def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one_and_says_so(data_dir, tmp_path, monkeypatch,
+                                                                                capsys, no_tracking):
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    real_save, saves = torch.save, []
+
+    def full_disk(obj, f, *args, **kw):  # the second checkpoint meets a full disk half-way
+        saves.append(1)
+        if len(saves) == 2:
+            f.write(b"\0" * 1000)
+            with open("/dev/full", "wb") as full:  # a real ENOSPC from the kernel
+                real_save(obj, full)
+        return real_save(obj, f, *args, **kw)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert cli.main(["dp-train"]) == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    assert last_line == (f"dpfm: No space left on device while writing {state.relative_to(work)}/checkpoint.pt; "
+                         "any previous checkpoint.pt is intact: free space and re-run")
+    assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert sorted(p.name for p in state.iterdir()) == ["checkpoint.pt", "ledger.jsonl"]  # no temp file left
+
+
+def test_a_full_disk_under_plain_torch_save_would_be_unreadable():
+    """Why Checkpointer writes through a file object: torch.save(path) hides ENOSPC."""
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        torch.save({"x": torch.zeros(1000)}, "/dev/full")
+    with pytest.raises(OSError) as e, open("/dev/full", "wb") as f:
+        torch.save({"x": torch.zeros(1000)}, f)
+    assert e.value.errno == errno.ENOSPC

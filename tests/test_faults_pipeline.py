@@ -1,0 +1,181 @@
+"""Faults at the Snakemake level: two invocations on one workdir, a `kill -9` of snakemake, the whole
+DAG killed -9 mid dp-train as a preemption (then `snakemake --unlock; snakemake` resumes dp-train to
+the uninterrupted result), MLflow runs of a dead pipeline marked KILLED (only this workdir's), and a
+file system without locks.
+
+Stage processes under the DAG load tests/fault_hooks.py through a sitecustomize shim.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fault_hooks import (BIN, FAULT_HOOKS, MARKER, check_same_as_uninterrupted, complete, dp_outcome, dp_state, dpfm,
+                         mlflow_runs)
+from snakemake_project import MICRO, planned_rules, set_params, snakemake_project
+
+
+# -- Snakemake: two invocations on one workdir, and a kill -9 of the whole run -------------------------------------
+
+def snakemake(work: Path, *args: str, path: str = f"{BIN}{os.pathsep}{os.environ['PATH']}", **env) -> subprocess.Popen:
+    env = {**os.environ, "PATH": path, **env}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.Popen([str(BIN / "snakemake"), "--cores", "1", *args], cwd=work, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_a_second_snakemake_on_the_same_workdir_is_locked_out(tmp_path):
+    work = snakemake_project(tmp_path)
+    first = snakemake(work, "models/tokenizer")
+    wait_for(lambda: (work / "logs/tokenizer.log").exists(), first)  # the first is inside a job
+    second = snakemake(work, "models/tokenizer")
+    out2 = second.communicate(timeout=120)[0]
+    out1 = first.communicate(timeout=300)[0]
+    assert second.returncode != 0 and "cannot be locked" in out2, out2[-3000:]
+    assert first.returncode == 0, out1[-3000:]
+    assert (work / "models/tokenizer/spm.model").is_file()
+    # The locked-out run opened no MLflow run (so it could not mark the live one killed).
+    [parent] = [r for r in mlflow_runs(work) if r.data.tags.get("dpfm.pipeline") == "true"]
+    assert parent.info.status == "FINISHED"
+
+
+@pytest.fixture
+def local_mlflow(tmp_path, monkeypatch):
+    """The default SQLite store in tmp_path; mlflow's process-wide URI is reset for the next tests."""
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    yield
+    mlflow.set_tracking_uri(None)  # tracking._mlflow set it for the whole process (and its environment)
+
+
+def test_only_this_workdirs_dead_pipeline_runs_are_marked_killed(local_mlflow):
+    from pipeline import tracking
+
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    finished = tracking.start_parent("dpfm")
+    exp_id = client.get_experiment_by_name("dpfm").experiment_id
+    finished_stage = client.create_run(exp_id, tags={"mlflow.parentRunId": finished, "dpfm.stage": "shards"})
+    client.set_terminated(finished_stage.info.run_id)  # a parent with no stage under it is deleted, not ended
+    tracking.end_parent("dpfm", finished, ok=True)
+    dead = tracking.start_parent("dpfm")  # then kill -9: never ended
+    dead_stage = client.create_run(exp_id, tags={"mlflow.parentRunId": dead, "dpfm.stage": "dp-train"}).info.run_id
+    elsewhere = client.create_run(exp_id, tags={"dpfm.pipeline": "true", "dpfm.workdir": "/another/project"}).info.run_id
+    standalone = client.create_run(exp_id, tags={"dpfm.stage": "evaluate"}).info.run_id  # `dpfm evaluate` by hand
+    new = tracking.start_parent("dpfm")
+    status = {run_id: client.get_run(run_id).info.status for run_id in (finished, dead, dead_stage, elsewhere,
+                                                                           standalone, new)}
+    assert status == {finished: "FINISHED", dead: "KILLED", dead_stage: "KILLED", elsewhere: "RUNNING",
+                      standalone: "RUNNING", new: "RUNNING"}
+
+
+@pytest.mark.e2e
+def test_after_kill_9_of_snakemake_unlock_and_rerun_completes(tmp_path):
+    work = snakemake_project(tmp_path)
+    run = snakemake(work, "models/tokenizer")
+    wait_for(lambda: (work / "logs/tokenizer.log").exists(), run)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=30)
+    rerun = snakemake(work, "models/tokenizer")
+    out = rerun.communicate(timeout=120)[0]
+    assert rerun.returncode != 0 and "--unlock" in out  # the dead run's lock stays until removed
+    assert snakemake(work, "--unlock").wait(timeout=120) == 0
+    rerun = snakemake(work, "models/tokenizer")
+    out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    assert (work / "models/tokenizer/spm.model").is_file()
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every descendant at once, as a preempted SLURM job's cgroup is killed."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    family = [root, *root.children(recursive=True)]
+    for p in family:
+        p.kill()
+    psutil.wait_procs(family, timeout=30)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.e2e
+def test_preempted_whole_dag_run_resumes_dp_train_to_the_uninterrupted_result(tmp_path):
+    """The whole pipeline killed -9 mid dp-train (after step 2 is charged); then what a user does:
+    `snakemake --unlock; snakemake`. Only the killed stage and those after it run; dp-train resumes
+    from its checkpoint with the same secret key, and ends where an uninterrupted run ends."""
+    work = snakemake_project(tmp_path / "project")
+    set_params(work, MICRO)
+    dp_steps = MICRO["dp"]["steps"]
+    shim = tmp_path / "shim"  # the fault hooks, loaded into the stage processes the rules start
+    shim.mkdir()
+    (shim / "fault_hooks.py").write_text(FAULT_HOOKS)
+    (shim / "sitecustomize.py").write_text(
+        "import os, sys\nif os.environ.get('DPFM_FAULT') and 'pipeline.cli' in sys.orig_argv:\n    import fault_hooks\n")
+    pythonpath = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))  # the rerun's pipeline too
+    run = snakemake(work, path=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=pythonpath,
+                    DPFM_FAULT="charged:2", DPFM_FAULT_MARKER=str(work / MARKER))
+    wait_for(lambda: (work / MARKER).exists(), run, timeout=400)
+    kill_tree(run)
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 2 and not (work / "models/dp/ledger.json").exists()
+    [killed_parent] = [r for r in mlflow_runs(work) if r.data.tags.get("dpfm.pipeline") == "true"]
+    assert killed_parent.info.status == "RUNNING"  # nobody was left alive to end it
+
+    out = snakemake(work).communicate(timeout=120)[0]
+    assert "--unlock" in out, out[-3000:]
+    assert snakemake(work, "--unlock").wait(timeout=120) == 0
+    rerun = snakemake(work)
+    out = rerun.communicate(timeout=600)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    assert planned_rules(out) == {"dp_train", "verify", "evaluate", "report"}
+    assert "resuming at step 2" in (work / "logs/dp-train.log").read_text()
+    assert json.loads((work / "results/privacy/verification.json").read_text())["passed"]
+    runs = {r.info.run_id: r for r in mlflow_runs(work)}
+    assert runs[killed_parent.info.run_id].info.status == "KILLED"
+    killed_children = [r for r in runs.values() if r.data.tags.get("mlflow.parentRunId") == killed_parent.info.run_id]
+    assert {r.data.tags["dpfm.stage"]: r.info.status for r in killed_children}["dp-train"] == "KILLED"
+    assert not [r for r in runs.values() if r.info.status == "RUNNING"]
+
+    # The uninterrupted reference: dp-train again from a fresh state holding only the same secret key.
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    state.rename(tmp_path / "resumed-state")
+    state.mkdir()
+    shutil.copy(tmp_path / "resumed-state/secret.key", state / "secret.key")
+    resumed = dp_outcome(work)
+    shutil.rmtree(work / "models/dp")
+    complete(dpfm(work, ["dp-train"]), work)
+    check_same_as_uninterrupted(resumed, dp_outcome(work), steps=dp_steps)
+
+
+def test_a_file_system_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
+    import fcntl
+
+    from pipeline.locking import stage_lock
+
+    def unsupported(*args):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    ran = []
+    with stage_lock("dp-train"):
+        ran.append(1)
+    assert ran and "WARNING cannot lock .dpfm/locks/dp-train.lock (Function not implemented)" in capsys.readouterr().err

@@ -1,0 +1,227 @@
+"""Faults of training: a real `kill -9` of pretrain and dp-train processes at exact points (after a step
+is charged, after its update, half-way through a checkpoint write), SIGTERM as SLURM sends it (to the
+process, to its process group with the decoding workers, to one torchrun rank; a second one), a second
+`dpfm` on a running stage, and a torn last ledger line. After each, a re-run finishes with what an
+uninterrupted run gives, and the privacy ledger never counts fewer steps than were applied.
+
+Stage processes run `dpfm` through tests/fault_hooks.py, which stops them at an exact point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fault_hooks import (BIN, MARKER, RUN_DPFM, STEPS, check_same_as_uninterrupted, complete, dp_outcome, dp_state,
+                         dpfm, kill_at_fault, log_tail, mlflow_runs, with_sets)
+from pretrain_project import make_project, micro_sets, saved
+from shard_data import write_set
+from stage_runs import project, train
+
+from pipeline.data.shards import ShardDataset
+from pipeline.privacy.ledger import Ledger
+
+
+# -- pretrain: kill -9 while a checkpoint is half written, SIGTERM to it and its decoding workers -----
+
+def pretrain_args() -> list[str]:
+    return with_sets("pretrain", micro_sets() + ["run.device=cpu", "pretrain.data_workers=2"])
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> dict:
+    """The uninterrupted pretraining run's weights."""
+    ref = make_project(tmp_path_factory.mktemp("pretrain-ref"))
+    complete(dpfm(ref, pretrain_args()), ref)
+    return saved(ref)["model"]
+
+
+def check_same_pretrained(work: Path, expected: dict) -> None:
+    for name, value in expected.items():
+        assert torch.equal(value, saved(work)["model"][name]), name
+
+
+def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path, pretrained):
+    work = make_project(tmp_path / "work")
+    assert kill_at_fault(dpfm(work, pretrain_args(), fault="saving:2"), work) == "saving"  # 2nd checkpoint half on disk
+    [state] = (work / ".dpfm/state").glob("pretrain-*")
+    assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 2  # the first one is intact
+    complete(dpfm(work, pretrain_args()), work)
+    assert "resuming at step 2" in log_tail(work)
+    check_same_pretrained(work, pretrained)
+
+
+def test_sigterm_to_pretrain_and_its_decoding_workers_checkpoints_then_resumes_bit_for_bit(tmp_path, pretrained):
+    """As SLURM does, the signal reaches the whole process group: the decoding workers keep serving
+    the step in flight until the trainer has saved its checkpoint."""
+    work = make_project(tmp_path / "work")
+    proc = dpfm(work, pretrain_args(), fault="sigterm:2,group")
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM, log_tail(work)
+    assert "dpfm: pretrain stopped by SIGTERM after step 3 of 6;" in log_tail(work)
+    [state] = (work / ".dpfm/state").glob("pretrain-*")
+    assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 3
+    complete(dpfm(work, pretrain_args()), work)
+    assert "resuming at step 3" in log_tail(work)
+    check_same_pretrained(work, pretrained)
+
+
+def test_decoding_workers_outlive_a_sigterm_so_the_step_in_flight_can_finish(tmp_path):
+    import psutil
+
+    from pipeline.data.loader import BatchLoader
+
+    write_set(tmp_path / "set", n=40, per_shard=10)
+    before = {p.pid for p in psutil.Process().children()}
+    batches = BatchLoader(ShardDataset(tmp_path / "set"), 8, workers=2, prefetch=1)(
+        [np.arange(i, i + 2) for i in range(0, 40, 2)])
+    got = [next(batches)[0]]
+    workers = [p for p in psutil.Process().children() if p.pid not in before]
+    assert len(workers) == 2
+    for worker in workers:  # what SLURM's SIGTERM to the process group does to them
+        worker.send_signal(signal.SIGTERM)
+    for worker in workers:  # no race with the next fetch: each signal has been acted on (or discarded)
+        wait_until_handled(worker, signal.SIGTERM)
+    got += [indices for indices, _ in batches]
+    assert np.array_equal(np.concatenate(got), np.arange(40))
+
+
+def wait_until_handled(proc, signum: int, timeout: float = 60) -> None:
+    """Until `signum` is no longer pending for `proc`: discarded when sent (ignored), delivered, or
+    the process is gone. Then what the signal does has happened, whatever the machine's load."""
+    bit = 1 << (signum - 1)
+    deadline = time.time() + timeout
+    while True:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except FileNotFoundError:
+            return
+        pending = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd", "ShdPnd"))]
+        if not any(p & bit for p in pending):
+            return
+        assert time.time() < deadline, f"signal {signum} still pending for pid {proc.pid}"
+        time.sleep(0.01)
+
+
+# -- dp-train: kill -9 at every point of a step ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+    return train(project(data_dir, tmp_path_factory.mktemp("uninterrupted")))
+
+
+def test_kill_9_mid_step_mid_checkpoint_and_after_an_update_resumes_to_the_uninterrupted_run(
+        data_dir, tmp_path, uninterrupted):
+    work = project(data_dir, tmp_path)
+    # 1. Killed after step 2 was charged, before its update: the charge stays, the update is redone.
+    assert kill_at_fault(dpfm(work, ["dp-train"], "charged:2"), work) == "charged"
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 2
+    # 2. Resumed, then killed half-way through writing the step-4 checkpoint.
+    assert kill_at_fault(dpfm(work, ["dp-train"], "saving:1"), work) == "saving"
+    charged, ckpt = dp_state(work)
+    state = ckpt and next((work / ".dpfm/state").glob("dp-train-*"))
+    assert list(state.glob(".checkpoint.pt.*.tmp")), "the kill did not land inside the checkpoint write"
+    assert charged == [0, 1, 2, 3] and ckpt["step"] == 2  # the torn write is invisible: step 2 still holds
+    # 3. Resumed, then killed after the update of step 4, which no checkpoint holds yet.
+    assert kill_at_fault(dpfm(work, ["dp-train"], "updated:2"), work) == "updated"
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2, 3, 4] and ckpt["step"] == 4
+    assert not list(state.glob(".checkpoint.pt.*.tmp"))  # the torn temp file was reclaimed on resume
+    # After every kill the ledger held at least the steps applied (the in-memory step 4 included).
+    complete(dpfm(work, ["dp-train"]), work)
+    check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+def test_sigterm_mid_step_finishes_the_step_checkpoints_and_resumes_to_the_uninterrupted_run(
+        data_dir, tmp_path, uninterrupted):
+    """SLURM's SIGTERM (time limit, preemption) costs no step: the one in flight ends, then a checkpoint."""
+    work = project(data_dir, tmp_path)
+    proc = dpfm(work, ["dp-train"], "sigterm:2")
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM, log_tail(work)
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 3  # checkpoint_every is 2: this one is the signal's
+    assert "dpfm: dp-train stopped by SIGTERM after step 3 of 6;" in log_tail(work)
+    [stopped] = mlflow_runs(work)
+    assert stopped.info.status == "KILLED" and stopped.data.tags["dpfm.stage"] == "dp-train"
+    complete(dpfm(work, ["dp-train"]), work)
+    assert "resuming at step 3" in log_tail(work)
+    check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+def test_a_second_sigterm_stops_at_once(data_dir, tmp_path):
+    work = project(data_dir, tmp_path)
+    proc = dpfm(work, ["dp-train"], "sigterm:2,times:2")
+    assert proc.wait(timeout=300) == -signal.SIGTERM, log_tail(work)
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 2  # step 2 is charged and will be redone
+
+
+def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path):
+    work = project(data_dir, tmp_path)
+    (work / "hooks.py").write_text(RUN_DPFM)
+    env = {**os.environ, "DPFM_FAULT": "sigterm:2,rank:1", "DPFM_FAULT_MARKER": str(work / MARKER),
+           "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hooks.py",
+           "dp-train", "--threads", "1", "--set", "run.device=cpu"]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("dp-train stopped by SIGTERM after step 3 of 6;") == 2, proc.stderr[-3000:]
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 3
+
+
+def test_a_second_dpfm_on_a_running_stage_is_refused_and_a_killed_holder_leaves_no_lock(data_dir, tmp_path):
+    """Snakemake's lock does not cover `dpfm <stage>` run by hand beside it; the stage lock does."""
+    work = project(data_dir, tmp_path)
+    first = dpfm(work, ["dp-train"], "charged:1")
+    deadline = time.time() + 120
+    while not (work / MARKER).exists():  # the first holds the lock, inside step 1
+        assert first.poll() is None and time.time() < deadline, log_tail(work)
+        time.sleep(0.05)
+    second = subprocess.run([BIN / "dpfm", "dp-train", "--threads", "1"], cwd=work, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, timeout=120)
+    assert second.returncode == 1
+    assert second.stderr.strip() == (f"dpfm: dp-train is already running in this directory (pid {first.pid} on "
+                                     f"{socket.gethostname()}, .dpfm/locks/dp-train.lock): wait for it to end, or "
+                                     "stop it, then re-run")
+    assert dp_state(work)[0] == [0, 1]  # the second charged nothing
+    kill_at_fault(first, work)
+    complete(dpfm(work, ["dp-train"]), work)  # no stale lock after a kill -9
+    assert dp_outcome(work)[0]["steps"] == STEPS
+
+
+def test_the_resume_check_catches_a_ledger_not_written_before_the_update(data_dir, tmp_path, uninterrupted):
+    """Against a deliberately broken ledger (records kept in memory), the same kill and check fail."""
+    work = project(data_dir, tmp_path)
+    kill_at_fault(dpfm(work, ["dp-train"], "lazy-ledger,charged:3"), work)
+    charged, ckpt = dp_state(work)
+    assert len(charged) < ckpt["step"]  # applied updates that nobody charged
+    complete(dpfm(work, ["dp-train"], "lazy-ledger"), work)
+    with pytest.raises(AssertionError, match="ledger and optimizer disagree"):
+        check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+def test_a_torn_last_ledger_line_is_dropped_and_charged_again(tmp_path):
+    """A kill inside the ledger's own append leaves half a line: the ledger still opens, loses no step."""
+    path, header = tmp_path / "ledger.jsonl", {"n": 10, "sigma": 1.0}
+    ledger = Ledger(path, header)
+    for step, size in [(0, 3), (1, 4)]:
+        ledger.record_step(step, size)
+    with open(path, "a") as f:
+        f.write('{"batch_size": 5, "st')  # step 2's record, cut mid-write: its update never ran
+    ledger = Ledger(path, header)
+    assert ledger.steps == 2
+    ledger.record_step(2, 5)  # charged again when re-run
+    assert Ledger(path, header).to_dict()["batch_sizes"] == [3, 4, 5]
+    path.write_text('{"header": {"n"')  # killed while writing the header itself
+    assert Ledger(path, header).steps == 0 and json.loads(path.read_text()) == {"header": header}

@@ -1,0 +1,93 @@
+"""`dpfm audit` (the white-box audit of the configured run's step): a correct step passes it for
+every objective at 1 and 2 ranks; the step with its noise ×0.5, ×0.7 or ÷W, or a clipper letting 2C
+through, fails it, with a message naming the figure that is off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from broken_engine import bug
+from ranks import on_two_ranks
+
+from pipeline import cli
+from pipeline.config import load_params
+from pipeline.objectives import OBJECTIVES
+from pipeline.privacy.step_audit import audit_step
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = ["model.size=micro", "model.img_size=16", "model.decoder_width=32", "model.decoder_depth=1",
+         "model.decoder_heads=2", "model.text_width=32", "model.text_depth=1", "model.text_heads=2",
+         "model.max_caption_len=8", "tokenizer.vocab_size=64", "dp.physical_batch_size=4"]
+
+
+def params(name, *more):
+    return load_params(ROOT / "params.yaml", [*MICRO, f"dp.objective={name}", *more])
+
+
+def audited(name, bug_name, world, precision="fp32"):
+    with bug(bug_name):
+        return audit_step(params(name, f"dp.precision={precision}"), sigma=0.8, world=world)
+
+
+def _audited(name, bug_name, world):
+    return audited(name, bug_name, world)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name):
+    from pipeline.distributed import World
+
+    for result in (audited(name, None, World()), on_two_ranks(tmp_path, _audited, name, None)):
+        assert result["verdict"] == "consistent", result["problems"]
+        assert result["noise_ratio"] == pytest.approx(1.0, abs=0.02)
+        # Every example is clipped, so one moves the release by C (per example); per batch, the clipped
+        # mean of 16 moves by a fraction of the bound 2C.
+        if OBJECTIVES[name].clipping == "per_sample":
+            assert result["sensitivity_ratio"] == pytest.approx(1.0, abs=1e-3)
+        else:
+            assert 0 < result["sensitivity_ratio"] <= 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_steps_are_consistent(precision):
+    from pipeline.distributed import World
+
+    for name in OBJECTIVES:
+        result = audited(name, None, World(), precision)
+        assert result["verdict"] == "consistent", (name, result["problems"])
+
+
+@pytest.mark.parametrize("name, bug_name, message", [
+    ("mae", "noise x0.5", "0.50× the accounted σ·K·C"),
+    ("caption", "noise x0.7", "0.70× the accounted σ·K·C"),
+    ("clip", "noise x0.7", "0.70× the accounted σ·K·C"),
+    ("mae", "clip bound 2C", "2.00× the accounted sensitivity K·C"),
+])
+def test_broken_steps_are_flagged(name, bug_name, message):
+    from pipeline.distributed import World
+
+    result = audited(name, bug_name, World())
+    assert result["verdict"] == "flagged" and message in " ".join(result["problems"])
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_noise_divided_by_the_world_size_is_flagged_at_two_ranks(tmp_path, name):
+    result = on_two_ranks(tmp_path, _audited, name, "noise / W")
+    assert result["verdict"] == "flagged"
+    assert "1/W = 0.500 at this world size, is the noise divided by the ranks?" in result["problems"][0]
+
+
+def test_dpfm_audit_prints_figures_and_exits_nonzero_when_flagged(in_tmp, capsys):
+    args = ["audit", "--sigma", "0.8", *sum((["--set", s] for s in MICRO), [])]
+    assert cli.main(args + ["--json", "audit.json"]) == 0
+    out = capsys.readouterr().out
+    assert "noise std" in out and "sensitivity" in out and "verdict: consistent" in out
+    with bug("noise x0.7"):
+        assert cli.main(args) == 1
+    assert "FLAGGED: the step adds noise" in capsys.readouterr().out
+
+
+def test_dpfm_audit_without_sigma_or_shards_says_what_it_needs(in_tmp, capsys):
+    assert cli.main(["audit", *sum((["--set", s] for s in MICRO), [])]) == 2
+    assert "run `dpfm shards` first or pass --sigma" in capsys.readouterr().err
