@@ -52,3 +52,16 @@ def serve():
     start, started = serving()
     yield start
     stop(started)
+
+
+@pytest.fixture
+def local_mlflow(tmp_path, monkeypatch):
+    """The default SQLite store in tmp_path, whatever an earlier test set; mlflow's process-wide URI
+    is reset for the next tests."""
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri(None)
+    yield
+    mlflow.set_tracking_uri(None)  # tracking._mlflow sets it for the whole process (and its environment)

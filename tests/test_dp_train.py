@@ -3,11 +3,14 @@
 Each test trains in its own project (stage_runs.project) on the shards and tokenizer that the
 session-wide `data_dir` fixture (conftest.py) makes once."""
 
+import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from stage_runs import project, train
@@ -134,3 +137,90 @@ def test_runs_on_the_same_private_data_compose(data_dir, tmp_path, monkeypatch):
     assert both["runs"] == 2 and [r["objective"] for r in both["by_run"]] == ["mae", "caption"]
     assert both["epsilon"] > 1.2 * max(first["epsilon"], second["epsilon"])
     assert first["data_fingerprint"] == second["data_fingerprint"] and first["run"] != second["run"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_streamed_batches_are_the_in_memory_batches(data_dir, objective_name, world_size, workers):
+    """Every micro-batch dp_step asks for, on every rank, decoded ahead by the workers: the same
+    tensors as indexing the whole split decoded in memory (the old path) with the same ids."""
+    from pipeline.data.sampling import PoissonSampler
+    from pipeline.data.shards import ShardDataset
+    from pipeline.data.transforms import to_tensor
+    from pipeline.distributed import World
+
+    mcfg = ModelConfig.from_params({**load_params(data_dir / "params.yaml")["model"]}, objective_name, 128)
+    tokenizer = Tokenizer(data_dir / "models/tokenizer") if objective(objective_name).tokens else None
+    split = data_dir / "data/shards/private"
+    ds = ShardDataset(split)
+    whole = (to_tensor(ds.load_images(mcfg.img_size)),)
+    if tokenizer:
+        whole += (tokenizer.encode([ds.caption(i) for i in range(len(ds))], mcfg.max_len),)
+    sampler = PoissonSampler(len(ds), 40 / len(ds), key=7)
+    mode = objective(objective_name).clipping
+    for rank in range(world_size):
+        world = World(rank, world_size)
+        loader = dp_train.BatchLoader(ShardDataset(split), mcfg.img_size, tokenizer=tokenizer,
+                                      max_len=mcfg.max_len if tokenizer else None, workers=workers)
+        stream = dp_train.StreamedBatches(loader, sampler, mode, 16, world, steps=5)
+        seen = 0
+        try:
+            for step in range(1, 5):  # starts past step 0, as after a resume
+                indices = sampler.batch(step)
+                for positions in engine.micro_batches(len(indices), mode, 16, world):
+                    got = stream(step, indices, positions)
+                    assert len(got) == len(whole)
+                    for g, w in zip(got, whole):
+                        assert torch.equal(g, w[indices[positions]])
+                    seen += len(positions)
+        finally:
+            stream.close()
+        assert seen > 0
+
+
+def test_a_step_asking_for_other_examples_than_planned_is_refused(data_dir):
+    from pipeline.data.sampling import PoissonSampler
+    from pipeline.data.shards import ShardDataset
+    from pipeline.distributed import World
+
+    ds = ShardDataset(data_dir / "data/shards/private")
+    sampler = PoissonSampler(len(ds), 0.2, key=7)
+    stream = dp_train.StreamedBatches(dp_train.BatchLoader(ds, 16), sampler, "per_sample", 16, World(), steps=3)
+    indices = sampler.batch(0)
+    with pytest.raises(RuntimeError, match="other examples"):
+        stream(0, indices[::-1].copy(), np.arange(min(16, len(indices))))
+    stream.close()
+
+
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_private_images_of_any_size_and_shape_train(data_dir, tmp_path, objective_name):
+    """28-px, 64-px, non-square and greyscale images in one private split: each is centre-cropped
+    and resized to the model's 16 px by the loader, and dp-train runs on them."""
+    from PIL import Image
+
+    from pipeline.data.shards import ShardWriter, encode_png
+    from pipeline.data.transforms import encode_jpeg
+    from pipeline.io import read_json, write_json
+
+    work = project(data_dir, tmp_path)
+    private = work / "data/shards/private"
+    shutil.rmtree(private)
+    rng = np.random.default_rng(0)
+    shapes = [(28, 28), (64, 64), (40, 24), (17, 50)]
+    with ShardWriter(private, prefix="private", samples_per_shard=16) as w:
+        for i in range(96):
+            h, wd = shapes[i % len(shapes)]
+            pixels = rng.integers(0, 256, (h, wd, 3), dtype=np.uint8)
+            if i % 5 == 0:  # a greyscale PNG
+                buf = io.BytesIO()
+                Image.fromarray(pixels[..., 0]).save(buf, format="PNG")
+                data, ext = buf.getvalue(), "png"
+            else:
+                data, ext = (encode_jpeg(pixels), "jpg") if i % 2 else (encode_png(pixels), "png")
+            w.write(f"p{i:04d}", data, f"a photo of thing {i % 7}", {}, image_ext=ext)
+    stats = read_json(work / "data/shards/stats.json")
+    stats["private"].update(usable=96, rows=96)
+    write_json(work / "data/shards/stats.json", stats)
+    ledger, ckpt = train(work, [f"dp.objective={objective_name}", "dp.expected_batch_size=24"])
+    assert ledger["steps"] == 6 and all(torch.isfinite(v).all() for v in ckpt["model"].values())

@@ -240,6 +240,42 @@ def test_webdataset_set_reads_labels_from_json_or_text(tmp_path):
         load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:species"}, 16)
 
 
+def test_official_train_and_test_parts_are_used_as_they_are(tmp_path):
+    for part, per_class in (("train", 3), ("test", 2)):
+        for name, value in (("cat", 20), ("dog", 200)):
+            (tmp_path / part / name).mkdir(parents=True)
+            for i in range(per_class):
+                Image.fromarray(np.full((24, 30, 3), value, np.uint8)).save(tmp_path / part / name / f"{i}.png")
+    spec = {"name": "pets", "source": "folder", "train": str(tmp_path / "train"), "test": str(tmp_path / "test")}
+    es = load_eval_set(spec, 16)
+    tr, te = es.split(0.5, seed=3)  # the fraction and seed do not reshuffle an official split
+    assert tr.tolist() == list(range(6)) and te.tolist() == list(range(6, 10))
+    assert es.labels[te].tolist() == [0, 0, 1, 1] and es.images.shape == (10, 16, 16, 3)
+    with pytest.raises(ValueError, match="`train` and `test`"):
+        load_eval_set({**spec, "path": str(tmp_path / "train")}, 16)
+    with pytest.raises(ValueError, match="`train` and `test`"):
+        load_eval_set({"name": "pets", "source": "folder", "train": str(tmp_path / "train")}, 16)
+    with pytest.raises(FileNotFoundError, match=r"evaluate.sets\[pets\].test"):
+        load_eval_set({**spec, "test": str(tmp_path / "nope")}, 16)
+
+
+def test_digits_set_follows_the_shards_source(tmp_path, monkeypatch):
+    """Trained on digits: the held-out digits split only. Trained on anything else: every bundled
+    digit, public and unseen (a web run never looks for data/shards/eval labels)."""
+    from pipeline.data.shards import ShardDataset
+    from pipeline.io import write_json
+    from pipeline.stages.shards import write_digits
+
+    monkeypatch.chdir(tmp_path)
+    write_json("data/shards/stats.json", {"source": "urls"})
+    every = load_eval_set({"name": "digits", "source": "digits"}, 8)
+    assert len(every.labels) == 1797 and every.images.shape[1:] == (8, 8, 3)
+    write_digits({"image_size": 8, "eval_fraction": 0.3, "samples_per_shard": 512}, 0, Path("data/shards"))
+    write_json("data/shards/stats.json", {"source": "digits"})
+    held = load_eval_set({"name": "digits", "source": "digits"}, 8)
+    assert len(held.labels) == len(ShardDataset("data/shards/eval")) < 0.35 * 1797
+
+
 def test_eval_set_split_is_stratified_and_needs_two_per_class():
     es = EvalSet("x", np.zeros((20, 4, 4, 3), np.uint8), np.repeat([0, 1], 10), ["a", "b"], ("{c}",))
     tr, te = es.split(0.5, 0)
@@ -279,6 +315,7 @@ def make_project(root, objective="caption", nonprivate=True, steps=3):
         for i, label in enumerate(labels):
             w.write(f"eval-{i:06d}", encode_png(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)), "x",
                     {"label": int(label)})
+    write_json(root / "data/shards/stats.json", {"source": "digits"})  # so the digits set is this eval split
     vocab = make_tokenizer(root / "models/tokenizer")
     cfg = {**MICRO, "vocab_size": vocab, "max_len": 12, "text_width": 32, "text_depth": 1, "text_heads": 2,
            "embed_dim": 32}

@@ -56,17 +56,6 @@ def test_a_second_snakemake_on_the_same_workdir_is_locked_out(tmp_path):
     assert parent.info.status == "FINISHED"
 
 
-@pytest.fixture
-def local_mlflow(tmp_path, monkeypatch):
-    """The default SQLite store in tmp_path; mlflow's process-wide URI is reset for the next tests."""
-    import mlflow
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    yield
-    mlflow.set_tracking_uri(None)  # tracking._mlflow set it for the whole process (and its environment)
-
-
 def test_only_this_workdirs_dead_pipeline_runs_are_marked_killed(local_mlflow):
     from pipeline import tracking
 

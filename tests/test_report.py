@@ -109,11 +109,10 @@ def test_failed_verification_is_the_first_thing_the_report_says(project):
     assert "✘ FAIL" in page
 
 
-def test_privacy_utility_points_come_from_finished_mlflow_runs(tmp_path, monkeypatch):
+def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp_path):
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     client = mlflow.tracking.MlflowClient()
     exp = client.create_experiment("dpfm")
 

@@ -228,3 +228,24 @@ def test_shards_stage_with_a_url_list(in_tmp):
     assert len(private) + len(held) == 40
     assert sum(stats[s]["excluded"].get("corrupt_image", 0) for s in ("private", "eval")) == 1
     assert stats["shards"]["indexed"] == 5 and stats["source"] == "urls"
+
+
+@pytest.mark.parametrize("fraction, held_out", [(None, False), (0.25, True)])
+def test_a_web_source_trains_on_all_private_data_unless_an_eval_split_is_asked_for(in_tmp, capsys, fraction,
+                                                                                  held_out):
+    write_set(in_tmp / "ext", n=40, per_shard=10)
+    params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{000000..000003}}.tar']",
+                                    f"shards.eval_fraction={'null' if fraction is None else fraction}",
+                                    "shards.workers=1"])
+    tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
+    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(tracker=tracker, threads=1))
+    stats = read_json("data/shards/stats.json")
+    assert stats["eval_from_private"] is held_out
+    assert (stats["eval"]["usable"] > 0) is held_out and stats["private"]["usable"] + stats["eval"]["usable"] == 40
+    assert ("NOT protected" in capsys.readouterr().out) is held_out
+
+
+def test_digits_need_a_held_out_part(in_tmp):
+    params = load_params(overrides=["shards.eval_fraction=0"])
+    with pytest.raises(ValueError, match="eval_fraction=0 with source digits"):
+        shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(threads=1))

@@ -1,5 +1,9 @@
-"""Labelled evaluation sets: the bundled digits held-out split, or any labelled webdataset or
-image-folder directory named in `evaluate.sets`.
+"""Labelled evaluation sets: the bundled digits, or any labelled webdataset or image-folder
+directory named in `evaluate.sets`, as one `path` (split here, seeded and stratified) or as its own
+`train` and `test` parts (an official split, used as it is).
+
+Digits follow the shards source: when the private data is digits, the held-out digits split
+(data/shards/eval) that training never saw; otherwise all of scikit-learn's bundled digits.
 
 Every set comes back as square uint8 images at the model's input size, integer labels, class
 names and zero-shot prompt templates (with a `{c}` slot for the class name).
@@ -20,7 +24,7 @@ from tqdm import tqdm
 
 from pipeline.data.shards import INDEX_NAME, ShardDataset
 
-DIGITS_EVAL = "data/shards/eval"
+DIGITS_EVAL, SHARD_STATS = "data/shards/eval", "data/shards/stats.json"
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp")
 DEFAULT_TEMPLATES = ("a photo of a {c}.",)
 
@@ -32,6 +36,7 @@ class EvalSet:
     labels: np.ndarray          # (N,) int in [0, len(classes))
     classes: list[str]
     templates: tuple[str, ...]  # zero-shot prompts, "{c}" is replaced by the class name
+    parts: tuple[np.ndarray, np.ndarray] | None = None  # (train, test) indices of an official split
 
     def prompts(self) -> list[list[str]]:
         """One list of prompts per class."""
@@ -43,7 +48,9 @@ class EvalSet:
         return float(np.bincount(self.labels).max() / len(self.labels))
 
     def split(self, train_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """Stratified probe-train / probe-test indices."""
+        """Probe-train / probe-test indices: the set's own parts, else a stratified seeded split."""
+        if self.parts is not None:
+            return self.parts
         counts = np.bincount(self.labels, minlength=len(self.classes))
         if counts.min() < 2:
             rare = [self.classes[i] for i in np.flatnonzero(counts < 2)]
@@ -72,25 +79,41 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
     source = spec["source"]
     if source == "digits":
         return _digits(spec, image_size)
-    path = Path(spec["path"])
-    if not path.exists():
-        raise FileNotFoundError(f"evaluate.sets[{spec['name']}].path: {path} does not exist")
-    if source == "folder":
-        images, names = _folder(path, image_size)
-    elif source == "webdataset":
-        images, names = _webdataset(path, spec.get("label", "json:label"), image_size)
-    else:
+    if source not in ("folder", "webdataset"):
         raise ValueError(f"evaluate.sets[{spec['name']}].source: unknown source {source!r}")
-    labels, classes = _encode_labels(names, spec.get("classes"), spec["name"])
-    return EvalSet(spec["name"], images, labels, classes, tuple(spec.get("templates", DEFAULT_TEMPLATES)))
+    parts = [key for key in ("train", "test") if key in spec]
+    if parts and (len(parts) == 1 or "path" in spec):
+        raise ValueError(f"evaluate.sets[{spec['name']}]: give `train` and `test` (an official split) or `path` "
+                         "(split here), not " + " and ".join(sorted(set(parts) | ({"path"} & set(spec)))))
+    loaded = [_load_part(spec, key, image_size) for key in (parts or ["path"])]
+    images = np.concatenate([im for im, _ in loaded])
+    labels, classes = _encode_labels([n for _, names in loaded for n in names], spec.get("classes"), spec["name"])
+    split = None
+    if parts:
+        n_train = len(loaded[0][0])
+        split = (np.arange(n_train), np.arange(n_train, len(images)))
+    return EvalSet(spec["name"], images, labels, classes, tuple(spec.get("templates", DEFAULT_TEMPLATES)), split)
+
+
+def _load_part(spec: dict, key: str, image_size: int) -> tuple[np.ndarray, list]:
+    path = Path(spec[key])
+    if not path.exists():
+        raise FileNotFoundError(f"evaluate.sets[{spec['name']}].{key}: {path} does not exist")
+    if spec["source"] == "folder":
+        return _folder(path, image_size)
+    return _webdataset(path, spec.get("label", "json:label"), image_size)
 
 
 def _digits(spec: dict, image_size: int) -> EvalSet:
-    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS
+    from pipeline.io import read_json
+    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS, load_digits_rgb
 
-    ds = ShardDataset(DIGITS_EVAL)
-    images = np.stack([square(Image.fromarray(ds.image(i)), image_size) for i in range(len(ds))])
-    labels = np.array([ds.meta(i)["label"] for i in range(len(ds))])
+    if Path(SHARD_STATS).exists() and read_json(SHARD_STATS).get("source") == "digits":
+        ds = ShardDataset(DIGITS_EVAL)  # the held-out part: the private part was trained on
+        images = np.stack([square(Image.fromarray(ds.image(i)), image_size) for i in range(len(ds))])
+        labels = np.array([ds.meta(i)["label"] for i in range(len(ds))])
+    else:  # private data from elsewhere: every bundled digit is public and unseen
+        images, labels = load_digits_rgb(image_size)
     # The training captions' own templates are the natural zero-shot prompts for digits.
     templates = tuple(spec.get("templates") or (t.format(w="{c}") for t in CAPTION_TEMPLATES))
     return EvalSet(spec["name"], images, labels, list(spec.get("classes") or NUMBER_WORDS), templates)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -89,6 +89,14 @@ def rank_share(batch_size: int, mode: str, physical_batch_size: int, world: Worl
     return PoissonSampler.split(np.arange(batch_size), physical, world.rank, world.size)
 
 
+def micro_batches(batch_size: int, mode: str, physical_batch_size: int, world: World) -> Iterator[np.ndarray]:
+    """The positions in the logical batch that this rank's clipper computes, one array per call of
+    `fetch`: a streaming loader decodes exactly these, in this order, ahead of the step."""
+    for positions in rank_share(batch_size, mode, physical_batch_size, world):
+        if len(positions) or mode == "per_batch" and batch_size:  # a per-batch part joins the gathers
+            yield positions
+
+
 @dataclass
 class StepResult:
     batch_size: int   # |B_t|: private, for the ledger only
@@ -109,9 +117,8 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
         ledger.record_step(step, len(indices))
     clipper.reset()
     nonfinite = 0
-    for positions in rank_share(len(indices), clipper.mode, physical_batch_size, world):
-        if len(positions) or clipper.mode == "per_batch" and len(indices):  # a per-batch part joins the gathers
-            nonfinite += clipper.accumulate(*fetch(step, indices, positions)).nonfinite
+    for positions in micro_batches(len(indices), clipper.mode, physical_batch_size, world):
+        nonfinite += clipper.accumulate(*fetch(step, indices, positions)).nonfinite
     count = torch.tensor([float(nonfinite)], device=next(iter(clipper.sum.values())).device)
     all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
     dropped = clipper.finish(len(indices))

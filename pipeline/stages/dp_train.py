@@ -1,12 +1,16 @@
 """The `dp-train` stage: DP-SGD on the private shards (ViP's MAE, DP-Cap's captioner or Dp-CLIP).
 
 One logical step is `privacy.engine.dp_step` (sample, charge the ledger, clip, sum over micro-batches
-and torchrun ranks, add noise once, divide): this module loads the data, plans the mechanism, builds
-the model and clipper from the objective's table entry, and runs the shared training loop.
+and torchrun ranks, add noise once, divide): this module plans the mechanism, builds the model and
+clipper from the objective's table entry, streams the sampled examples, and runs the shared loop.
+
+Nothing per example is held in memory: the sampler draws step t's ids from the key, and loader
+worker processes read, decode and resize just this rank's share of them, several steps ahead (the
+schedule is a function of the key, so it is known in advance). Peak memory is flat in n.
 
 Privacy-relevant randomness (who is sampled, the noise, the MAE masks) comes from a secret key kept
 in the stage's state directory, never in params or MLflow. Only public-data figures are logged: the
-loss on the held-out eval split, which is post-processing of the (private) model.
+loss on the held-out eval split (when there is one), which is post-processing of the private model.
 """
 
 from __future__ import annotations
@@ -17,31 +21,62 @@ import numpy as np
 import torch
 
 from pipeline.config import ParamsError
+from pipeline.data.loader import BatchLoader
 from pipeline.data.sampling import PoissonSampler
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer
-from pipeline.data.transforms import to_tensor
 from pipeline.distributed import barrier, broadcast_int, gather_with_grad, init_world
 from pipeline.io import atomic_dir, read_json, write_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget
-from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
+from pipeline.privacy.engine import Mechanism, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
                             save_model, state_dir, step_generator)
 
 SHARDS, PRETRAIN, TOKENIZER, OUT_DIR = "data/shards", "models/pretrain", "models/tokenizer", "models/dp"
+HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
 
 
-def load_split(split: str, objective_name: str, tokenizer: Tokenizer | None, max_len: int):
-    """Images (and caption tokens for caption/clip) of one split, as the model's inputs."""
-    ds = ShardDataset(f"{SHARDS}/{split}")
-    images = to_tensor(ds.load_images())
-    if not objective(objective_name).tokens:
-        return ds, (images,)
-    tokens = tokenizer.encode([ds.caption(i) for i in range(len(ds))], max_len)
-    return ds, (images, tokens)
+def split_loader(split: str, mcfg: ModelConfig, tokenizer: Tokenizer | None, workers: int = 0) -> BatchLoader:
+    """Model inputs (images at the model's size; caption tokens for caption/clip) of one split, by index."""
+    return BatchLoader(ShardDataset(f"{SHARDS}/{split}"), mcfg.img_size, tokenizer=tokenizer,
+                       max_len=mcfg.max_len if tokenizer else None, workers=workers)
+
+
+class StreamedBatches:
+    """`fetch` for dp_step: the inputs of the micro-batches this rank computes, decoded ahead.
+
+    The first call starts the stream at its step (after a resume, the checkpoint's); from there the
+    loader decodes, in dp_step's order, exactly the examples dp_step will ask for: those of
+    `engine.micro_batches` over each step's sample. A request out of that order is a bug, not a
+    reason to read something else.
+    """
+
+    def __init__(self, loader: BatchLoader, sampler: PoissonSampler, mode: str, physical_batch_size: int, world,
+                 steps: int):
+        self.loader, self.sampler, self.mode, self.world = loader, sampler, mode, world
+        self.physical, self.steps, self._stream = physical_batch_size, steps, None
+
+    def _plan(self, start: int):
+        for step in range(start, self.steps):
+            indices = self.sampler.batch(step)
+            for positions in micro_batches(len(indices), self.mode, self.physical, self.world):
+                yield indices[positions]
+
+    def __call__(self, step: int, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, ...]:
+        if self._stream is None:
+            self._stream = self.loader(self._plan(step))
+        ids, inputs = next(self._stream)
+        if not np.array_equal(ids, indices[positions]):
+            raise RuntimeError(f"step {step}: the loader decoded other examples than the step sampled")
+        return inputs
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()  # stops the decoding workers
+        self.loader.dataset.close()
 
 
 def secret_key(directory, noise_seed: int | None) -> int:
@@ -89,15 +124,15 @@ def run(params: dict, ctx) -> None:
         mech = plan_mechanism(dp, n)
     except ValueError as e:
         raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
-    _, train_inputs = load_split("private", dp["objective"], tokenizer, mcfg.max_len)
-    _, held_inputs = load_split("eval", dp["objective"], tokenizer, mcfg.max_len)
+    held = split_loader("eval", mcfg, tokenizer)
+    held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
     inputs = [f"{SHARDS}/private"] + ([PRETRAIN] if dp["init"] == "pretrain" else []) + ([TOKENIZER] if tokenizer else [])
     work = state_dir("dp-train", params, inputs)
     if world.is_main:  # charged to the dataset's budget before the first step (composition across runs)
         data_id = budget.fingerprint(f"{SHARDS}/private")
         budget.record(data_id, work.name, mech)
     key = broadcast_int(secret_key(work, dp["noise_seed"]) if world.is_main else 0, world)
-    trainer = Trainer(params, mcfg, train_inputs, held_inputs, mech, world, device)
+    trainer = Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device)
 
     model, counters, history = trainer.train(key, work, ctx, private=True)
     if world.is_main:
@@ -135,13 +170,14 @@ def run(params: dict, ctx) -> None:
 class Trainer:
     """Builds the model and runs the DP (or, for the baseline, the plain) training loop."""
 
-    def __init__(self, params, mcfg, train_inputs, held_inputs, mech, world, device):
-        self.params, self.dp, self.mcfg = params, params["dp"], mcfg
-        self.train_inputs, self.mech, self.world, self.device = train_inputs, mech, world, device
+    def __init__(self, params, mcfg, tokenizer, held_inputs, mech, world, device):
+        self.params, self.dp, self.mcfg, self.tokenizer = params, params["dp"], mcfg, tokenizer
+        self.mech, self.world, self.device = mech, world, device
         self.num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
-        self.held = tuple(x[:256] for x in held_inputs)
-        self.held_noise = torch.rand(len(self.held[0]), self.num_patches,
-                                     generator=torch.Generator().manual_seed(params["run"]["seed"]))
+        self.held = held_inputs  # None: no eval split, no held-out loss
+        if held_inputs is not None:
+            self.held_noise = torch.rand(len(held_inputs[0]), self.num_patches,
+                                         generator=torch.Generator().manual_seed(params["run"]["seed"]))
         self.ledger = None
 
     def build(self):
@@ -172,9 +208,11 @@ class Trainer:
         counters = state.counters
         optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
         masks = {}
+        stream = StreamedBatches(split_loader("private", self.mcfg, self.tokenizer, dp["data_workers"]), sampler,
+                                 obj.clipping, dp["physical_batch_size"], world, plan["planned_steps"])
 
         def fetch(step: int, indices: np.ndarray, positions: np.ndarray) -> tuple:
-            batch = tuple(x[indices[positions]] for x in self.train_inputs)
+            batch = stream(step, indices, positions)
             if obj.masks:  # drawn for the whole logical batch, so they do not depend on how it is split
                 if step not in masks:
                     masks.clear()
@@ -188,14 +226,17 @@ class Trainer:
             counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
             optimizer.step()
             metrics = {}
-            if step % dp["eval_every"] == 0 or step == plan["planned_steps"] - 1:
+            if self.held is not None and (step % dp["eval_every"] == 0 or step == plan["planned_steps"] - 1):
                 metrics["heldout_loss"] = self.heldout_loss(model)
             return metrics
 
         prefix = "" if private else "nonprivate_"
-        run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
-                 step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
-                 log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s), world=world)
+        try:
+            run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
+                     step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
+                     log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s), world=world)
+        finally:
+            stream.close()
         return model, counters, state.history
 
     @torch.no_grad()

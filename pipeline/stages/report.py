@@ -29,8 +29,11 @@ def data_card(stats: dict) -> tuple[str, str, str]:
     skipped = private.get("excluded") or {}
     detail = (", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in sorted(skipped.items()))
               if skipped else "none")
+    unprotected = (f"; {stats['eval']['usable']} private examples held out for evaluation are NOT protected "
+                   "(shards.eval_fraction)" if stats.get("eval_from_private") else "")
     return ("Private data", f"{private['usable']} usable",
-            f"of {private.get('rows', private['usable'])} rows from {stats.get('source', '?')}; skipped: {detail}")
+            f"of {private.get('rows', private['usable'])} rows from {stats.get('source', '?')}; skipped: {detail}"
+            + unprotected)
 
 
 # -- ε against step ---------------------------------------------------------------------------

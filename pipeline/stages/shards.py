@@ -95,16 +95,34 @@ def resolve_source(cfg: dict) -> tuple[list[str], dict]:
                             timeout_s=dl["timeout_s"], retries=dl["retries"])
 
 
+def eval_fraction(cfg: dict) -> float:
+    """The held-out share: digits keeps a public held-out part; a web source trains on (and protects)
+    everything unless a private-derived eval split is asked for explicitly."""
+    fraction = cfg["eval_fraction"]
+    if cfg["source"] == "digits":
+        if fraction == 0:
+            raise ValueError("shards.eval_fraction=0 with source digits leaves the digits eval set empty: "
+                             "use null (0.3) or a value in (0, 1)")
+        return 0.3 if fraction is None else fraction
+    if fraction:
+        print(f"shards: WARNING shards.eval_fraction={fraction} holds out private examples for evaluation: "
+              "they are not trained on and NOT protected by the ε of this run")
+    return fraction or 0.0
+
+
 def run(params: dict, ctx) -> None:
     cfg, seed = params["shards"], params["run"]["seed"]
-    stats = {"source": cfg["source"]}
+    fraction = eval_fraction(cfg)
+    # A web source's eval split is private data: whatever is computed on it is released unprotected.
+    stats = {"source": cfg["source"], "eval_fraction": fraction,
+             "eval_from_private": cfg["source"] != "digits" and fraction > 0}
     with atomic_dir(OUT_DIR) as out:
         if cfg["source"] == "digits":
-            stats.update(write_digits(cfg, seed, out))
+            stats.update(write_digits({**cfg, "eval_fraction": fraction}, seed, out))
         else:
             urls, source_stats = resolve_source(cfg)
             stats.update(source_stats)
-            stats.update(build_index(urls, out, eval_fraction=cfg["eval_fraction"], seed=seed,
+            stats.update(build_index(urls, out, eval_fraction=fraction, seed=seed,
                                      cache_dir=Path(cfg["cache_dir"]) / "scan",
                                      workers=cfg["workers"] or ctx.threads, check_size=cfg["image_size"]))
         for split in SPLITS:

@@ -1,0 +1,134 @@
+"""Does dp-train's memory stay flat as the private set grows? (pipeline/stages/dp_train.py)
+
+    python -m benchmarks.dp_train_memory [--small 20000] [--factor 10] [--dir DIR]
+
+Writes two private shard sets of 32-px PNGs, n and factor·n examples, and runs the real dp-train
+stage (MAE, micro ViT, a few DP steps of expected batch 256) on each in a fresh process, reporting
+its peak RSS. Beside them, the baseline: the peak RSS of a process that only loads the larger split
+into memory the way dp-train did before it streamed (every image decoded to float32).
+Target: peak RSS at factor·n <= 1.25 x the peak at n. Prints a table, then ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 1.25
+OVERRIDES = ["model.size=micro", "model.img_size=32", "model.patch_size=4", "model.decoder_width=32",
+             "model.decoder_depth=1", "model.decoder_heads=2", "dp.objective=mae", "dp.init=random", "dp.steps=3",
+             "dp.expected_batch_size=256", "dp.physical_batch_size=64", "dp.eval_every=1", "dp.checkpoint_every=3",
+             "dp.noise_seed=1", "dp.sigma=1.0", "dp.epsilon=100", "run.device=cpu"]
+
+
+def image(rng: np.random.Generator) -> np.ndarray:
+    """A smooth 32-px picture with a little noise: a few hundred bytes as PNG, like small photos."""
+    y, x = np.mgrid[0:32, 0:32]
+    base = (np.stack([x, y, x + y], -1) * rng.uniform(2, 4, 3) + rng.uniform(0, 255, 3)) % 256
+    return (base + rng.normal(0, 4, base.shape)).clip(0, 255).astype(np.uint8)
+
+
+def write_project(directory: Path, n: int) -> Path:
+    """A project holding private (n) and eval (64) shards, the schema and the default params."""
+    from pipeline.data.shards import ShardWriter, encode_png
+    from pipeline.io import write_json
+
+    if (directory / "data/shards/stats.json").exists():
+        return directory  # reused from an earlier run
+    rng = np.random.default_rng(n)
+    for split, count in (("private", n), ("eval", 64)):
+        with ShardWriter(directory / "data/shards" / split, prefix=split, samples_per_shard=5000) as w:
+            for i in range(count):
+                w.write(f"{split}{i:09d}", encode_png(image(rng)), "a picture", {})
+    shutil.copytree(ROOT / "schemas", directory / "schemas")
+    shutil.copy(ROOT / "params.yaml", directory / "params.yaml")
+    write_json(directory / "data/shards/stats.json", {"source": "benchmark", "private": {"usable": n, "rows": n},
+                                                      "eval": {"usable": 64, "rows": 64}})
+    return directory
+
+
+def child_dp_train(directory: Path) -> None:
+    """Runs in the measured process: the dp-train stage as `dpfm dp-train` runs it, untracked."""
+    os.chdir(directory)
+    from pipeline.cli import StageContext
+    from pipeline.config import load_params, sections_of
+    from pipeline.stages import stage
+    from pipeline.stages.dp_train import run
+    from pipeline.tracking import NullRun
+
+    st = stage("dp-train")
+    run(sections_of(load_params("params.yaml", OVERRIDES), st.sections), StageContext(st, NullRun(), 1, "cpu"))
+
+
+def child_in_memory(directory: Path) -> None:
+    """The baseline: what dp-train held before it streamed, the whole split decoded to float32."""
+    from pipeline.data.shards import ShardDataset
+    from pipeline.data.transforms import to_tensor
+
+    images = to_tensor(ShardDataset(directory / "data/shards/private").load_images(32))
+    print(f"held {images.numel() * 4 / 2**20:.0f} MiB of images", file=sys.stderr)
+
+
+def peak_rss_mb(mode: str, directory: Path) -> tuple[float, float]:
+    """(peak RSS in MiB, seconds) of a fresh process running `mode` on `directory`."""
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.dp_train_memory", "--child", mode, "--dir",
+                             str(directory)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{mode} on {directory} failed (exit {os.waitstatus_to_exitcode(status)})")
+    return usage.ru_maxrss / 1024, time.time() - started  # Linux reports KiB
+
+
+def measure(small: int = 20_000, factor: int = 10, directory: Path | None = None) -> dict:
+    directory = Path(directory or tempfile.mkdtemp(prefix="dpfm-dp-mem-"))
+    sizes = {"small": small, "large": small * factor}
+    out = {}
+    for name, n in sizes.items():
+        t0 = time.time()
+        project = write_project(directory / f"n{n}", n)
+        print(f"  {name}: {n} private examples ready in {time.time() - t0:.0f} s", file=sys.stderr)
+        shutil.rmtree(project / ".dpfm", ignore_errors=True)
+        shutil.rmtree(project / "models", ignore_errors=True)
+        out[f"dp_train_n_{name}"] = n
+        out[f"dp_train_rss_mb_{name}"], out[f"dp_train_s_{name}"] = peak_rss_mb("dp-train", project)
+    out["inmemory_rss_mb_large"], _ = peak_rss_mb("in-memory", directory / f"n{sizes['large']}")
+    out["rss_ratio_large_vs_small"] = out["dp_train_rss_mb_large"] / out["dp_train_rss_mb_small"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", type=int, default=20_000)
+    parser.add_argument("--factor", type=int, default=10)
+    parser.add_argument("--dir", type=Path, help="keep the shard sets here (reused by later runs)")
+    parser.add_argument("--child", choices=["dp-train", "in-memory"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        (child_dp_train if args.child == "dp-train" else child_in_memory)(args.dir)
+        return
+    r = measure(args.small, args.factor, args.dir)
+    print(f"{'':<28}{'n':>12}{'peak RSS MiB':>14}")
+    print(f"{'dp-train (streaming)':<28}{r['dp_train_n_small']:>12}{r['dp_train_rss_mb_small']:>14.0f}")
+    print(f"{'dp-train (streaming)':<28}{r['dp_train_n_large']:>12}{r['dp_train_rss_mb_large']:>14.0f}")
+    print(f"{'split in memory (before)':<28}{r['dp_train_n_large']:>12}{r['inmemory_rss_mb_large']:>14.0f}")
+    print(f"ratio large/small {r['rss_ratio_large_vs_small']:.3f} (target <= {TARGET_RATIO}); "
+          f"in-memory/streaming at n={r['dp_train_n_large']}: "
+          f"{r['inmemory_rss_mb_large'] / r['dp_train_rss_mb_large']:.2f}x")
+    print(json.dumps({"benchmark": "dp_train_memory", **{k: round(v, 3) if isinstance(v, float) else v
+                                                         for k, v in r.items()}, "target_ratio": TARGET_RATIO}))
+
+
+if __name__ == "__main__":
+    main()
