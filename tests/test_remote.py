@@ -50,7 +50,7 @@ def random_requests(rng, sizes, n):
 
 @pytest.mark.parametrize("where", ["local", "http"])
 def test_read_many_returns_the_bytes_of_single_reads(shards, where):
-    directory, _, local_urls, http_urls = shards
+    _, _, local_urls, http_urls = shards
     data = [open(u, "rb").read() for u in local_urls]
     reader = RangeReader(local_urls if where == "local" else http_urls)
     rng = np.random.default_rng(0)
@@ -63,8 +63,11 @@ def test_read_many_returns_the_bytes_of_single_reads(shards, where):
     assert reader.read_many([]) == []
 
 
+OS_PREAD = remote.os.pread
+
+
 def test_close_ranges_are_one_request(shards, monkeypatch):
-    directory, server, local_urls, http_urls = shards
+    _, server, local_urls, http_urls = shards
     requests = [(0, 0, 100), (0, 100, 200), (0, 50, 150), (0, 250, 300), (0, 1000, 1100), (1, 0, 10), (0, 290, 400)]
     reader = RangeReader(http_urls, max_gap=100)
     reader.read_many(requests)
@@ -77,9 +80,6 @@ def test_close_ranges_are_one_request(shards, monkeypatch):
     assert sorted(preads) == [0, 0, 1000]
 
 
-OS_PREAD = remote.os.pread
-
-
 def test_remote_requests_are_in_flight_together(shards, serve):
     directory, *_ = shards
     slow = serve(directory, latency_s=0.2)
@@ -89,7 +89,7 @@ def test_remote_requests_are_in_flight_together(shards, serve):
 
 
 def test_a_failed_range_is_retried_alone_and_the_batch_succeeds(shards):
-    directory, server, local_urls, http_urls = shards
+    _, server, local_urls, http_urls = shards
     requests = [(0, 0, 10), (1, 0, 10), (1, 5000, 5010), (2, 0, 10)]
     server.fail_once.add(("/s-000001.tar", 5000))
     got = RangeReader(http_urls, max_gap=0).read_many(requests)
@@ -100,7 +100,7 @@ def test_a_failed_range_is_retried_alone_and_the_batch_succeeds(shards):
 
 
 def test_a_permanent_failure_names_the_url_and_range(shards):
-    directory, server, _, http_urls = shards
+    _, server, _, http_urls = shards
     missing = f"{server.url}/gone.tar"
     with pytest.raises(ShardReadError, match=f"bytes 0-10 of {missing}: FileNotFoundError"):
         RangeReader([http_urls[0], missing]).read_many([(0, 0, 10), (1, 0, 10)])
@@ -125,7 +125,7 @@ def test_read_samples_is_read_sample_of_each(shards, tmp_path):
 
 
 def test_one_request_per_shard_for_a_whole_shard_set(shards, tmp_path):
-    directory, server, _, http_urls = shards
+    _, server, _, http_urls = shards
     _, over_http = index(http_urls, tmp_path)
     before = sum(server.requests.values())
     over_http.read_samples(range(len(over_http)))
@@ -138,7 +138,7 @@ class FakeTokenizer:
 
 
 def test_the_loader_gives_the_tensors_of_per_sample_reads(shards, tmp_path):
-    directory, _, _, http_urls = shards
+    *_, http_urls = shards
     _, over_http = index(http_urls, tmp_path)
     indices = np.array([3, 3, 17, 0, 39, 22])
     images, tokens = BatchLoader(over_http, SIZE - 2, tokenizer=FakeTokenizer(), max_len=2).load(indices)
