@@ -1,5 +1,6 @@
 """A loopback HTTP server for the source and fault tests: serves files under a root, speaks HTTP Range
-like S3 and web servers do, and can be told to ignore it, to fail once, or to never answer."""
+like S3 and web servers do, and can be told to ignore it, to fail once, to never answer, or to answer
+every request only after a fixed latency (as an object store far away does)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ import http.server
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """Files under server.root; /slow/<f> never answers while the server runs (a client can only time
-    out: no race with the client's timeout); /flaky/<f> fails once with 503."""
+    out: no race with the client's timeout); /flaky/<f> fails once with 503, and so does the first request
+    for a (path, first byte) listed in server.fail_once. server.latency_s delays every answer;
+    server.ranges records every (path, Range header) asked for, server.max_in_flight the most requests
+    served at once."""
 
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as two writes: without this, 40 ms stalls
 
     def log_message(self, *args):
         pass
@@ -29,7 +35,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def _serve(self, body: bool):
         server = self.server
         path = self.path.split("?", 1)[0]
-        server.requests[path] += 1
+        with server.lock:
+            server.requests[path] += 1
+            server.ranges.append((path, self.headers.get("Range")))
+            server.in_flight += 1
+            server.max_in_flight = max(server.max_in_flight, server.in_flight)
+        try:
+            time.sleep(server.latency_s)
+            self._answer(path, body)
+        finally:
+            with server.lock:
+                server.in_flight -= 1
+
+    def _answer(self, path: str, body: bool):
+        server = self.server
         if path.startswith("/slow/"):
             server.closing.wait()
             return
@@ -42,16 +61,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not file.is_file():
             self.send_error(404)
             return
-        data = file.read_bytes()
+        size = file.stat().st_size
         wanted = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if wanted and self._fails_once(path, int(wanted.group(1))):
+            self.send_error(503)
+            return
+        start, end = 0, size
         if wanted and not server.ignore_range:
             start = int(wanted.group(1))
-            end = int(wanted.group(2)) + 1 if wanted.group(2) else len(data)
+            end = min(int(wanted.group(2)) + 1 if wanted.group(2) else size, size)
             self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-            data = data[start:end]
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         else:
             self.send_response(200)
+        with open(file, "rb") as f:  # only the bytes asked for: shards may be large
+            f.seek(start)
+            data = f.read(end - start)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Accept-Ranges", "none" if server.ignore_range else "bytes")
         self.end_headers()
@@ -61,9 +86,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             except OSError:  # the client gave up (a timeout test)
                 pass
 
+    def _fails_once(self, path: str, start: int) -> bool:
+        with self.server.lock:
+            if (path, start) in self.server.fail_once:
+                self.server.fail_once.discard((path, start))
+                return True
+        return False
+
 
 class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256  # concurrent clients open many connections at once (the default backlog is 5)
 
     def handle_error(self, request, client_address):
         pass
@@ -72,9 +105,11 @@ class Server(http.server.ThreadingHTTPServer):
 def serving():
     started = []
 
-    def start(root: Path, ignore_range: bool = False) -> Server:
+    def start(root: Path, ignore_range: bool = False, latency_s: float = 0.0) -> Server:
         server = Server(("127.0.0.1", 0), Handler)
-        server.root, server.ignore_range, server.requests = root, ignore_range, collections.Counter()
+        server.root, server.ignore_range, server.latency_s = root, ignore_range, latency_s
+        server.requests, server.ranges, server.fail_once = collections.Counter(), [], set()
+        server.lock, server.in_flight, server.max_in_flight = threading.Lock(), 0, 0
         server.closing = threading.Event()
         server.url = f"http://127.0.0.1:{server.server_address[1]}"
         threading.Thread(target=server.serve_forever, daemon=True).start()

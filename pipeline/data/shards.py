@@ -199,26 +199,41 @@ class ShardDataset:
 
     def read_sample(self, i: int, members=("image", "txt", "json")) -> dict[str, bytes]:
         """Raw bytes of the sample's members present among `members`, in as few reads as possible."""
+        return self.read_samples([i], members)[0]
+
+    def read_samples(self, indices, members=("image", "txt", "json")) -> list[dict[str, bytes]]:
+        """read_sample of each index, all read together: ranges close in a shard as one request, and
+        the requests to remote shards concurrently (RangeReader.read_many)."""
+        plans = [(int(i), self._reads(int(i), members)) for i in indices]
+        requests = [(int(self._rows.shard_id[i]), start, end) for i, reads in plans for start, end, _ in reads]
+        blobs = iter(self._reader.read_many(requests))
+        return [self._members(i, [(next(blobs), start, spans) for start, _, spans in reads]) for i, reads in plans]
+
+    def _reads(self, i: int, members) -> list[tuple[int, int, list]]:
+        """The byte ranges (start, end, [(member, offset, size)]) that hold sample i's `members`, headers
+        included: one when the members are adjacent, as in every webdataset writer's output."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} usable samples")
         offsets, sizes = self._rows.offsets, self._rows.sizes
         spans = [(m, int(offsets[m][i]), int(sizes[m][i])) for m in members if offsets[m][i] >= 0]
         if not spans:
             raise KeyError(f"sample {self.key(i)!r} has none of the members {members}")
-        shard = int(self._rows.shard_id[i])
         start = min(o for _, o, _ in spans) - HEADER
         end = max(o + s for _, o, s in spans)
         needed = sum(s + HEADER for _, _, s in spans)
         if end - start <= 2 * needed + 8 * HEADER:  # adjacent: one read serves all members
-            blob = self._reader.read(shard, start, end)
-            views = {m: blob[o - HEADER - start:o + s - start] for m, o, s in spans}
-        else:
-            views = {m: self._reader.read(shard, o - HEADER, o + s) for m, o, s in spans}
+            return [(start, end, spans)]
+        return [(o - HEADER, o + s, [(m, o, s)]) for m, o, s in spans]
+
+    def _members(self, i: int, blobs: list[tuple[bytes, int, list]]) -> dict[str, bytes]:
+        """Each member's data out of the (bytes, start, spans) read for it, after its tar header is checked."""
+        url = self.shards[int(self._rows.shard_id[i])]["url"]
         out = {}
-        for m, o, s in spans:
-            where = f"{self.shards[shard]['url']} at byte {o - HEADER}"
-            _check_header(views[m][:HEADER], self._member_name(i, m), s, where)
-            out[m] = views[m][HEADER:]
+        for blob, start, spans in blobs:
+            for m, o, s in spans:
+                view = blob[o - HEADER - start:o + s - start]
+                _check_header(view[:HEADER], self._member_name(i, m), s, f"{url} at byte {o - HEADER}")
+                out[m] = view[HEADER:]
         return out
 
     def image(self, i: int, size: int | None = None) -> np.ndarray:

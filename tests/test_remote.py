@@ -1,0 +1,148 @@
+"""Batched reads by byte range (pipeline/data/remote.py RangeReader.read_many, ShardDataset.read_samples):
+the same bytes as one read at a time, in fewer requests, concurrently, retried range by range.
+
+Remote shards are served by the loopback server of tests/http_server.py (the `serve` fixture), which
+counts and records every request and can fail a given range once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from http_server import closed_port
+from shard_data import SIZE, index, write_set
+
+from pipeline.data import remote
+from pipeline.data.loader import BatchLoader
+from pipeline.data.remote import RangeReader, ShardReadError
+from pipeline.data.shards import ShardDataset
+from pipeline.data.transforms import decode_image, to_tensor
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+
+
+@pytest.fixture
+def shards(tmp_path, serve):
+    """(local directory, http server, local urls, http urls) of 4 shards of 10 samples."""
+    write_set(tmp_path / "w", n=40, per_shard=10)
+    server = serve(tmp_path / "w")
+    names = sorted(p.name for p in (tmp_path / "w").glob("*.tar"))
+    return tmp_path / "w", server, [str(tmp_path / "w" / n) for n in names], [f"{server.url}/{n}" for n in names]
+
+
+def random_requests(rng, sizes, n):
+    """Ranges of every kind: overlapping, nested, adjacent, a few bytes apart, far apart, across shards."""
+    requests = []
+    for _ in range(n):
+        shard = int(rng.integers(len(sizes)))
+        start = int(rng.integers(sizes[shard] - 1))
+        requests.append((shard, start, int(rng.integers(start + 1, min(start + 3000, sizes[shard]) + 1))))
+        if rng.random() < 0.3:  # one overlapping or touching the last
+            _, s, e = requests[-1]
+            s = int(rng.integers(s, e + 1))
+            requests.append((shard, s, min(s + int(rng.integers(1, 200)), sizes[shard])))
+    return requests
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_read_many_returns_the_bytes_of_single_reads(shards, where):
+    _, _, local_urls, http_urls = shards
+    data = [open(u, "rb").read() for u in local_urls]
+    reader = RangeReader(local_urls if where == "local" else http_urls)
+    rng = np.random.default_rng(0)
+    for max_gap in (0, 100, remote.MAX_GAP):
+        reader.max_gap = max_gap
+        requests = random_requests(rng, [len(d) for d in data], 40)
+        got = reader.read_many(requests)
+        assert got == [data[shard][start:end] for shard, start, end in requests]
+        assert got[:5] == [reader.read(*r) for r in requests[:5]]
+    assert reader.read_many([]) == []
+
+
+OS_PREAD = remote.os.pread
+
+
+def test_close_ranges_are_one_request(shards, monkeypatch):
+    _, server, local_urls, http_urls = shards
+    requests = [(0, 0, 100), (0, 100, 200), (0, 50, 150), (0, 250, 300), (0, 1000, 1100), (1, 0, 10), (0, 290, 400)]
+    reader = RangeReader(http_urls, max_gap=100)
+    reader.read_many(requests)
+    s0, s1 = (u.rsplit("/", 1)[1] for u in http_urls[:2])
+    assert sorted(server.ranges) == [(f"/{s0}", "bytes=0-399"), (f"/{s0}", "bytes=1000-1099"), (f"/{s1}", "bytes=0-9")]
+    # Local shards too: one pread per span.
+    preads = []
+    monkeypatch.setattr(remote.os, "pread", lambda fd, n, at: preads.append(at) or OS_PREAD(fd, n, at))
+    assert RangeReader(local_urls, max_gap=100).read_many(requests) == reader.read_many(requests)
+    assert sorted(preads) == [0, 0, 1000]
+
+
+def test_remote_requests_are_in_flight_together(shards, serve):
+    directory, *_ = shards
+    slow = serve(directory, latency_s=0.2)
+    reader = RangeReader([f"{slow.url}/s-000000.tar"], max_gap=0)
+    reader.read_many([(0, k * 1000, k * 1000 + 10) for k in range(8)])
+    assert len(slow.ranges) == 8 and slow.max_in_flight >= 4
+
+
+def test_a_failed_range_is_retried_alone_and_the_batch_succeeds(shards):
+    _, server, local_urls, http_urls = shards
+    requests = [(0, 0, 10), (1, 0, 10), (1, 5000, 5010), (2, 0, 10)]
+    server.fail_once.add(("/s-000001.tar", 5000))
+    got = RangeReader(http_urls, max_gap=0).read_many(requests)
+    assert got == RangeReader(local_urls).read_many(requests)
+    asked = [r for _, r in server.ranges]
+    assert asked.count("bytes=5000-5009") == 2 and len(asked) == 5
+    assert not server.fail_once
+
+
+def test_a_permanent_failure_names_the_url_and_range(shards):
+    _, server, _, http_urls = shards
+    missing = f"{server.url}/gone.tar"
+    with pytest.raises(ShardReadError, match=f"bytes 0-10 of {missing}: FileNotFoundError"):
+        RangeReader([http_urls[0], missing]).read_many([(0, 0, 10), (1, 0, 10)])
+    assert server.requests["/gone.tar"] == 1  # a missing file is not retried
+    dead = f"http://127.0.0.1:{closed_port()}/s-000000.tar"
+    with pytest.raises(ShardReadError, match=f"bytes 512-600 of {dead}"):
+        RangeReader([http_urls[0], dead], attempts=2).read_many([(0, 0, 10), (1, 512, 600)])
+
+
+def test_read_samples_is_read_sample_of_each(shards, tmp_path):
+    directory, _, _, http_urls = shards
+    _, over_http = index(http_urls, tmp_path)
+    local = ShardDataset(directory)
+    rng = np.random.default_rng(1)
+    indices = [int(i) for i in rng.integers(len(local), size=25)] + [0, 0, -1, 39]
+    for members in (("image", "txt", "json"), ("image",), ("txt", "json")):
+        want = [local.read_sample(i, members) for i in indices]
+        assert local.read_samples(indices, members) == want
+        assert over_http.read_samples(np.array(indices), members) == want
+    with pytest.raises(IndexError):
+        local.read_samples([0, 40])
+
+
+def test_one_request_per_shard_for_a_whole_shard_set(shards, tmp_path):
+    _, server, _, http_urls = shards
+    _, over_http = index(http_urls, tmp_path)
+    before = sum(server.requests.values())
+    over_http.read_samples(range(len(over_http)))
+    assert sum(server.requests.values()) - before == len(http_urls)
+
+
+class FakeTokenizer:
+    def encode(self, captions, max_len):
+        return torch.tensor([[len(c)] * max_len for c in captions])
+
+
+def test_the_loader_gives_the_tensors_of_per_sample_reads(shards, tmp_path):
+    *_, http_urls = shards
+    _, over_http = index(http_urls, tmp_path)
+    indices = np.array([3, 3, 17, 0, 39, 22])
+    images, tokens = BatchLoader(over_http, SIZE - 2, tokenizer=FakeTokenizer(), max_len=2).load(indices)
+    raws = [over_http.read_sample(int(i), ("image", "txt")) for i in indices]
+    per_sample = np.stack([decode_image(r["image"], SIZE - 2) for r in raws])
+    assert torch.equal(images, to_tensor(torch.from_numpy(per_sample)))
+    assert tokens[:, 0].tolist() == [len(r["txt"].decode()) for r in raws]
