@@ -1,5 +1,6 @@
 # dpfm: shards -> synthetic -> tokenizer -> pretrain -> dp-train -> verify -> evaluate -> report.
-# Rules come from the stage table in pipeline/stages/__init__.py (the same table writes dvc.yaml).
+# Rules come from the stage table in pipeline/stages/__init__.py (the same table writes dvc.yaml);
+# rules/scan.smk scatters the shards stage's scan of a web source over jobs.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -10,6 +11,7 @@ configfile: "params.yaml"
 
 include: "rules/common.smk"
 include: "rules/stages.smk"
+include: "rules/scan.smk"
 
 
 rule all:

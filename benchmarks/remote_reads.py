@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import sys
 import tempfile
 import time

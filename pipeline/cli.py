@@ -34,18 +34,25 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def run_stage(name: str, params_path: str = "params.yaml", overrides=(), sections_json: str | None = None,
-              threads: int = 0) -> None:
-    st = stage(name)
+def load_job_params(params_path: str, overrides=(), sections_json: str | None = None) -> dict:
     overrides = list(overrides)
     if sections_json:
         # Snakemake passes the sections it tracks, so what re-runs a stage is exactly what it reads.
         # Key by key: the untracked keys of a section (run.threads, ...) keep their params.yaml values.
         overrides += [f"{s}.{k}={json.dumps(v)}" for s, values in json.loads(sections_json).items()
                       for k, v in values.items()]
-    params = load_params(params_path, overrides)
-    params = sections_of(params, st.sections)
-    threads = threads or params["run"]["threads"] or os.cpu_count() or 1
+    return load_params(params_path, overrides)
+
+
+def job_threads(threads: int, params: dict) -> int:
+    return threads or params["run"]["threads"] or os.cpu_count() or 1
+
+
+def run_stage(name: str, params_path: str = "params.yaml", overrides=(), sections_json: str | None = None,
+              threads: int = 0) -> None:
+    st = stage(name)
+    params = sections_of(load_job_params(params_path, overrides, sections_json), st.sections)
+    threads = job_threads(threads, params)
     import torch
 
     torch.set_num_threads(threads)
@@ -73,6 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--sections-json", help=argparse.SUPPRESS)  # used by the Snakefile
         p.add_argument("--threads", type=int, default=0, help="CPU threads (default: run.threads or all)")
         p.set_defaults(func=lambda a, name=st.name: run_stage(name, a.params, a.set, a.sections_json, a.threads))
+
+    p = sub.add_parser("scan-shards", help="scan one group of a web source's shards into the scan cache",
+                       description="One job of Snakemake's scatter of the shards stage (rules/scan.smk): scan "
+                                   "group GROUP of GROUPS of the shard list into shards.cache_dir, where "
+                                   "`dpfm shards` then finds every scan.")
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one parameter (repeatable); the value is parsed as YAML")
+    p.add_argument("--sections-json", help=argparse.SUPPRESS)  # used by the Snakefile
+    p.add_argument("--threads", type=int, default=0, help="scan processes when shards.workers is 0 "
+                                                          "(default: run.threads or all cores)")
+    p.add_argument("--group", type=int, required=True)
+    p.add_argument("--groups", type=int, required=True)
+    p.add_argument("--summary", help="write the group's summary here (JSON)")
+    p.set_defaults(func=_scan_shards)
 
     p = sub.add_parser("export-dvc", help="write dvc.yaml from the stage table")
     p.add_argument("--check", action="store_true", help="exit 1 if the committed dvc.yaml differs")
@@ -113,6 +135,21 @@ def _export_dvc(args) -> int:
         return 0
     write_dvc_yaml(args.output)
     print(f"wrote {args.output}")
+    return 0
+
+
+def _scan_shards(args) -> int:
+    """Neither a stage lock nor an MLflow run: the groups run side by side (each shard's scan is
+    written atomically, and no two groups share a shard), and `shards` records the totals."""
+    from pipeline.io import write_json
+    from pipeline.stages.shards import scan
+
+    params = load_job_params(args.params, args.set, args.sections_json)
+    summary = scan(params, args.group, args.groups, job_threads(args.threads, params))
+    if args.summary:
+        write_json(args.summary, summary)
+    print(f"scan-shards: group {args.group} of {args.groups}: {summary['shards']} of {summary['listed']} shards, "
+          f"{summary['cached']} already in the cache, {summary['scanned']} scanned, {len(summary['skipped'])} skipped")
     return 0
 
 

@@ -9,7 +9,7 @@ from snakemake.utils import validate
 from pipeline import tracking
 from pipeline.config import ParamsError, load_schema, merge, typed
 from pipeline.config import validate as check_params
-from pipeline.stages import STAGES, stage, tracked
+from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 
 # `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings).
 config.update(merge(config, typed(workflow.config_settings.overwrite_config or {})))
@@ -58,6 +58,35 @@ def stage_params(name):
     """The params a stage's results depend on, as JSON: a change to them (only) re-runs the stage.
     Naming and scheduling keys (run.experiment, run.threads, run.device) re-run nothing."""
     return json.dumps(tracked(config, stage(name).sections), sort_keys=True)
+
+
+def stage_inputs(st):
+    """The stage's inputs from the table; the shards stage also gathers the scan jobs' summaries."""
+    return st.input_paths + (scan_summaries() if st.name == "shards" else [])
+
+
+def scan_groups():
+    """How many scan_shards jobs (rules/scan.smk) this config has: none for digits and download."""
+    return config["shards"]["scan_groups"] if config["shards"]["source"] in SCAN_GROUP_SOURCES else 0
+
+
+def scan_summary():
+    """A scan job's summary: beside the cached scans it vouches for, named by the group count, so a
+    new count never takes an old group's summary for its own."""
+    return os.path.join(config["shards"]["cache_dir"], "scan", "groups", f"{{group}}-of-{scan_groups()}.json")
+
+
+def scan_summaries():
+    return expand(scan_summary(), group=range(scan_groups()))
+
+
+# What a scan job reads: changing another shards key re-runs `shards`, not the scan jobs.
+SCAN_KEYS = ("source", "urls", "path", "image_size", "cache_dir")
+
+
+def scan_params():
+    """The params of a scan job, as JSON (as stage_params, a change to them re-runs the job)."""
+    return json.dumps({"shards": {k: config["shards"][k] for k in SCAN_KEYS}}, sort_keys=True)
 
 
 def stage_resources(name):

@@ -1,7 +1,8 @@
 # One rule per stage of the stage table (pipeline/stages/__init__.py), generated in one loop: the table
 # is the single source of truth, as it is for dvc.yaml. Training stages (those asking for GPUs)
 # start through pipeline/launch.py: one process, torchrun over the job's GPUs, or srun + torchrun
-# over its nodes (resources.gpu is the job's total, as the SLURM plugin reads it).
+# over its nodes (resources.gpu is the job's total, as the SLURM plugin reads it). The shards rule
+# also takes the summaries of its scan jobs (rules/scan.smk) as inputs: stage_inputs.
 
 
 # Outputs registered for `snakemake --report` (captions in report/); the run report itself is
@@ -15,7 +16,7 @@ for st in STAGES:
         name:
             st.name.replace("-", "_")
         input:
-            st.input_paths,
+            stage_inputs(st),
         output:
             rule_outputs(st),
         params:

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from snakemake_project import set_params
 
 from pipeline import launch
 
@@ -110,8 +111,8 @@ def test_the_rendered_multi_node_torchrun_meets_on_one_rendezvous():
 
 # ---- the SLURM profile -------------------------------------------------------------------------------
 
-def dry_run(tmp_path: Path, **env) -> str:
-    """`snakemake --workflow-profile profiles/slurm -n -p` in a copy of the project."""
+def dry_run(tmp_path: Path, shards: dict | None = None, **env) -> str:
+    """`snakemake --workflow-profile profiles/slurm -n -p` in a copy of the project (with `shards` params)."""
     pytest.importorskip("snakemake_executor_plugin_slurm",
                         reason="SLURM plugin missing: pip install -c constraints.txt -e '.[cluster]'")
     work = tmp_path / "project"
@@ -119,6 +120,7 @@ def dry_run(tmp_path: Path, **env) -> str:
     for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
+    set_params(work, {"shards": shards or {}})
     proc = subprocess.run([str(BIN / "snakemake"), "--workflow-profile", "profiles/slurm", "-n", "-p",
                            "--cores", "64", "models/dp"], cwd=work, env=tool_env(**env), capture_output=True,
                           text=True, timeout=120)
@@ -214,6 +216,19 @@ def test_two_node_dp_train_job_gets_one_task_per_node(tmp_path, monkeypatch):
     assert_one_launcher_per_node(sbatch, nodes=2)
     assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 16 -- {PY} -m pipeline.cli dp-train ")
     assert planned_job(out, "pretrain").resources["nodes"] == 1
+
+
+def test_scan_jobs_and_their_gather_get_the_profiles_cpus_memory_and_time(tmp_path, monkeypatch):
+    out = dry_run(tmp_path, {"source": "urls", "urls": ["s3://b/laion/{00000..00299}.tar"], "scan_groups": 3},
+                  **PLACEHOLDERS)
+    for rule, cpus, mem, minutes in (("scan_shards", 8, 16000, 60), ("shards", 4, 24000, 240)):
+        job = planned_job(out, rule)
+        assert job.threads == cpus and f" --threads {cpus} " in job.shell
+        sbatch = sbatch_command(job, monkeypatch)
+        args = shlex.split(sbatch)
+        for flag in ("-p", "cpu-placeholder", f"--cpus-per-task={cpus}", "--mem", str(mem), "-t", str(minutes)):
+            assert flag in args, (rule, flag, sbatch)
+        assert "--gpus" not in sbatch
 
 
 def test_the_copies_check_catches_a_profile_that_asks_for_tasks_per_gpu(monkeypatch):

@@ -113,7 +113,7 @@ def test_editing_params_replans_exactly_the_dependent_stages(finished_run):
         assert planned_rules(snakemake(work, "-n")) == {"dp_train", "verify", "evaluate", "report"}
         (work / "params.yaml").write_text(original)
         # What only names or schedules a run re-runs nothing (a dp-train re-run would spend privacy again).
-        set_params(work, {"run": {"experiment": "renamed", "threads": 1}})
+        set_params(work, {"run": {"experiment": "renamed", "threads": 1}, "shards": {"workers": 2, "scan_groups": 4}})
         assert planned_rules(snakemake(work, "-n")) == set()
     finally:
         (work / "params.yaml").write_text(original)

@@ -281,7 +281,10 @@ def _piece_path(cache_dir: Path, url: str) -> Path:
 
 
 def _scan_cached(args) -> tuple[str | None, dict]:
-    """Scan one shard unless the cache holds a scan of the same bytes; (piece path, info) or (None, error)."""
+    """Scan one shard unless the cache holds a scan of the same bytes; (piece path, info) or (None, error).
+
+    info["cached"] says whether the cache had it (not stored: it describes this call).
+    """
     url, cache_dir, check_size = args
     piece = _piece_path(Path(cache_dir), url)
     try:
@@ -289,7 +292,7 @@ def _scan_cached(args) -> tuple[str | None, dict]:
             cached = json.loads(pq.read_schema(piece).metadata[META_KEY])
             current = remote.retry(lambda: remote.fingerprint(url))
             if (cached["version"], cached["check_size"], cached["fingerprint"]) == (SCAN_VERSION, check_size, current):
-                return str(piece), cached["info"]
+                return str(piece), {**cached["info"], "cached": True}
         table, info = scan_shard(url, check_size)
     except Exception as e:  # unreachable or unreadable: skipped and counted, never a crash mid-scan
         return None, {"url": url, "error": f"{type(e).__name__}: {e}"}
@@ -297,7 +300,7 @@ def _scan_cached(args) -> tuple[str | None, dict]:
     meta = {"version": SCAN_VERSION, "check_size": check_size, "fingerprint": fp, "info": info}
     with atomic_path(piece) as tmp:
         pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(meta)}), tmp)
-    return str(piece), info
+    return str(piece), {**info, "cached": False}
 
 
 def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size: int) -> list[tuple[str | None, dict]]:
@@ -316,11 +319,33 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
                 results.append((piece, info))
                 samples += info.get("samples", 0)
                 bar.update(1)
-                bar.set_postfix(samples=samples, skipped=sum(p is None for p, _ in results))
+                bar.set_postfix(samples=samples, cached=sum(i.get("cached", False) for _, i in results),
+                                skipped=sum(p is None for p, _ in results))
         finally:
             if workers > 1:
                 pool.shutdown()
     return results
+
+
+def shard_group(urls: list[str], group: int, groups: int) -> list[str]:
+    """Group `group` of `groups`: a contiguous slice of the list, the slices near-equal in size and in
+    order, so the groups together are the list and every job computes the same split."""
+    if not 0 <= group < groups:
+        raise ValueError(f"scan group {group} is not in 0..{groups - 1}")
+    return urls[group * len(urls) // groups:(group + 1) * len(urls) // groups]
+
+
+def scan_group(urls: list[str], group: int, groups: int, cache_dir: str | Path, workers: int,
+               check_size: int) -> dict:
+    """Scan one group of the shard list into the per-shard cache, where build_index then finds every
+    piece; returns a summary of the group (for a job's marker file and log)."""
+    results = scan_shards([remote.canonical(u) for u in shard_group(urls, group, groups)], cache_dir, workers,
+                          check_size)
+    good = [info for piece, info in results if piece is not None]
+    cached = sum(info["cached"] for info in good)
+    return {"group": group, "groups": groups, "listed": len(urls), "shards": len(results), "cached": cached,
+            "scanned": len(good) - cached, "samples": sum(info["samples"] for info in good),
+            "skipped": [info for piece, info in results if piece is None]}
 
 
 def _split_hash(hashes: np.ndarray, seed: int) -> np.ndarray:
@@ -360,6 +385,8 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     if not good:
         raise ParamsError([f"none of the {len(urls)} shards could be read; first error: {skipped[0]['error']}"],
                           source="shards source")
+    # After Snakemake's scan jobs (rules/scan.smk) this is every one: the merge alone is left.
+    print(f"shards: {sum(info['cached'] for _, info in good)} of {len(good)} shard scans found in the cache")
     damaged = [{"url": i["url"], "problem": i["problem"]} for _, i in good if i.get("problem")]
     for d in damaged:
         print(f"shards: {d['url']} {d['problem']}")

@@ -87,12 +87,22 @@ STAGES: tuple[Stage, ...] = (
 
 STAGE_BY_NAME = {s.name: s for s in STAGES}
 
-# Keys that only name or schedule a run (the MLflow experiment, CPU threads, the device): changing
-# them re-runs nothing, since neither Snakemake nor DVC tracks them and no resumable state is keyed
-# by them (a re-run of dp-train would spend privacy budget again on the same model). A section with
+# Keys that only name or schedule a run (the MLflow experiment, CPU threads, the device, how the
+# shard scan is spread over processes): changing them re-runs nothing, since neither Snakemake nor
+# DVC tracks them and no resumable state is keyed by them (a re-run of dp-train would spend privacy
+# budget again on the same model). shards.scan_groups gives the same index for any value too, but
+# for a web source it is the number of scan jobs the shards rule gathers, so under Snakemake a
+# change re-runs shards and what follows (rules/scan.smk); DVC re-runs nothing. A section with
 # such keys lists its others in TRACKED (a test checks both against the schema).
-UNTRACKED = {"run": ("experiment", "threads", "device")}
-TRACKED = {"run": ("seed",)}
+UNTRACKED = {"run": ("experiment", "threads", "device"), "shards": ("workers", "scan_groups")}
+TRACKED = {"run": ("seed",),
+           "shards": ("source", "urls", "path", "image_size", "eval_fraction", "samples_per_shard", "cache_dir",
+                      "download")}
+
+# Sources whose shards are scanned where they live: Snakemake splits their scan into
+# shards.scan_groups `dpfm scan-shards` jobs before the shards stage (rules/scan.smk). `download`
+# writes its shards inside the stage, so it scans them there too; `digits` needs no scan.
+SCAN_GROUP_SOURCES = ("urls", "img2dataset")
 
 
 def tracked(params: dict, sections) -> dict:
