@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeline.data.index_mmap import USABLE_NAME
 from pipeline.distributed import World
 from pipeline.io import atomic_path, remove_stale_temps
 from pipeline.preemption import StopRequests, stop
@@ -62,10 +63,12 @@ def input_digest(path: str | Path) -> str:
     """Identifies an input file or directory cheaply at any scale: the bytes of its small files
     (indexes, manifests, stats) and the size and modification time of large ones (shards,
     checkpoints). A rewrite of a large file changes its mtime, so this can only make a resume less
-    likely, never wrong."""
+    likely, never wrong. usable.idx is left out: it is derived from the index.parquet beside it, and
+    an index written before it existed gets one on its first open, which must not change the key."""
     path = Path(path)
     h = hashlib.sha256()
-    for f in sorted([path] if path.is_file() else (p for p in path.rglob("*") if p.is_file())):
+    files = [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file() and p.name != USABLE_NAME)
+    for f in sorted(files):
         size = f.stat().st_size
         h.update(f"{f.relative_to(path.parent)} {size}\n".encode())
         h.update(f.read_bytes() if size <= SMALL_FILE else str(f.stat().st_mtime_ns).encode())

@@ -1,5 +1,6 @@
-"""Shards and their index (pipeline/data/shards.py, index.py): byte-exact random access, and every
-kind of bad input excluded with a count or stopped with a clear error, never a silently wrong n.
+"""Shards and their index (pipeline/data/shards.py, index.py, index_mmap.py): byte-exact random
+access, and every kind of bad input excluded with a count or stopped with a clear error, never a
+silently wrong n.
 
 Local files and fsspec's in-memory filesystem only; http(s) is tested in test_sources.py.
 """
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import tarfile
 import types
+from collections import Counter
 
 import fsspec
 import numpy as np
@@ -21,7 +24,9 @@ from PIL import Image
 from shard_data import SIZE, excluded, good, index, picture, raw_tar, write_set
 
 from pipeline.stages import shards as shards_stage
-from pipeline.data.index import INDEX_NAME, IndexMismatch, _split_hash, build_index, duplicate_mask, key_hash
+from pipeline.data.index import (INDEX_NAME, MEMBERS, IndexMismatch, _split_hash, build_index, duplicate_mask, key_hash,
+                                  read_index, read_usable_table)
+from pipeline.data.index_mmap import MAGIC, TAIL, USABLE_NAME, CorruptIndex, read_footer
 from pipeline.data.loader import BatchLoader
 from pipeline.data.remote import ShardReadError, filesystem
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
@@ -217,6 +222,7 @@ def test_header_check_catches_a_stale_offset(tmp_path):
     rows = table.to_pylist()
     rows[1]["image_offset"] += 512
     pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), tmp_path / INDEX_NAME)
+    (tmp_path / USABLE_NAME).unlink()  # a hand edit keeps the parquet's footer: usable.idx is derived anew
     ds = ShardDataset(tmp_path)
     assert ds.read_member(0, "png")
     with pytest.raises(IndexMismatch):
@@ -226,6 +232,107 @@ def test_header_check_catches_a_stale_offset(tmp_path):
 def test_missing_index_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="run the stage"):
         ShardDataset(tmp_path)
+
+
+# -- the memory-mapped index (usable.idx) -----------------------------------------------------------
+
+def assert_mapped_rows_equal_parquet(directory):
+    rows, _, counts = read_index(directory)
+    usable = read_usable_table(directory).to_pydict()
+    assert [rows.keys[i] for i in range(len(rows.keys))] == usable["key"]
+    assert rows.shard_id.tolist() == usable["shard_id"]
+    assert [rows.exts[c] for c in rows.image_ext] == usable["image_ext"]
+    for m in MEMBERS:
+        assert rows.offsets[m].tolist() == usable[f"{m}_offset"] and rows.sizes[m].tolist() == usable[f"{m}_size"]
+    assert counts == Counter(pq.read_table(directory / INDEX_NAME, columns=["status"])["status"].to_pylist())
+    return rows
+
+
+def test_mapped_index_holds_exactly_the_parquets_usable_rows(tmp_path):
+    rng = np.random.default_rng(6)
+    raw_tar(tmp_path / "1.tar", good("a", rng) + [("b.png", encode_png(picture(rng))), ("b.txt", b"a png")]
+            + [("c.jpg", b"not an image"), ("c.txt", b"cap")] + [("d.webp", b""), ("d.txt", b"cap")]
+            + [("e.jpg", encode_jpeg(picture(rng, 16))), ("e.txt", "ünïcode key's caption".encode())])
+    raw_tar(tmp_path / "2.tar", good("a", rng, "copy") + [("f.png", encode_png(picture(rng))), ("f.txt", b"cap")]
+            + good("g/nested", rng))
+    stats, ds = index([tmp_path / "1.tar", tmp_path / "2.tar"], tmp_path)
+    assert excluded(stats) == {"corrupt_image": 2, "duplicate_key": 1}
+    rows = assert_mapped_rows_equal_parquet(tmp_path / "out/private")
+    assert rows.exts == ["jpg", "png"] and rows.offsets["json"].tolist()[1:4] == [-1, -1, -1]
+    assert [ds.key(i) for i in range(len(ds))] == ["a", "b", "e", "f", "g/nested"] and ds.key(-1) == "g/nested"
+    # Written by ShardWriter, with several image formats among the rows.
+    with ShardWriter(tmp_path / "w", samples_per_shard=2) as w:
+        for i, ext in enumerate(["png", "jpg", "png", "webp", "jpg"]):
+            w.write(f"k{i}", b"image bytes", f"caption {i}", {"i": i}, image_ext=ext)
+    assert assert_mapped_rows_equal_parquet(tmp_path / "w").exts == ["png", "jpg", "webp"]
+
+
+def test_empty_index_maps_to_no_rows(tmp_path):
+    raw_tar(tmp_path / "bad.tar", [("x.jpg", b"not an image"), ("x.txt", b"cap")])
+    stats, ds = index([tmp_path / "bad.tar"], tmp_path)
+    assert len(ds) == 0 and ds.status_counts == {"corrupt_image": 1}
+
+
+def test_a_pickled_dataset_carries_the_path_not_the_rows(tmp_path):
+    sizes = []
+    for n in (10, 2000):
+        write_set(tmp_path / str(n), n=n, per_shard=n // 2)
+        ds = ShardDataset(tmp_path / str(n))
+        blob = pickle.dumps(ds)
+        sizes.append(len(blob))
+        copy = pickle.loads(blob)
+        assert len(copy) == n and copy.key(7) == ds.key(7) and copy.read_sample(7) == ds.read_sample(7)
+        assert not copy._rows.offsets["image"].flags.writeable  # mapped read-only, not unpickled
+    assert sizes[0] < 2000 and abs(sizes[1] - sizes[0]) < 16, sizes  # the same whatever n is
+
+
+def test_index_without_a_usable_file_derives_the_same_one(tmp_path):
+    write_set(tmp_path, n=9, per_shard=4)
+    written = (tmp_path / USABLE_NAME).read_bytes()
+    (tmp_path / USABLE_NAME).unlink()  # as an index written before usable.idx existed
+    ds = ShardDataset(tmp_path)
+    assert [ds.key(i) for i in range(9)] == [f"s{i:04d}" for i in range(9)] and ds.caption(8) == "caption number 8"
+    assert (tmp_path / USABLE_NAME).read_bytes() == written
+
+
+def _with_footer(data: bytes, footer: bytes) -> bytes:
+    length = TAIL.unpack(data[-TAIL.size:])[0]
+    return data[:-TAIL.size - length] + footer + TAIL.pack(len(footer), MAGIC)
+
+
+def _footer_with(path, **changes) -> bytes:
+    return json.dumps({**read_footer(path)[0], **changes}).encode()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data, path: data[:-1], "no end marker"),
+    (lambda data, path: data[:len(data) // 2], "no end marker"),
+    (lambda data, path: b"", "only 0 bytes"),
+    (lambda data, path: _with_footer(data, b"{not json" + b" " * 40), "unreadable footer"),
+    (lambda data, path: _with_footer(data, _footer_with(path, rows=10_000)), "does not describe the columns"),
+    (lambda data, path: _with_footer(data, _footer_with(path, columns={
+        **read_footer(path)[0]["columns"], "image_size": [len(data), "<i4", 9]})), "column image_size runs past"),
+])
+def test_a_damaged_usable_file_is_a_clear_error_naming_it(tmp_path, damage, message):
+    write_set(tmp_path, n=9, per_shard=4)
+    path = tmp_path / USABLE_NAME
+    path.write_bytes(damage(path.read_bytes(), path))
+    with pytest.raises(CorruptIndex, match=message) as e:
+        ShardDataset(tmp_path)
+    assert str(path) in str(e.value) and "delete it" in str(e.value)
+
+
+def test_damaged_key_offsets_raise_instead_of_reading_outside_the_map(tmp_path):
+    write_set(tmp_path, n=9, per_shard=4)
+    path = tmp_path / USABLE_NAME
+    offset = read_footer(path)[0]["columns"]["key_offsets"][0]
+    data = bytearray(path.read_bytes())
+    data[offset + 8 * 3:offset + 8 * 4] = np.int64(1 << 40).tobytes()  # key 2 ends, key 3 starts far past the end
+    path.write_bytes(bytes(data))
+    ds = ShardDataset(tmp_path)
+    assert ds.key(1) == "s0001"
+    with pytest.raises(CorruptIndex, match="key 2 lies outside"):
+        ds.key(2)
 
 
 # -- remote shards through fsspec (in-memory filesystem) --------------------------------------------

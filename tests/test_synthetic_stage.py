@@ -56,8 +56,8 @@ def test_two_workers_write_the_same_bytes_as_one(reference, tmp_path):
     ref, _ = reference
     run_stage(tmp_path, workers=2)
     expected = output_bytes(ref)
-    assert sorted(expected) == sorted([synthetic_stage.shard_name(i) for i in range(SHARDS)] +
-                                      ["contact_sheet.png", "index.parquet", "manifest.json", "stats.json"])
+    assert sorted(expected) == sorted([synthetic_stage.shard_name(i) for i in range(SHARDS)] + [
+        "contact_sheet.png", "index.parquet", "manifest.json", "stats.json", "usable.idx"])
     assert output_bytes(tmp_path) == expected
     assert staged(tmp_path) == [] and staged(ref) == []  # staging is cleared once the output is whole
 

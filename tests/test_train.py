@@ -68,6 +68,15 @@ def test_state_dir_is_keyed_by_params():
     assert train.state_dir("dp-train", {"run": run}) != train.state_dir("dp-train", {"run": {**run, "seed": 1}})
 
 
+def test_state_is_keyed_by_the_index_not_the_usable_file_derived_from_it(tmp_path):
+    (tmp_path / "index.parquet").write_bytes(b"rows")
+    before = train.input_digest(tmp_path)
+    (tmp_path / "usable.idx").write_bytes(b"derived on a first open")  # an index from before usable.idx
+    assert train.input_digest(tmp_path) == before
+    (tmp_path / "index.parquet").write_bytes(b"other rows")
+    assert train.input_digest(tmp_path) != before
+
+
 def test_checkpoint_round_trip(tmp_path):
     ckpt = train.Checkpointer(tmp_path / "run")
     assert ckpt.load() is None

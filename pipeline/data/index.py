@@ -6,7 +6,8 @@ status is a reason the sample was excluded, counted in stats.json, so the n that
 is exactly the number of examples training can read.
 
 The parquet metadata lists the shards with their sizes, so a reader can tell that the index no
-longer matches its shards before it reads a wrong byte.
+longer matches its shards before it reads a wrong byte. Beside it, `usable.idx` holds the usable
+rows in the memory-mapped form training reads (index_mmap.py); every index written here gets one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import re
 import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -29,6 +29,8 @@ from tqdm import tqdm
 
 from pipeline.config import ParamsError
 from pipeline.data import remote
+from pipeline.data.index_mmap import (MEMBERS, USABLE_NAME, UsableRows, build_lock, derived_from, map_usable,
+                                      source_id, usable_writer)
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
@@ -37,7 +39,6 @@ INDEX_NAME = "index.parquet"
 META_KEY = b"dpfm.index"
 VERSION = 2
 SCAN_VERSION = 1  # bump when the scan's verdicts change, so cached scans are redone
-MEMBERS = ("image", "txt", "json")
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "tif", "tiff", "gif"})
 STATUSES = ("ok", "truncated", "missing_image", "corrupt_image", "missing_caption", "bad_caption",
             "duplicate_key")
@@ -70,7 +71,8 @@ def key_hash(key: str) -> int:
 
 @contextmanager
 def index_writer(path: str | Path, shards: list[dict]):
-    """Stream tables into an index file written atomically; `shards` is [{"url", "size"}] by shard_id."""
+    """Stream tables into an index file written atomically, then derive its usable.idx from it;
+    `shards` is [{"url", "size"}] by shard_id."""
     schema = SCHEMA.with_metadata({META_KEY: json.dumps({"version": VERSION, "shards": shards})})
     with atomic_path(path) as tmp:
         writer = pq.ParquetWriter(tmp, schema)
@@ -78,6 +80,7 @@ def index_writer(path: str | Path, shards: list[dict]):
             yield lambda table: writer.write_table(table.select(schema.names).cast(schema))
         finally:
             writer.close()
+    write_usable(Path(path))
 
 
 def write_index(path: str | Path, rows: list[dict], shards: list[dict]) -> Path:
@@ -88,25 +91,16 @@ def write_index(path: str | Path, rows: list[dict], shards: list[dict]) -> Path:
 
 # -- reading ---------------------------------------------------------------------------------------
 
-@dataclass
-class UsableRows:
-    """The usable rows of an index as compact arrays: ~41 bytes per row plus the keys."""
-
-    keys: pa.Array                    # large_string
-    shard_id: np.ndarray              # int32
-    image_ext: np.ndarray             # uint8 code into `exts`
-    exts: list[str]
-    offsets: dict[str, np.ndarray]    # member -> int64 byte offset of its data, -1 when absent
-    sizes: dict[str, np.ndarray]      # member -> int32 size
+USABLE_COLUMNS = ["key", "shard_id", "image_ext", *[f"{m}_{f}" for m in MEMBERS for f in ("offset", "size")], "status"]
 
 
-def _open(path: Path) -> tuple[dict, Iterable[pa.RecordBatch]]:
+def _open(path: Path, columns: list[str]) -> tuple[dict, Iterable[pa.RecordBatch]]:
     pf = pq.ParquetFile(path)
     meta = json.loads((pf.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
     if "image_offset" not in pf.schema_arrow.names:
         table, meta = _upgrade_v1(pf.read())
-        return meta, table.to_batches()
-    return meta, pf.iter_batches(batch_size=1 << 20, columns=[c for c in SCHEMA.names if c not in ("shard", "caption_len")])
+        return meta, table.select(columns).to_batches()
+    return meta, pf.iter_batches(batch_size=1 << 20, columns=columns)
 
 
 def _index_path(directory: Path) -> Path:
@@ -116,38 +110,63 @@ def _index_path(directory: Path) -> Path:
     return path
 
 
-def read_index(directory: str | Path) -> tuple[UsableRows, list[dict], dict]:
-    """(usable rows, shards [{"url": resolved, "size"}], counts by status) of a shard directory.
+def _usable_batch(batch: pa.RecordBatch, exts: list[str], parquet: Path) -> tuple[dict, np.ndarray, pa.Buffer]:
+    """A batch of usable rows as the writer's columns, keys as (offsets, bytes); `exts` grows."""
+    ext = batch.column("image_ext")
+    exts += [e for e in pc.unique(ext).to_pylist() if e not in exts]
+    columns = {"shard_id": batch.column("shard_id").to_numpy(),
+               "image_ext": pc.index_in(ext, value_set=pa.array(exts, pa.string())).to_numpy()}
+    for m in MEMBERS:
+        columns[f"{m}_offset"] = batch.column(f"{m}_offset").to_numpy()
+        sizes = columns[f"{m}_size"] = batch.column(f"{m}_size").to_numpy()
+        if len(sizes) and sizes.max() >= 2**31:
+            raise ValueError(f"{parquet}: a member larger than 2 GiB is not a training example")
+    keys = batch.column("key").cast(pa.large_string())
+    _, offsets, data = keys.buffers()
+    offsets = np.frombuffer(offsets, np.int64)[keys.offset:keys.offset + len(keys) + 1]
+    return columns, offsets, data if data is not None else pa.py_buffer(b"")  # no buffer when every key is empty
 
-    Streams the file in record batches, so the peak stays near the compact result's size.
-    """
-    directory = Path(directory)
-    meta, batches = _open(_index_path(directory))
+
+def write_usable(parquet: Path) -> None:
+    """Derive usable.idx from an index file in two streaming passes: count the usable rows (the
+    file's layout needs the count up front), then write them batch by batch."""
+    source = source_id(parquet)  # before reading: a parquet replaced meanwhile fails the next check
+    _, batches = _open(parquet, ["status"])
     counts: dict[str, int] = {}
-    exts: list[str] = []
-    parts: dict[str, list] = {c: [] for c in ("key", "shard_id", "image_ext", *[f"{m}_{f}" for m in MEMBERS
-                                                                            for f in ("offset", "size")])}
     for batch in batches:
         for s, c in zip(*_value_counts(batch.column("status"))):
             counts[s] = counts.get(s, 0) + c
-        batch = batch.filter(pc.equal(batch.column("status"), "ok"))
-        ext = batch.column("image_ext")
-        exts += [e for e in pc.unique(ext).to_pylist() if e not in exts]
-        parts["image_ext"].append(pc.index_in(ext, value_set=pa.array(exts, pa.string())).to_numpy().astype(np.uint8))
-        parts["key"].append(batch.column("key").cast(pa.large_string()))
-        for c in parts:
-            if c not in ("key", "image_ext"):
-                values = batch.column(c).to_numpy()
-                if c.endswith("_size") and len(values) and values.max() >= 2**31:
-                    raise ValueError(f"{directory}: a member larger than 2 GiB is not a training example")
-                parts[c].append(values.astype(np.int64 if c.endswith("_offset") else np.int32))
-    cat = {c: np.concatenate(v) if v else np.zeros(0, np.int32) for c, v in parts.items() if c != "key"}
-    rows = UsableRows(keys=pa.concat_arrays(parts["key"]) if parts["key"] else pa.array([], pa.large_string()),
-                      shard_id=cat["shard_id"], image_ext=cat["image_ext"], exts=exts,
-                      offsets={m: cat[f"{m}_offset"].astype(np.int64, copy=False) for m in MEMBERS},
-                      sizes={m: cat[f"{m}_size"] for m in MEMBERS})
-    shards = [{"url": resolve_shard(directory, s["url"]), "size": s.get("size")} for s in meta["shards"]]
-    return rows, shards, counts
+    meta, batches = _open(parquet, USABLE_COLUMNS)
+    exts: list[str] = []
+    with usable_writer(parquet.parent / USABLE_NAME, counts.get("ok", 0)) as writer:
+        for batch in batches:
+            batch = batch.filter(pc.equal(batch.column("status"), "ok"))
+            if batch.num_rows:
+                writer.append(*_usable_batch(batch, exts, parquet))
+        writer.finish(exts=exts, counts=counts, shards=meta["shards"], source=source)
+
+
+def read_index(directory: str | Path) -> tuple[UsableRows, list[dict], dict]:
+    """(usable rows, shards [{"url": resolved, "size"}], counts by status) of a shard directory.
+
+    The rows are mapped read-only from usable.idx, which is derived from index.parquet first where
+    it is missing (an index written before it existed) or was derived from another index.parquet.
+    """
+    directory = Path(directory)
+    parquet = _index_path(directory)
+    usable = directory / USABLE_NAME
+    if not derived_from(usable, parquet):
+        with build_lock(parquet):
+            if not derived_from(usable, parquet):  # another process may have built it meanwhile
+                print(f"index: deriving {usable} from {parquet} (once)")
+                try:
+                    write_usable(parquet)
+                except OSError as e:  # a read-only copy of the data, say
+                    raise OSError(e.errno, f"{usable} is missing or out of date and cannot be written ({e}): "
+                                           "re-run the shards stage, or make the directory writable") from e
+    rows, footer = map_usable(usable)
+    shards = [{"url": resolve_shard(directory, s["url"]), "size": s.get("size")} for s in footer["shards"]]
+    return rows, shards, footer["counts"]
 
 
 def read_usable_table(directory: str | Path) -> pa.Table:

@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.data.index import INDEX_NAME, IndexMismatch, read_index, read_usable_table, write_index
+from pipeline.data.index_mmap import USABLE_NAME, map_usable
 from pipeline.data.remote import RangeReader, ShardReadError, is_local, local_path
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
@@ -186,7 +187,7 @@ class ShardDataset:
         return len(self._rows.shard_id)
 
     def key(self, i: int) -> str:
-        return self._rows.keys[i].as_py()
+        return self._rows.keys[i]
 
     def _member_name(self, i: int, member: str) -> str:
         ext = self._rows.exts[self._rows.image_ext[i]] if member == "image" else member
@@ -259,7 +260,11 @@ class ShardDataset:
     def close(self) -> None:
         self._reader.close()
 
-    def __getstate__(self):  # worker processes reopen their own handles
+    def __getstate__(self):  # worker processes reopen their own handles and map the index themselves
         state = self.__dict__.copy()
-        state["_index_dict"] = None
+        state["_index_dict"] = state["_rows"] = None
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._rows = map_usable(self.directory / USABLE_NAME)[0]  # the same pages as every other process
