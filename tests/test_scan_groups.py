@@ -39,7 +39,7 @@ def web_project(work: Path, shards_dir: Path, **shards) -> Path:
     """A project whose private data are the five local tar shards in `shards_dir` (a `urls` source)."""
     snakemake_project(work)
     set_params(work, {"shards": {"source": "urls", "urls": [str(shards_dir / "s-{000000..000004}.tar")],
-                                 "image_size": 8, **shards}})
+                                 "image_size": 8, "eval_fraction": 0.3, **shards}})  # both splits to compare
     return work
 
 
