@@ -1,12 +1,17 @@
 """Small shard sets for the data tests: written by ShardWriter (`write_set`), or raw tars holding any
-members at all (`raw_tar`, `good`), indexed the way the shards stage indexes them (`index`)."""
+members at all (`raw_tar`, `good`), indexed the way the shards stage indexes them (`index`), and
+img2dataset's output folders (`img2dataset_folder`)."""
 
 from __future__ import annotations
 
 import io
+import json
 import tarfile
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipeline.data.index import build_index
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
@@ -57,3 +62,24 @@ def excluded(stats) -> dict:
         for k, v in stats[split]["excluded"].items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def img2dataset_folder(root: Path, rng, counts=(3, 2, 4), shape=(20, 30)) -> None:
+    """What img2dataset writes with output_format=webdataset: tar, parquet and _stats.json per shard
+    (`counts` samples each; the last shard is unfinished: no _stats.json)."""
+    root.mkdir()
+    for shard, n in enumerate(counts):
+        name = f"{shard:05d}"
+        with tarfile.open(root / f"{name}.tar", "w") as t:
+            for i in range(n):
+                key = f"{name}{i:04d}"
+                for ext, data in (("jpg", encode_jpeg(rng.integers(0, 256, (*shape, 3), dtype=np.uint8))),
+                                  ("txt", f"a photo {key}".encode()), ("json", json.dumps({"key": key}).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+        pq.write_table(pa.table({"key": [f"{name}{i:04d}" for i in range(n)], "status": ["success"] * n}),
+                       root / f"{name}.parquet")
+        if shard != len(counts) - 1:  # the last was interrupted: img2dataset writes the stats last
+            (root / f"{name}_stats.json").write_text(json.dumps(
+                {"count": n + 1, "successes": n, "failed_to_download": 1, "failed_to_resize": 0}))

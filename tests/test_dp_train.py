@@ -224,3 +224,34 @@ def test_private_images_of_any_size_and_shape_train(data_dir, tmp_path, objectiv
     write_json(work / "data/shards/stats.json", stats)
     ledger, ckpt = train(work, [f"dp.objective={objective_name}", "dp.expected_batch_size=24"])
     assert ledger["steps"] == 6 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_img2dataset_output_at_64_px_trains_verifies_and_evaluates_with_a_32_px_model(data_dir, tmp_path):
+    """img2dataset's own folder layout, 64-px JPEGs, used where it is: every usable example is
+    private (no eval split carved out), dp-train resizes to the 32-px model, and evaluate runs on
+    the public digits (the default set follows the source)."""
+    from shard_data import img2dataset_folder
+    from stage_runs import run_in_process
+
+    from pipeline.io import read_json
+
+    work = project(data_dir, tmp_path)
+    shutil.rmtree(work / "data/shards")
+    img2dataset_folder(work / "laion", np.random.default_rng(0), counts=(40, 40, 40, 5), shape=(64, 64))
+    px32 = ["model.img_size=32", "model.patch_size=8", "shards.source=img2dataset", f"shards.path={work / 'laion'}",
+            "shards.workers=1", "shards.image_size=32", "evaluate.baselines=[random]", "evaluate.fewshot.shots=[]"]
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        run_in_process("shards", px32)
+        stats = read_json("data/shards/stats.json")
+        assert stats["private"]["usable"] == 120 and stats["eval"]["usable"] == 0 and not stats["eval_from_private"]
+        run_in_process("dp-train", px32)
+        run_in_process("verify", px32)
+        run_in_process("evaluate", px32)
+        metrics = read_json("results/eval/metrics.json")
+    finally:
+        os.chdir(cwd)
+    digits = metrics["sets"]["digits"]
+    assert digits["n_probe_train"] + digits["n_probe_test"] == 1797  # all of the public digits
+    assert 0.0 <= digits["results"]["dp"]["linear_probe"] <= 1.0

@@ -9,7 +9,6 @@ ignore it, to fail, to be slow.
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 import types
 from pathlib import Path
@@ -20,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from http_server import closed_port
-from shard_data import write_set
+from shard_data import img2dataset_folder, write_set
 
 from pipeline.config import load_params, sections_of
 from pipeline.data import remote, sources
@@ -28,7 +27,7 @@ from pipeline.stages import shards as shards_stage
 from pipeline.data.index import build_index
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset, encode_png
-from pipeline.data.transforms import decode_image, encode_jpeg
+from pipeline.data.transforms import decode_image
 from pipeline.io import read_json
 
 
@@ -98,26 +97,6 @@ def test_unreachable_urls_are_skipped_and_counted(tmp_path, serve):
 
 
 # -- img2dataset output ----------------------------------------------------------------------------------
-
-def img2dataset_folder(root: Path, rng) -> None:
-    """What img2dataset writes with output_format=webdataset: tar, parquet and _stats.json per shard."""
-    root.mkdir()
-    for shard, n in ((0, 3), (1, 2), (2, 4)):
-        name = f"{shard:05d}"
-        with tarfile.open(root / f"{name}.tar", "w") as t:
-            for i in range(n):
-                key = f"{name}{i:04d}"
-                for ext, data in (("jpg", encode_jpeg(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8))),
-                                  ("txt", f"a photo {key}".encode()), ("json", json.dumps({"key": key}).encode())):
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size = len(data)
-                    t.addfile(info, io.BytesIO(data))
-        pq.write_table(pa.table({"key": [f"{name}{i:04d}" for i in range(n)], "status": ["success"] * n}),
-                       root / f"{name}.parquet")
-        if shard != 2:  # shard 2 was interrupted: img2dataset writes the stats last
-            (root / f"{name}_stats.json").write_text(json.dumps(
-                {"count": n + 1, "successes": n, "failed_to_download": 1, "failed_to_resize": 0}))
-
 
 def test_img2dataset_folder_is_used_as_it_is(tmp_path):
     img2dataset_folder(tmp_path / "laion", np.random.default_rng(0))
