@@ -15,6 +15,7 @@ from pipeline.data.transforms import to_tensor
 from pipeline.errors import VerificationFailed
 from pipeline.eval.evalsets import EvalSet, load_eval_set, square
 from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
+from pipeline.eval.images import Images
 from pipeline.eval.probe import SOLVERS, extract_features, probe_accuracy
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
 from pipeline.models import build_encoder, build_model
@@ -285,6 +286,112 @@ def test_eval_set_split_is_stratified_and_needs_two_per_class():
         lonely.split(0.5, 0)
 
 
+# -- eval sets stream their images -------------------------------------------------------------
+
+def test_images_index_like_an_array_and_subsets_decode_nothing():
+    arr = np.random.default_rng(0).integers(0, 256, (10, 4, 4, 3), dtype=np.uint8)
+    reads = []
+    images = Images(lambda rows: reads.append(rows.tolist()) or arr[rows], np.arange(10), (4, 4, 3))
+    assert len(images) == 10 and images.shape == (10, 4, 4, 3)
+    sub = images.subset(np.array([1, 3, 5, 7, 9]))
+    subsub = sub.subset(np.array([True, False, True, False, True]))
+    assert reads == [] and subsub.shape == (3, 4, 4, 3)
+    np.testing.assert_array_equal(subsub[:], arr[[1, 5, 9]])
+    np.testing.assert_array_equal(subsub[np.array([2, 0])], arr[[9, 1]])
+    np.testing.assert_array_equal(sub[1:3], arr[[3, 5]])
+    np.testing.assert_array_equal(sub[np.array([False, True, False, False, True])], arr[[3, 9]])
+    np.testing.assert_array_equal(sub[-1], arr[9])
+    assert reads[0] == [1, 5, 9] and reads[-1] == [9]  # only the rows asked for, in the order asked
+    assert sub[np.array([], dtype=int)].shape == (0, 4, 4, 3)
+    wrapped = EvalSet("x", arr, np.zeros(10, int), ["a"], ("{c}",)).images  # an array is wrapped
+    np.testing.assert_array_equal(wrapped.subset(np.arange(10) % 2 == 0)[1:], arr[2::2])
+
+
+def photo(rng, h, w, grey=False):
+    """A smooth picture with noise, so resampling differences would show."""
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 5, y * 7, (x + y) * 3], -1) + rng.normal(0, 20, (h, w, 3))
+    out = base.clip(0, 255).astype(np.uint8)
+    return out[..., 0] if grey else out
+
+
+def eager(encoded, size):
+    """What evaluate loaded before it streamed: every image through `square`, stacked."""
+    return np.stack([square(Image.open(io.BytesIO(b) if isinstance(b, bytes) else b), size) for b in encoded])
+
+
+def test_folder_set_streams_the_same_pixels_as_eager_loading(tmp_path):
+    rng = np.random.default_rng(0)
+    for part in ("train", "test"):
+        for c, (name, shape) in enumerate((("cat", (24, 30)), ("dog", (40, 20)), ("owl", (16, 16)))):
+            (tmp_path / part / name / "sub").mkdir(parents=True)
+            for i in range(3):
+                ext = ("png", "jpg", "bmp")[i]
+                Image.fromarray(photo(rng, *shape, grey=c == 2)).save(tmp_path / part / name / "sub" / f"{i}.{ext}")
+    for spec in ({"path": str(tmp_path / "train")}, {"train": str(tmp_path / "train"), "test": str(tmp_path / "test")}):
+        es = load_eval_set({"name": "pets", "source": "folder", **spec}, 16)
+        parts = ["train"] if "path" in spec else ["train", "test"]
+        files = [f for part in parts for f in sorted((tmp_path / part).rglob("*.*"))]
+        expected = eager(files, 16)
+        assert es.images.shape == expected.shape
+        np.testing.assert_array_equal(es.images[:], expected)
+        np.testing.assert_array_equal(es.images[np.arange(len(files))[::-1]], expected[::-1])  # across parts
+        np.testing.assert_array_equal(es.images.subset(es.labels == 1)[:], expected[es.labels == 1])
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_webdataset_set_streams_the_same_pixels_as_eager_loading(tmp_path, indexed):
+    from pipeline.data.shards import INDEX_NAME, ShardWriter
+    from pipeline.data.transforms import encode_jpeg
+
+    rng = np.random.default_rng(1)
+    encoded = []
+    with ShardWriter(tmp_path, prefix="eval", samples_per_shard=4) as w:
+        for i in range(10):
+            image = photo(rng, 20 + 3 * i, 30 - 2 * i)
+            data, ext = (encode_jpeg(image), "jpg") if i % 3 == 0 else (png_bytes(image), "png")
+            encoded.append(data)
+            w.write(f"s{i:03d}", data, ["ant", "bee"][i % 2], {"cls": i % 2}, image_ext=ext)
+    if not indexed:
+        (tmp_path / INDEX_NAME).unlink()  # plain webdataset tars: read back by byte position
+    es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:cls"}, 16)
+    by_text = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 16)
+    assert es.labels.tolist() == by_text.labels.tolist() == [i % 2 for i in range(10)]
+    assert by_text.classes == ["ant", "bee"]
+    np.testing.assert_array_equal(es.images[:], eager(encoded, 16))
+    te = es.split(0.5, 0)[1]
+    np.testing.assert_array_equal(es.images.subset(te)[1:], eager([encoded[i] for i in te[1:]], 16))
+
+
+def test_digits_set_streams_the_same_pixels_as_eager_loading(tmp_path, monkeypatch):
+    from pipeline.data.shards import ShardDataset
+    from pipeline.io import write_json
+    from pipeline.stages.shards import write_digits
+
+    monkeypatch.chdir(tmp_path)
+    write_digits({"image_size": 8, "eval_fraction": 0.3, "samples_per_shard": 200}, 0, Path("data/shards"))
+    write_json("data/shards/stats.json", {"source": "digits"})
+    es = load_eval_set({"name": "digits", "source": "digits"}, 12)
+    ds = ShardDataset("data/shards/eval")
+    expected = np.stack([square(Image.fromarray(ds.image(i)), 12) for i in range(len(ds))])
+    np.testing.assert_array_equal(es.images[:], expected)
+    mask = es.labels == 7
+    np.testing.assert_array_equal(es.images[mask], expected[mask])
+
+
+def test_unreadable_images_name_their_file(tmp_path):
+    (tmp_path / "pets" / "cat").mkdir(parents=True)
+    (tmp_path / "pets" / "cat" / "0.png").write_bytes(b"not a png")
+    es = load_eval_set({"name": "pets", "source": "folder", "path": str(tmp_path / "pets")}, 16)
+    with pytest.raises(ValueError, match=r"cat/0.png: cannot read the image"):
+        es.images[:1]
+    with tarfile.open(tmp_path / "a.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("s0.png")
+        tar.addfile(info, io.BytesIO(b""))
+    with pytest.raises(ValueError, match=r"a.tar.gz: not an uncompressed tar"):
+        load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path / "a.tar.gz")}, 16)
+
+
 # -- the stage ---------------------------------------------------------------------------------
 
 def make_tokenizer(directory):
@@ -373,3 +480,23 @@ def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, mo
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "steps": 2}))
     with pytest.raises(VerificationFailed, match="2 verified steps vs 3 applied"):
         evaluate.run(eval_params(), SimpleNamespace(tracker=RecordingTracker(), device="cpu", threads=1))
+
+
+def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, monkeypatch):
+    from pipeline.data.tokenizer import Tokenizer
+    from pipeline.stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path)
+    finetune = {"enabled": True, "shots": [1], "repeats": 1, "epochs": 2, "batch_size": 8, "lr": 1e-3,
+                "weight_decay": 0.0}
+    cfg = eval_params(finetune=finetune)["evaluate"]
+    candidates = evaluate.load_candidates(["random"], 0, with_text=True)
+    tokenizer = Tokenizer("models/tokenizer")
+    tokenize = lambda cand: lambda captions: tokenizer.encode(captions, cand.max_len)  # noqa: E731
+    streamed = load_eval_set({"name": "digits", "source": "digits"}, 16)
+    in_memory = EvalSet(streamed.name, streamed.images[:], streamed.labels, streamed.classes, streamed.templates)
+    streamed_r, in_memory_r = (evaluate.evaluate_set(es, candidates, cfg, 0, "cpu", tokenize)
+                               for es in (streamed, in_memory))
+    assert set(streamed_r["results"]["dp"]) == {"linear_probe", "fewshot_logreg", "fewshot_finetune", "zero_shot"}
+    assert streamed_r == in_memory_r

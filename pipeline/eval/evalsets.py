@@ -6,13 +6,16 @@ Digits follow the shards source: when the private data is digits, the held-out d
 (data/shards/eval) that training never saw; otherwise all of scikit-learn's bundled digits.
 
 Every set comes back as square uint8 images at the model's input size, integer labels, class
-names and zero-shot prompt templates (with a `{c}` slot for the class name).
+names and zero-shot prompt templates (with a `{c}` slot for the class name). The images are
+decoded batch by batch when read (`pipeline.eval.images.Images`), so memory does not grow with the
+set: only file names or byte positions and the labels are held.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from pipeline.data.shards import INDEX_NAME, ShardDataset
+from pipeline.eval.images import Images, concat, fill
 
 DIGITS_EVAL, SHARD_STATS = "data/shards/eval", "data/shards/stats.json"
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp")
@@ -32,11 +36,14 @@ DEFAULT_TEMPLATES = ("a photo of a {c}.",)
 @dataclass
 class EvalSet:
     name: str
-    images: np.ndarray          # (N, S, S, 3) uint8
+    images: Images              # (N, S, S, 3) uint8, decoded on demand; an ndarray is wrapped
     labels: np.ndarray          # (N,) int in [0, len(classes))
     classes: list[str]
     templates: tuple[str, ...]  # zero-shot prompts, "{c}" is replaced by the class name
     parts: tuple[np.ndarray, np.ndarray] | None = None  # (train, test) indices of an official split
+
+    def __post_init__(self):
+        self.images = Images.of(self.images)
 
     def prompts(self) -> list[list[str]]:
         """One list of prompts per class."""
@@ -75,7 +82,7 @@ def square(image: Image.Image, size: int) -> np.ndarray:
 
 
 def load_eval_set(spec: dict, image_size: int) -> EvalSet:
-    """One entry of `evaluate.sets` -> EvalSet (images at `image_size`)."""
+    """One entry of `evaluate.sets` -> EvalSet (images at `image_size`, decoded when read)."""
     source = spec["source"]
     if source == "digits":
         return _digits(spec, image_size)
@@ -86,7 +93,7 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
         raise ValueError(f"evaluate.sets[{spec['name']}]: give `train` and `test` (an official split) or `path` "
                          "(split here), not " + " and ".join(sorted(set(parts) | ({"path"} & set(spec)))))
     loaded = [_load_part(spec, key, image_size) for key in (parts or ["path"])]
-    images = np.concatenate([im for im, _ in loaded])
+    images = concat([im for im, _ in loaded])
     labels, classes = _encode_labels([n for _, names in loaded for n in names], spec.get("classes"), spec["name"])
     split = None
     if parts:
@@ -95,7 +102,7 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
     return EvalSet(spec["name"], images, labels, classes, tuple(spec.get("templates", DEFAULT_TEMPLATES)), split)
 
 
-def _load_part(spec: dict, key: str, image_size: int) -> tuple[np.ndarray, list]:
+def _load_part(spec: dict, key: str, image_size: int) -> tuple[Images, list]:
     path = Path(spec[key])
     if not path.exists():
         raise FileNotFoundError(f"evaluate.sets[{spec['name']}].{key}: {path} does not exist")
@@ -110,63 +117,137 @@ def _digits(spec: dict, image_size: int) -> EvalSet:
 
     if Path(SHARD_STATS).exists() and read_json(SHARD_STATS).get("source") == "digits":
         ds = ShardDataset(DIGITS_EVAL)  # the held-out part: the private part was trained on
-        images = np.stack([square(Image.fromarray(ds.image(i)), image_size) for i in range(len(ds))])
+        images = Images.decoded(lambda i: square(Image.fromarray(ds.image(i)), image_size), len(ds),
+                                (image_size, image_size, 3))
         labels = np.array([ds.meta(i)["label"] for i in range(len(ds))])
-    else:  # private data from elsewhere: every bundled digit is public and unseen
+    else:  # private data from elsewhere: every bundled digit is public and unseen (small: held in memory)
         images, labels = load_digits_rgb(image_size)
     # The training captions' own templates are the natural zero-shot prompts for digits.
     templates = tuple(spec.get("templates") or (t.format(w="{c}") for t in CAPTION_TEMPLATES))
     return EvalSet(spec["name"], images, labels, list(spec.get("classes") or NUMBER_WORDS), templates)
 
 
-def _folder(path: Path, image_size: int) -> tuple[np.ndarray, list]:
+def _square(source, where: str, size: int) -> np.ndarray:
+    """`square` of one encoded image (a file or a file object); decoding happens late, so errors say where."""
+    try:
+        with Image.open(source) as image:
+            return square(image, size)
+    except OSError as e:  # unidentified or truncated image
+        raise ValueError(f"{where}: cannot read the image ({e})") from e
+
+
+def _folder(path: Path, image_size: int) -> tuple[Images, list]:
     """`path/<class name>/**/<image>`: the class is the name of the top-level folder."""
     files = sorted((d.name, f) for d in path.iterdir() if d.is_dir()
                    for f in d.rglob("*") if f.suffix.lower().lstrip(".") in IMAGE_EXTS)
     if not files:
         raise ValueError(f"{path}: no images found in class folders ({'/'.join(IMAGE_EXTS)} under {path}/<class>/)")
-    images = [square(Image.open(f), image_size) for _, f in tqdm(files, desc=f"load {path.name}", leave=False)]
-    return np.stack(images), [name for name, _ in files]
+    paths = [str(f) for _, f in files]
+    images = Images.decoded(lambda i: _square(paths[i], paths[i], image_size), len(paths), (image_size, image_size, 3))
+    return images, [name for name, _ in files]
 
 
-def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[np.ndarray, list]:
-    """Tar shards of `<key>.<ext>` members; the label is a json field (`json:<field>`) or the text."""
+def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, list]:
+    """Tar shards of `<key>.<ext>` members; the label is a json field (`json:<field>`) or the text.
+
+    Labels are read up front; images are read back per batch, by the index when the shards have one
+    (our own format), else by the byte positions one pass over the tars recorded.
+    """
     kind, _, field = label_spec.partition(":")
     if kind not in ("json", "text") or (kind == "json" and not field):
         raise ValueError(f"label {label_spec!r}: use 'json:<field>' or 'text'")
-    images, names = [], []
-    for key, members in tqdm(_samples(path), desc=f"load {path.name}", leave=False):
-        image_ext = next((e for e in IMAGE_EXTS if e in members), None)
-        if image_ext is None:
-            raise ValueError(f"{path}: sample {key!r} has no image member ({', '.join(IMAGE_EXTS)})")
+    member = "json" if kind == "json" else "txt"
+
+    def label(key: str, data: bytes | None):
         if kind == "json":
-            meta = json.loads(members.get("json", b"{}"))
+            meta = json.loads(b"{}" if data is None else data)
             if field not in meta:
                 raise ValueError(f"{path}: sample {key!r} has no json field {field!r}")
-            names.append(meta[field])
-        else:
-            if "txt" not in members:
-                raise ValueError(f"{path}: sample {key!r} has no .txt member to take the class from")
-            names.append(members["txt"].decode("utf-8").strip())
-        images.append(square(Image.open(io.BytesIO(members[image_ext])), image_size))
-    if not images:
-        raise ValueError(f"{path}: no samples found")
-    return np.stack(images), names
+            return meta[field]
+        if data is None:
+            raise ValueError(f"{path}: sample {key!r} has no .txt member to take the class from")
+        return data.decode("utf-8").strip()
 
-
-def _samples(path: Path):
-    """(key, {ext: bytes}) per sample; through the index when the shards have one (our own format)."""
     if (path / INDEX_NAME).exists():
         ds = ShardDataset(path)
-        exts = [e for e in ("png", "txt", "json") if f"{e}_offset" in ds.index]
-        for i in range(len(ds)):
-            yield ds.index["key"][i], {e: ds.read_member(i, e) for e in exts}
-        return
+        names = [label(ds.key(i), _member_or_none(ds, i, member))
+                 for i in tqdm(range(len(ds)), desc=f"labels {path.name}", leave=False)]
+
+        def read(rows: np.ndarray) -> list[tuple[str, bytes]]:
+            return [(f"{path}: sample {ds.key(i)!r}", ds.read_member(i, "image")) for i in rows.tolist()]
+    else:
+        read, names = _scan_tars(path, member, label)
+    if not names:
+        raise ValueError(f"{path}: no samples found")
+
+    shape = (image_size, image_size, 3)
+
+    def decode(rows: np.ndarray) -> np.ndarray:
+        return fill((_square(io.BytesIO(data), where, image_size) for where, data in read(rows)), len(rows), shape)
+
+    return Images(decode, np.arange(len(names)), shape), names
+
+
+def _member_or_none(ds: ShardDataset, i: int, ext: str) -> bytes | None:
+    try:
+        return ds.read_member(i, ext)
+    except KeyError:  # this sample has no such member
+        return None
+
+
+class _TarSpans:
+    """Where each sample's image lies in tars without an index. Called with row ids, it reads those
+    images back by position, as (where, bytes), opening each tar the batch touches once."""
+
+    def __init__(self, tars: list[Path], tar_ids: list[int], offsets: list[int], sizes: list[int]):
+        self.tars = tars
+        self.tar_ids, self.offsets, self.sizes = np.array(tar_ids), np.array(offsets), np.array(sizes)
+
+    def __call__(self, rows: np.ndarray) -> list[tuple[str, bytes]]:
+        fds, out = {}, []
+        try:
+            for t, offset, size in zip(self.tar_ids[rows].tolist(), self.offsets[rows].tolist(),
+                                       self.sizes[rows].tolist()):
+                if t not in fds:
+                    fds[t] = os.open(self.tars[t], os.O_RDONLY)
+                data = os.pread(fds[t], size, offset)
+                where = f"{self.tars[t]} at byte {offset}"
+                if len(data) != size:
+                    raise ValueError(f"{where}: expected an image of {size} bytes, found {len(data)}: "
+                                     "the tar changed after its samples were listed")
+                out.append((where, data))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return out
+
+
+def _scan_tars(path: Path, member: str, label) -> tuple[_TarSpans, list]:
+    """One pass over the tars: each sample's label (from `member`) and where its image's bytes are."""
     tars = sorted(path.glob("*.tar")) if path.is_dir() else [path]
     if not tars:
         raise ValueError(f"{path}: no .tar shards")
-    for tar_path in tars:
-        with tarfile.open(tar_path) as tar:
+    tar_ids, offsets, sizes, names = [], [], [], []
+    for t, tar, key, members in tqdm(_tar_samples(tars), desc=f"scan {path.name}", leave=False):
+        image_ext = next((e for e in IMAGE_EXTS if e in members), None)
+        if image_ext is None:
+            raise ValueError(f"{path}: sample {key!r} has no image member ({', '.join(IMAGE_EXTS)})")
+        names.append(label(key, tar.extractfile(members[member]).read() if member in members else None))
+        tar_ids.append(t)
+        offsets.append(members[image_ext].offset_data)
+        sizes.append(members[image_ext].size)
+    return _TarSpans(tars, tar_ids, offsets, sizes), names
+
+
+def _tar_samples(tars: list[Path]):
+    """(tar number, open tar, key, {ext: TarInfo}) per sample, a sample's members being adjacent."""
+    for t, tar_path in enumerate(tars):
+        try:
+            tar = tarfile.open(tar_path, "r:")  # uncompressed only: images are read back by byte position
+        except tarfile.ReadError as e:
+            raise ValueError(f"{tar_path}: not an uncompressed tar ({e}); eval sets read images from tars "
+                             "by position, so decompress it") from e
+        with tar:
             key, members = None, {}
             for info in tar:
                 if not info.isfile():
@@ -176,12 +257,12 @@ def _samples(path: Path):
                 stem, _, ext = base.partition(".")
                 k = f"{dirname}/{stem}" if dirname else stem
                 if k != key and members:
-                    yield key, members
+                    yield t, tar, key, members
                     members = {}
                 key = k
-                members[ext.lower()] = tar.extractfile(info).read()
+                members[ext.lower()] = info
             if members:
-                yield key, members
+                yield t, tar, key, members
 
 
 def _encode_labels(names: list, class_names: list | None, set_name: str) -> tuple[np.ndarray, list[str]]:

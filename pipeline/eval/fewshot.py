@@ -55,7 +55,11 @@ def fewshot_logreg(train_x, train_y, test_x, test_y, shots, repeats: int, c: flo
 def finetune_accuracy(encoder, train_images, train_y, test_images, test_y, num_classes: int, *, pool: str,
                       epochs: int, batch_size: int, lr: float, weight_decay: float, seed: int = 0,
                       device: str = "cpu") -> float:
-    """Fine-tune a copy of `encoder` + a linear head on the training images; test accuracy."""
+    """Fine-tune a copy of `encoder` + a linear head on the training images; test accuracy.
+
+    Images are (N, H, W, 3) uint8 arrays or lazy `Images`: the (K-shot, small) training images are
+    decoded once and held, as every epoch reads them; the test images are decoded batch by batch.
+    """
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = copy.deepcopy(encoder).to(device).train()
@@ -65,7 +69,7 @@ def finetune_accuracy(encoder, train_images, train_y, test_images, test_y, num_c
         head.bias.zero_()
     params = list(model.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    x, y = to_tensor(train_images), torch.as_tensor(train_y, dtype=torch.long)
+    x, y = to_tensor(train_images[:]), torch.as_tensor(train_y, dtype=torch.long)  # [:] decodes lazy `Images`
     batch_size = min(batch_size, len(x))
     per_epoch = -(-len(x) // batch_size)
     total, step = epochs * per_epoch, 0
@@ -93,7 +97,8 @@ def finetune_accuracy(encoder, train_images, train_y, test_images, test_y, num_c
 
 def fewshot_finetune(encoder, train_images, train_y, test_images, test_y, num_classes: int, shots, repeats: int,
                      cfg: dict, pool: str, seed: int, device: str = "cpu") -> dict:
-    """{k: {"mean", "std", "runs"}} of K-shot full fine-tuning test accuracy."""
+    """{k: {"mean", "std", "runs"}} of K-shot full fine-tuning test accuracy; `train_images[s]` decodes
+    just the K-shot subset s (a few images per class), `test_images` stays lazy."""
     out = {}
     for k in shots:
         accs = [finetune_accuracy(encoder, train_images[s], train_y[s], test_images, test_y, num_classes, pool=pool,

@@ -22,6 +22,7 @@ from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
 from pipeline.data.transforms import to_tensor
+from pipeline.eval.images import Images
 
 SOLVERS = ("logreg", "lars", "adamw")
 
@@ -35,26 +36,31 @@ def pool_tokens(tokens: torch.Tensor, pool: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def extract_features(encoder, images: np.ndarray, pool: str = "cls", last_k: int = 1, device: str = "cpu",
-                     batch_size: int = 256) -> np.ndarray:
-    """(N, H, W, 3) uint8 images -> (N, last_k * width) float32 features of the frozen encoder."""
+def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", last_k: int = 1,
+                     device: str = "cpu", batch_size: int = 256) -> np.ndarray:
+    """(N, H, W, 3) uint8 images -> (N, last_k * width) float32 features of the frozen encoder.
+
+    `images` is an array or lazy `Images`: only one batch of it is decoded at a time."""
     if not 1 <= last_k <= len(encoder.blocks):
         raise ValueError(f"last_k_blocks={last_k}: the encoder has {len(encoder.blocks)} blocks")
     encoder.eval().to(device)
     captured: list[torch.Tensor] = []
     hooks = [blk.register_forward_hook(lambda _m, _i, out: captured.append(out))
              for blk in encoder.blocks[len(encoder.blocks) - last_k:]]
+    # Filled in place: no per-batch pieces left between each batch's big temporaries (they fragment the
+    # heap: RSS crept up with the set's size) nor concatenated at the end (twice the features' memory).
+    out = np.empty((len(images), last_k * encoder.width), np.float32)
     try:
-        out = []
         for i in range(0, len(images), batch_size):
             captured.clear()
             encoder.forward_features(to_tensor(images[i:i + batch_size]).to(device))
             # Every block's tokens go through the encoder's final norm, so k = 1 is `encode`.
-            out.append(torch.cat([pool_tokens(encoder.norm(t), pool) for t in captured], dim=1).float().cpu())
+            pooled = torch.cat([pool_tokens(encoder.norm(t), pool) for t in captured], dim=1)
+            out[i:i + batch_size] = pooled.float().cpu().numpy()
     finally:
         for h in hooks:
             h.remove()
-    return torch.cat(out).numpy()
+    return out
 
 
 def logreg_probe(train_x, train_y, c: float = 1.0, seed: int = 0):

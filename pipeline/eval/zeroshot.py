@@ -15,16 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data.transforms import to_tensor
+from pipeline.eval.images import Images
 from pipeline.objectives import OBJECTIVES
 
 ZERO_SHOT_OBJECTIVES = tuple(name for name, o in OBJECTIVES.items() if o.zero_shot)
 
 
 @torch.no_grad()
-def class_scores(model, objective: str, images: np.ndarray, prompts: list[list[str]],
+def class_scores(model, objective: str, images: np.ndarray | Images, prompts: list[list[str]],
                  tokenize: Callable[[list[str]], torch.Tensor], device: str = "cpu",
                  batch_size: int = 128) -> np.ndarray:
-    """(N, C) scores, higher = more likely class; `prompts[c]` are the prompts of class c."""
+    """(N, C) scores, higher = more likely class; `prompts[c]` are the prompts of class c.
+
+    `images` is an (N, H, W, 3) uint8 array or lazy `Images`, read batch by batch."""
     if objective not in ZERO_SHOT_OBJECTIVES:
         raise ValueError(f"zero-shot needs a text tower: objective {objective!r} has none "
                          f"(use one of {ZERO_SHOT_OBJECTIVES})")
@@ -39,17 +42,18 @@ def class_scores(model, objective: str, images: np.ndarray, prompts: list[list[s
     method = OBJECTIVES[objective].zero_shot
     if method == "embedding":
         text = F.normalize(per_class @ model.encode_text(tokens), dim=-1)
-    out = []
+    out = np.empty((len(images), len(prompts)), np.float32)  # filled in place, as extract_features
     for i in range(0, len(images), batch_size):
         imgs = to_tensor(images[i:i + batch_size]).to(device)
         if method == "caption_loss":
-            out.append(-(model.score_captions(imgs, tokens) @ per_class.t()))
+            scores = -(model.score_captions(imgs, tokens) @ per_class.t())
         else:
-            out.append(model.encode_image(imgs) @ text.t())
-    return torch.cat(out).float().cpu().numpy()
+            scores = model.encode_image(imgs) @ text.t()
+        out[i:i + batch_size] = scores.float().cpu().numpy()
+    return out
 
 
-def zero_shot_accuracy(model, objective: str, images: np.ndarray, labels: np.ndarray, prompts: list[list[str]],
-                       tokenize, device: str = "cpu") -> float:
+def zero_shot_accuracy(model, objective: str, images: np.ndarray | Images, labels: np.ndarray,
+                       prompts: list[list[str]], tokenize, device: str = "cpu") -> float:
     pred = class_scores(model, objective, images, prompts, tokenize, device).argmax(axis=1)
     return float((pred == np.asarray(labels)).mean())

@@ -87,6 +87,8 @@ def load_candidates(baselines: list[str], seed: int, with_text: bool) -> list[Ca
 def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int, device: str, tokenize) -> dict:
     tr, te = es.split(cfg["probe_fraction"], seed)
     y_tr, y_te = es.labels[tr], es.labels[te]
+    # Lazy views: every protocol reads its images batch by batch, so no part is ever held whole.
+    images_tr, images_te = es.images.subset(tr), es.images.subset(te)
     few, ft = cfg["fewshot"], cfg["finetune"]
     results = {}
     for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
@@ -98,11 +100,11 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
                                                  cfg["probe_c"], seed)
         if ft["enabled"]:
             train_cfg = {k: ft[k] for k in ("epochs", "batch_size", "lr", "weight_decay")}
-            r["fewshot_finetune"] = fewshot_finetune(cand.encoder, es.images[tr], y_tr, es.images[te], y_te,
+            r["fewshot_finetune"] = fewshot_finetune(cand.encoder, images_tr, y_tr, images_te, y_te,
                                                      len(es.classes), ft["shots"], ft["repeats"], train_cfg,
                                                      cfg["pool"], seed, device)
         if cfg["zero_shot"] and cand.text_model is not None:
-            r["zero_shot"] = zero_shot_accuracy(cand.text_model, cand.objective, es.images[te], y_te, es.prompts(),
+            r["zero_shot"] = zero_shot_accuracy(cand.text_model, cand.objective, images_te, y_te, es.prompts(),
                                                 tokenize(cand), device)
         results[cand.name] = r
         print(f"evaluate: {es.name}/{cand.name:<10} linear probe {r['linear_probe']:.3f}"
