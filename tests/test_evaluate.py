@@ -457,15 +457,25 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
     tracker = RecordingTracker()
     evaluate.run(eval_params(), SimpleNamespace(tracker=tracker, device="cpu", threads=1))
     metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
-    assert metrics["model_order"] == ["dp", "nonprivate", "synthetic", "random"]
+    assert metrics["model_order"] == ["dp", "nonprivate", "synthetic", "pixels", "random"]
     digits = metrics["sets"]["digits"]
     assert digits["n_probe_train"] + digits["n_probe_test"] == 120 and len(digits["classes"]) == 10
     for name, r in digits["results"].items():
-        assert 0 <= r["linear_probe"] <= 1
+        lo, hi = r["linear_probe_ci"]  # a 95% interval over the 60 test images around the accuracy
+        assert 0 <= lo <= r["linear_probe"] <= hi <= 1 and hi - lo > 0.05
         assert set(r["fewshot_logreg"]) == {"1", "5"} and len(r["fewshot_logreg"]["5"]["runs"]) == 2
         assert "fewshot_finetune" not in r  # off by default
-        # Zero-shot needs a text tower: the synthetic-only encoder has none.
-        assert ("zero_shot" in r) == (name != "synthetic")
+        # Zero-shot needs a text tower: the synthetic-only encoder and the pixels have none.
+        assert ("zero_shot" in r) == (name not in ("synthetic", "pixels"))
+        assert ("zero_shot_ci" in r) == ("zero_shot" in r)
+    # The DP model against each baseline, paired on the same test images; against itself nothing.
+    assert set(digits["dp_versus"]) == {"nonprivate", "synthetic", "pixels", "random"}
+    pixels = digits["dp_versus"]["pixels"]
+    assert pixels["diff"] == pytest.approx(digits["results"]["dp"]["linear_probe"]
+                                           - digits["results"]["pixels"]["linear_probe"])
+    assert pixels["ci"][0] <= pixels["diff"] <= pixels["ci"][1]
+    assert digits["dp_versus"]["nonprivate"] == {"diff": 0.0, "ci": [0.0, 0.0]}  # the same checkpoint here
+    assert tracker.metrics["digits.dp.linear_probe_ci_lo"] == digits["results"]["dp"]["linear_probe_ci"][0]
     assert tracker.metrics["digits.dp.zero_shot"] == digits["results"]["dp"]["zero_shot"]
     assert tracker.metrics["dp_linear_probe_acc"] == digits["results"]["dp"]["linear_probe"]
     assert tracker.metrics["epsilon"] == 3.0 and tracker.tags["dpfm.objective"] == "caption"
@@ -498,5 +508,18 @@ def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, mon
     in_memory = EvalSet(streamed.name, streamed.images[:], streamed.labels, streamed.classes, streamed.templates)
     streamed_r, in_memory_r = (evaluate.evaluate_set(es, candidates, cfg, 0, "cpu", tokenize)
                                for es in (streamed, in_memory))
-    assert set(streamed_r["results"]["dp"]) == {"linear_probe", "fewshot_logreg", "fewshot_finetune", "zero_shot"}
+    assert set(streamed_r["results"]["dp"]) == {"linear_probe", "linear_probe_ci", "fewshot_logreg",
+                                                  "fewshot_finetune", "zero_shot", "zero_shot_ci"}
     assert streamed_r == in_memory_r
+
+
+def test_pixel_baseline_features_are_the_normalised_pixels_at_most_32_px():
+    from pipeline.eval.probe import pixel_features
+
+    rng = np.random.default_rng(0)
+    small = rng.integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)
+    assert np.allclose(pixel_features(small), to_tensor(small).flatten(1).numpy())
+    large = np.repeat(np.repeat(rng.integers(0, 256, (5, 32, 32, 3), dtype=np.uint8), 2, axis=1), 2, axis=2)
+    x = pixel_features(large)  # 64 px of 2x2 blocks: area pooling to 32 px gives back the blocks
+    assert x.shape == (5, 3 * 32 * 32)
+    assert np.allclose(x, to_tensor(large[:, ::2, ::2]).flatten(1).numpy(), atol=1e-5)

@@ -32,12 +32,20 @@ def check(name, passed=True):
 def metrics_json():
     few = {"1": {"mean": 0.3, "std": 0.05, "runs": [0.25, 0.35]},
            "10": {"mean": 0.7, "std": 0.01, "runs": [0.69, 0.71]}}
-    results = {"dp": {"linear_probe": 0.822, "fewshot_logreg": few, "zero_shot": 0.41},
-               "nonprivate": {"linear_probe": 0.9, "fewshot_logreg": few, "zero_shot": 0.6},
-               "synthetic": {"linear_probe": 0.804, "fewshot_logreg": few},
-               "random": {"linear_probe": 0.5, "fewshot_logreg": few, "zero_shot": 0.1}}
+    results = {"dp": {"linear_probe": 0.822, "linear_probe_ci": [0.774, 0.867], "fewshot_logreg": few,
+                      "zero_shot": 0.41, "zero_shot_ci": [0.352, 0.47]},
+               "nonprivate": {"linear_probe": 0.9, "linear_probe_ci": [0.863, 0.933], "fewshot_logreg": few,
+                              "zero_shot": 0.6, "zero_shot_ci": [0.541, 0.659]},
+               "synthetic": {"linear_probe": 0.804, "linear_probe_ci": [0.756, 0.852], "fewshot_logreg": few},
+               "pixels": {"linear_probe": 0.85, "linear_probe_ci": [0.807, 0.889], "fewshot_logreg": few},
+               "random": {"linear_probe": 0.5, "linear_probe_ci": [0.441, 0.559], "fewshot_logreg": few,
+                          "zero_shot": 0.1, "zero_shot_ci": [0.067, 0.137]}}
+    versus = {"nonprivate": {"diff": -0.078, "ci": [-0.111, -0.044]},
+              "synthetic": {"diff": 0.018, "ci": [-0.011, 0.048]},
+              "pixels": {"diff": -0.028, "ci": [-0.07, 0.015]},
+              "random": {"diff": 0.322, "ci": [0.27, 0.374]}}
     labels = {"dp": "DP (DP-Cap)", "nonprivate": "Not private (DP-Cap without DP, ε = ∞)",
-              "synthetic": "Synthetic only (Syn-ViP)", "random": "Random init"}
+              "synthetic": "Synthetic only (Syn-ViP)", "pixels": "Raw pixels (no encoder)", "random": "Random init"}
     return {"primary_set": "digits", "objective": "caption", "model_order": list(labels),
             "models": {k: {"label": v, "source": "x"} for k, v in labels.items()},
             "protocol": {"pool": "cls", "last_k_blocks": 1, "probe_fraction": 0.5, "probe_solver": "logreg",
@@ -45,7 +53,7 @@ def metrics_json():
                          "finetune": {"enabled": False, "repeats": 1}, "zero_shot": True},
             "privacy": {"epsilon": 7.99, "delta": 4e-4, "accountant": "pld"},
             "sets": {"digits": {"classes": [str(i) for i in range(10)], "n_probe_train": 269, "n_probe_test": 270,
-                                "chance": 0.102, "results": results}}}
+                                "chance": 0.102, "results": results, "dp_versus": versus}}}
 
 
 @pytest.fixture
@@ -81,11 +89,12 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
     out = root / "results/report"
     page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
     for text in ("(ε = 7.99, δ = 4.00e-04 = 1/2n)-DP", "2 of 2 checks passed", "PLD ε = 7.990", "RDP ε = 9.600",
-                 "82.2", "90.0", "80.4", "50.0", "30.0 ± 5.0", "Zero-shot", "1-shot", "10-shot", "DP (DP-Cap)"):
+                 "82.2 (77.4–86.7)", "90.0", "80.4", "50.0", "30.0 ± 5.0", "Zero-shot", "1-shot", "10-shot",
+                 "DP (DP-Cap)", "Raw pixels (no encoder)", "41.0 (35.2–47.0)"):
         assert text in page and text in md, text
     # Rows keep the evaluate stage's order (the JSON itself is key-sorted).
     table = page[page.index("<table class='acc'"):]
-    rows = [table.index(m) for m in ("DP (DP-Cap)", "Not private", "Synthetic only", "Random init")]
+    rows = [table.index(m) for m in ("DP (DP-Cap)", "Not private", "Synthetic only", "Raw pixels", "Random init")]
     assert rows == sorted(rows)
     assert "123456" not in page and "123456" not in md  # a known noise seed would undo the noise
     assert "objective: mae" in page  # the params of the run are shown
@@ -211,3 +220,17 @@ def test_data_card_reports_usable_n_and_skipped_examples_by_reason():
     assert value == "97 usable"
     assert detail == "of 100 rows from urls; skipped: 2 corrupt image, 1 missing caption"
     assert data_card({"source": "digits", "private": {"usable": 5, "rows": 5, "excluded": {}}})[2].endswith("skipped: none")
+
+
+def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
+    metrics = metrics_json()
+    mechanism = {"n": 1258, "batch": 125.8, "sigma": 0.67, "epsilon": 7.99, "clip": 1.0}
+    text = report.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
+    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%)")
+    assert "it beats Random init by +32.2 points (95% CI +27.0 to +37.4)" in text
+    assert "it is BELOW Not private (DP-Cap without DP, ε = ∞): −7.8 points (95% CI −11.1 to −4.4)" in text
+    assert "it is not distinguishable from Synthetic only (Syn-ViP) (+1.8 points (95% CI −1.1 to +4.8)" in text
+    assert "did not improve on its synthetic warm start" in text and "n = 1258" in text  # and why, likely
+    metrics["sets"]["digits"]["dp_versus"]["synthetic"] = {"diff": 0.05, "ci": [0.02, 0.08]}
+    text = report.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
+    assert "it beats Synthetic only (Syn-ViP) by +5.0 points" in text and "warm start" not in text

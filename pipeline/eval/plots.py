@@ -8,10 +8,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 from pipeline.objectives import recipe_name  # noqa: E402
 
-MODEL_COLORS = {"dp": "#c8313e", "nonprivate": "#1f3a5f", "synthetic": "#0f8b8d", "random": "#9a9a9a"}
+MODEL_COLORS = {"dp": "#c8313e", "nonprivate": "#1f3a5f", "synthetic": "#0f8b8d", "random": "#9a9a9a",
+                "pixels": "#d9a441"}
 DPI = 150
 STYLE = {"axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
          "font.size": 9, "axes.titlesize": 10, "axes.titleweight": "bold", "legend.frameon": False}
@@ -54,14 +56,16 @@ def plot_epsilon(curves: dict, target: float | None, final: tuple[int, float], p
 
 
 def plot_accuracy(columns: list[str], rows: list[dict], chance: float, path) -> None:
-    """Grouped bars: one group per protocol (column), one bar per model; std as error bars."""
+    """Grouped bars: one group per protocol (column), one bar per model; error bars: the 95% interval
+    where there is one, else the std over few-shot subsets."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(max(4.6, 1.3 * len(columns) + 2), 3.2))
         width = 0.8 / max(1, len(rows))
         for i, row in enumerate(rows):
             xs = [j + (i - (len(rows) - 1) / 2) * width for j, c in enumerate(row["cells"]) if c is not None]
             ys = [100 * c[0] for c in row["cells"] if c is not None]
-            err = [100 * (c[1] or 0) for c in row["cells"] if c is not None]
+            err = np.array([[100 * (c[0] - c[2][0]), 100 * (c[2][1] - c[0])] if c[2] else [100 * (c[1] or 0)] * 2
+                            for c in row["cells"] if c is not None]).T.reshape(2, -1)
             ax.bar(xs, ys, width * 0.92, yerr=err, capsize=2, label=row["label"],
                    color=MODEL_COLORS.get(row["name"], f"C{i}"), error_kw={"lw": 0.8})
         ax.axhline(100 * chance, color="#555", ls=":", lw=1, label=f"chance ({100 * chance:.0f}%)")

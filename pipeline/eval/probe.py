@@ -139,13 +139,36 @@ def train_linear_head(train_x, train_y, num_classes: int, solver: str, epochs: i
     return head.eval()
 
 
-def probe_accuracy(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c: float = 1.0,
-                   train_cfg: dict | None = None, seed: int = 0, device: str = "cpu") -> float:
-    """Test accuracy of a linear probe fit on (train_x, train_y)."""
+def probe_correct(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c: float = 1.0,
+                  train_cfg: dict | None = None, seed: int = 0, device: str = "cpu") -> np.ndarray:
+    """Per test example, whether a linear probe fit on (train_x, train_y) classifies it right: what
+    the accuracy and its bootstrap interval (eval/stats.py) are computed from."""
     if solver == "logreg":
-        return float(logreg_probe(train_x, train_y, c, seed).score(test_x, test_y))
-    num_classes = int(max(np.max(train_y), np.max(test_y))) + 1
-    head = train_linear_head(train_x, train_y, num_classes, solver, seed=seed, device=device, **(train_cfg or {}))
-    with torch.no_grad():
-        pred = head(torch.as_tensor(test_x, dtype=torch.float32, device=device)).argmax(1).cpu().numpy()
-    return float((pred == np.asarray(test_y)).mean())
+        pred = logreg_probe(train_x, train_y, c, seed).predict(test_x)
+    else:
+        num_classes = int(max(np.max(train_y), np.max(test_y))) + 1
+        head = train_linear_head(train_x, train_y, num_classes, solver, seed=seed, device=device, **(train_cfg or {}))
+        with torch.no_grad():
+            pred = head(torch.as_tensor(test_x, dtype=torch.float32, device=device)).argmax(1).cpu().numpy()
+    return np.asarray(pred) == np.asarray(test_y)
+
+
+def probe_accuracy(train_x, train_y, test_x, test_y, **kw) -> float:
+    """Test accuracy of a linear probe fit on (train_x, train_y) (keywords: probe_correct's)."""
+    return float(probe_correct(train_x, train_y, test_x, test_y, **kw).mean())
+
+
+PIXEL_SIDE = 32  # the raw-pixel baseline's resolution: 3,072 features keep its probe a small fit
+
+
+def pixel_features(images: np.ndarray | Images, side: int = PIXEL_SIDE, batch_size: int = 512) -> np.ndarray:
+    """The simplest baseline's features: the raw pixels, area-downsampled to at most `side` px,
+    normalised as the encoders' inputs are, flattened."""
+    size = images.shape[1]
+    out = np.empty((len(images), 3 * min(size, side) ** 2), np.float32)
+    for i in range(0, len(images), batch_size):
+        x = to_tensor(images[i:i + batch_size])
+        if size > side:
+            x = F.adaptive_avg_pool2d(x, side)
+        out[i:i + batch_size] = x.flatten(1).numpy()
+    return out

@@ -15,7 +15,8 @@ PROTOCOLS = (("linear_probe", "Linear probe"), ("fewshot_logreg", "{k}-shot"),
 
 
 def accuracy_table(set_metrics: dict, models: dict, order: list[str] | None = None) -> tuple[list[str], list[dict]]:
-    """Columns and rows ({name, label, cells: [(mean, std) or None]}) of one eval set, rows in `order`."""
+    """Columns and rows ({name, label, cells: [(mean, std, ci) or None]}) of one eval set, rows in
+    `order`: std over few-shot subsets, ci the 95% bootstrap interval [lo, hi] (linear probe, zero-shot)."""
     results = set_metrics["results"]
     order = [n for n in (order or []) if n in results] + [n for n in results if n not in (order or [])]
     results = {n: results[n] for n in order}
@@ -37,7 +38,7 @@ def accuracy_table(set_metrics: dict, models: dict, order: list[str] | None = No
             if v is None or (k is not None and k not in v):
                 cells.append(None)
             else:
-                cells.append((v[k]["mean"], v[k]["std"]) if k is not None else (v, None))
+                cells.append((v[k]["mean"], v[k]["std"], None) if k is not None else (v, None, r.get(f"{key}_ci")))
         rows.append({"name": name, "label": models.get(name, {}).get("label", name), "cells": cells})
     return [t for _, _, t in keys], rows
 
@@ -50,10 +51,12 @@ def best_per_column(rows: list[dict]) -> list[float | None]:
 def fmt_acc(cell) -> str:
     if cell is None:
         return "—"
-    mean, std = cell
+    mean, std, ci = cell
     text = f"{100 * mean:.1f}"
     if std is not None:
         text += f" ± {100 * std:.1f}"
+    if ci is not None:
+        text += f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})"
     return text
 
 
@@ -155,8 +158,8 @@ def render_html(r: dict) -> str:
                    f"<table class='acc' id='accuracy-{e(s['name'])}'><thead><tr>{head}</tr></thead>"
                    f"<tbody>{''.join(body)}</tbody></table><p class='note'>{e(s['legend'])}</p>")
         if s.get("figure"):
-            out.append(_figure(s["figure"], f"Accuracy on {s['name']} (%); error bars: std over few-shot subsets.",
-                               "bars"))
+            out.append(_figure(s["figure"], f"Accuracy on {s['name']} (%); error bars: 95% bootstrap interval over "
+                               "the test images (linear probe, zero-shot), std over subsets (few-shot).", "bars"))
     f = r["figures"]
     out.append("<h2>Privacy and utility</h2><div class='grid2'>"
                + _figure(f["privacy_utility"], r["pu_caption"]) + _figure(f["epsilon"], r["eps_caption"]) + "</div>")

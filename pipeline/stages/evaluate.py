@@ -1,9 +1,13 @@
 """The `evaluate` stage: the DP encoder beside its baselines on labelled eval sets.
 
 Models: the DP model; the non-private counterpart (models/dp/nonprivate.pt, when dp-train made
-one); the synthetic-only encoder (Syn-ViP: the pretrain checkpoint); a random-init encoder.
+one); the synthetic-only encoder (Syn-ViP: the pretrain checkpoint); the raw pixels (no encoder:
+the simplest baseline); a random-init encoder.
 Protocols: linear probe (ViP), K-shot logistic regression over seeded class-balanced subsets,
 K-shot full fine-tuning (when enabled), zero-shot with the text tower (captioner/CLIP).
+
+Every linear-probe and zero-shot accuracy carries a 95% bootstrap interval over the test images,
+and the DP model's linear probe is compared with each baseline's on the same images (paired).
 
 Each eval set is public and held out: it is split into probe-train / probe-test, so no private
 example is used here and the accuracies are post-processing of the DP model.
@@ -14,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -21,8 +26,9 @@ from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
-from pipeline.eval.probe import extract_features, probe_accuracy
-from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, zero_shot_accuracy
+from pipeline.eval.probe import extract_features, pixel_features, probe_correct
+from pipeline.eval.stats import accuracy_ci, difference_ci
+from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
 from pipeline.models import ModelConfig, build_encoder, build_model
 
@@ -34,10 +40,10 @@ VERIFICATION, OUT = "results/privacy/verification.json", "results/eval/metrics.j
 class Candidate:
     """One model under evaluation."""
 
-    name: str          # dp | nonprivate | synthetic | random
+    name: str          # dp | nonprivate | synthetic | random | pixels
     label: str         # for tables
     source: str
-    encoder: torch.nn.Module
+    encoder: torch.nn.Module | None             # None: the raw pixels are the features
     text_model: torch.nn.Module | None = None  # captioner / CLIP, for zero-shot
     objective: str | None = None
     max_len: int = 0                            # caption tokens the text tower takes
@@ -73,6 +79,8 @@ def load_candidates(baselines: list[str], seed: int, with_text: bool) -> list[Ca
         encoder = build_encoder(mcfg)
         encoder.load_state_dict(load_checkpoint(f"{PRETRAIN}/checkpoint.pt")["encoder"])
         out.append(Candidate("synthetic", "Synthetic only (Syn-ViP)", f"{PRETRAIN}/checkpoint.pt", encoder))
+    if "pixels" in baselines:  # the simplest baseline: a linear probe on the pixels themselves
+        out.append(Candidate("pixels", "Raw pixels (no encoder)", "input images", None))
     if "random" in baselines:
         torch.manual_seed(seed)
         if with_text and objective in ZERO_SHOT_OBJECTIVES:  # a random text tower too: zero-shot chance level
@@ -90,27 +98,37 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
     # Lazy views: every protocol reads its images batch by batch, so no part is ever held whole.
     images_tr, images_te = es.images.subset(tr), es.images.subset(te)
     few, ft = cfg["fewshot"], cfg["finetune"]
-    results = {}
+    results, correct = {}, {}
     for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
-        x = extract_features(cand.encoder, es.images, cfg["pool"], cfg["last_k_blocks"], device)
-        r = {"linear_probe": probe_accuracy(x[tr], y_tr, x[te], y_te, solver=cfg["probe_solver"], c=cfg["probe_c"],
-                                            train_cfg=cfg["probe_train"], seed=seed, device=device)}
+        x = (pixel_features(es.images) if cand.encoder is None
+             else extract_features(cand.encoder, es.images, cfg["pool"], cfg["last_k_blocks"], device))
+        correct[cand.name] = probe_correct(x[tr], y_tr, x[te], y_te, solver=cfg["probe_solver"], c=cfg["probe_c"],
+                                           train_cfg=cfg["probe_train"], seed=seed, device=device)
+        r = with_interval("linear_probe", correct[cand.name], seed)
         if few["shots"]:
             r["fewshot_logreg"] = fewshot_logreg(x[tr], y_tr, x[te], y_te, few["shots"], few["repeats"],
                                                  cfg["probe_c"], seed)
-        if ft["enabled"]:
+        if ft["enabled"] and cand.encoder is not None:
             train_cfg = {k: ft[k] for k in ("epochs", "batch_size", "lr", "weight_decay")}
             r["fewshot_finetune"] = fewshot_finetune(cand.encoder, images_tr, y_tr, images_te, y_te,
                                                      len(es.classes), ft["shots"], ft["repeats"], train_cfg,
                                                      cfg["pool"], seed, device)
         if cfg["zero_shot"] and cand.text_model is not None:
-            r["zero_shot"] = zero_shot_accuracy(cand.text_model, cand.objective, images_te, y_te, es.prompts(),
-                                                tokenize(cand), device)
+            scores = class_scores(cand.text_model, cand.objective, images_te, es.prompts(), tokenize(cand), device)
+            r.update(with_interval("zero_shot", scores.argmax(axis=1) == y_te, seed))
         results[cand.name] = r
-        print(f"evaluate: {es.name}/{cand.name:<10} linear probe {r['linear_probe']:.3f}"
+        lo, hi = r["linear_probe_ci"]
+        print(f"evaluate: {es.name}/{cand.name:<10} linear probe {r['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f})"
               + (f", zero-shot {r['zero_shot']:.3f}" if "zero_shot" in r else ""))
+    # Paired on the same test images: is the DP model's linear probe better than each baseline's?
+    versus = {name: difference_ci(correct["dp"], c, seed) for name, c in correct.items() if name != "dp"}
     return {"classes": es.classes, "n_probe_train": int(len(tr)), "n_probe_test": int(len(te)),
-            "chance": es.chance, "results": results}
+            "chance": es.chance, "results": results, "dp_versus": versus if "dp" in correct else {}}
+
+
+def with_interval(protocol: str, correct: np.ndarray, seed: int) -> dict:
+    """The accuracy of per-example outcomes and its 95% bootstrap interval over the test images."""
+    return {protocol: float(correct.mean()), f"{protocol}_ci": accuracy_ci(correct, seed)}
 
 
 def mlflow_metrics(metrics: dict) -> dict:
@@ -121,6 +139,8 @@ def mlflow_metrics(metrics: dict) -> dict:
             for protocol, v in r.items():
                 if isinstance(v, dict):
                     flat.update({f"{set_name}.{model}.{protocol}_{k}shot": kv["mean"] for k, kv in v.items()})
+                elif isinstance(v, list):  # a [lo, hi] interval
+                    flat.update({f"{set_name}.{model}.{protocol}_lo": v[0], f"{set_name}.{model}.{protocol}_hi": v[1]})
                 else:
                     flat[f"{set_name}.{model}.{protocol}"] = v
     primary = metrics["sets"][metrics["primary_set"]]["results"]
@@ -146,7 +166,7 @@ def run(params: dict, ctx) -> None:
     def tokenize(cand: Candidate):
         return lambda captions: tokenizer.encode(captions, cand.max_len)
 
-    image_size = candidates[0].encoder.img_size
+    image_size = candidates[0].encoder.img_size  # the DP model's
     sets = {}
     for spec in cfg["sets"]:
         sets[spec["name"]] = evaluate_set(load_eval_set(spec, image_size), candidates, cfg, seed, ctx.device, tokenize)

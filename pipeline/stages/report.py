@@ -127,13 +127,42 @@ def signed(x: float) -> str:
     return f"{x:+.1f}".replace("-", "−")
 
 
-def headline_sentence(primary: str, lp: dict, models: dict) -> str:
-    """One plain sentence: the DP model's linear probe against each baseline."""
-    if "dp" not in lp:
+def points_ci(d: dict) -> str:
+    """A paired difference in points with its interval: `+2.1 points (95% CI +0.4 to +3.8)`."""
+    return f"{signed(100 * d['diff'])} points (95% CI {signed(100 * d['ci'][0])} to {signed(100 * d['ci'][1])})"
+
+
+def verdict(label: str, d: dict) -> str:
+    """In plain words: better, worse, or not distinguishable at this test-set size."""
+    if d["ci"][0] > 0:
+        return f"it beats {label} by {points_ci(d)}"
+    if d["ci"][1] < 0:
+        return f"it is BELOW {label}: {points_ci(d)}"
+    return f"it is not distinguishable from {label} ({points_ci(d)}: the interval includes 0)"
+
+
+def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: dict) -> str:
+    """Plain sentences: the DP model's linear probe, then against each baseline with a paired 95%
+    interval; when it does not beat its synthetic warm start, the likely reason."""
+    results = set_metrics["results"]
+    if "dp" not in results:
         return ""
-    vs = [f"{signed(100 * (lp['dp'] - lp[n]))} points vs. {models[n]['label']}" for n in lp if n != "dp"]
-    return (f"On {primary}, the DP model's linear probe reaches {100 * lp['dp']:.1f}%"
-            + (": " + ", ".join(vs) + "." if vs else "."))
+    dp = results["dp"]
+    text = f"On {primary}, the DP model's linear probe reaches {100 * dp['linear_probe']:.1f}%"
+    if "linear_probe_ci" in dp:
+        text += f" (95% CI {100 * dp['linear_probe_ci'][0]:.1f}–{100 * dp['linear_probe_ci'][1]:.1f}%)"
+    versus = set_metrics.get("dp_versus", {})
+    parts = [verdict(models[name]["label"], d) for name, d in versus.items() if name in models]
+    text += (": " + "; ".join(parts) + "." if parts else ".")
+    warm = versus.get("synthetic")
+    if warm is not None and warm["ci"][0] <= 0:
+        text += (f" DP training did not improve on its synthetic warm start here. The likely reason: DP-SGD's noise "
+                 f"relative to the averaged gradient shrinks with the expected batch, and this run has "
+                 f"n = {mechanism['n']} private examples, an expected batch of {mechanism['batch']:.0f} and "
+                 f"σ = {mechanism['sigma']:.2f} at ε = {mechanism['epsilon']:.2f} (noise std per averaged "
+                 f"coordinate ≈ σ·C/batch = {mechanism['sigma'] * mechanism['clip'] / mechanism['batch']:.3g}); "
+                 "ViP and DP-Cap use batches of ~100k from hundreds of millions of examples.")
+    return text
 
 
 def delta_text(delta: float, param) -> str:
@@ -157,7 +186,10 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
         sets.append({
             "name": name, "columns": columns, "rows": rows, "figure": fig,
             "note": (f"{len(s['classes'])} classes; the public held-out set is split into {s['n_probe_train']} "
-                     f"probe-train / {s['n_probe_test']} probe-test images; chance {100 * s['chance']:.1f}%."),
+                     f"probe-train / {s['n_probe_test']} probe-test images; chance {100 * s['chance']:.1f}%; in "
+                     f"parentheses: 95% bootstrap intervals over those test images"
+                     + ("; raw pixels: the same probe on the input pixels (at most 32 px)." if "pixels" in s["results"]
+                        else ".")),
             "legend": protocol_legend(metrics["protocol"], columns, objective),
         })
     primary_rows = {row["name"]: row for row in next(s for s in sets if s["name"] == primary)["rows"]}
@@ -176,14 +208,18 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
     baselines = {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random") if n in lp}
     plots.plot_privacy_utility(points, baselines, figures["privacy_utility"])
 
-    headline = headline_sentence(primary, lp, models)
+    primary_set = metrics["sets"][primary]
+    headline = headline_sentence(primary, primary_set, models, {
+        "n": ver["n"], "batch": ver["sample_rate"] * ver["n"], "sigma": ver["sigma"],
+        "epsilon": ver["epsilon_reported"], "clip": ledger.get("clip_norm", 1.0)})
     cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}",
               f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
               f"{ver['steps']} DP steps on n = {ver['n']}")]
     cards.append(data_card(read_json(SHARD_STATS)) if Path(SHARD_STATS).exists() else ("Data", "n/a", "no shard stats"))
+    versus = primary_set.get("dp_versus", {})
     for name in lp:
-        diff = (f"linear probe on {primary}" if name == "dp"
-                else f"DP model {signed(100 * (lp['dp'] - lp[name]))} points")
+        diff = (f"linear probe on {primary}" if name == "dp" else
+                f"DP model {points_ci(versus[name]) if name in versus else signed(100 * (lp['dp'] - lp[name])) + ' points'}")
         cards.append((models[name]["label"], f"{100 * lp[name]:.1f}%", diff))
     model = params.get("model", {})
     sensitivity = ledger.get("sensitivity", 1.0)
