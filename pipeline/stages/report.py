@@ -138,7 +138,7 @@ def verdict(label: str, d: dict) -> str:
         return f"it beats {label} by {points_ci(d)}"
     if d["ci"][1] < 0:
         return f"it is BELOW {label}: {points_ci(d)}"
-    return f"it is not distinguishable from {label} ({points_ci(d)}: the interval includes 0)"
+    return f"it cannot be told apart from {label}: {points_ci(d)}, an interval that includes 0"
 
 
 def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: dict) -> str:
@@ -152,7 +152,8 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     if "linear_probe_ci" in dp:
         text += f" (95% CI {100 * dp['linear_probe_ci'][0]:.1f}–{100 * dp['linear_probe_ci'][1]:.1f}%)"
     versus = set_metrics.get("dp_versus", {})
-    parts = [verdict(models[name]["label"], d) for name, d in versus.items() if name in models]
+    order = ("synthetic", "random", "pixels", "nonprivate")  # the warm start first: ViP's question
+    parts = [verdict(models[name]["label"], versus[name]) for name in order if name in versus and name in models]
     text += (": " + "; ".join(parts) + "." if parts else ".")
     warm = versus.get("synthetic")
     if warm is not None and warm["ci"][0] <= 0:
