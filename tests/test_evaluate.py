@@ -165,7 +165,8 @@ def test_a_zero_shot_prompt_the_caption_length_cuts_is_named_in_a_warning(tmp_pa
 
     make_tokenizer(tmp_path / "tokenizer")
     tokenizer = Tokenizer(tmp_path / "tokenizer")
-    prompts = [[f"a handwritten digit {c}", f"the digit {c} in white ink on a black background"] for c in ("one", "two")]
+    templates = ("a handwritten digit {c}", "the digit {c} in white ink on a black background")
+    prompts = [[t.format(c=c) for t in templates] for c in ("one", "two")]
     max_len = max(len(tokenizer.sp.encode(ps[0])) for ps in prompts) + 2  # the short prompts just fit
     long = len(tokenizer.sp.encode(prompts[0][1]))
     images = np.zeros((2, 4, 4, 3), np.uint8)
