@@ -159,6 +159,22 @@ def test_zero_shot_refuses_a_model_without_text_tower():
         class_scores(None, "mae", np.zeros((1, 4, 4, 3), np.uint8), [["a"]], lambda c: None)
 
 
+def test_a_zero_shot_prompt_the_caption_length_cuts_is_named_in_a_warning(tmp_path):
+    """A prompt cut before its class name cannot be classified: the warning says which and by how much."""
+    from pipeline.data.tokenizer import CaptionsTruncated, Tokenizer
+
+    make_tokenizer(tmp_path / "tokenizer")
+    tokenizer = Tokenizer(tmp_path / "tokenizer")
+    templates = ("a handwritten digit {c}", "the digit {c} in white ink on a black background")
+    prompts = [[t.format(c=c) for t in templates] for c in ("one", "two")]
+    max_len = max(len(tokenizer.sp.encode(ps[0])) for ps in prompts) + 2  # the short prompts just fit
+    long = len(tokenizer.sp.encode(prompts[0][1]))
+    images = np.zeros((2, 4, 4, 3), np.uint8)
+    with pytest.warns(CaptionsTruncated, match=rf"2 of 4 texts .* max_len={max_len} .*"
+                                               rf"'{prompts[0][1]}' \({long} pieces\)"):
+        class_scores(StubCaptioner(), "caption", images, prompts, lambda caps: tokenizer.encode(caps, max_len))
+
+
 WORDS = ["<pad>", "<unk>", "<bos>", "<eos>", "a", "square", "picture", "of", "colour", "red", "green", "blue", "yellow"]
 
 

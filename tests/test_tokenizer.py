@@ -1,22 +1,32 @@
 """The `tokenizer` stage: trained on public text only (private captions in the working directory do
-not change a byte of it), deterministic, the vocabulary size it is asked for, BOS/EOS/PAD encoding."""
+not change a byte of it), deterministic, the vocabulary size it is asked for, BOS/EOS/PAD encoding;
+the default one holds every digits caption and default zero-shot prompt whole, and cut public text
+is named in a warning while cut private captions are not."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from pipeline.data import tokenizer as tok
+from pipeline.data.transforms import tokenize
+from pipeline.eval.evalsets import load_eval_set
+from pipeline.stages.dp_train import check_digit_captions
+from pipeline.stages.shards import NUMBER_WORDS, digit_captions
 from pipeline.stages import tokenizer as tokenizer_stage
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from recording import RecordingTracker
 
 POISON = "wombatronic"  # a word no public corpus holds
+PARAMS = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+FULL_CORPUS_CHARS = tok.MAX_CORPUS_CHARS
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,9 +34,9 @@ def smaller_corpus():
     """The language reference topics and a few stdlib files (the full corpus takes seconds to parse)."""
     with pytest.MonkeyPatch.context() as m:
         m.setattr(tok, "MAX_CORPUS_CHARS", 600_000)
-        tok.public_corpus.cache_clear()
+        tok.corpus_parts.cache_clear()
         yield
-    tok.public_corpus.cache_clear()
+    tok.corpus_parts.cache_clear()
 
 
 def run_stage(project: Path, monkeypatch, vocab_size=256, model_type="unigram") -> bytes:
@@ -57,7 +67,7 @@ def write_private_captions(project: Path) -> None:
 def check_public_only(project: Path, clean: bytes, monkeypatch) -> None:
     """Train with private captions on disk; the model must be the one trained without them."""
     write_private_captions(project)
-    tok.public_corpus.cache_clear()  # build the corpus again, here, beside the private data
+    tok.corpus_parts.cache_clear()  # build the corpus again, here, beside the private data
     poisoned = run_stage(project, monkeypatch)
     pieces = [p.lstrip("▁") for p in tok.Tokenizer(project / tok.OUT_DIR).sp.id_to_piece(list(range(256)))]
     assert not [p for p in pieces if len(p) >= 6 and p in POISON], "a piece of the private word is in the vocab"
@@ -75,7 +85,6 @@ def test_the_check_catches_a_corpus_that_reads_the_private_captions(clean_model,
         ds = ShardDataset("data/shards/private")
         return public() + tuple(ds.caption(i) for i in range(len(ds)))
 
-    leaky_corpus.cache_clear = public.cache_clear
     monkeypatch.setattr(tokenizer_stage, "public_corpus", leaky_corpus)
     with pytest.raises(AssertionError, match="private word|vocabulary changed"):
         check_public_only(tmp_path, clean_model, monkeypatch)
@@ -110,9 +119,81 @@ def test_encode_adds_bos_eos_pads_and_truncates(clean_model, tmp_path):
     assert ids.dtype == torch.long and ids.shape == (2, len(pieces) + 4)
     assert ids[0].tolist() == [tok.BOS_ID, *pieces, tok.EOS_ID, tok.PAD_ID, tok.PAD_ID]
     assert ids[1].tolist() == [tok.BOS_ID, tok.EOS_ID] + [tok.PAD_ID] * (len(pieces) + 2)
-    short = t.encode([caption], max_len=4)
+    with pytest.warns(tok.CaptionsTruncated, match=caption):
+        short = t.encode([caption], max_len=4)
     assert short[0].tolist() == [tok.BOS_ID, *pieces[:2], tok.EOS_ID]  # cut, but still ends with EOS
     assert t.decode(ids[:1]) == [caption]
     assert int(ids.max()) < t.vocab_size
     with pytest.raises(ValueError, match="max_len=1"):
         t.encode([caption], max_len=1)
+
+
+# -- the default tokenizer and caption length --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_project(tmp_path_factory, smaller_corpus):
+    """The tokenizer stage as params.yaml configures it, on the whole public corpus."""
+    project = tmp_path_factory.mktemp("default")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tok, "MAX_CORPUS_CHARS", FULL_CORPUS_CHARS)
+        tok.corpus_parts.cache_clear()
+        run_stage(project, m, **PARAMS["tokenizer"])
+    tok.corpus_parts.cache_clear()
+    return project
+
+
+def default_prompts() -> list[str]:
+    """The zero-shot prompts of every eval set in params.yaml (images at a token size: unused)."""
+    sets = [load_eval_set(spec, 8) for spec in PARAMS["evaluate"]["sets"]]
+    return [p for es in sets for ps in es.prompts() for p in ps]
+
+
+def test_the_default_caption_length_holds_every_digits_caption_and_default_prompt(default_project):
+    t, max_len = tok.Tokenizer(default_project / tok.OUT_DIR), PARAMS["model"]["max_caption_len"]
+    texts = digit_captions() + default_prompts()
+    longest = max(len(p) for p in t.sp.encode(texts))
+    assert longest <= max_len - 2, f"{longest} pieces + BOS/EOS do not fit model.max_caption_len={max_len}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tok.CaptionsTruncated)
+        t.encode(texts, max_len)
+        check_digit_captions(t, max_len)
+    assert all(len(t.sp.encode(w)) <= 2 for w in NUMBER_WORDS), "a digit word is split into letters"
+
+
+def test_tokenizer_json_records_the_corpus_composition(default_project):
+    info = json.loads((default_project / tok.OUT_DIR / "tokenizer.json").read_text())
+    parts = info["composition"]
+    assert set(parts) == {"digits-captions", "caption-templates", "python-docs"}
+    assert sum(p["lines"] for p in parts.values()) == info["lines"]
+    assert sum(p["chars"] for p in parts.values()) == info["chars"]
+    templates, names = tok.caption_file()
+    captions = parts["caption-templates"]
+    assert captions["file"] == "caption_corpus.txt"
+    assert (captions["templates"], captions["class_names"]) == (len(templates), len(names))
+    assert captions["lines"] == len(templates) * len(names) * captions["repeats"]
+    assert parts["digits-captions"]["lines"] == len(digit_captions()) * parts["digits-captions"]["repeats"]
+    # Caption text weighs about as much as the Python docs, so that its words become whole pieces.
+    assert 0.5 < (captions["chars"] + parts["digits-captions"]["chars"]) / parts["python-docs"]["chars"] < 2
+
+
+def test_truncated_public_text_is_named_in_a_warning(clean_model, tmp_path):
+    (tmp_path / "spm.model").write_bytes(clean_model)
+    t = tok.Tokenizer(tmp_path)
+    long = "the digit seven in white ink on a black background"
+    named = rf"'{long}' \({len(t.sp.encode(long))} pieces\)"
+    with pytest.warns(tok.CaptionsTruncated, match=rf"1 of 2 texts .* max_len=6 .*{named}"):
+        t.encode(["one", long], max_len=6)
+    cut = sum(len(p) > 4 for p in t.sp.encode(digit_captions()))
+    more = f"; and {cut - tok.MAX_NAMED} more"  # the first MAX_NAMED are named
+    with pytest.warns(tok.CaptionsTruncated, match=rf"{cut} of 50 texts .* max_len=6 .*{more}\."):
+        check_digit_captions(t, 6)
+
+
+def test_truncated_private_captions_are_cut_silently(clean_model, tmp_path, capsys):
+    """dp-train's loader tokenises private captions: which, or how many, are cut is private."""
+    (tmp_path / "spm.model").write_bytes(clean_model)
+    t = tok.Tokenizer(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids = tokenize(t, [f"a {POISON} photo of a private caption"], max_len=4)
+    assert ids[0, -1] == tok.EOS_ID and capsys.readouterr() == ("", "")

@@ -1,9 +1,11 @@
 """The `tokenizer` stage: SentencePiece trained on public text only.
 
 Training it on the private captions would put their vocabulary outside the DP guarantee, so the
-corpus is text that ships with every Python interpreter — the language reference topics of
-`pydoc_data` and the docstrings of the standard library — plus the project's own caption templates.
-Nothing under the working directory is read, so the vocabulary cannot depend on the private data.
+corpus is public text that ships with the code: the digits source's caption templates, the caption
+templates and class names of `caption_corpus.txt` (written for this project, in the style of CLIP's
+zero-shot prompts), and text that ships with every Python interpreter — the language reference
+topics of `pydoc_data` and the docstrings of the standard library. Nothing under the working
+directory is read, so the vocabulary cannot depend on the private data.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import io
 import re
 import sysconfig
+import warnings
 from pathlib import Path
 
 import sentencepiece as spm
@@ -22,24 +25,33 @@ import torch
 OUT_DIR = "models/tokenizer"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 MAX_CORPUS_CHARS = 3_000_000
+MAX_NAMED = 5  # truncated texts named in one warning
 # SentencePiece's result depends on its thread count: a fixed count makes it the same on every machine.
 TRAIN_THREADS = 1
+CAPTION_FILE = Path(__file__).with_name("caption_corpus.txt")
+# Caption text is repeated so that it weighs about as much as the Python docs: with a few hundred
+# pieces, caption words then become whole pieces instead of letters. The digits captions, the
+# default source's and eval set's own text, weigh most.
+REPEATS = {"digits-captions": 50, "caption-templates": 8, "python-docs": 1}
 
 
 def _useful(line: str) -> bool:
     return len(line) > 20 and not line.startswith((">>>", "..."))
 
 
-@functools.lru_cache(maxsize=1)
-def public_corpus() -> tuple[str, ...]:
-    """Caption templates, Python's language reference topics, then stdlib docstrings (files in sorted
-    order) up to MAX_CORPUS_CHARS: the same lines on every run of one Python version."""
+def caption_file() -> tuple[list[str], list[str]]:
+    """The shipped caption corpus: (templates with a {} slot, class names)."""
+    lines = [line.strip() for line in CAPTION_FILE.read_text(encoding="utf-8").splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    return [line for line in lines if "{}" in line], [line for line in lines if "{}" not in line]
+
+
+def python_docs() -> tuple[str, ...]:
+    """Python's language reference topics, then stdlib docstrings (files in sorted order) up to
+    MAX_CORPUS_CHARS: the same lines on every run of one Python version."""
     from pydoc_data.topics import topics
 
-    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS
-
-    lines = [t.format(w=w) for t in CAPTION_TEMPLATES for w in NUMBER_WORDS]
-    lines += [line.strip() for name in sorted(topics) for line in topics[name].splitlines() if _useful(line.strip())]
+    lines = [line.strip() for name in sorted(topics) for line in topics[name].splitlines() if _useful(line.strip())]
     total = sum(map(len, lines))
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         if total > MAX_CORPUS_CHARS:
@@ -55,6 +67,32 @@ def public_corpus() -> tuple[str, ...]:
                         lines.append(line.strip())
                         total += len(line.strip())
     return tuple(lines)
+
+
+@functools.lru_cache(maxsize=1)
+def corpus_parts() -> dict[str, tuple[str, ...]]:
+    """The public corpus by part, each part's lines repeated REPEATS[part] times."""
+    from pipeline.stages.shards import digit_captions
+
+    templates, names = caption_file()
+    parts = {"digits-captions": tuple(digit_captions()),
+             "caption-templates": tuple(t.format(n) for t in templates for n in names),
+             "python-docs": python_docs()}
+    return {name: lines * REPEATS[name] for name, lines in parts.items()}
+
+
+def public_corpus() -> tuple[str, ...]:
+    """Every line the tokenizer trains on: caption text, then Python's docs."""
+    return tuple(line for lines in corpus_parts().values() for line in lines)
+
+
+def corpus_composition() -> dict:
+    """What tokenizer.json records of each part: lines and characters trained on (repeats included)."""
+    templates, names = caption_file()
+    out = {name: {"lines": len(lines), "chars": sum(map(len, lines)), "repeats": REPEATS[name]}
+           for name, lines in corpus_parts().items()}
+    out["caption-templates"].update(file=CAPTION_FILE.name, templates=len(templates), class_names=len(names))
+    return out
 
 
 def train_model(corpus, vocab_size: int, model_type: str) -> bytes:
@@ -77,6 +115,22 @@ def train_model(corpus, vocab_size: int, model_type: str) -> bytes:
     return model.getvalue()
 
 
+class CaptionsTruncated(UserWarning):
+    """Public text (zero-shot prompts, caption templates) longer than the model's caption length."""
+
+
+def warn_truncated(texts: list[str], pieces: list[list[int]], max_len: int) -> None:
+    """A CaptionsTruncated warning naming the texts whose pieces do not fit between BOS and EOS."""
+    cut = [(text, len(p)) for text, p in zip(texts, pieces) if len(p) > max_len - 2]
+    if not cut:
+        return
+    named = "; ".join(f"{text!r} ({n} pieces)" for text, n in cut[:MAX_NAMED])
+    more = f"; and {len(cut) - MAX_NAMED} more" if len(cut) > MAX_NAMED else ""
+    warnings.warn(f"{len(cut)} of {len(texts)} texts have more pieces than max_len={max_len} holds "
+                  f"({max_len - 2} + BOS/EOS) and lose their end: {named}{more}. "
+                  "Raise model.max_caption_len", CaptionsTruncated, stacklevel=3)
+
+
 class Tokenizer:
     """Captions -> fixed-length token ids: BOS, pieces, EOS, then PAD."""
 
@@ -84,12 +138,19 @@ class Tokenizer:
         self.sp = spm.SentencePieceProcessor(model_file=str(Path(directory) / "spm.model"))
         self.vocab_size = self.sp.get_piece_size()
 
-    def encode(self, captions: list[str], max_len: int) -> torch.Tensor:
-        """(N, max_len) ids; a caption longer than max_len - 2 pieces is cut, its EOS kept."""
+    def encode(self, captions: list[str], max_len: int, *, private: bool = False) -> torch.Tensor:
+        """(N, max_len) ids; a caption longer than max_len - 2 pieces is cut, its EOS kept.
+
+        Cut public text is named in a CaptionsTruncated warning. Private captions (`private=True`:
+        dp-train's loader) are cut silently: which of them, or even how many, are cut is a
+        statistic of the private data that no noise covers."""
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: BOS and EOS alone need 2 positions")
+        pieces = self.sp.encode(list(captions))
+        if not private:
+            warn_truncated(list(captions), pieces, max_len)
         out = torch.full((len(captions), max_len), PAD_ID, dtype=torch.long)
-        for i, ids in enumerate(self.sp.encode(list(captions))):
+        for i, ids in enumerate(pieces):
             ids = [BOS_ID] + ids[: max_len - 2] + [EOS_ID]
             out[i, : len(ids)] = torch.tensor(ids)
         return out

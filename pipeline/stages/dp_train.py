@@ -32,6 +32,7 @@ from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget
 from pipeline.privacy.engine import Mechanism, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
+from pipeline.stages.shards import digit_captions
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
                             save_model, state_dir, step_generator)
 
@@ -111,19 +112,30 @@ def plan_mechanism(dp: dict, n: int) -> dict:
             "target_epsilon": dp["epsilon"], "accountant": dp["accountant"], "epsilon_planned": eps}
 
 
+def check_digit_captions(tokenizer: Tokenizer, max_len: int) -> None:
+    """Warn (CaptionsTruncated) if max_len cuts any caption the digits source writes.
+
+    The loader cuts private captions silently, as counting the cut ones would release a statistic
+    of the private data; the digits captions come from public templates, so they can be checked."""
+    tokenizer.encode(digit_captions(), max_len)
+
+
 def run(params: dict, ctx) -> None:
     dp, seed, device = params["dp"], params["run"]["seed"], ctx.device
     world = init_world(device)
     tokenizer = Tokenizer(TOKENIZER) if objective(dp["objective"]).tokens else None
     mcfg = ModelConfig.from_params(params["model"], dp["objective"], tokenizer.vocab_size if tokenizer else None)
     n = len(ShardDataset(f"{SHARDS}/private"))
-    stats_n = read_json(f"{SHARDS}/stats.json")["private"]["usable"]
+    stats = read_json(f"{SHARDS}/stats.json")
+    stats_n = stats["private"]["usable"]
     if n != stats_n:
         raise ValueError(f"{SHARDS}/private index has {n} usable examples but stats.json says {stats_n}")
     try:  # contradictions in the params stop the run here, before any image is decoded or state written
         mech = plan_mechanism(dp, n)
     except ValueError as e:
         raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
+    if tokenizer and stats.get("source") == "digits":
+        check_digit_captions(tokenizer, mcfg.max_len)
     held = split_loader("eval", mcfg, tokenizer)
     held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
     inputs = [f"{SHARDS}/private"] + ([PRETRAIN] if dp["init"] == "pretrain" else []) + ([TOKENIZER] if tokenizer else [])

@@ -39,6 +39,11 @@ CAPTION_TEMPLATES = (
 )
 
 
+def digit_captions() -> list[str]:
+    """Every caption the digits source writes: public text (templates x number words)."""
+    return [t.format(w=w) for t in CAPTION_TEMPLATES for w in NUMBER_WORDS]
+
+
 def caption_for(label: int, rng: np.random.Generator) -> str:
     return CAPTION_TEMPLATES[rng.integers(len(CAPTION_TEMPLATES))].format(w=NUMBER_WORDS[label])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from pipeline.data.tokenizer import OUT_DIR, Tokenizer, public_corpus, train_model
+from pipeline.data.tokenizer import OUT_DIR, Tokenizer, corpus_composition, public_corpus, train_model
 from pipeline.io import atomic_dir, atomic_path, write_json
 
 
@@ -16,8 +16,9 @@ def run(params: dict, ctx) -> None:
     with atomic_dir(OUT_DIR) as out:
         with atomic_path(out / "spm.model") as tmp:
             tmp.write_bytes(model)
-        info = {"corpus": "python-pydoc-topics+stdlib-docstrings+caption-templates", "lines": len(corpus),
-                "chars": sum(map(len, corpus)), "sha256": digest, "model_type": cfg["model_type"],
+        info = {"corpus": "digits-captions+caption-templates+python-pydoc-topics+stdlib-docstrings",
+                "lines": len(corpus), "chars": sum(map(len, corpus)), "sha256": digest,
+                "composition": corpus_composition(), "model_type": cfg["model_type"],
                 "vocab_size": Tokenizer(out).vocab_size}
         write_json(out / "tokenizer.json", info)
     ctx.tracker.log_metrics({"vocab_size": info["vocab_size"], "corpus_chars": info["chars"]})
