@@ -157,7 +157,7 @@ def test_streamed_batches_are_the_in_memory_batches(data_dir, objective_name, wo
     whole = (to_tensor(ds.load_images(mcfg.img_size)),)
     if tokenizer:
         captions = [ds.caption(i) for i in range(len(ds))]
-        whole += (tokenizer.encode(captions, mcfg.max_len, private=True),)  # as the loader
+        whole += (tokenizer.encode(captions, mcfg.max_len),)  # as the loader
     sampler = PoissonSampler(len(ds), 40 / len(ds), key=7)
     mode = objective(objective_name).clipping
     for rank in range(world_size):

@@ -172,7 +172,7 @@ def test_a_zero_shot_prompt_the_caption_length_cuts_is_named_in_a_warning(tmp_pa
     images = np.zeros((2, 4, 4, 3), np.uint8)
     with pytest.warns(CaptionsTruncated, match=rf"2 of 4 texts .* max_len={max_len} .*"
                                                rf"'{prompts[0][1]}' \({long} pieces\)"):
-        class_scores(StubCaptioner(), "caption", images, prompts, lambda caps: tokenizer.encode(caps, max_len))
+        class_scores(StubCaptioner(), "caption", images, prompts, lambda caps: tokenizer.encode(caps, max_len, public=True))
 
 
 WORDS = ["<pad>", "<unk>", "<bos>", "<eos>", "a", "square", "picture", "of", "colour", "red", "green", "blue", "yellow"]

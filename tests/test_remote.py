@@ -133,7 +133,7 @@ def test_one_request_per_shard_for_a_whole_shard_set(shards, tmp_path):
 
 
 class FakeTokenizer:
-    def encode(self, captions, max_len, private=False):
+    def encode(self, captions, max_len, public=False):
         return torch.tensor([[len(c)] * max_len for c in captions])
 
 

@@ -379,7 +379,7 @@ def test_decode_centre_crops_to_the_model_resolution():
 
 
 class FakeTokenizer:
-    def encode(self, captions, max_len, private=False):
+    def encode(self, captions, max_len, public=False):
         return torch.tensor([[len(c)] * max_len for c in captions])
 
 

@@ -120,7 +120,7 @@ def test_encode_adds_bos_eos_pads_and_truncates(clean_model, tmp_path):
     assert ids[0].tolist() == [tok.BOS_ID, *pieces, tok.EOS_ID, tok.PAD_ID, tok.PAD_ID]
     assert ids[1].tolist() == [tok.BOS_ID, tok.EOS_ID] + [tok.PAD_ID] * (len(pieces) + 2)
     with pytest.warns(tok.CaptionsTruncated, match=caption):
-        short = t.encode([caption], max_len=4)
+        short = t.encode([caption], max_len=4, public=True)
     assert short[0].tolist() == [tok.BOS_ID, *pieces[:2], tok.EOS_ID]  # cut, but still ends with EOS
     assert t.decode(ids[:1]) == [caption]
     assert int(ids.max()) < t.vocab_size
@@ -155,7 +155,7 @@ def test_the_default_caption_length_holds_every_digits_caption_and_default_promp
     assert longest <= max_len - 2, f"{longest} pieces + BOS/EOS do not fit model.max_caption_len={max_len}"
     with warnings.catch_warnings():
         warnings.simplefilter("error", tok.CaptionsTruncated)
-        t.encode(texts, max_len)
+        t.encode(texts, max_len, public=True)
         check_digit_captions(t, max_len)
     assert all(len(t.sp.encode(w)) <= 2 for w in NUMBER_WORDS), "a digit word is split into letters"
 
@@ -182,7 +182,7 @@ def test_truncated_public_text_is_named_in_a_warning(clean_model, tmp_path):
     long = "the digit seven in white ink on a black background"
     named = rf"'{long}' \({len(t.sp.encode(long))} pieces\)"
     with pytest.warns(tok.CaptionsTruncated, match=rf"1 of 2 texts .* max_len=6 .*{named}"):
-        t.encode(["one", long], max_len=6)
+        t.encode(["one", long], max_len=6, public=True)
     cut = sum(len(p) > 4 for p in t.sp.encode(digit_captions()))
     more = f"; and {cut - tok.MAX_NAMED} more"  # the first MAX_NAMED are named
     with pytest.warns(tok.CaptionsTruncated, match=rf"{cut} of 50 texts .* max_len=6 .*{more}\."):

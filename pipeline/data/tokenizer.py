@@ -138,16 +138,17 @@ class Tokenizer:
         self.sp = spm.SentencePieceProcessor(model_file=str(Path(directory) / "spm.model"))
         self.vocab_size = self.sp.get_piece_size()
 
-    def encode(self, captions: list[str], max_len: int, *, private: bool = False) -> torch.Tensor:
+    def encode(self, captions: list[str], max_len: int, *, public: bool = False) -> torch.Tensor:
         """(N, max_len) ids; a caption longer than max_len - 2 pieces is cut, its EOS kept.
 
-        Cut public text is named in a CaptionsTruncated warning. Private captions (`private=True`:
-        dp-train's loader) are cut silently: which of them, or even how many, are cut is a
-        statistic of the private data that no noise covers."""
+        Cut text is named in a CaptionsTruncated warning only when the caller says it is public
+        (`public=True`: zero-shot prompts, caption templates). By default captions are cut
+        silently, as private ones must be: which of them, or even how many, are cut is a statistic
+        of the private data that no noise covers."""
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: BOS and EOS alone need 2 positions")
         pieces = self.sp.encode(list(captions))
-        if not private:
+        if public:
             warn_truncated(list(captions), pieces, max_len)
         out = torch.full((len(captions), max_len), PAD_ID, dtype=torch.long)
         for i, ids in enumerate(pieces):

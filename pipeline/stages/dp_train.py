@@ -117,7 +117,7 @@ def check_digit_captions(tokenizer: Tokenizer, max_len: int) -> None:
 
     The loader cuts private captions silently, as counting the cut ones would release a statistic
     of the private data; the digits captions come from public templates, so they can be checked."""
-    tokenizer.encode(digit_captions(), max_len)
+    tokenizer.encode(digit_captions(), max_len, public=True)
 
 
 def run(params: dict, ctx) -> None:

@@ -164,7 +164,7 @@ def run(params: dict, ctx) -> None:
         tokenizer = Tokenizer(TOKENIZER)
 
     def tokenize(cand: Candidate):
-        return lambda captions: tokenizer.encode(captions, cand.max_len)
+        return lambda captions: tokenizer.encode(captions, cand.max_len, public=True)  # prompts: public text
 
     image_size = candidates[0].encoder.img_size  # the DP model's
     sets = {}
