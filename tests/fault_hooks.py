@@ -29,7 +29,11 @@ import os, signal, sys, time
 from pathlib import Path
 
 def hang(what):
-    Path(os.environ["DPFM_FAULT_MARKER"]).write_text(what)  # the test kills us now
+    marker = Path(os.environ["DPFM_FAULT_MARKER"])
+    staged = marker.with_name(f"{marker.name}.{os.getpid()}")
+    staged.write_text(what)
+    # Renamed into place: the test, polling for the marker, must never read it before it holds `what`.
+    os.replace(staged, marker)  # the test kills us now
     while True:
         time.sleep(60)
 
