@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,8 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.peak_memory import peak_rss_mb
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 1.25
+MODULE = "dp_train_memory"
 OVERRIDES = ["model.size=micro", "model.img_size=32", "model.patch_size=4", "model.decoder_width=32",
              "model.decoder_depth=1", "model.decoder_heads=2", "dp.objective=mae", "dp.init=random", "dp.steps=3",
              "dp.expected_batch_size=256", "dp.physical_batch_size=64", "dp.eval_every=1", "dp.checkpoint_every=3",
@@ -79,18 +81,6 @@ def child_in_memory(directory: Path) -> None:
     print(f"held {images.numel() * 4 / 2**20:.0f} MiB of images", file=sys.stderr)
 
 
-def peak_rss_mb(mode: str, directory: Path) -> tuple[float, float]:
-    """(peak RSS in MiB, seconds) of a fresh process running `mode` on `directory`."""
-    started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.dp_train_memory", "--child", mode, "--dir",
-                             str(directory)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{mode} on {directory} failed (exit {os.waitstatus_to_exitcode(status)})")
-    return usage.ru_maxrss / 1024, time.time() - started  # Linux reports KiB
-
-
 def measure(small: int = 20_000, factor: int = 10, directory: Path | None = None) -> dict:
     directory = Path(directory or tempfile.mkdtemp(prefix="dpfm-dp-mem-"))
     sizes = {"small": small, "large": small * factor}
@@ -102,8 +92,8 @@ def measure(small: int = 20_000, factor: int = 10, directory: Path | None = None
         shutil.rmtree(project / ".dpfm", ignore_errors=True)
         shutil.rmtree(project / "models", ignore_errors=True)
         out[f"dp_train_n_{name}"] = n
-        out[f"dp_train_rss_mb_{name}"], out[f"dp_train_s_{name}"] = peak_rss_mb("dp-train", project)
-    out["inmemory_rss_mb_large"], _ = peak_rss_mb("in-memory", directory / f"n{sizes['large']}")
+        out[f"dp_train_rss_mb_{name}"], out[f"dp_train_s_{name}"] = peak_rss_mb(MODULE, "dp-train", project)
+    out["inmemory_rss_mb_large"], _ = peak_rss_mb(MODULE, "in-memory", directory / f"n{sizes['large']}")
     out["rss_ratio_large_vs_small"] = out["dp_train_rss_mb_large"] / out["dp_train_rss_mb_small"]
     return out
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.peak_memory import peak_rss_mb
+
 TARGET_RATIO = 1.25
 IMAGE_SIZE, STORED_SIZE, CLASSES = 224, 64, 10
 ENCODER = dict(size="micro", img_size=IMAGE_SIZE, patch_size=16)
@@ -70,18 +69,6 @@ def child(mode: str, directory: Path) -> None:
     print(f"{mode}: features {features.shape}", file=sys.stderr)
 
 
-def peak_rss_mb(mode: str, directory: Path) -> tuple[float, float]:
-    """(peak RSS in MiB, seconds) of a fresh process running `mode` on `directory`."""
-    started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.eval_memory", "--child", mode, "--dir",
-                             str(directory)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{mode} on {directory} failed (exit {os.waitstatus_to_exitcode(status)})")
-    return usage.ru_maxrss / 1024, time.time() - started  # Linux reports KiB
-
-
 def measure(small: int = 2000, factor: int = 10, directory: Path | None = None) -> dict:
     directory = Path(directory or tempfile.mkdtemp(prefix="dpfm-eval-mem-"))
     out = {}
@@ -91,7 +78,7 @@ def measure(small: int = 2000, factor: int = 10, directory: Path | None = None) 
         print(f"  {name}: {n} images ready in {time.time() - t0:.0f} s", file=sys.stderr)
         out[f"n_{name}"] = n
         for mode in ("streamed", "eager"):
-            out[f"{mode}_rss_mb_{name}"], out[f"{mode}_s_{name}"] = peak_rss_mb(mode, folder)
+            out[f"{mode}_rss_mb_{name}"], out[f"{mode}_s_{name}"] = peak_rss_mb("eval_memory", mode, folder)
     for mode in ("streamed", "eager"):
         out[f"{mode}_ratio_large_vs_small"] = out[f"{mode}_rss_mb_large"] / out[f"{mode}_rss_mb_small"]
     return out
