@@ -42,3 +42,29 @@ def test_bad_inputs_are_named():
         difference_ci(np.ones(3, bool), np.ones(4, bool))
     with pytest.raises(ValueError, match="at least one test example"):
         accuracy_ci(np.array([], bool))
+
+
+def test_seed_rows_widen_the_interval_when_seeds_disagree():
+    """Three training seeds whose accuracies differ by 10 points: the two-level bootstrap's interval
+    must cover that spread, where pooling the rows as one long test set would hide it."""
+    rng = np.random.default_rng(3)
+    rows = np.stack([rng.random(400) < p for p in (0.6, 0.7, 0.8)])
+    lo, hi = accuracy_ci(rows)
+    pooled_lo, pooled_hi = accuracy_ci(rows.reshape(-1))
+    assert lo <= rows.mean() <= hi
+    assert (hi - lo) > 1.5 * (pooled_hi - pooled_lo)
+    agreeing = np.stack([rows[1]] * 3)  # identical seeds: no seed variation to add
+    assert accuracy_ci(agreeing) == accuracy_ci(rows[1])
+
+
+def test_seed_rows_pair_by_seed_and_against_a_single_row():
+    rng = np.random.default_rng(4)
+    a = rng.random((3, 500)) < 0.7
+    b = a.copy()
+    b[:, :40] = False
+    d = difference_ci(a, b)
+    assert d["diff"] == pytest.approx(a[:, :40].mean() * 40 / 500) and d["ci"][0] > 0
+    single = difference_ci(a, a[0])  # e.g. the untrained encoder: one row, against each seed
+    assert single["diff"] == pytest.approx(a.mean() - a[0].mean())
+    with pytest.raises(ValueError, match="examples"):
+        accuracy_ci(np.ones((2, 3, 4), bool))

@@ -110,3 +110,42 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
                title="Privacy–utility across the experiment's runs")
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
         _save(fig, path)
+
+
+INIT_STYLE = {"pretrain": ("synthetic", "o", "DP from the synthetic warm start"),
+              "random": ("random", "s", "DP from random init")}
+
+
+def curve_x(epsilon) -> float:
+    """ε on a log2 axis, ∞ one step beyond the largest finite ε plotted (its own tick)."""
+    return np.inf if epsilon == "inf" else math.log2(epsilon)
+
+
+def plot_curve(points: list[dict], baselines: dict, path) -> None:
+    """The privacy–utility curve: linear probe (95% interval band) against ε per init; baselines:
+    {name: (label, accuracy)} as horizontal lines."""
+    finite = sorted({p["epsilon"] for p in points if p["epsilon"] != "inf"})
+    inf_x = (math.log2(finite[-1]) + 1.0) if finite else 0.0
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(5.6, 3.6))
+        for init, (color_key, marker, label) in INIT_STYLE.items():
+            mine = sorted((p for p in points if p["init"] == init), key=lambda p: curve_x(p["epsilon"]))
+            if not mine:
+                continue
+            xs = [inf_x if p["epsilon"] == "inf" else curve_x(p["epsilon"]) for p in mine]
+            ys = [100 * p["linear_probe"] for p in mine]
+            lo, hi = ([100 * p["linear_probe_ci"][i] for p in mine] for i in (0, 1))
+            color = MODEL_COLORS[color_key] if init == "random" else MODEL_COLORS["dp"]
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.15, lw=0)
+            ax.plot(xs, ys, marker=marker, color=color, label=label, ms=4)
+        for name, ls, note in (("synthetic", "--", " (no private data)"), ("random", ":", " (untrained)"),
+                               ("pixels", "-.", "")):
+            if name in baselines:
+                label, acc = baselines[name]
+                ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.1, label=label + note)
+        ticks = [math.log2(e) for e in finite] + ([inf_x] if any(p["epsilon"] == "inf" for p in points) else [])
+        ax.set_xticks(ticks, [f"{e:g}" for e in finite] + (["∞"] if len(ticks) > len(finite) else []))
+        ax.set(xlabel="ε (log scale; ∞: the same recipe without DP)", ylabel="linear-probe accuracy (%)",
+               title="Privacy–utility curve")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        _save(fig, path)

@@ -3,7 +3,9 @@
 Features: the cls token or the mean of the patch tokens, after the encoder's final norm,
 optionally concatenated over the last k blocks. Probes:
 * `logreg` — standardised features (the BatchNorm-without-affine of the protocol, in closed
-  form) and L2 logistic regression: exact and fast on small sets, the default;
+  form) and L2 logistic regression: exact and fast on small sets, the default. Its strength C is
+  given, or `auto`: chosen by cross-validation on the probe's training part alone (never the test
+  part), so every encoder gets its best probe and none is favoured by one fixed C;
 * `lars` / `adamw` — BatchNorm1d(affine=False) + Linear trained by minibatch SGD with LARS (as
   ViP/MAE) or AdamW, with warmup and a cosine schedule: for large sets.
 """
@@ -16,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.linear_model import LogisticRegression
+from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
+from sklearn.model_selection import StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
@@ -36,11 +39,13 @@ def pool_tokens(tokens: torch.Tensor, pool: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", last_k: int = 1,
+def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", last_k: int | str = 1,
                      device: str = "cpu", batch_size: int = 256) -> np.ndarray:
     """(N, H, W, 3) uint8 images -> (N, last_k * width) float32 features of the frozen encoder.
 
-    `images` is an array or lazy `Images`: only one batch of it is decoded at a time."""
+    `images` is an array or lazy `Images`: only one batch of it is decoded at a time. last_k="all"
+    takes every block."""
+    last_k = len(encoder.blocks) if last_k == "all" else last_k
     if not 1 <= last_k <= len(encoder.blocks):
         raise ValueError(f"last_k_blocks={last_k}: the encoder has {len(encoder.blocks)} blocks")
     encoder.eval().to(device)
@@ -63,9 +68,22 @@ def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", la
     return out
 
 
-def logreg_probe(train_x, train_y, c: float = 1.0, seed: int = 0):
-    """Standardised features + L2 logistic regression (L-BFGS), fitted."""
-    probe = make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=3000, random_state=seed))
+AUTO_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)  # `auto`'s grid of inverse L2 strengths
+AUTO_FOLDS = 3
+
+
+def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
+    """Standardised features + L2 logistic regression (L-BFGS), fitted. c="auto" picks C from
+    AUTO_CS by stratified cross-validated accuracy on (train_x, train_y); with fewer than 2 examples
+    of some class (1-shot) there is nothing to validate on, and C falls back to 1."""
+    counts = np.unique(train_y, return_counts=True)[1]
+    folds = min(AUTO_FOLDS, int(counts.min()) if len(counts) else 0)
+    if c == "auto" and folds >= 2:
+        model = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(folds, shuffle=True, random_state=seed),
+                                     scoring="accuracy", max_iter=3000, random_state=seed)
+    else:
+        model = LogisticRegression(C=1.0 if c == "auto" else c, max_iter=3000, random_state=seed)
+    probe = make_pipeline(StandardScaler(), model)
     # Small fits are latency-bound: one BLAS thread is several times faster than a contended pool.
     with threadpool_limits(1 if np.size(train_x) < 2_000_000 else None):
         return probe.fit(train_x, train_y)
@@ -139,7 +157,7 @@ def train_linear_head(train_x, train_y, num_classes: int, solver: str, epochs: i
     return head.eval()
 
 
-def probe_correct(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c: float = 1.0,
+def probe_correct(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c: float | str = 1.0,
                   train_cfg: dict | None = None, seed: int = 0, device: str = "cpu") -> np.ndarray:
     """Per test example, whether a linear probe fit on (train_x, train_y) classifies it right: what
     the accuracy and its bootstrap interval (eval/stats.py) are computed from."""
@@ -151,6 +169,21 @@ def probe_correct(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c
         with torch.no_grad():
             pred = head(torch.as_tensor(test_x, dtype=torch.float32, device=device)).argmax(1).cpu().numpy()
     return np.asarray(pred) == np.asarray(test_y)
+
+
+def features(encoder, images: np.ndarray | Images, cfg: dict, device: str = "cpu") -> np.ndarray:
+    """What a probe of the `evaluate` protocol `cfg` sees: the frozen encoder's pooled features, or
+    the raw pixels when `encoder` is None (the simplest baseline)."""
+    if encoder is None:
+        return pixel_features(images)
+    return extract_features(encoder, images, cfg["pool"], cfg["last_k_blocks"], device)
+
+
+def linear_probe(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int, device: str = "cpu") -> np.ndarray:
+    """Per probe-test example, whether the probe of protocol `cfg` fit on the probe-train part is right."""
+    tr, te = split
+    return probe_correct(x[tr], labels[tr], x[te], labels[te], solver=cfg["probe_solver"], c=cfg["probe_c"],
+                         train_cfg=cfg["probe_train"], seed=seed, device=device)
 
 
 def probe_accuracy(train_x, train_y, test_x, test_y, **kw) -> float:

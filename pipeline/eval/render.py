@@ -161,6 +161,13 @@ def render_html(r: dict) -> str:
             out.append(_figure(s["figure"], f"Accuracy on {s['name']} (%); error bars: 95% bootstrap interval over "
                                "the test images (linear probe, zero-shot), std over subsets (few-shot).", "bars"))
     f = r["figures"]
+    if r.get("curve"):
+        c = r["curve"]
+        head = "".join(f"<th>{e(col)}</th>" for col in ["Linear probe"] + c["columns"])
+        body = "".join(f"<tr><td>{e(row['label'])}</td>" + "".join(f"<td>{e(fmt_acc(x))}</td>" for x in row["cells"])
+                       + "</tr>" for row in c["rows"])
+        out.append(f"<h2>Privacy–utility curve</h2><table class='acc' id='curve'><thead><tr>{head}</tr></thead>"
+                   f"<tbody>{body}</tbody></table>" + _figure(c["figure"], c["caption"]))
     out.append("<h2>Privacy and utility</h2><div class='grid2'>"
                + _figure(f["privacy_utility"], r["pu_caption"]) + _figure(f["epsilon"], r["eps_caption"]) + "</div>")
     checks = "".join(f"<tr><td class='{'pass' if c['passed'] else 'fail'}'>{'✔ pass' if c['passed'] else '✘ FAIL'}</td>"
@@ -201,6 +208,12 @@ def render_markdown(r: dict) -> str:
         if s.get("figure"):
             md += ["", f"![accuracy on {s['name']}]({Path(s['figure']).name})"]
     f = r["figures"]
+    if r.get("curve"):
+        c = r["curve"]
+        md += ["", "## Privacy–utility curve", "", "| " + " | ".join(["Linear probe"] + c["columns"]) + " |",
+               "| --- |" + " ---: |" * len(c["columns"])]
+        md += ["| " + " | ".join([row["label"]] + [fmt_acc(x) for x in row["cells"]]) + " |" for row in c["rows"]]
+        md += ["", f"![privacy-utility curve]({Path(c['figure']).name})", "", c["caption"]]
     md += ["", "## Privacy and utility", "", f"![privacy-utility]({f['privacy_utility'].name})", "", r["pu_caption"],
            "", f"![epsilon against step]({f['epsilon'].name})", "", r["eps_caption"], "", "### Mechanism", "",
            "| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in r["mechanism"]]

@@ -120,8 +120,9 @@ def check_digit_captions(tokenizer: Tokenizer, max_len: int) -> None:
     tokenizer.encode(digit_captions(), max_len, public=True)
 
 
-def run(params: dict, ctx) -> None:
-    dp, seed, device = params["dp"], params["run"]["seed"], ctx.device
+def setup(params: dict, device: str) -> "Trainer":
+    """Everything one DP training needs, planned and checked before any image is decoded."""
+    dp = params["dp"]
     world = init_world(device)
     tokenizer = Tokenizer(TOKENIZER) if objective(dp["objective"]).tokens else None
     mcfg = ModelConfig.from_params(params["model"], dp["objective"], tokenizer.vocab_size if tokenizer else None)
@@ -138,40 +139,64 @@ def run(params: dict, ctx) -> None:
         check_digit_captions(tokenizer, mcfg.max_len)
     held = split_loader("eval", mcfg, tokenizer)
     held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
-    inputs = [f"{SHARDS}/private"] + ([PRETRAIN] if dp["init"] == "pretrain" else []) + ([TOKENIZER] if tokenizer else [])
-    work = state_dir("dp-train", params, inputs)
+    return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device)
+
+
+def work_dir(params: dict, trainer: "Trainer"):
+    """The run's state directory: its identity for resume and for the privacy budget."""
+    inputs = ([f"{SHARDS}/private"] + ([PRETRAIN] if params["dp"]["init"] == "pretrain" else [])
+              + ([TOKENIZER] if trainer.tokenizer else []))
+    return state_dir("dp-train", params, inputs)
+
+
+def train_private(params: dict, trainer: "Trainer", ctx):
+    """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
+    world, mech = trainer.world, trainer.mech
+    work = work_dir(params, trainer)
     if world.is_main:  # charged to the dataset's budget before the first step (composition across runs)
         data_id = budget.fingerprint(f"{SHARDS}/private")
         budget.record(data_id, work.name, mech)
-    key = broadcast_int(secret_key(work, dp["noise_seed"]) if world.is_main else 0, world)
-    trainer = Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device)
-
+    key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
     model, counters, history = trainer.train(key, work, ctx, private=True)
+    record = None
     if world.is_main:
-        ledger = trainer.ledger
-        record = ledger.to_dict()
+        record = trainer.ledger.to_dict()
         record["nonfinite_examples"] = counters["nonfinite"]
         record["data_fingerprint"], record["run"] = data_id, work.name
-        record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], ledger.steps, mech["delta"],
+        record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], trainer.ledger.steps, mech["delta"],
                                                accountant=mech["accountant"])
-    baseline = None
-    if dp["nonprivate_baseline"]:  # same recipe without clipping or noise, for the evaluation table
-        baseline, _, _ = trainer.train(seed, work / "nonprivate", ctx, private=False)
+        record["history"] = history
+    return model, counters, record
+
+
+def train_nonprivate(params: dict, trainer: "Trainer", ctx):
+    """The same recipe without clipping or noise (ε = ∞): for comparison only, never to be published."""
+    return trainer.train(params["run"]["seed"], work_dir(params, trainer) / "nonprivate", ctx, private=False)[0]
+
+
+def run(params: dict, ctx) -> None:
+    dp = params["dp"]
+    trainer = setup(params, ctx.device)
+    world, mech = trainer.world, trainer.mech
+    model, counters, record = train_private(params, trainer, ctx)
+    baseline = train_nonprivate(params, trainer, ctx) if dp["nonprivate_baseline"] else None
     if not world.is_main:
         barrier(world)
         return
+    history = record.pop("history")
     with atomic_dir(OUT_DIR) as out:
-        save_model(out / "checkpoint.pt", dp["objective"], mcfg.to_dict(), model, optimizer_steps=counters["applied_updates"],
-                   private=True)
+        save_model(out / "checkpoint.pt", dp["objective"], trainer.mcfg.to_dict(), model,
+                   optimizer_steps=counters["applied_updates"], private=True)
         if baseline is not None:  # NOT private: for the evaluation table only, never to be published
-            save_model(out / "nonprivate.pt", dp["objective"], mcfg.to_dict(), baseline, optimizer_steps=dp["steps"], private=False)
+            save_model(out / "nonprivate.pt", dp["objective"], trainer.mcfg.to_dict(), baseline,
+                       optimizer_steps=dp["steps"], private=False)
         write_json(out / "ledger.json", record)
         write_json(out / "history.json", history)
     barrier(world)
-    ctx.tracker.log_metrics({"epsilon": record["epsilon"], "sigma": mech["sigma"], "steps": ledger.steps,
+    ctx.tracker.log_metrics({"epsilon": record["epsilon"], "sigma": mech["sigma"], "steps": trainer.ledger.steps,
                              "sample_rate": mech["sample_rate"]})
     ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": mech["accountant"]})
-    print(f"dp-train: {ledger.steps} steps on n={n}, q={mech['sample_rate']:.4f}, σ={mech['sigma']:.4f}, "
+    print(f"dp-train: {trainer.ledger.steps} steps on n={mech['n']}, q={mech['sample_rate']:.4f}, σ={mech['sigma']:.4f}, "
           f"ε={record['epsilon']:.3f} (δ={mech['delta']:.2e}, {mech['accountant']})")
     if dp["log_private_stats"]:  # opted in: released without noise, not covered by the ε above
         ctx.tracker.log_metrics({"private_nonfinite_examples": record["nonfinite_examples"]})

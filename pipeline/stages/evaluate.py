@@ -26,14 +26,14 @@ from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
-from pipeline.eval.probe import extract_features, pixel_features, probe_correct
+from pipeline.eval.probe import features, linear_probe
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
 from pipeline.models import ModelConfig, build_encoder, build_model
 
 PRETRAIN, DP_DIR, TOKENIZER = "models/pretrain", "models/dp", "models/tokenizer"
-VERIFICATION, OUT = "results/privacy/verification.json", "results/eval/metrics.json"
+VERIFICATION, CURVE, OUT = "results/privacy/verification.json", "results/curve/curve.json", "results/eval/metrics.json"
 
 
 @dataclass
@@ -100,10 +100,8 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
     few, ft = cfg["fewshot"], cfg["finetune"]
     results, correct = {}, {}
     for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
-        x = (pixel_features(es.images) if cand.encoder is None
-             else extract_features(cand.encoder, es.images, cfg["pool"], cfg["last_k_blocks"], device))
-        correct[cand.name] = probe_correct(x[tr], y_tr, x[te], y_te, solver=cfg["probe_solver"], c=cfg["probe_c"],
-                                           train_cfg=cfg["probe_train"], seed=seed, device=device)
+        x = features(cand.encoder, es.images, cfg, device)
+        correct[cand.name] = linear_probe(x, es.labels, (tr, te), cfg, seed, device)
         r = with_interval("linear_probe", correct[cand.name], seed)
         if few["shots"]:
             r["fewshot_logreg"] = fewshot_logreg(x[tr], y_tr, x[te], y_te, few["shots"], few["repeats"],
@@ -179,6 +177,8 @@ def run(params: dict, ctx) -> None:
                                          "fewshot", "finetune", "zero_shot")},
         "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"]},
         "sets": sets,
+        # The privacy-utility curve (stages/curve.py), kept with the accuracies it is read beside.
+        "privacy_utility": read_json(CURVE) if Path(CURVE).exists() else None,
     }
     write_json(OUT, metrics)
     ctx.tracker.log_metrics(mlflow_metrics(metrics))

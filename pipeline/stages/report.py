@@ -15,7 +15,7 @@ from pipeline.eval import plots
 from pipeline.eval.render import accuracy_table, params_yaml, render_html, render_markdown
 from pipeline.io import atomic_dir, read_json
 from pipeline.objectives import OBJECTIVES, recipe_title
-from pipeline.privacy import accounting
+from pipeline.privacy import accounting, budget
 
 OUT_DIR = "results/report"
 VERIFICATION, METRICS = "results/privacy/verification.json", "results/eval/metrics.json"
@@ -166,6 +166,43 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     return text
 
 
+INIT_LABELS = {"pretrain": "DP from the synthetic warm start", "random": "DP from random init"}
+
+
+def curve_order(epsilon) -> float:
+    return float("inf") if epsilon == "inf" else float(epsilon)
+
+
+def curve_section(curve: dict | None, baselines: dict, path: Path) -> dict | None:
+    """The privacy–utility curve's figure, table (one row per init, one column per ε) and sentence."""
+    if not curve or not curve.get("points"):
+        return None
+    points = curve["points"]
+    plots.plot_curve(points, baselines, path)
+    epsilons = sorted({p["epsilon"] for p in points}, key=curve_order)
+    by = {(p["init"], p["epsilon"]): p for p in points}
+    rows = [{"label": INIT_LABELS.get(init, init),
+             "cells": [(by[init, e]["linear_probe"], None, by[init, e]["linear_probe_ci"]) if (init, e) in by else None
+                       for e in epsilons]}
+            for init in INIT_LABELS if any(p["init"] == init for p in points)]
+
+    def path_text(init: str) -> str:
+        return " → ".join(f"{100 * by[init, e]['linear_probe']:.1f}% at ε = {'∞' if e == 'inf' else f'{e:g}'}"
+                          for e in epsilons if (init, e) in by)
+
+    sentence = "Privacy–utility curve: " + "; ".join(f"{INIT_LABELS[i].replace('DP from', 'from')}, {path_text(i)}"
+                                                     for i in INIT_LABELS if any(p["init"] == i for p in points))
+    if "synthetic" in baselines:
+        sentence += f" (synthetic only, no DP training: {100 * baselines['synthetic'][1]:.1f}%)"
+    spent = [p["epsilon_spent"] for p in points if p.get("epsilon_spent")]
+    caption = (f"Linear probe on {curve['set']} ({curve['n_probe_test']} probe-test images; band: 95% bootstrap "
+               f"interval) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
+               f"∞ is the same recipe without clipping or noise. {len(spent)} of the points are DP trainings on the "
+               "private data: what all DP runs on it compose to is in the mechanism table.")
+    return {"figure": path, "columns": ["ε = ∞" if e == "inf" else f"ε = {e:g}" for e in epsilons], "rows": rows,
+            "caption": caption, "sentence": sentence + "."}
+
+
 def delta_text(delta: float, param) -> str:
     named = f" = {param}" if isinstance(param, str) else ""
     return f"{delta:.2e}{named}"
@@ -208,6 +245,9 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
                             "current": True}]
     baselines = {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random") if n in lp}
     plots.plot_privacy_utility(points, baselines, figures["privacy_utility"])
+    curve = curve_section(metrics.get("privacy_utility"),
+                          {n: (models[n]["label"], lp[n]) for n in ("synthetic", "random", "pixels") if n in lp},
+                          out / "privacy_utility_curve.png")
 
     primary_set = metrics["sets"][primary]
     headline = headline_sentence(primary, primary_set, models, {
@@ -238,7 +278,8 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
          + f" (target {ledger.get('target_epsilon', '—')})"),
     ]
     if "composition" in ver:  # several models trained on one dataset release more than any one
-        c = ver["composition"]
+        # Recomputed now: the curve's runs (and any other) may have been charged after verify ran.
+        c = budget.composition(ledger, ver["delta"]) if "data_fingerprint" in ledger else ver["composition"]
         mechanism.append(("ε over all DP runs on this data", f"{c['epsilon']:.4f} at the same δ, {c['runs']} run"
                           f"{'s' if c['runs'] > 1 else ''} ({', '.join(r['objective'] for r in c['by_run'])})"))
     if dp.get("log_private_stats"):
@@ -250,7 +291,8 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
     subtitle = (f"{recipe_title(objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
                 f"· generated {when} · commit {git_commit()[:12]}")
     return {
-        "title": params["report"]["title"], "subtitle": subtitle, "headline": headline, "verification": ver,
+        "title": params["report"]["title"], "subtitle": subtitle, "verification": ver, "curve": curve,
+        "headline": headline + (" " + curve["sentence"] if curve else ""),
         "cards": cards,
         "delta_text": delta_text(ver["delta"], dp.get("delta")), "sets": sets, "figures": figures,
         "mechanism": mechanism, "colors": plots.MODEL_COLORS, "params_yaml": params_yaml(params),

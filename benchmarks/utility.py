@@ -1,0 +1,241 @@
+"""Is a DP encoder worth more than its synthetic warm start, random weights and raw pixels?
+
+    python -m benchmarks.utility [--dir DIR] [--seeds 3] [--epsilons 1 8 inf] [--objectives mae caption clip]
+                                 [--set SECTION.KEY=VALUE ...]
+
+The real pipeline stages, in-process, on params.yaml's defaults (the bundled digits; `--set` points
+them elsewhere, e.g. `--set shards.source=fashion-mnist`): shards, synthetic images and tokenizer
+once; then per training seed s (run.seed = s, a known noise seed: this is public data) the
+synthetic pretraining, and per objective the curve stage's own `train_point` from each init
+(synthetic warm start, random) at each ε (∞: the same recipe without clipping or noise). Every
+encoder is probed with the `evaluate` protocol of params.yaml on the first eval set, all on the same
+probe-train / probe-test split (chosen once, seed 0), so rows pair example by example and seed by
+seed. Rows with "epsilon": null are the untrained random-init and the synthetic-only encoders.
+
+Each row's accuracy is the mean over seeds; its 95% interval a two-level bootstrap over seeds and
+test images (pipeline/eval/stats.py). The targets compare rows by paired intervals:
+  a  ε = ∞ from synthetic beats the random-init encoder, per objective
+  b  at ε = 8, DP from synthetic beats DP from random init, per objective
+  c  synthetic-init rows: ε = ∞ ≥ ε = 8 ≥ ε = 1 (no step significantly down)
+  d  the best encoder row's interval reaches the raw-pixel accuracy
+  e  DP-Cap's zero-shot at ε = 8 is above chance wherever its non-private twin's is
+Prints a table as it goes and ONE JSON line, the last line of stdout. About 15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.cli import StageContext
+from pipeline.config import load_params
+from pipeline.eval.evalsets import load_eval_set
+from pipeline.eval.probe import features, linear_probe
+from pipeline.eval.stats import accuracy_ci, difference_ci
+from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
+from pipeline.models import build_encoder
+from pipeline.stages import curve, stage
+from pipeline.tracking import NullRun
+
+ROOT = Path(__file__).resolve().parent.parent
+OBJECTIVES = ("mae", "caption", "clip")
+INIT_NAMES = {"pretrain": "synthetic", "random": "random"}  # curve's init names -> the JSON's
+
+
+@contextlib.contextmanager
+def inside(directory: Path):
+    """Stages read and write paths relative to the working directory: run them in `directory`."""
+    before = os.getcwd()
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def context(name: str) -> StageContext:
+    return StageContext(stage(name), NullRun(), torch.get_num_threads(), "cpu")
+
+
+def run_stage(name: str, params: dict) -> None:
+    import importlib
+
+    importlib.import_module(stage(name).module).run(params, context(name))
+
+
+def parse_epsilon(text: str) -> float:
+    return math.inf if text.lower() in ("inf", "infinity", "∞") else float(text)
+
+
+class Scorer:
+    """Probe outcomes (and zero-shot outcomes) of encoders on the fixed probe-test split."""
+
+    def __init__(self, params: dict, image_size: int):
+        self.cfg = params["evaluate"]
+        self.es = load_eval_set(self.cfg["sets"][0], image_size)
+        self.split = self.es.split(self.cfg["probe_fraction"], 0)
+
+    def probe(self, encoder, seed: int) -> np.ndarray:
+        x = features(encoder, self.es.images, self.cfg, "cpu")
+        return linear_probe(x, self.es.labels, self.split, self.cfg, seed)
+
+    def zero_shot(self, model, objective: str, tokenizer, max_len: int) -> np.ndarray:
+        te = self.split[1]
+        scores = class_scores(model, objective, self.es.images.subset(te), self.es.prompts(),
+                              lambda c: tokenizer.encode(c, max_len, public=True))
+        return scores.argmax(axis=1) == self.es.labels[te]
+
+
+def summarise(outcomes: dict) -> dict:
+    """{key: (seeds, examples) bool} -> {key: {"acc", "ci"}}."""
+    return {k: {"acc": float(np.mean(v)), "ci": accuracy_ci(v)} for k, v in outcomes.items()}
+
+
+def check_targets(probe: dict, zero: dict, pixels_acc: float, objectives, epsilons) -> dict:
+    """The issue's targets, each with the paired interval it rests on."""
+    targets = {}
+
+    def paired(a, b) -> dict:
+        return difference_ci(probe[a], probe[b])
+
+    for obj in objectives:
+        if math.inf in epsilons:
+            d = paired((obj, "synthetic", math.inf), (None, "random", None))
+            targets[f"a_{obj}"] = {"passed": d["ci"][0] > 0, "diff": d}
+        if 8.0 in epsilons:
+            d = paired((obj, "synthetic", 8.0), (obj, "random", 8.0))
+            targets[f"b_{obj}"] = {"passed": d["ci"][0] > 0, "diff": d}
+        steps = [e for e in (1.0, 8.0, math.inf) if e in epsilons]
+        for lo, hi in zip(steps, steps[1:]):
+            d = paired((obj, "synthetic", hi), (obj, "synthetic", lo))
+            targets[f"c_{obj}_{lo:g}_to_{hi:g}"] = {"passed": d["ci"][1] >= 0, "diff": d}
+    encoders = {k: v for k, v in probe.items() if k[1] != "pixels"}
+    best = max(encoders, key=lambda k: np.mean(encoders[k]))
+    best_ci = accuracy_ci(encoders[best])
+    targets["d_best_vs_pixels"] = {"passed": best_ci[1] >= pixels_acc, "best": row_name(best), "ci": best_ci,
+                                   "pixels": pixels_acc}
+    if ("caption", "synthetic", 8.0) in zero and ("caption", "synthetic", math.inf) in zero:
+        chance = zero["chance"]
+        dp_ci, np_ci = (accuracy_ci(zero["caption", "synthetic", e]) for e in (8.0, math.inf))
+        targets["e_caption_zero_shot"] = {"passed": dp_ci[0] > chance or np_ci[0] <= chance, "dp_ci": dp_ci,
+                                          "nonprivate_ci": np_ci, "chance": chance}
+    return targets
+
+
+def row_name(key) -> str:
+    obj, init, eps = key
+    return f"{obj or 'encoder'}/{init}" + ("" if eps is None else f"/ε={eps:g}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", help="working directory (default: a temporary one)")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--epsilons", nargs="+", default=["1", "8", "inf"])
+    ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override params.yaml (as `dpfm --set`)")
+    args = ap.parse_args()
+    epsilons = sorted(parse_epsilon(e) for e in args.epsilons)
+    params = load_params(str(ROOT / "params.yaml"), [*args.set, "run.device=cpu"])
+    work = Path(args.dir or tempfile.mkdtemp(prefix="dpfm-utility-")).resolve()
+    started = time.time()
+    print(f"utility: working in {work}; seeds {args.seeds}, ε {epsilons}, objectives {args.objectives}", flush=True)
+    with inside(work):
+        for name in ("shards", "synthetic", "tokenizer"):  # public and seed-independent: once
+            if not Path({"shards": "data/shards", "synthetic": "data/synthetic",
+                         "tokenizer": "models/tokenizer"}[name]).exists():
+                run_stage(name, params)
+    from pipeline.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(work / "models/tokenizer")
+    probe, zero = {}, {}
+
+    def add(table: dict, key, outcome: np.ndarray) -> None:
+        table.setdefault(key, []).append(outcome)
+
+    scorer = None
+    for seed in range(args.seeds):
+        seed_dir = work / f"seed-{seed}"
+        with inside(seed_dir):
+            for shared in ("data", "models/tokenizer"):
+                link = Path(shared)
+                if not link.exists():
+                    link.parent.mkdir(parents=True, exist_ok=True)
+                    link.symlink_to(work / shared)
+            p = {**params, "run": {**params["run"], "seed": seed}, "dp": {**params["dp"], "noise_seed": 1000 + seed}}
+            if not Path("models/pretrain/checkpoint.pt").exists():
+                run_stage("pretrain", p)
+            mcfg = torch.load("models/pretrain/checkpoint.pt", map_location="cpu", weights_only=False)["model_cfg"]
+            scorer = scorer or Scorer(p, mcfg["img_size"])
+            synthetic = build_encoder(mcfg)
+            synthetic.load_state_dict(torch.load("models/pretrain/checkpoint.pt", weights_only=False)["encoder"])
+            add(probe, (None, "synthetic", None), scorer.probe(synthetic, seed))
+            torch.manual_seed(seed)
+            add(probe, (None, "random", None), scorer.probe(build_encoder(mcfg), seed))
+            for obj in args.objectives:
+                po = {**p, "dp": {**p["dp"], "objective": obj}}
+                for init in ("pretrain", "random"):
+                    for eps in epsilons:
+                        t0 = time.time()
+                        model, spent, _ = curve.train_point(po, context("curve"), init, eps)
+                        key = (obj, INIT_NAMES[init], eps)
+                        add(probe, key, scorer.probe(model.encoder, seed))
+                        if obj in ZERO_SHOT_OBJECTIVES and init == "pretrain":
+                            add(zero, key, scorer.zero_shot(model, obj, tokenizer, model.max_len
+                                                            if hasattr(model, "max_len") else p["model"]["max_caption_len"]))
+                        print(f"utility: seed {seed} {row_name(key):<24} probe {np.mean(probe[key][-1]):.3f}"
+                              + (f" zero-shot {np.mean(zero[key][-1]):.3f}" if key in zero else "")
+                              + f"  ({time.time() - t0:.0f} s, {time.time() - started:.0f} s in all)", flush=True)
+    probe = {k: np.stack(v) for k, v in probe.items()}
+    zero = {k: np.stack(v) for k, v in zero.items()}
+    te = scorer.split[1]
+    pixels = scorer.probe(None, 0)
+    probe[None, "pixels", None] = pixels[None]
+    zero["chance"] = float(np.bincount(scorer.es.labels[te]).max() / len(te))
+    targets = check_targets(probe, zero, float(pixels.mean()), args.objectives, epsilons)
+    stats = summarise({k: v for k, v in probe.items() if k[1] != "pixels"})
+    zstats = summarise({k: v for k, v in zero.items() if k != "chance"})
+    rows = []
+    for (obj, init, eps), s in stats.items():
+        row = {"objective": obj, "init": init, "epsilon": None if eps is None else ("inf" if eps == math.inf else eps),
+               "acc": round(s["acc"], 4), "ci": [round(x, 4) for x in s["ci"]], "seeds": args.seeds}
+        if (obj, init, eps) in zstats:
+            z = zstats[obj, init, eps]
+            row.update(zero_shot=round(z["acc"], 4), zero_shot_ci=[round(x, 4) for x in z["ci"]])
+        rows.append(row)
+    print("\nutility: linear probe on", scorer.es.name, f"({len(te)} probe-test images, {args.seeds} seeds)")
+    print(f"  {'objective':<9} {'init':<10} {'ε':>5}  {'acc':>6}  95% CI")
+    for r in [{"objective": None, "init": "pixels", "epsilon": None, "acc": float(pixels.mean()),
+               "ci": accuracy_ci(pixels)}] + rows:
+        eps = "—" if r["epsilon"] is None else ("∞" if r["epsilon"] == "inf" else f"{r['epsilon']:g}")
+        print(f"  {r['objective'] or '—':<9} {r['init']:<10} {eps:>5}  {100 * r['acc']:5.1f}%  "
+              f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"
+              + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else ""))
+    print("\nutility: targets")
+    for name, t in targets.items():
+        detail = (f"diff {100 * t['diff']['diff']:+.1f} points (95% CI {100 * t['diff']['ci'][0]:+.1f} to "
+                  f"{100 * t['diff']['ci'][1]:+.1f})" if "diff" in t else
+                  ", ".join(f"{k} {v}" for k, v in t.items() if k != "passed"))
+        print(f"  [{'ok' if t['passed'] else 'FAIL'}] {name}: {detail}")
+    print(f"utility: {time.time() - started:.0f} s")
+    print(json.dumps({"benchmark": "utility", "dataset": scorer.es.name, "n_probe_test": int(len(te)),
+                      "pixels": {"acc": round(float(pixels.mean()), 4), "ci": [round(x, 4) for x in accuracy_ci(pixels)]},
+                      "rows": rows, "targets": {k: bool(t["passed"]) for k, t in targets.items()},
+                      "seconds": round(time.time() - started)}))
+    sys.exit(0 if all(t["passed"] for t in targets.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

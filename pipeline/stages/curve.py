@@ -1,0 +1,88 @@
+"""The `curve` stage: the privacy–utility curve, linear-probe accuracy against ε.
+
+For each init in `curve.inits` (the synthetic warm start, random weights) and each ε in
+`curve.epsilons`, the dp-train recipe is trained again at that ε (σ calibrated to it; every other
+setting as in params.yaml) and its encoder probed on the first eval set with the `evaluate`
+protocol. ε = ∞ is the recipe's non-private twin (same sampling, steps and learning rate, no
+clipping or noise).
+
+Every private point is a DP training on the private data, charged to its budget like dp-train
+(privacy/budget.py): the report shows what all of them compose to. The point that repeats dp-train
+(same ε, same init) is the same run (same state directory) and is not charged twice. Each point's
+ε is checked by the verify stage's own checks before it is shown.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipeline.errors import VerificationFailed
+from pipeline.eval.evalsets import load_eval_set
+from pipeline.eval.probe import features, linear_probe
+from pipeline.eval.stats import accuracy_ci
+from pipeline.io import write_json
+from pipeline.privacy.verify import verify
+from pipeline.stages import dp_train
+
+OUT = "results/curve/curve.json"
+TRAIN_SECTIONS = ("run", "model", "dp")  # dp-train's own: its state directory (and budget entry) is keyed by them
+
+
+def point_params(params: dict, init: str, epsilon: float) -> dict:
+    """dp-train's params for one point: the recipe at `epsilon` from `init`. ε = ∞ keeps the
+    recipe's own ε for planning (the sampling rate and steps), and trains without noise."""
+    dp = {**params["dp"], "init": init, "nonprivate_baseline": False}
+    if math.isfinite(epsilon):
+        dp.update(epsilon=float(epsilon), sigma=None)
+    return {**{s: params[s] for s in TRAIN_SECTIONS}, "dp": dp}
+
+
+def train_point(params: dict, ctx, init: str, epsilon: float):
+    """(model, verified ε or None for ∞, whether this is the main process) of one point."""
+    p = point_params(params, init, epsilon)
+    trainer = dp_train.setup(p, ctx.device)
+    is_main = trainer.world.is_main
+    if not math.isfinite(epsilon):
+        return dp_train.train_nonprivate(p, trainer, ctx), None, is_main
+    model, counters, record = dp_train.train_private(p, trainer, ctx)
+    if not is_main:
+        return model, None, is_main
+    record.pop("history")
+    checked = verify(record, counters["applied_updates"], p["dp"], params["verify"]["accountants"],
+                     params["verify"]["batch_size_alpha"])
+    if not checked["passed"]:
+        failed = [c["name"] for c in checked["checks"] if not c["passed"]]
+        raise VerificationFailed(f"curve point ε={epsilon} from {init}: privacy verification failed: {', '.join(failed)}")
+    return model, checked["epsilon_reported"], is_main
+
+
+def run(params: dict, ctx) -> None:
+    cfg, ev, seed = params["curve"], params["evaluate"], params["run"]["seed"]
+    points, es, split, is_main = [], None, None, True
+    for init in cfg["inits"]:
+        for epsilon in sorted(cfg["epsilons"]):
+            model, spent, is_main = train_point(params, ctx, init, epsilon)
+            encoder = model.encoder
+            if es is None:  # the first eval set, at the model's input size, split as evaluate splits it
+                es = load_eval_set(ev["sets"][0], encoder.img_size)
+                split = es.split(ev["probe_fraction"], seed)
+            correct = linear_probe(features(encoder, es.images, ev, ctx.device), es.labels, split, ev, seed, ctx.device)
+            point = {"init": init, "epsilon": epsilon if math.isfinite(epsilon) else "inf", "epsilon_spent": spent,
+                     "linear_probe": float(correct.mean()), "linear_probe_ci": accuracy_ci(correct, seed)}
+            points.append(point)
+            lo, hi = point["linear_probe_ci"]
+            print(f"curve: {init:<8} ε={epsilon:<5} linear probe {point['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f})")
+            ctx.tracker.log_metrics({f"curve.{init}.eps_{epsilon}.linear_probe": point["linear_probe"]})
+    if not is_main:
+        return
+    write_json(OUT, {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
+                     "n_probe_test": int(len(split[1])) if split else 0, "points": points})
+    ctx.tracker.log_artifact(OUT)
+
+
+def table(curve: dict) -> list[dict]:
+    """The curve's points ordered for plotting: by init, then ε (∞ last)."""
+    order = {"pretrain": 0, "random": 1}
+    return sorted(curve["points"], key=lambda p: (order.get(p["init"], 2), np.inf if p["epsilon"] == "inf" else p["epsilon"]))
