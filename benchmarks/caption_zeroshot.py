@@ -16,11 +16,12 @@ import time
 import numpy as np
 import torch
 
+from pipeline.data.labelled_sets import DIGITS, rgb
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.data.transforms import to_tensor
 from pipeline.eval.zeroshot import zero_shot_accuracy
 from pipeline.models import build_model
-from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS, caption_for, load_digits_rgb, split_indices
+from pipeline.stages.shards import split_indices
 
 IMAGE_SIZE, BATCH = 16, 64
 
@@ -28,7 +29,7 @@ IMAGE_SIZE, BATCH = 16, 64
 def train_captioner(tok: Tokenizer, max_len: int, images, labels, steps: int, seed: int = 0):
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed + 1)
-    tokens = tok.encode([caption_for(int(y), rng) for y in labels], max_len, private=True)
+    tokens = tok.encode([DIGITS.caption_for(int(y), rng) for y in labels], max_len)
     x = to_tensor(images)
     model = build_model("caption", {"size": "micro", "img_size": IMAGE_SIZE, "patch_size": 4, "max_len": max_len,
                                     "vocab_size": tok.vocab_size, "text_width": 64, "text_depth": 2, "text_heads": 4})
@@ -47,9 +48,10 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="TOKENIZER_DIR:MAX_LEN")
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
-    images, labels = load_digits_rgb(IMAGE_SIZE)
+    grey, labels = DIGITS.load()
+    images = rgb(grey, IMAGE_SIZE)
     tr, te = split_indices(labels, 0.3, 0)
-    prompts = [[t.format(w=w) for t in CAPTION_TEMPLATES] for w in NUMBER_WORDS]
+    prompts = [[t.format(c=c) for t in DIGITS.templates] for c in DIGITS.classes]
     chance = np.bincount(labels[te]).max() / len(te)
     for run in args.runs:
         directory, max_len = run.rsplit(":", 1)

@@ -66,7 +66,7 @@ def stage_inputs(st):
 
 
 def scan_groups():
-    """How many scan_shards jobs (rules/scan.smk) this config has: none for digits and download."""
+    """How many scan_shards jobs (rules/scan.smk) this config has: none for a labelled set and download."""
     return config["shards"]["scan_groups"] if config["shards"]["source"] in SCAN_GROUP_SOURCES else 0
 
 

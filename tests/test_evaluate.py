@@ -23,6 +23,7 @@ from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = dict(size="micro", img_size=16, patch_size=4)
+DIGITS_SHARDS = {"source": "digits", "path": None, "limit": None, "image_size": 8, "eval_fraction": 0.3}
 FAST_TRAIN = {"lars": dict(epochs=60, batch_size=128, lr=10.0, weight_decay=0.0),
               "adamw": dict(epochs=60, batch_size=128, lr=0.05, weight_decay=0.0)}
 
@@ -281,13 +282,13 @@ def test_digits_set_follows_the_shards_source(tmp_path, monkeypatch):
     digit, public and unseen (a web run never looks for data/shards/eval labels)."""
     from pipeline.data.shards import ShardDataset
     from pipeline.io import write_json
-    from pipeline.stages.shards import write_digits
+    from pipeline.stages.shards import write_labelled
 
     monkeypatch.chdir(tmp_path)
     write_json("data/shards/stats.json", {"source": "urls"})
     every = load_eval_set({"name": "digits", "source": "digits"}, 8)
     assert len(every.labels) == 1797 and every.images.shape[1:] == (8, 8, 3)
-    write_digits({"image_size": 8, "eval_fraction": 0.3, "samples_per_shard": 512}, 0, Path("data/shards"))
+    write_labelled({**DIGITS_SHARDS, "samples_per_shard": 512}, 0, Path("data/shards"))
     write_json("data/shards/stats.json", {"source": "digits"})
     held = load_eval_set({"name": "digits", "source": "digits"}, 8)
     assert len(held.labels) == len(ShardDataset("data/shards/eval")) < 0.35 * 1797
@@ -382,10 +383,10 @@ def test_webdataset_set_streams_the_same_pixels_as_eager_loading(tmp_path, index
 def test_digits_set_streams_the_same_pixels_as_eager_loading(tmp_path, monkeypatch):
     from pipeline.data.shards import ShardDataset
     from pipeline.io import write_json
-    from pipeline.stages.shards import write_digits
+    from pipeline.stages.shards import write_labelled
 
     monkeypatch.chdir(tmp_path)
-    write_digits({"image_size": 8, "eval_fraction": 0.3, "samples_per_shard": 200}, 0, Path("data/shards"))
+    write_labelled({**DIGITS_SHARDS, "samples_per_shard": 200}, 0, Path("data/shards"))
     write_json("data/shards/stats.json", {"source": "digits"})
     es = load_eval_set({"name": "digits", "source": "digits"}, 12)
     ds = ShardDataset("data/shards/eval")
@@ -413,12 +414,12 @@ def test_unreadable_images_name_their_file(tmp_path):
 def make_tokenizer(directory):
     import sentencepiece as spm
 
-    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS
+    from pipeline.data.labelled_sets import DIGITS
     from pipeline.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
     directory.mkdir(parents=True)
     corpus = directory / "corpus.txt"
-    corpus.write_text("\n".join(t.format(w=w) for t in CAPTION_TEMPLATES for w in NUMBER_WORDS))
+    corpus.write_text("\n".join(DIGITS.captions()))
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(directory / "spm"), vocab_size=60,
                                    pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
                                    hard_vocab_limit=False, minloglevel=2)

@@ -7,12 +7,14 @@ Local files and fsspec's in-memory filesystem only; http(s) is tested in test_so
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
 import tarfile
 import types
 from collections import Counter
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -403,17 +405,33 @@ def test_batch_loader_in_workers_matches_in_process_and_keeps_order(tmp_path):
 
 # -- the stage ----------------------------------------------------------------------------------------------
 
-def test_digits_stage_writes_splits_and_stats(in_tmp):
-    params = {"run": {"seed": 0}, "shards": {"source": "digits", "image_size": 8, "eval_fraction": 0.3,
-                                              "samples_per_shard": 300}}
+def run_digits(eval_fraction=0.3) -> None:
+    params = {"run": {"seed": 0}, "shards": {"source": "digits", "path": None, "limit": None, "image_size": 8,
+                                              "eval_fraction": eval_fraction, "samples_per_shard": 300}}
     tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
     shards_stage.run(params, types.SimpleNamespace(tracker=tracker, threads=1))
+
+
+def test_digits_stage_writes_splits_and_stats(in_tmp):
+    run_digits()
     stats = read_json("data/shards/stats.json")
     private, held = ShardDataset("data/shards/private"), ShardDataset("data/shards/eval")
     assert stats["private"]["usable"] == len(private) and stats["eval"]["usable"] == len(held)
     assert len(private) + len(held) == 1797 and stats["private"]["classes"] == 10
     assert not set(private.index["key"]) & set(held.index["key"])
     assert json.loads(private.read_member(0, "json"))["label"] == private.meta(0)["label"]
+
+
+def test_digits_shards_are_the_pinned_bytes(in_tmp):
+    """The digits shards as they were written before the labelled-set registry: tars, usable.idx and
+    stats.json byte for byte, the index row for row (its parquet footer names the pyarrow version)."""
+    run_digits(eval_fraction=None)
+    digest = hashlib.sha256()
+    for f in sorted(f for f in Path("data/shards").rglob("*") if f.is_file()):
+        data = (json.dumps(pq.read_table(f).to_pylist(), sort_keys=True).encode() if f.name == INDEX_NAME
+                else f.read_bytes())
+        digest.update(f"{f.relative_to('data/shards')}\n".encode() + data)
+    assert digest.hexdigest() == "79eafd6f8f3416fa49ff41614cd81bfb8f07aa0db023b354a44d3d1bdfdddc5e"
 
 
 def test_index_dict_keeps_per_format_offset_columns(tmp_path):

@@ -1,7 +1,8 @@
 """The `tokenizer` stage: trained on public text only (private captions in the working directory do
 not change a byte of it), deterministic, the vocabulary size it is asked for, BOS/EOS/PAD encoding;
-the default one holds every digits caption and default zero-shot prompt whole, and cut public text
-is named in a warning while cut private captions are not."""
+the default one holds every caption of the labelled sets (digits, fashion-mnist: also their zero-shot
+prompts) and default zero-shot prompt whole, and cut public text is named in a warning while cut
+private captions are not."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import pytest
 import torch
 import yaml
 
+from pipeline.data import labelled_sets
 from pipeline.data import tokenizer as tok
+from pipeline.data.labelled_sets import DIGITS
 from pipeline.data.transforms import tokenize
 from pipeline.eval.evalsets import load_eval_set
-from pipeline.stages.dp_train import check_digit_captions
-from pipeline.stages.shards import NUMBER_WORDS, digit_captions
+from pipeline.stages.dp_train import check_labelled_captions
 from pipeline.stages import tokenizer as tokenizer_stage
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from recording import RecordingTracker
@@ -148,22 +150,25 @@ def default_prompts() -> list[str]:
     return [p for es in sets for ps in es.prompts() for p in ps]
 
 
-def test_the_default_caption_length_holds_every_digits_caption_and_default_prompt(default_project):
+def test_the_default_caption_length_holds_every_labelled_caption_and_default_prompt(default_project):
+    """A labelled set's captions are also its zero-shot prompts (as a source, or as an eval set)."""
     t, max_len = tok.Tokenizer(default_project / tok.OUT_DIR), PARAMS["model"]["max_caption_len"]
-    texts = digit_captions() + default_prompts()
+    texts = [c for s in labelled_sets.SETS.values() for c in s.captions()] + default_prompts()
     longest = max(len(p) for p in t.sp.encode(texts))
     assert longest <= max_len - 2, f"{longest} pieces + BOS/EOS do not fit model.max_caption_len={max_len}"
     with warnings.catch_warnings():
         warnings.simplefilter("error", tok.CaptionsTruncated)
         t.encode(texts, max_len, public=True)
-        check_digit_captions(t, max_len)
-    assert all(len(t.sp.encode(w)) <= 2 for w in NUMBER_WORDS), "a digit word is split into letters"
+        for name in labelled_sets.SETS:
+            check_labelled_captions(t, max_len, name)
+    assert all(len(t.sp.encode(w)) <= 2 for w in DIGITS.classes), "a digit word is split into letters"
+    assert all(len(t.sp.encode(w)) <= 3 for w in labelled_sets.FASHION_CLASSES), "a clothes word is split up"
 
 
 def test_tokenizer_json_records_the_corpus_composition(default_project):
     info = json.loads((default_project / tok.OUT_DIR / "tokenizer.json").read_text())
     parts = info["composition"]
-    assert set(parts) == {"digits-captions", "caption-templates", "python-docs"}
+    assert set(parts) == {"labelled-captions", "caption-templates", "python-docs"}
     assert sum(p["lines"] for p in parts.values()) == info["lines"]
     assert sum(p["chars"] for p in parts.values()) == info["chars"]
     templates, names = tok.caption_file()
@@ -171,9 +176,10 @@ def test_tokenizer_json_records_the_corpus_composition(default_project):
     assert captions["file"] == "caption_corpus.txt"
     assert (captions["templates"], captions["class_names"]) == (len(templates), len(names))
     assert captions["lines"] == len(templates) * len(names) * captions["repeats"]
-    assert parts["digits-captions"]["lines"] == len(digit_captions()) * parts["digits-captions"]["repeats"]
+    labelled = parts["labelled-captions"]
+    assert labelled["lines"] == sum(len(s.captions()) for s in labelled_sets.SETS.values()) * labelled["repeats"]
     # Caption text weighs about as much as the Python docs, so that its words become whole pieces.
-    assert 0.5 < (captions["chars"] + parts["digits-captions"]["chars"]) / parts["python-docs"]["chars"] < 2
+    assert 0.5 < (captions["chars"] + labelled["chars"]) / parts["python-docs"]["chars"] < 2
 
 
 def test_truncated_public_text_is_named_in_a_warning(clean_model, tmp_path):
@@ -183,10 +189,10 @@ def test_truncated_public_text_is_named_in_a_warning(clean_model, tmp_path):
     named = rf"'{long}' \({len(t.sp.encode(long))} pieces\)"
     with pytest.warns(tok.CaptionsTruncated, match=rf"1 of 2 texts .* max_len=6 .*{named}"):
         t.encode(["one", long], max_len=6, public=True)
-    cut = sum(len(p) > 4 for p in t.sp.encode(digit_captions()))
+    cut = sum(len(p) > 4 for p in t.sp.encode(DIGITS.captions()))
     more = f"; and {cut - tok.MAX_NAMED} more"  # the first MAX_NAMED are named
     with pytest.warns(tok.CaptionsTruncated, match=rf"{cut} of 50 texts .* max_len=6 .*{more}\."):
-        check_digit_captions(t, 6)
+        check_labelled_captions(t, 6, "digits")
 
 
 def test_truncated_private_captions_are_cut_silently(clean_model, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Where the shards come from: a list of shard URLs, an img2dataset output folder, or a table of
 (url, caption) rows downloaded into shards here. Each source resolves to a list of tar shards that
-index.py scans; only the bundled digits set (stages/shards.py) is written without a scan.
+index.py scans; only a labelled set (data/labelled_sets.py, written by stages/shards.py) is written
+without a scan.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The `tokenizer` stage: SentencePiece trained on public text only.
 
 Training it on the private captions would put their vocabulary outside the DP guarantee, so the
-corpus is public text that ships with the code: the digits source's caption templates, the caption
-templates and class names of `caption_corpus.txt` (written for this project, in the style of CLIP's
+corpus is public text that ships with the code: every caption of the labelled sets
+(pipeline/data/labelled_sets.py: digits, fashion-mnist), the caption templates and class names of `caption_corpus.txt` (written for this project, in the style of CLIP's
 zero-shot prompts), and text that ships with every Python interpreter — the language reference
 topics of `pydoc_data` and the docstrings of the standard library. Nothing under the working
 directory is read, so the vocabulary cannot depend on the private data.
@@ -21,6 +21,8 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
+from pipeline.data import labelled_sets
+
 
 OUT_DIR = "models/tokenizer"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -30,9 +32,9 @@ MAX_NAMED = 5  # truncated texts named in one warning
 TRAIN_THREADS = 1
 CAPTION_FILE = Path(__file__).with_name("caption_corpus.txt")
 # Caption text is repeated so that it weighs about as much as the Python docs: with a few hundred
-# pieces, caption words then become whole pieces instead of letters. The digits captions, the
-# default source's and eval set's own text, weigh most.
-REPEATS = {"digits-captions": 50, "caption-templates": 8, "python-docs": 1}
+# pieces, caption words then become whole pieces instead of letters. The labelled sets' captions,
+# the private captions and zero-shot prompts of the default source and eval set, weigh most.
+REPEATS = {"labelled-captions": 50, "caption-templates": 8, "python-docs": 1}
 
 
 def _useful(line: str) -> bool:
@@ -72,10 +74,8 @@ def python_docs() -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1)
 def corpus_parts() -> dict[str, tuple[str, ...]]:
     """The public corpus by part, each part's lines repeated REPEATS[part] times."""
-    from pipeline.stages.shards import digit_captions
-
     templates, names = caption_file()
-    parts = {"digits-captions": tuple(digit_captions()),
+    parts = {"labelled-captions": tuple(c for s in labelled_sets.SETS.values() for c in s.captions()),
              "caption-templates": tuple(t.format(n) for t in templates for n in names),
              "python-docs": python_docs()}
     return {name: lines * REPEATS[name] for name, lines in parts.items()}

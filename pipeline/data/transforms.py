@@ -54,5 +54,5 @@ def to_tensor(images_uint8: np.ndarray | torch.Tensor) -> torch.Tensor:
 def tokenize(tokenizer, captions: list[str], max_len: int) -> torch.Tensor:
     """Private captions -> (N, max_len) token ids with the tokenizer stage's model (trained on public
     text). Those longer than max_len are cut without a word: a count of them would be a statistic of
-    the private data (dp-train checks the digits source's public templates against max_len instead)."""
+    the private data (dp-train checks a labelled set's public templates against max_len instead)."""
     return tokenizer.encode(list(captions), max_len)  # private: cut silently

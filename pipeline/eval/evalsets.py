@@ -1,9 +1,11 @@
-"""Labelled evaluation sets: the bundled digits, or any labelled webdataset or image-folder
-directory named in `evaluate.sets`, as one `path` (split here, seeded and stratified) or as its own
-`train` and `test` parts (an official split, used as it is).
+"""Labelled evaluation sets: a labelled set dpfm knows by name (digits, fashion-mnist:
+pipeline/data/labelled_sets.py), or any labelled webdataset or image-folder directory named in
+`evaluate.sets`, as one `path` (split here, seeded and stratified) or as its own `train` and `test`
+parts (an official split, used as it is).
 
-Digits follow the shards source: when the private data is digits, the held-out digits split
-(data/shards/eval) that training never saw; otherwise all of scikit-learn's bundled digits.
+A named labelled set follows the shards source: when the private data is that set, its held-out
+split (data/shards/eval) that training never saw; otherwise the whole set, public and unseen.
+`limit` keeps a seeded, stratified subsample of either.
 
 Every set comes back as square uint8 images at the model's input size, integer labels, class
 names and zero-shot prompt templates (with a `{c}` slot for the class name). The images are
@@ -25,10 +27,12 @@ from PIL import Image
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
+from pipeline.data import labelled_sets
 from pipeline.data.shards import INDEX_NAME, ShardDataset
 from pipeline.eval.images import Images, concat, fill
 
-DIGITS_EVAL, SHARD_STATS = "data/shards/eval", "data/shards/stats.json"
+HELD_OUT, SHARD_STATS = "data/shards/eval", "data/shards/stats.json"
+LIMIT_SEED = 0  # load_eval_set has no run seed: a fixed public one, so every run scores the same subsample
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp")
 DEFAULT_TEMPLATES = ("a photo of a {c}.",)
 
@@ -84,8 +88,11 @@ def square(image: Image.Image, size: int) -> np.ndarray:
 def load_eval_set(spec: dict, image_size: int) -> EvalSet:
     """One entry of `evaluate.sets` -> EvalSet (images at `image_size`, decoded when read)."""
     source = spec["source"]
-    if source == "digits":
-        return _digits(spec, image_size)
+    if source in labelled_sets.SETS:
+        return _labelled(spec, image_size)
+    if "limit" in spec:
+        raise ValueError(f"evaluate.sets[{spec['name']}].limit: only for the labelled sets "
+                         f"({', '.join(labelled_sets.SETS)})")
     if source not in ("folder", "webdataset"):
         raise ValueError(f"evaluate.sets[{spec['name']}].source: unknown source {source!r}")
     parts = [key for key in ("train", "test") if key in spec]
@@ -111,20 +118,27 @@ def _load_part(spec: dict, key: str, image_size: int) -> tuple[Images, list]:
     return _webdataset(path, spec.get("label", "json:label"), image_size)
 
 
-def _digits(spec: dict, image_size: int) -> EvalSet:
+def _labelled(spec: dict, image_size: int) -> EvalSet:
     from pipeline.io import read_json
-    from pipeline.stages.shards import CAPTION_TEMPLATES, NUMBER_WORDS, load_digits_rgb
 
-    if Path(SHARD_STATS).exists() and read_json(SHARD_STATS).get("source") == "digits":
-        ds = ShardDataset(DIGITS_EVAL)  # the held-out part: the private part was trained on
-        images = Images.decoded(lambda i: square(Image.fromarray(ds.image(i)), image_size), len(ds),
-                                (image_size, image_size, 3))
+    lset = labelled_sets.get(spec["source"])
+    shape = (image_size, image_size, 3)
+    if Path(SHARD_STATS).exists() and read_json(SHARD_STATS).get("source") == lset.name:
+        ds = ShardDataset(HELD_OUT)  # the held-out part: the private part was trained on
         labels = np.array([ds.meta(i)["label"] for i in range(len(ds))])
-    else:  # private data from elsewhere: every bundled digit is public and unseen (small: held in memory)
-        images, labels = load_digits_rgb(image_size)
-    # The training captions' own templates are the natural zero-shot prompts for digits.
-    templates = tuple(spec.get("templates") or (t.format(w="{c}") for t in CAPTION_TEMPLATES))
-    return EvalSet(spec["name"], images, labels, list(spec.get("classes") or NUMBER_WORDS), templates)
+
+        def read(rows: np.ndarray) -> np.ndarray:
+            return fill((square(Image.fromarray(ds.image(i)), image_size) for i in rows.tolist()), len(rows), shape)
+    else:  # private data from elsewhere: the whole set is public and unseen
+        grey, labels = lset.load(spec.get("path"))
+
+        def read(rows: np.ndarray) -> np.ndarray:
+            return labelled_sets.rgb(grey[rows], image_size)
+    keep = labelled_sets.subsample(labels, spec.get("limit"), LIMIT_SEED)
+    # The training captions' own templates are the natural zero-shot prompts for the set.
+    templates = tuple(spec.get("templates") or lset.templates)
+    return EvalSet(spec["name"], Images(read, keep, shape), labels[keep], list(spec.get("classes") or lset.classes),
+                   templates)
 
 
 def _square(source, where: str, size: int) -> np.ndarray:

@@ -100,12 +100,12 @@ STAGE_BY_NAME = {s.name: s for s in STAGES}
 # such keys lists its others in TRACKED (a test checks both against the schema).
 UNTRACKED = {"run": ("experiment", "threads", "device"), "shards": ("workers", "scan_groups")}
 TRACKED = {"run": ("seed",),
-           "shards": ("source", "urls", "path", "image_size", "eval_fraction", "samples_per_shard", "cache_dir",
-                      "download")}
+           "shards": ("source", "urls", "path", "limit", "image_size", "eval_fraction", "samples_per_shard",
+                      "cache_dir", "download")}
 
 # Sources whose shards are scanned where they live: Snakemake splits their scan into
 # shards.scan_groups `dpfm scan-shards` jobs before the shards stage (rules/scan.smk). `download`
-# writes its shards inside the stage, so it scans them there too; `digits` needs no scan.
+# writes its shards inside the stage, so it scans them there too; a labelled set needs no scan.
 SCAN_GROUP_SOURCES = ("urls", "img2dataset")
 
 

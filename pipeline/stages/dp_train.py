@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.config import ParamsError
+from pipeline.data import labelled_sets
 from pipeline.data.loader import BatchLoader
 from pipeline.data.sampling import PoissonSampler
 from pipeline.data.shards import ShardDataset
@@ -32,7 +33,6 @@ from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget
 from pipeline.privacy.engine import Mechanism, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
-from pipeline.stages.shards import digit_captions
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
                             save_model, state_dir, step_generator)
 
@@ -112,12 +112,12 @@ def plan_mechanism(dp: dict, n: int) -> dict:
             "target_epsilon": dp["epsilon"], "accountant": dp["accountant"], "epsilon_planned": eps}
 
 
-def check_digit_captions(tokenizer: Tokenizer, max_len: int) -> None:
-    """Warn (CaptionsTruncated) if max_len cuts any caption the digits source writes.
+def check_labelled_captions(tokenizer: Tokenizer, max_len: int, source: str) -> None:
+    """Warn (CaptionsTruncated) if max_len cuts any caption the labelled set `source` writes.
 
     The loader cuts private captions silently, as counting the cut ones would release a statistic
-    of the private data; the digits captions come from public templates, so they can be checked."""
-    tokenizer.encode(digit_captions(), max_len, public=True)
+    of the private data; a labelled set's captions come from public templates, so they can be checked."""
+    tokenizer.encode(labelled_sets.get(source).captions(), max_len, public=True)
 
 
 def setup(params: dict, device: str) -> "Trainer":
@@ -135,8 +135,8 @@ def setup(params: dict, device: str) -> "Trainer":
         mech = plan_mechanism(dp, n)
     except ValueError as e:
         raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
-    if tokenizer and stats.get("source") == "digits":
-        check_digit_captions(tokenizer, mcfg.max_len)
+    if tokenizer and stats.get("source") in labelled_sets.SETS:
+        check_labelled_captions(tokenizer, mcfg.max_len, stats["source"])
     held = split_loader("eval", mcfg, tokenizer)
     held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
     return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device)

@@ -1,12 +1,14 @@
 """The `shards` stage: the private-train and held-out eval splits as webdataset shards + indexes.
 
-Sources (`shards.source`): `digits`, scikit-learn's bundled handwritten digits (no download),
-captioned and written here; `urls`, webdataset shards by URL or path (brace patterns; file, http(s),
-s3); `img2dataset`, an img2dataset output folder used where it is; `download`, a (url, caption)
-table downloaded into shards under `shards.cache_dir` (resumable). Shards from the last three are
-scanned once into `{private,eval}/index.parquet`, which point at them where they live. For `urls`
-and `img2dataset`, Snakemake first runs `scan_group` in shards.scan_groups jobs (`dpfm scan-shards`,
-rules/scan.smk), so this stage finds every shard's scan in the cache and only merges them.
+Sources (`shards.source`): a labelled set (pipeline/data/labelled_sets.py: `digits`, scikit-learn's
+bundled handwritten digits, or `fashion-mnist`, unpacked by `make fashion-mnist`), subsampled to
+`shards.limit` examples, captioned from its templates and written here; `urls`, webdataset shards
+by URL or path (brace patterns; file, http(s), s3); `img2dataset`, an img2dataset output folder used
+where it is; `download`, a (url, caption) table downloaded into shards under `shards.cache_dir`
+(resumable). Shards from the last three are scanned once into `{private,eval}/index.parquet`, which
+point at them where they live. For `urls` and `img2dataset`, Snakemake first runs `scan_group` in
+shards.scan_groups jobs (`dpfm scan-shards`, rules/scan.smk), so this stage finds every shard's
+scan in the cache and only merges them.
 
 stats.json records per split the usable examples (the n that accounting uses) and every excluded
 row by reason.
@@ -18,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from PIL import Image
 
 from pipeline.config import ParamsError
-from pipeline.data import sources
+from pipeline.data import labelled_sets, sources
 from pipeline.data.index import INDEX_NAME, build_index, scan_group
 from pipeline.data.shards import ShardWriter, encode_png
 from pipeline.io import atomic_dir, write_json
@@ -29,35 +30,6 @@ from pipeline.stages import SCAN_GROUP_SOURCES
 
 OUT_DIR = "data/shards"
 SPLITS = ("private", "eval")
-NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-CAPTION_TEMPLATES = (
-    "a handwritten digit {w}",
-    "the number {w} written by hand",
-    "a small scan of a handwritten {w}",
-    "a blurry picture of the digit {w}",
-    "the digit {w} in white ink on a black background",
-)
-
-
-def digit_captions() -> list[str]:
-    """Every caption the digits source writes: public text (templates x number words)."""
-    return [t.format(w=w) for t in CAPTION_TEMPLATES for w in NUMBER_WORDS]
-
-
-def caption_for(label: int, rng: np.random.Generator) -> str:
-    return CAPTION_TEMPLATES[rng.integers(len(CAPTION_TEMPLATES))].format(w=NUMBER_WORDS[label])
-
-
-def load_digits_rgb(image_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Digits as (N, S, S, 3) uint8 images and (N,) labels."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    small = (digits.images / 16.0 * 255.0).round().astype(np.uint8)
-    images = np.stack([np.asarray(Image.fromarray(im).resize((image_size, image_size), Image.BILINEAR))
-                       for im in small])
-    return np.repeat(images[..., None], 3, axis=-1), digits.target.astype(int)
-
 
 def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Stratified split: each class contributes eval_fraction of its examples to the eval set."""
@@ -68,19 +40,27 @@ def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[
         k = int(round(len(idx) * eval_fraction))
         held.extend(idx[:k])
         train.extend(idx[k:])
-    return np.sort(np.array(train)), np.sort(np.array(held))
+    return np.sort(np.array(train, dtype=np.int64)), np.sort(np.array(held, dtype=np.int64))
 
 
-def write_digits(cfg: dict, seed: int, out: Path) -> dict:
-    images, labels = load_digits_rgb(cfg["image_size"])
-    train_idx, eval_idx = split_indices(labels, cfg["eval_fraction"], seed)
+def write_labelled(cfg: dict, seed: int, out: Path) -> dict:
+    """A labelled set as shards: `limit` examples (seeded, stratified), split by class, each captioned
+    from the set's public templates; keys and `source_index` are positions in the whole set."""
+    lset = labelled_sets.get(cfg["source"])
+    grey, labels = lset.load(cfg["path"])
+    keep = labelled_sets.subsample(labels, cfg["limit"], seed + 2)
+    train_idx, eval_idx = (keep[part] for part in split_indices(labels[keep], cfg["eval_fraction"], seed))
+    if not len(eval_idx):
+        raise ValueError(f"shards.limit={cfg['limit']} leaves the {lset.name} eval split empty (eval_fraction "
+                         f"{cfg['eval_fraction']} of each class rounds to 0): raise shards.limit")
     rng = np.random.default_rng(seed + 1)
     stats = {}
     for split, idx in zip(SPLITS, (train_idx, eval_idx)):
         with ShardWriter(out / split, prefix=split, samples_per_shard=cfg["samples_per_shard"]) as w:
             for i in idx:
                 label = int(labels[i])
-                w.write(f"{split}-{i:06d}", encode_png(images[i]), caption_for(label, rng),
+                image = labelled_sets.rgb(grey[i:i + 1], cfg["image_size"])[0]
+                w.write(f"{split}-{i:06d}", encode_png(image), lset.caption_for(label, rng),
                         {"label": label, "source_index": int(i)})
         stats[split] = {"usable": len(idx), "rows": len(idx), "excluded": {},
                         "shards": -(-len(idx) // cfg["samples_per_shard"]),
@@ -89,7 +69,7 @@ def write_digits(cfg: dict, seed: int, out: Path) -> dict:
 
 
 def resolve_source(cfg: dict) -> tuple[list[str], dict]:
-    """The shard list of a non-digits source, and what the source itself reports."""
+    """The shard list of a web source, and what the source itself reports."""
     source = cfg["source"]
     if source == "urls":
         return sources.expand_urls(cfg["urls"]), {}
@@ -106,12 +86,13 @@ def resolve_source(cfg: dict) -> tuple[list[str], dict]:
 
 
 def eval_fraction(cfg: dict) -> float:
-    """The held-out share: digits keeps a public held-out part; a web source trains on (and protects)
-    everything unless a private-derived eval split is asked for explicitly."""
-    fraction = cfg["eval_fraction"]
-    if cfg["source"] == "digits":
+    """The held-out share: a labelled set (public data standing in for private) keeps a public held-out
+    part; a web source trains on (and protects) everything unless a private-derived eval split is
+    asked for explicitly."""
+    fraction, source = cfg["eval_fraction"], cfg["source"]
+    if source in labelled_sets.SETS:
         if fraction == 0:
-            raise ValueError("shards.eval_fraction=0 with source digits leaves the digits eval set empty: "
+            raise ValueError(f"shards.eval_fraction=0 with source {source} leaves the {source} eval set empty: "
                              "use null (0.3) or a value in (0, 1)")
         return 0.3 if fraction is None else fraction
     if fraction:
@@ -145,20 +126,24 @@ def check_row_counts(out: Path, stats: dict) -> None:
 
 def run(params: dict, ctx) -> None:
     cfg, seed = params["shards"], params["run"]["seed"]
+    labelled = cfg["source"] in labelled_sets.SETS
+    if cfg["limit"] is not None and not labelled:
+        raise ValueError(f"shards.limit subsamples a labelled set ({', '.join(labelled_sets.SETS)}); "
+                         f"source {cfg['source']} uses every usable sample: set it to null")
     fraction = eval_fraction(cfg)
     # A web source's eval split is private data: whatever is computed on it is released unprotected.
     stats = {"source": cfg["source"], "eval_fraction": fraction,
-             "eval_from_private": cfg["source"] != "digits" and fraction > 0}
+             "eval_from_private": not labelled and fraction > 0}
     with atomic_dir(OUT_DIR) as out:
-        if cfg["source"] == "digits":
-            stats.update(write_digits({**cfg, "eval_fraction": fraction}, seed, out))
+        if labelled:
+            stats.update(write_labelled({**cfg, "eval_fraction": fraction}, seed, out))
         else:
             urls, source_stats = resolve_source(cfg)
             stats.update(source_stats)
             stats.update(build_index(urls, out, eval_fraction=fraction, seed=seed,
                                      cache_dir=scan_cache(cfg), workers=cfg["workers"] or ctx.threads,
                                      check_size=cfg["image_size"]))
-        # n for accounting = the usable examples build_index (or the digits writer) counted as it
+        # n for accounting = the usable examples build_index (or write_labelled) counted as it
         # wrote the index; re-reading 233M rows to count them again would take ~24 GB.
         check_row_counts(out, stats)
         if stats["private"]["usable"] == 0:

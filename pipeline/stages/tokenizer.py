@@ -16,7 +16,7 @@ def run(params: dict, ctx) -> None:
     with atomic_dir(OUT_DIR) as out:
         with atomic_path(out / "spm.model") as tmp:
             tmp.write_bytes(model)
-        info = {"corpus": "digits-captions+caption-templates+python-pydoc-topics+stdlib-docstrings",
+        info = {"corpus": "labelled-captions+caption-templates+python-pydoc-topics+stdlib-docstrings",
                 "lines": len(corpus), "chars": sum(map(len, corpus)), "sha256": digest,
                 "composition": corpus_composition(), "model_type": cfg["model_type"],
                 "vocab_size": Tokenizer(out).vocab_size}
