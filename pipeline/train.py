@@ -24,11 +24,18 @@ from pipeline.preemption import StopRequests, stop
 STATE_ROOT = Path(".dpfm/state")
 
 
-def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    # No weight decay on norms, biases and tokens (1-D parameters), as in MAE.
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float,
+                   encoder_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """AdamW or SGD; the encoder's parameters take `encoder_lr_scale` times the scheduled rate
+    (`lr_scale` of their groups: run_loop applies it), the rest of the model the rate itself."""
+    encoder = {id(p) for p in model.encoder.parameters()} if encoder_lr_scale != 1.0 else set()
+    groups = []
+    for scale, part in ((1.0, False), (encoder_lr_scale, True)):
+        mine = [p for p in model.parameters() if p.requires_grad and (id(p) in encoder) == part]
+        # No weight decay on norms, biases and tokens (1-D parameters), as in MAE.
+        groups += [{"params": [p for p in mine if p.ndim >= 2], "weight_decay": weight_decay, "lr_scale": scale},
+                   {"params": [p for p in mine if p.ndim < 2], "weight_decay": 0.0, "lr_scale": scale}]
+    groups = [g for g in groups if g["params"]]
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
     if name == "sgd":
@@ -189,7 +196,7 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
     with StopRequests() as requests:
         for step in tqdm(range(state.step, total), desc=desc, initial=state.step, total=total, unit="step"):
             for group in state.optimizer.param_groups:
-                group["lr"] = lr_at(step, schedule.lr, schedule.warmup, total)
+                group["lr"] = lr_at(step, schedule.lr, schedule.warmup, total) * group.get("lr_scale", 1.0)
             metrics = step_fn(step)
             state.step, done = step + 1, done + 1
             metrics["lr"] = state.optimizer.param_groups[0]["lr"]

@@ -21,6 +21,7 @@ MICRO = {
     "pretrain": {"steps": 6, "batch_size": 16, "warmup_steps": 2, "checkpoint_every": 3, "log_every": 2},
     "dp": {"steps": 4, "expected_batch_size": 32, "physical_batch_size": 16, "warmup_steps": 1,
            "eval_every": 2, "checkpoint_every": 2},
+    "curve": {"epsilons": [2, float("inf")], "inits": ["pretrain"]},  # one DP and one non-private point
 }
 
 

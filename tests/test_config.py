@@ -41,7 +41,7 @@ def test_unknown_section(in_tmp):
     params["optim"] = {"lr": 1}
     yaml.safe_dump(params, open("params.yaml", "w"))
     (problem,) = errors_for()
-    assert problem.startswith("unknown key optim (allowed keys: dp, evaluate, model,")
+    assert problem.startswith("unknown key optim (allowed keys: curve, dp, evaluate, model,")
 
 
 def test_missing_key(in_tmp):

@@ -13,10 +13,10 @@ from pipeline.stages import STAGES, TRACKED, UNTRACKED, Stage, check_table, trac
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-EXPECTED = ["shards", "synthetic", "tokenizer", "pretrain", "dp-train", "verify", "evaluate", "report"]
+EXPECTED = ["shards", "synthetic", "tokenizer", "pretrain", "dp-train", "verify", "curve", "evaluate", "report"]
 
 
-def test_table_lists_the_eight_stages_in_dag_order():
+def test_table_lists_the_nine_stages_in_dag_order():
     assert [s.name for s in STAGES] == EXPECTED
     check_table()
 

@@ -13,6 +13,7 @@ optionally concatenated over the last k blocks. Probes:
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -85,7 +86,8 @@ def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
         model = LogisticRegression(C=1.0 if c == "auto" else c, max_iter=3000, random_state=seed)
     probe = make_pipeline(StandardScaler(), model)
     # Small fits are latency-bound: one BLAS thread is several times faster than a contended pool.
-    with threadpool_limits(1 if np.size(train_x) < 2_000_000 else None):
+    with threadpool_limits(1 if np.size(train_x) < 2_000_000 else None), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # LogisticRegressionCV's announced attribute changes
         return probe.fit(train_x, train_y)
 
 

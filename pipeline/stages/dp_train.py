@@ -221,15 +221,20 @@ class Trainer:
         torch.manual_seed(self.params["run"]["seed"])
         model = build_model(self.dp["objective"], self.mcfg).to(self.device)
         if self.dp["init"] == "pretrain":
-            state = torch.load(f"{PRETRAIN}/checkpoint.pt", map_location="cpu", weights_only=False)["encoder"]
-            model.encoder.load_state_dict(state)
+            ckpt = torch.load(f"{PRETRAIN}/checkpoint.pt", map_location="cpu", weights_only=False)
+            if self.dp["objective"] == ckpt["objective"]:  # MAE: the whole model, its decoder too (ViP)
+                model.load_state_dict(ckpt["model"])
+            else:  # a captioner or CLIP: the encoder; the text tower starts from random weights
+                model.encoder.load_state_dict(ckpt["encoder"])
         return model
 
     def train(self, key: int, work, ctx, private: bool):
         dp, plan, world, device = self.dp, self.mech, self.world, self.device
         obj, n = objective(dp["objective"]), plan["n"]
         model = self.build()
-        optimizer = make_optimizer(model, dp["optimizer"], dp["lr"], dp["weight_decay"])
+        # A warm-started encoder moves at encoder_lr_scale × lr (its features are what the run is for).
+        optimizer = make_optimizer(model, dp["optimizer"], dp["lr"], dp["weight_decay"],
+                                   dp["encoder_lr_scale"] if dp["init"] == "pretrain" else 1.0)
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
