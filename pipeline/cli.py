@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -34,12 +35,24 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def yaml_text(value) -> str:
+    """`value` as YAML the override parser reads back as it was: JSON (a subset of YAML), except the
+    non-finite floats JSON cannot write (`curve.epsilons` holds .inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    if isinstance(value, list):
+        return "[" + ", ".join(yaml_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {yaml_text(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
 def load_job_params(params_path: str, overrides=(), sections_json: str | None = None) -> dict:
     overrides = list(overrides)
     if sections_json:
         # Snakemake passes the sections it tracks, so what re-runs a stage is exactly what it reads.
         # Key by key: the untracked keys of a section (run.threads, ...) keep their params.yaml values.
-        overrides += [f"{s}.{k}={json.dumps(v)}" for s, values in json.loads(sections_json).items()
+        overrides += [f"{s}.{k}={yaml_text(v)}" for s, values in json.loads(sections_json).items()
                       for k, v in values.items()]
     return load_params(params_path, overrides)
 

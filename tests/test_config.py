@@ -107,3 +107,17 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     assert '"epsilon": 2' in ok.stdout and '"sigma": null' in ok.stdout  # the stage gets numbers and None
     bad = dry("dp={epsilon: -2}")
     assert bad.returncode == 2 and "dp.epsilon: -2 is not allowed" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sections_passed_by_snakemake_round_trip_infinity_and_templates(in_tmp):
+    """Snakemake hands a stage its sections as JSON (rules/stages.smk); ∞ (curve.epsilons) has no
+    JSON spelling and a template has YAML-looking braces: both must arrive as params.yaml holds them."""
+    import json
+
+    from pipeline.cli import load_job_params
+
+    sections = {"curve": {"epsilons": [1, 8.0, float("inf")], "inits": ["random"]},
+                "evaluate": {"sets": [{"name": "d", "source": "digits", "templates": ["a photo of a {c}."]}]}}
+    params = load_job_params("params.yaml", (), json.dumps(sections))
+    assert params["curve"] == sections["curve"]
+    assert params["evaluate"]["sets"] == sections["evaluate"]["sets"]
