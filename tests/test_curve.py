@@ -74,6 +74,15 @@ def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, mon
     assert not (work / curve.OUT).exists()
 
 
+def test_each_seed_is_its_own_dp_training(data_dir, tmp_path):
+    work = project(data_dir, tmp_path)
+    result = run_curve(work, ["curve.epsilons=[2]", "curve.seeds=2"])
+    (point,) = result["points"]
+    assert point["seeds"] == result["seeds"] == 2
+    runs = charged_runs(work)
+    assert len(runs) == 2 and len({r["run"] for r in runs}) == 2  # two identities, both charged
+
+
 def test_no_epsilons_writes_an_empty_curve(data_dir, tmp_path):
     work = project(data_dir, tmp_path)
     assert run_curve(work, ["curve.epsilons=[]"])["points"] == []

@@ -236,3 +236,31 @@ def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
     metrics["sets"]["digits"]["dp_versus"]["synthetic"] = {"diff": 0.05, "ci": [0.02, 0.08]}
     text = report.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
     assert "it beats Synthetic only (Syn-ViP) by +5.0 points" in text and "warm start" not in text
+
+
+def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
+    root, params = project
+    metrics = metrics_json()
+    points = [{"init": init, "epsilon": eps, "epsilon_spent": spent, "seeds": 3, "linear_probe": acc,
+               "linear_probe_ci": [acc - 0.03, acc + 0.03]}
+              for init, base in (("pretrain", 0.8), ("random", 0.5))
+              for eps, spent, acc in ((1, 0.98, base), (8, 7.9, base + 0.01), ("inf", None, base + 0.05))]
+    metrics["privacy_utility"] = {"objective": "caption", "set": "digits", "n_probe_test": 270, "seeds": 3,
+                                  "points": points}
+    write_json("results/eval/metrics.json", metrics)
+    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
+    out = root / "results/report"
+    page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    assert "| Linear probe | ε = 1 | ε = 8 | ε = ∞ |" in md
+    assert "| DP from the synthetic warm start | 80.0 (77.0–83.0) | 81.0 (78.0–84.0) | 85.0 (82.0–88.0) |" in md
+    assert "| DP from random init | 50.0 (47.0–53.0) |" in md
+    assert "id='curve'" in page and "over 3 training seeds" in page
+    assert "from the synthetic warm start, 80.0% at ε = 1 → 81.0% at ε = 8 → 85.0% at ε = ∞" in md
+    assert (out / "privacy_utility_curve.png").is_file()
+
+
+def test_without_a_curve_the_report_has_no_curve_section(project):
+    root, params = project
+    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert "Privacy–utility curve" not in md and not (root / "results/report/privacy_utility_curve.png").exists()

@@ -6,8 +6,10 @@ setting as in params.yaml) and its encoder probed on the first eval set with the
 protocol. ε = ∞ is the recipe's non-private twin (same sampling, steps and learning rate, no
 clipping or noise).
 
-Every private point is a DP training on the private data, charged to its budget like dp-train
-(privacy/budget.py): the report shows what all of them compose to. The point that repeats dp-train
+With `curve.seeds` > 1 each point is trained once per training seed (run.seed + k) and its
+interval covers the seeds as well as the test images. Every private training is a DP training on
+the private data, charged to its budget like dp-train (privacy/budget.py): the report shows what
+all of them compose to. The point that repeats dp-train
 (same ε, same init) is the same run (same state directory) and is not charged twice. Each point's
 ε is checked by the verify stage's own checks before it is shown.
 """
@@ -63,26 +65,27 @@ def run(params: dict, ctx) -> None:
     points, es, split, is_main = [], None, None, True
     for init in cfg["inits"]:
         for epsilon in sorted(cfg["epsilons"]):
-            model, spent, is_main = train_point(params, ctx, init, epsilon)
-            encoder = model.encoder
-            if es is None:  # the first eval set, at the model's input size, split as evaluate splits it
-                es = load_eval_set(ev["sets"][0], encoder.img_size)
-                split = es.split(ev["probe_fraction"], seed)
-            correct = linear_probe(features(encoder, es.images, ev, ctx.device), es.labels, split, ev, seed, ctx.device)
-            point = {"init": init, "epsilon": epsilon if math.isfinite(epsilon) else "inf", "epsilon_spent": spent,
+            rows, spent = [], []
+            for k in range(cfg["seeds"]):  # training seed seed + k: its own init, masks, key and budget entry
+                p = {**params, "run": {**params["run"], "seed": seed + k}}
+                model, eps, is_main = train_point(p, ctx, init, epsilon)
+                if es is None:  # the first eval set, at the model's input size, split as evaluate splits it
+                    es = load_eval_set(ev["sets"][0], model.encoder.img_size)
+                    split = es.split(ev["probe_fraction"], seed)
+                x = features(model.encoder, es.images, ev, ctx.device)
+                rows.append(linear_probe(x, es.labels, split, ev, seed + k, ctx.device))
+                spent.append(eps)
+            correct = np.stack(rows)  # (seeds, test examples): the interval covers both (eval/stats.py)
+            point = {"init": init, "epsilon": epsilon if math.isfinite(epsilon) else "inf",
+                     "epsilon_spent": None if spent[0] is None else max(spent), "seeds": cfg["seeds"],
                      "linear_probe": float(correct.mean()), "linear_probe_ci": accuracy_ci(correct, seed)}
             points.append(point)
             lo, hi = point["linear_probe_ci"]
-            print(f"curve: {init:<8} ε={epsilon:<5} linear probe {point['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f})")
+            print(f"curve: {init:<8} ε={epsilon:<5} linear probe {point['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f}"
+                  f"{f', {len(rows)} seeds' if len(rows) > 1 else ''})")
             ctx.tracker.log_metrics({f"curve.{init}.eps_{epsilon}.linear_probe": point["linear_probe"]})
     if not is_main:
         return
     write_json(OUT, {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
-                     "n_probe_test": int(len(split[1])) if split else 0, "points": points})
+                     "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"], "points": points})
     ctx.tracker.log_artifact(OUT)
-
-
-def table(curve: dict) -> list[dict]:
-    """The curve's points ordered for plotting: by init, then ε (∞ last)."""
-    order = {"pretrain": 0, "random": 1}
-    return sorted(curve["points"], key=lambda p: (order.get(p["init"], 2), np.inf if p["epsilon"] == "inf" else p["epsilon"]))

@@ -195,8 +195,10 @@ def curve_section(curve: dict | None, baselines: dict, path: Path) -> dict | Non
     if "synthetic" in baselines:
         sentence += f" (synthetic only, no DP training: {100 * baselines['synthetic'][1]:.1f}%)"
     spent = [p["epsilon_spent"] for p in points if p.get("epsilon_spent")]
+    seeds = curve.get("seeds", 1)
+    over = f"over {seeds} training seeds and the test images" if seeds > 1 else "over the test images, one seed"
     caption = (f"Linear probe on {curve['set']} ({curve['n_probe_test']} probe-test images; band: 95% bootstrap "
-               f"interval) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
+               f"interval {over}) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
                f"∞ is the same recipe without clipping or noise. {len(spent)} of the points are DP trainings on the "
                "private data: what all DP runs on it compose to is in the mechanism table.")
     return {"figure": path, "columns": ["ε = ∞" if e == "inf" else f"ε = {e:g}" for e in epsilons], "rows": rows,
