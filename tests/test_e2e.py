@@ -13,7 +13,7 @@ from snakemake_project import MICRO, planned_rules, set_params, snakemake_projec
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-STAGE_RULES = ["shards", "synthetic", "tokenizer", "pretrain", "dp_train", "verify", "evaluate", "report"]
+STAGE_RULES = ["shards", "synthetic", "tokenizer", "pretrain", "dp_train", "verify", "curve", "evaluate", "report"]
 
 
 def snakemake(workdir: Path, *args: str) -> str:
@@ -58,7 +58,7 @@ def test_whole_dag_writes_every_artifact(finished_run):
     for path in ["data/shards/private/index.parquet", "data/shards/eval/index.parquet", "data/shards/stats.json",
                  "data/synthetic/index.parquet", "data/synthetic/contact_sheet.png", "models/tokenizer/spm.model",
                  "models/pretrain/checkpoint.pt", "models/dp/checkpoint.pt", "models/dp/ledger.json",
-                 "results/privacy/verification.json", "results/eval/metrics.json",
+                 "results/privacy/verification.json", "results/curve/curve.json", "results/eval/metrics.json",
                  "results/report/report.html", "results/report/report.md"]:
         assert (work / path).is_file(), path
     assert "results/report/report.html" in out and "mlflow ui" in out
@@ -106,11 +106,14 @@ def test_editing_params_replans_exactly_the_dependent_stages(finished_run):
     assert planned_rules(snakemake(work, "-n")) == set()
     original = (work / "params.yaml").read_text()
     try:
-        set_params(work, {"evaluate": {"probe_c": 0.5}})
-        assert planned_rules(snakemake(work, "-n")) == {"evaluate", "report"}
+        set_params(work, {"evaluate": {"probe_c": 0.5}})  # the curve probes with evaluate's protocol
+        assert planned_rules(snakemake(work, "-n")) == {"curve", "evaluate", "report"}
+        (work / "params.yaml").write_text(original)
+        set_params(work, {"curve": {"epsilons": [4]}})
+        assert planned_rules(snakemake(work, "-n")) == {"curve", "evaluate", "report"}
         (work / "params.yaml").write_text(original)
         set_params(work, {"dp": {"clip_norm": 2.0}})
-        assert planned_rules(snakemake(work, "-n")) == {"dp_train", "verify", "evaluate", "report"}
+        assert planned_rules(snakemake(work, "-n")) == {"dp_train", "verify", "curve", "evaluate", "report"}
         (work / "params.yaml").write_text(original)
         # What only names or schedules a run re-runs nothing (a dp-train re-run would spend privacy again).
         set_params(work, {"run": {"experiment": "renamed", "threads": 1}, "shards": {"workers": 2, "scan_groups": 4}})
@@ -138,7 +141,7 @@ def test_restored_outputs_with_new_mtimes_are_touched_up_to_date(finished_run):
 
 
 @pytest.mark.e2e
-def test_dry_run_of_a_fresh_clone_lists_all_eight_stages(tmp_path):
+def test_dry_run_of_a_fresh_clone_lists_all_nine_stages(tmp_path):
     snakemake_project(tmp_path)
     assert planned_rules(snakemake(tmp_path, "-n")) == set(STAGE_RULES)
     assert not (tmp_path / "mlflow.db").exists()  # a dry run opens no MLflow run

@@ -111,7 +111,7 @@ def test_preempted_whole_dag_run_resumes_dp_train_to_the_uninterrupted_result(tm
     `snakemake --unlock; snakemake`. Only the killed stage and those after it run; dp-train resumes
     from its checkpoint with the same secret key, and ends where an uninterrupted run ends."""
     work = snakemake_project(tmp_path / "project")
-    set_params(work, MICRO)
+    set_params(work, {**MICRO, "curve": {"epsilons": []}})  # dp-train alone charges steps: the hook's target
     dp_steps = MICRO["dp"]["steps"]
     shim = tmp_path / "shim"  # the fault hooks, loaded into the stage processes the rules start
     shim.mkdir()
@@ -134,7 +134,8 @@ def test_preempted_whole_dag_run_resumes_dp_train_to_the_uninterrupted_result(tm
     rerun = snakemake(work)
     out = rerun.communicate(timeout=600)[0]
     assert rerun.returncode == 0, out[-3000:]
-    assert planned_rules(out) == {"dp_train", "verify", "evaluate", "report"}
+    # The killed stage and those after it (the empty curve runs too if it had not run before the kill).
+    assert planned_rules(out) - {"curve"} == {"dp_train", "verify", "evaluate", "report"}
     assert "resuming at step 2" in (work / "logs/dp-train.log").read_text()
     assert json.loads((work / "results/privacy/verification.json").read_text())["passed"]
     runs = {r.info.run_id: r for r in mlflow_runs(work)}

@@ -23,7 +23,7 @@ from pipeline.data.shards import ShardDataset
 from pipeline.stages import shards as shards_stage
 
 BIN = Path(sys.executable).parent
-STAGE_RULES = {"shards", "synthetic", "tokenizer", "pretrain", "dp_train", "verify", "evaluate", "report"}
+STAGE_RULES = {"shards", "synthetic", "tokenizer", "pretrain", "dp_train", "verify", "curve", "evaluate", "report"}
 
 
 def snakemake(work: Path, *args: str) -> str:
