@@ -193,8 +193,7 @@ def main() -> None:
                         key = (obj, INIT_NAMES[init], eps)
                         add(probe, key, scorer.probe(model.encoder, seed))
                         if obj in ZERO_SHOT_OBJECTIVES and init == "pretrain":
-                            add(zero, key, scorer.zero_shot(model, obj, tokenizer, model.max_len
-                                                            if hasattr(model, "max_len") else p["model"]["max_caption_len"]))
+                            add(zero, key, scorer.zero_shot(model, obj, tokenizer, p["model"]["max_caption_len"]))
                         print(f"utility: seed {seed} {row_name(key):<24} probe {np.mean(probe[key][-1]):.3f}"
                               + (f" zero-shot {np.mean(zero[key][-1]):.3f}" if key in zero else "")
                               + f"  ({time.time() - t0:.0f} s, {time.time() - started:.0f} s in all)", flush=True)
