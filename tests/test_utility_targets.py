@@ -1,0 +1,39 @@
+"""benchmarks/utility.py's targets: each can fail, on outcomes made to break it."""
+
+import math
+
+import numpy as np
+
+from benchmarks.utility import check_targets
+
+EPSILONS = [1.0, 8.0, math.inf]
+
+
+def outcomes():
+    rng = np.random.default_rng(0)
+    weak = rng.random((3, 300)) < 0.8
+    strong = weak | (rng.random((3, 300)) < 0.6)  # right on every example weak gets, and many more
+    probe = {(None, "random", None): weak, (None, "pixels", None): strong[:1], ("mae", "random", 8.0): weak}
+    probe.update({("mae", "synthetic", e): strong for e in EPSILONS})
+    return probe, weak, strong
+
+
+def passed(probe, pixels):
+    return {k: t["passed"] for k, t in check_targets(probe, {}, pixels, ["mae"], EPSILONS).items()}
+
+
+def test_a_clear_gain_passes_every_target():
+    probe, _, strong = outcomes()
+    assert all(passed(probe, float(strong[0].mean())).values())
+
+
+def test_each_target_fails_when_its_comparison_breaks():
+    probe, weak, strong = outcomes()
+    probe["mae", "synthetic", math.inf] = weak  # no better than random, and a drop from ε = 8
+    result = passed(probe, float(strong[0].mean()))
+    assert not result["a_mae"] and not result["c_mae_8_to_inf"] and result["b_mae"]
+    probe, weak, _ = outcomes()
+    probe["mae", "synthetic", 8.0] = weak  # DP from synthetic no better than from random
+    assert not passed(probe, 0.5)["b_mae"]
+    probe, _, _ = outcomes()
+    assert not passed(probe, 1.0)["d_best_vs_pixels"]  # pixels out of every encoder's reach
