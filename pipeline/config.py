@@ -103,7 +103,7 @@ def _describe_error(error: jsonschema.ValidationError, schema: dict) -> str:
     if kind == "additionalProperties":
         node = _subschema(schema, list(error.absolute_path))
         allowed = sorted(node.get("properties", {}))
-        unknown = sorted(set(error.instance) - set(allowed))
+        unknown = sorted(str(k) for k in set(error.instance) - set(allowed))  # YAML keys may be null or numbers
         prefix = f"{path}." if error.absolute_path else ""
         return f"unknown key {', '.join(prefix + u for u in unknown)} (allowed keys: {', '.join(allowed)})"
     if kind == "required":

@@ -121,3 +121,11 @@ def test_sections_passed_by_snakemake_round_trip_infinity_and_templates(in_tmp):
     params = load_job_params("params.yaml", (), json.dumps(sections))
     assert {k: params["curve"][k] for k in sections["curve"]} == sections["curve"]
     assert params["evaluate"]["sets"] == sections["evaluate"]["sets"]
+
+
+def test_a_key_that_is_not_a_string_is_named_not_a_crash(in_tmp):
+    """YAML's `?` is a mapping with a null key, `1: x` one with an integer key: both are unknown keys."""
+    for text in ("?", "1: x\n"):
+        open("params.yaml", "w").write(text)
+        with pytest.raises(ParamsError, match="unknown key"):
+            load_params("params.yaml")
