@@ -526,7 +526,7 @@ def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, mon
     streamed_r, in_memory_r = (evaluate.evaluate_set(es, candidates, cfg, 0, "cpu", tokenize)
                                for es in (streamed, in_memory))
     assert set(streamed_r["results"]["dp"]) == {"linear_probe", "linear_probe_ci", "fewshot_logreg",
-                                                  "fewshot_finetune", "zero_shot", "zero_shot_ci"}
+                                                  "fewshot_finetune", "zero_shot", "zero_shot_ci", "seeds"}
     assert streamed_r == in_memory_r
 
 

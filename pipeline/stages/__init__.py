@@ -76,7 +76,7 @@ STAGES: tuple[Stage, ...] = (
           inputs=("data/shards/", "models/pretrain/", "models/tokenizer/"),
           metrics=("results/curve/curve.json",), resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=1440)),
     Stage("evaluate", "linear probe, few-shot and zero-shot of the DP encoder beside its baselines",
-          "pipeline.stages.evaluate", ("run", "model", "evaluate"),
+          "pipeline.stages.evaluate", ("run", "model", "dp", "verify", "evaluate"),
           inputs=("data/shards/", "models/tokenizer/", "models/pretrain/", "models/dp/",
                   "results/privacy/verification.json", "results/curve/curve.json"),
           metrics=("results/eval/metrics.json",), resources=Resources(threads=2, mem_mb=4000)),

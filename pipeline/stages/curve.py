@@ -35,7 +35,7 @@ TRAIN_SECTIONS = ("run", "model", "dp")  # dp-train's own: its state directory (
 def point_params(params: dict, init: str, epsilon: float) -> dict:
     """dp-train's params for one point: the recipe at `epsilon` from `init`. ε = ∞ keeps the
     recipe's own ε for planning (the sampling rate and steps), and trains without noise."""
-    dp = {**params["dp"], "init": init, "nonprivate_baseline": False}
+    dp = {**params["dp"], "init": init}
     if math.isfinite(epsilon) and epsilon != dp["epsilon"]:  # dp-train's own ε keeps its σ (and identity)
         dp.update(epsilon=float(epsilon), sigma=None)
     return {**{s: params[s] for s in TRAIN_SECTIONS}, "dp": dp}

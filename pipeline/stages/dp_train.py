@@ -142,11 +142,17 @@ def setup(params: dict, device: str) -> "Trainer":
     return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device)
 
 
+NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "log_private_stats")
+
+
 def work_dir(params: dict, trainer: "Trainer"):
     """The run's state directory: its identity for resume and for the privacy budget."""
     inputs = ([f"{SHARDS}/private"] + ([PRETRAIN] if params["dp"]["init"] == "pretrain" else [])
               + ([TOKENIZER] if trainer.tokenizer else []))
-    return state_dir("dp-train", params, inputs)
+    # Keys that change what is reported beside the private run, not the run: toggling them must
+    # resume it, not train (and charge) the same private model again.
+    dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
+    return state_dir("dp-train", {**params, "dp": dp}, inputs)
 
 
 def train_private(params: dict, trainer: "Trainer", ctx):

@@ -9,13 +9,23 @@ K-shot full fine-tuning (when enabled), zero-shot with the text tower (captioner
 Every linear-probe and zero-shot accuracy carries a 95% bootstrap interval over the test images,
 and the DP model's linear probe is compared with each baseline's on the same images (paired).
 
+With `evaluate.seeds` k > 1 the trained rows have k training seeds (run.seed, +1, ...): dp-train's
+model is seed run.seed, and the DP recipe (and its non-private twin, when dp-train made one) is
+trained again at each other seed here, through the curve stage's `train_point`, so each extra DP
+training is verified and charged to the data's budget like dp-train (the curve's run of the same
+seed is the same run, charged once). Random init takes k seeds; the synthetic encoder and the
+pixels are one fixed artifact each. Linear probe and zero-shot intervals then cover the seeds as
+well (two-level bootstrap, eval/stats.py) and pair by seed; few-shot and fine-tuning stay on the
+first seed's model.
+
 Each eval set is public and held out: it is split into probe-train / probe-test, so no private
 example is used here and the accuracies are post-processing of the DP model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +57,7 @@ class Candidate:
     text_model: torch.nn.Module | None = None  # captioner / CLIP, for zero-shot
     objective: str | None = None
     max_len: int = 0                            # caption tokens the text tower takes
+    seed_index: int = 0                         # k-th training seed of this row (evaluate.seeds)
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -82,13 +93,37 @@ def load_candidates(baselines: list[str], seed: int, with_text: bool) -> list[Ca
     if "pixels" in baselines:  # the simplest baseline: a linear probe on the pixels themselves
         out.append(Candidate("pixels", "Raw pixels (no encoder)", "input images", None))
     if "random" in baselines:
-        torch.manual_seed(seed)
-        if with_text and objective in ZERO_SHOT_OBJECTIVES:  # a random text tower too: zero-shot chance level
-            model = build_model(objective, mcfg)
-            out.append(Candidate("random", "Random init", f"seed {seed}", model.encoder, model, objective,
-                                 ModelConfig.of(mcfg).max_len))
-        else:
-            out.append(Candidate("random", "Random init", f"seed {seed}", build_encoder(mcfg)))
+        out.append(random_candidate(objective, mcfg, seed, with_text))
+    return out
+
+
+def random_candidate(objective: str, mcfg: dict, seed: int, with_text: bool, seed_index: int = 0) -> Candidate:
+    torch.manual_seed(seed)
+    if with_text and objective in ZERO_SHOT_OBJECTIVES:  # a random text tower too: zero-shot chance level
+        model = build_model(objective, mcfg)
+        return Candidate("random", "Random init", f"seed {seed}", model.encoder, model, objective,
+                         ModelConfig.of(mcfg).max_len, seed_index)
+    return Candidate("random", "Random init", f"seed {seed}", build_encoder(mcfg), seed_index=seed_index)
+
+
+def seed_candidates(params: dict, ctx, first: list[Candidate], with_text: bool) -> list[Candidate]:
+    """The trained rows at training seeds run.seed + 1 ... + evaluate.seeds - 1 (see the module
+    docstring): the DP recipe, its non-private twin when `first` has one, and random init."""
+    from pipeline.stages.curve import train_point  # dp-train's own training, verified and charged
+
+    seed, names = params["run"]["seed"], {c.name: c for c in first}
+    mcfg = load_checkpoint(f"{DP_DIR}/checkpoint.pt")["model_cfg"]
+    out = []
+    for k in range(1, params["evaluate"]["seeds"]):
+        p = {**params, "run": {**params["run"], "seed": seed + k}}
+        for name, epsilon in (("dp", params["dp"]["epsilon"]), ("nonprivate", math.inf)):
+            if name in names:
+                model, _, _ = train_point(p, ctx, params["dp"]["init"], epsilon)
+                c = names[name]
+                out.append(replace(c, source=f"{c.source}, training seed {seed + k}", encoder=model.encoder,
+                                   text_model=model if c.text_model is not None else None, seed_index=k))
+        if "random" in names:
+            out.append(random_candidate(names["dp"].objective, mcfg, seed + k, with_text, seed_index=k))
     return out
 
 
@@ -98,11 +133,16 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
     # Lazy views: every protocol reads its images batch by batch, so no part is ever held whole.
     images_tr, images_te = es.images.subset(tr), es.images.subset(te)
     few, ft = cfg["fewshot"], cfg["finetune"]
-    results, correct = {}, {}
+    results, correct, zero = {}, {}, {}
     for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
         x = features(cand.encoder, es.images, cfg, device)
-        correct[cand.name] = linear_probe(x, es.labels, (tr, te), cfg, seed, device)
-        r = with_interval("linear_probe", correct[cand.name], seed)
+        correct.setdefault(cand.name, []).append(linear_probe(x, es.labels, (tr, te), cfg, seed, device))
+        if cfg["zero_shot"] and cand.text_model is not None:
+            scores = class_scores(cand.text_model, cand.objective, images_te, es.prompts(), tokenize(cand), device)
+            zero.setdefault(cand.name, []).append(scores.argmax(axis=1) == y_te)
+        if cand.seed_index > 0:  # another seed of a row: its probe and zero-shot outcomes join the row's
+            continue
+        r = {}
         if few["shots"]:
             r["fewshot_logreg"] = fewshot_logreg(x[tr], y_tr, x[te], y_te, few["shots"], few["repeats"],
                                                  cfg["probe_c"], seed)
@@ -111,14 +151,17 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
             r["fewshot_finetune"] = fewshot_finetune(cand.encoder, images_tr, y_tr, images_te, y_te,
                                                      len(es.classes), ft["shots"], ft["repeats"], train_cfg,
                                                      cfg["pool"], seed, device)
-        if cfg["zero_shot"] and cand.text_model is not None:
-            scores = class_scores(cand.text_model, cand.objective, images_te, es.prompts(), tokenize(cand), device)
-            r.update(with_interval("zero_shot", scores.argmax(axis=1) == y_te, seed))
         results[cand.name] = r
-        lo, hi = r["linear_probe_ci"]
-        print(f"evaluate: {es.name}/{cand.name:<10} linear probe {r['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f})"
+    correct = {name: np.stack(rows) for name, rows in correct.items()}  # (seeds, test examples)
+    for name, r in results.items():
+        r.update(with_interval("linear_probe", correct[name], seed), seeds=len(correct[name]))
+        if name in zero:
+            r.update(with_interval("zero_shot", np.stack(zero[name]), seed))
+        (lo, hi), seeds = r["linear_probe_ci"], r["seeds"]
+        print(f"evaluate: {es.name}/{name:<10} linear probe {r['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f}"
+              f"{f', {seeds} seeds' if seeds > 1 else ''})"
               + (f", zero-shot {r['zero_shot']:.3f}" if "zero_shot" in r else ""))
-    # Paired on the same test images: is the DP model's linear probe better than each baseline's?
+    # Paired on the same test images (and seeds): is the DP model's linear probe better than each baseline's?
     versus = {name: difference_ci(correct["dp"], c, seed) for name, c in correct.items() if name != "dp"}
     return {"classes": es.classes, "n_probe_train": int(len(tr)), "n_probe_test": int(len(te)),
             "chance": es.chance, "results": results, "dp_versus": versus if "dp" in correct else {}}
@@ -155,6 +198,7 @@ def run(params: dict, ctx) -> None:
         raise VerificationFailed(f"{VERIFICATION} does not vouch for {DP_DIR}/checkpoint.pt (passed={ver['passed']}, "
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
     candidates = load_candidates(cfg["baselines"], seed, with_text=cfg["zero_shot"])
+    candidates += seed_candidates(params, ctx, candidates, with_text=cfg["zero_shot"])
     tokenizer = None
     if any(c.text_model is not None for c in candidates):
         from pipeline.data.tokenizer import Tokenizer
@@ -171,10 +215,10 @@ def run(params: dict, ctx) -> None:
     metrics = {
         "primary_set": cfg["sets"][0]["name"],
         "objective": candidates[0].objective,
-        "models": {c.name: {"label": c.label, "source": c.source} for c in candidates},
-        "model_order": [c.name for c in candidates],  # JSON keys get sorted; tables keep this order
+        "models": {c.name: {"label": c.label, "source": c.source} for c in candidates if c.seed_index == 0},
+        "model_order": [c.name for c in candidates if c.seed_index == 0],  # JSON keys get sorted; tables keep this order
         "protocol": {k: cfg[k] for k in ("pool", "last_k_blocks", "probe_fraction", "probe_solver", "probe_c",
-                                         "fewshot", "finetune", "zero_shot")},
+                                         "fewshot", "finetune", "zero_shot", "seeds")},
         "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"]},
         "sets": sets,
         # The privacy-utility curve (stages/curve.py), kept with the accuracies it is read beside.

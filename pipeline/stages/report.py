@@ -107,7 +107,12 @@ def experiment_points(experiment: str, current_model_hash: str | None) -> tuple[
 
 def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -> str:
     """How each column of the accuracy table was measured (only the columns present)."""
-    parts = ["Accuracy in % on the probe-test split.",
+    seeds = protocol.get("seeds", 1)
+    parts = ["Accuracy in % on the probe-test split, with its 95% bootstrap interval over the test images"
+             + (f" and {seeds} training seeds (the DP, non-private and random-init rows are means over the seeds; "
+                "the synthetic encoder and the pixels are one fixed artifact each)." if seeds > 1 else
+                " (one training seed).")
+             ,
              f"Linear probe: {protocol['probe_solver']} on frozen {protocol['pool']}-pooled features of the last "
              f"{protocol['last_k_blocks']} block(s), standardised."]
     if any(c.endswith("-shot") for c in columns):

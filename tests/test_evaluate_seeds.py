@@ -1,0 +1,78 @@
+"""`evaluate.seeds`: the trained rows of the evaluation table over several training seeds. Each
+extra DP seed is a verified DP training charged to the data's budget, shared with the curve's run
+of the same seed; the intervals cover the seeds."""
+
+import json
+import os
+
+import pytest
+from stage_runs import project, run_in_process, train
+
+from pipeline.errors import VerificationFailed
+from pipeline.privacy import budget
+from pipeline.stages import dp_train
+
+BASELINES = "evaluate.baselines=[pixels, random, nonprivate]"  # no pretrain at micro scale (dp.init=random)
+
+
+def run_stages(work, names, overrides):
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        for name in names:
+            run_in_process(name, overrides)
+        return json.loads((work / "results/eval/metrics.json").read_text()) if "evaluate" in names else None
+    finally:
+        os.chdir(cwd)
+
+
+def charged_runs(work):
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        return budget.runs(budget.fingerprint("data/shards/private"))
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_trained_rows_take_every_seed_and_each_dp_seed_is_charged(data_dir, tmp_path, objective):
+    work = project(data_dir, tmp_path)
+    common = [f"dp.objective={objective}", "dp.nonprivate_baseline=true", BASELINES, "evaluate.fewshot.shots=[]"]
+    train(work, common)
+    one = run_stages(work, ["verify", "evaluate"], common)["sets"]["digits"]
+    assert len(charged_runs(work)) == 1
+    three = run_stages(work, ["evaluate"], [*common, "evaluate.seeds=3"])["sets"]["digits"]
+    runs = charged_runs(work)
+    assert len(runs) == 3 and len({r["run"] for r in runs}) == 3  # dp-train's seed, then two more: each charged
+    res = three["results"]
+    assert {name: r["seeds"] for name, r in res.items()} == {"dp": 3, "nonprivate": 3, "random": 3, "pixels": 1}
+    # Seed run.seed is dp-train's own model: the others are new trainings, so the mean moves.
+    assert one["results"]["dp"]["seeds"] == 1
+    assert res["pixels"]["linear_probe"] == one["results"]["pixels"]["linear_probe"]
+    for r in res.values():
+        lo, hi = r["linear_probe_ci"]
+        assert 0 <= lo <= r["linear_probe"] <= hi <= 1
+    if objective != "mae":
+        assert "zero_shot_ci" in res["dp"]
+    assert set(three["dp_versus"]) == {"nonprivate", "random", "pixels"}
+    # The curve's run at dp-train's ε and a seed evaluate trained is the same run: charged once.
+    run_stages(work, ["curve"], [*common, "curve.inits=[random]", "curve.epsilons=[8]", "curve.seeds=3"])
+    assert len(charged_runs(work)) == 3
+
+
+def test_an_extra_seed_that_fails_verification_stops_the_stage(data_dir, tmp_path, monkeypatch):
+    """The bug flipped on for the extra seeds only: one update more than the ledger charged."""
+    work = project(data_dir, tmp_path)
+    train(work, [BASELINES])
+    run_stages(work, ["verify"], [])
+    real = dp_train.train_private
+
+    def one_extra_update(*args, **kw):
+        model, counters, record = real(*args, **kw)
+        return model, {**counters, "applied_updates": counters["applied_updates"] + 1}, record
+
+    monkeypatch.setattr(dp_train, "train_private", one_extra_update)
+    with pytest.raises(VerificationFailed, match="ledger_steps_match_optimizer"):
+        run_stages(work, ["evaluate"], [BASELINES, "evaluate.seeds=2"])
+    assert not (work / "results/eval/metrics.json").exists()
