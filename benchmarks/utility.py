@@ -19,7 +19,14 @@ test images (pipeline/eval/stats.py). The targets compare rows by paired interva
   c  synthetic-init rows: ε = ∞ ≥ ε = 8 ≥ ε = 1 (no step significantly down)
   d  the best encoder row's interval reaches the raw-pixel accuracy
   e  DP-Cap's zero-shot at ε = 8 is above chance wherever its non-private twin's is
-Prints a table as it goes and ONE JSON line, the last line of stdout. About 15 minutes on 2 cores.
+Prints a table as it goes and ONE JSON line, the last line of stdout. About 17 minutes on 2 cores.
+
+A second public set, Fashion-MNIST (`make fashion-mnist` first). Its encoders need a non-private
+twin that trains longer than the 40-step DP recipe (`dp.nonprivate`, the ε = ∞ rows):
+    python -m benchmarks.utility --dir /tmp/ut-fashion --seeds 2 --epsilons 8 inf \
+        --set shards.source=fashion-mnist --set shards.limit=3000 --set shards.path=$PWD/data/public/fashion-mnist \
+        --set 'evaluate.sets=[{name: fashion-mnist, source: fashion-mnist}]' \
+        --set dp.nonprivate.steps=500 --set dp.nonprivate.lr=0.001 --set dp.nonprivate.encoder_lr_scale=1
 """
 
 from __future__ import annotations

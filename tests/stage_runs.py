@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +14,9 @@ import yaml
 
 from pipeline.cli import StageContext
 from pipeline.config import load_params, sections_of
+from pipeline.data.tokenizer import Tokenizer
+from pipeline.models import ModelConfig, build_model
+from pipeline.objectives import objective
 from pipeline.stages import stage
 from pipeline.tracking import NullRun
 
@@ -47,3 +52,25 @@ def train(workdir, overrides=()):
         return ledger, ckpt
     finally:
         os.chdir(cwd)
+
+
+def torchrun(workdir, name, overrides=()):
+    """`dpfm <name>` under torchrun with two CPU (gloo) ranks, as on a two-GPU node."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline.cli",
+           name, "--threads", "1", *sum((["--set", o] for o in [*overrides, "run.device=cpu"]), [])]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def initial_weights(workdir, overrides):
+    """The weights dp-train starts from (dp.init=random: the model built after seeding run.seed)."""
+    params = load_params(workdir / "params.yaml", overrides)
+    name = params["dp"]["objective"]
+    vocab = Tokenizer(workdir / "models/tokenizer").vocab_size if objective(name).tokens else None
+    torch.manual_seed(params["run"]["seed"])
+    return build_model(name, ModelConfig.from_params(params["model"], name, vocab)).state_dict()
+
+
+def flat(state):
+    return torch.cat([v.flatten().float() for v in state.values()])

@@ -7,7 +7,7 @@ import math
 import os
 
 import pytest
-from stage_runs import project, run_in_process, train
+from stage_runs import flat, initial_weights, project, run_in_process, torchrun, train
 
 from pipeline.errors import VerificationFailed
 from pipeline.privacy import budget
@@ -97,3 +97,50 @@ def test_point_params_keep_dp_trains_sections_and_plan_infinity_at_the_recipes_e
     p = curve.point_params(params, "random", 2)
     assert set(p) == {"run", "model", "dp"} and p["dp"]["epsilon"] == 2.0 and p["dp"]["init"] == "random"
     assert curve.point_params(params, "pretrain", math.inf)["dp"]["epsilon"] == 8.0
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_the_non_private_schedule_trains_the_twin_only_and_never_recharges_the_private_run(data_dir, tmp_path,
+                                                                                          objective):
+    import torch
+
+    work = project(data_dir, tmp_path)
+    common = [f"dp.objective={objective}", "dp.nonprivate_baseline=true"]
+    _, private = train(work, [*common, "dp.nonprivate.steps=9", "dp.nonprivate.lr=0.002"])
+    twin = torch.load(work / "models/dp/nonprivate.pt", weights_only=False)
+    assert private["optimizer_steps"] == 6 and twin["optimizer_steps"] == 9
+    assert len([p for p in (work / ".dpfm/state").glob("dp-train-*/nonprivate/checkpoint.pt")
+                if torch.load(p, weights_only=False)["step"] == 9]) == 1  # the twin ran its own 9 steps
+    # Another schedule for the twin: a new twin, the same private run (resumed, not charged again).
+    _, again = train(work, [*common, "dp.nonprivate.steps=12"])
+    assert again["optimizer_steps"] == 6 and len(charged_runs(work)) == 1
+    assert torch.load(work / "models/dp/nonprivate.pt", weights_only=False)["optimizer_steps"] == 12
+    assert {name: torch.equal(v, private["model"][name]) for name, v in again["model"].items()} == \
+        {name: True for name in private["model"]}
+    # The curve's ∞ point is that twin: same schedule, same state.
+    result = run_curve(work, [*common, "dp.nonprivate.steps=12", "curve.epsilons=[.inf]"])
+    assert result["points"][0]["epsilon"] == "inf" and len(charged_runs(work)) == 1
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_the_curve_on_two_ranks_is_the_one_process_curve_charged_once(data_dir, tmp_path, objective):
+    """Under torchrun each point is one DP training over both ranks (one ledger, one budget entry,
+    rank 0 writes) with the one-process update: the same noise key, each example summed once and the
+    noise added once. Plain SGD keeps the update linear in the gradient, as in test_dp_train."""
+    import torch
+
+    sets = [f"dp.objective={objective}", "curve.inits=[random]", "curve.epsilons=[2, .inf]", "dp.optimizer=sgd",
+            "dp.lr=0.05"]
+    one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
+    want = run_curve(one, sets)
+    torchrun(two, "curve", sets)
+    got = json.loads((two / curve.OUT).read_text())
+    assert len(charged_runs(two)) == len(charged_runs(one)) == 1  # the ε = 2 point, once for both ranks
+    for g, w in zip(got["points"], want["points"], strict=True):
+        assert g["epsilon"] == w["epsilon"] and g["epsilon_spent"] == pytest.approx(w["epsilon_spent"])
+    (ref,), (ranks,) = ([torch.load(p, weights_only=False)["model"]
+                         for p in (work / ".dpfm/state").glob("dp-train-*/checkpoint.pt")] for work in (one, two))
+    start = flat(initial_weights(one, [*sets, "dp.epsilon=2"]))
+    update = flat(ref) - start
+    assert float(update.norm()) > 0
+    assert float((flat(ranks) - start - update).norm() / update.norm()) <= 1e-4

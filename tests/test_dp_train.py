@@ -6,20 +6,17 @@ session-wide `data_dir` fixture (conftest.py) makes once."""
 import io
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from stage_runs import project, train
+from stage_runs import flat, initial_weights, project, torchrun, train
 
 from pipeline.stages import dp_train
 from pipeline.privacy import engine
 from pipeline.config import load_params
 from pipeline.data.tokenizer import Tokenizer
-from pipeline.models import ModelConfig, build_model
+from pipeline.models import ModelConfig
 from pipeline.objectives import objective
 from pipeline.privacy.verify import verify
 
@@ -90,19 +87,6 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
     assert ledger["steps"] == 6  # the baseline is not charged to the private ledger
 
 
-def initial_weights(workdir, overrides):
-    """The weights dp-train starts from (dp.init=random: the model built after seeding run.seed)."""
-    params = load_params(workdir / "params.yaml", overrides)
-    name = params["dp"]["objective"]
-    vocab = Tokenizer(workdir / "models/tokenizer").vocab_size if objective(name).tokens else None
-    torch.manual_seed(params["run"]["seed"])
-    return build_model(name, ModelConfig.from_params(params["model"], name, vocab)).state_dict()
-
-
-def flat(state):
-    return torch.cat([v.flatten().float() for v in state.values()])
-
-
 @pytest.mark.parametrize("name", ["mae", "caption", "clip"])
 def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name):
     """The real stage under torchrun with the same secret key: each example enters the sum once and
@@ -111,11 +95,7 @@ def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name
     sets = [f"dp.objective={name}", "dp.sigma=0.3", "dp.epsilon=100", "dp.optimizer=sgd", "dp.lr=0.05"]
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
     _, ref = train(one, sets)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline.cli",
-           "dp-train", "--threads", "1", *sum((["--set", o] for o in [*sets, "run.device=cpu"]), [])]
-    proc = subprocess.run(cmd, cwd=two, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(two, "dp-train", sets)
     got = torch.load(two / "models/dp/checkpoint.pt", weights_only=False)
     assert got["optimizer_steps"] == ref["optimizer_steps"] == 6
     start = flat(initial_weights(one, sets))

@@ -72,6 +72,14 @@ def test_features_are_the_encoder_output_and_last_k_blocks_concatenate():
         assert two.shape == (5, 2 * enc.width)
         np.testing.assert_allclose(two[:, enc.width:], one, rtol=1e-5, atol=1e-6)
         assert not np.allclose(two[:, :enc.width], one)
+    both = extract_features(enc, images, "cls+mean", last_k=2)  # per block: its cls token, then its mean
+    assert both.shape == (5, 4 * enc.width)
+    for block in range(2):
+        for k, pool in enumerate(("cls", "mean")):
+            np.testing.assert_allclose(both[:, (2 * block + k) * enc.width:(2 * block + k + 1) * enc.width],
+                                       extract_features(enc, images, pool, last_k=2)[:, block * enc.width:
+                                                                                     (block + 1) * enc.width],
+                                       rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="last_k_blocks=3"):
         extract_features(enc, images, "cls", last_k=3)
 
@@ -121,9 +129,10 @@ def test_finetune_learns_a_toy_task_and_leaves_the_encoder_untouched():
     enc = build_encoder(MICRO)
     before = {k: v.clone() for k, v in enc.state_dict().items()}
     y_tr, y_te = np.repeat(np.arange(4), 5), rng.integers(0, 4, 80)
-    acc = finetune_accuracy(enc, colour_images(y_tr, rng), y_tr, colour_images(y_te, rng), y_te, 4, pool="cls",
-                            epochs=15, batch_size=10, lr=3e-3, weight_decay=0.0)
-    assert acc >= 0.9
+    for pool in ("cls", "cls+mean"):
+        acc = finetune_accuracy(enc, colour_images(y_tr, rng), y_tr, colour_images(y_te, rng), y_te, 4, pool=pool,
+                                epochs=15, batch_size=10, lr=3e-3, weight_decay=0.0)
+        assert acc >= 0.9
     assert all(torch.equal(before[k], v) for k, v in enc.state_dict().items())
 
 

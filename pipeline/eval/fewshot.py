@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.data.transforms import to_tensor
-from pipeline.eval.probe import logreg_probe, lr_at, pool_tokens
+from pipeline.eval.probe import POOL_WIDTHS, logreg_probe, lr_at, pool_tokens
 
 
 def kshot_subsets(labels: np.ndarray, k: int, repeats: int, seed: int) -> list[np.ndarray]:
@@ -63,7 +63,7 @@ def finetune_accuracy(encoder, train_images, train_y, test_images, test_y, num_c
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = copy.deepcopy(encoder).to(device).train()
-    head = nn.Linear(model.width, num_classes).to(device)
+    head = nn.Linear(POOL_WIDTHS[pool] * model.width, num_classes).to(device)
     with torch.no_grad():  # small, not zero: a zero head would give the encoder no gradient at first
         head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.01)
         head.bias.zero_()

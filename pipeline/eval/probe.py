@@ -1,6 +1,6 @@
 """Linear probes on frozen encoder features (ViP/MAE protocol).
 
-Features: the cls token or the mean of the patch tokens, after the encoder's final norm,
+Features: the cls token, the mean of the patch tokens, or both, after the encoder's final norm,
 optionally concatenated over the last k blocks. Probes:
 * `logreg` — standardised features (the BatchNorm-without-affine of the protocol, in closed
   form) and L2 logistic regression: exact and fast on small sets, the default. Its strength C is
@@ -31,12 +31,20 @@ from pipeline.eval.images import Images
 SOLVERS = ("logreg", "lars", "adamw")
 
 
+# Features per token width: "cls+mean" takes both, as the objectives pool differently (CLIP's
+# embedding is the cls token, MAE's loss reads every patch token, a captioner attends over them).
+POOL_WIDTHS = {"cls": 1, "mean": 1, "cls+mean": 2}
+
+
 def pool_tokens(tokens: torch.Tensor, pool: str) -> torch.Tensor:
+    """(B, 1 + L, D) tokens, cls first -> (B, POOL_WIDTHS[pool] * D) pooled features."""
     if pool == "cls":
         return tokens[:, 0]
     if pool == "mean":
         return tokens[:, 1:].mean(dim=1)
-    raise ValueError(f"unknown pool {pool!r}; use 'cls' or 'mean'")
+    if pool == "cls+mean":
+        return torch.cat([tokens[:, 0], tokens[:, 1:].mean(dim=1)], dim=1)
+    raise ValueError(f"unknown pool {pool!r}; use one of {', '.join(POOL_WIDTHS)}")
 
 
 @torch.no_grad()
@@ -55,7 +63,7 @@ def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", la
              for blk in encoder.blocks[len(encoder.blocks) - last_k:]]
     # Filled in place: no per-batch pieces left between each batch's big temporaries (they fragment the
     # heap: RSS crept up with the set's size) nor concatenated at the end (twice the features' memory).
-    out = np.empty((len(images), last_k * encoder.width), np.float32)
+    out = np.empty((len(images), last_k * POOL_WIDTHS[pool] * encoder.width), np.float32)
     try:
         for i in range(0, len(images), batch_size):
             captured.clear()

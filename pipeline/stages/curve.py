@@ -3,8 +3,8 @@
 For each init in `curve.inits` (the synthetic warm start, random weights) and each ε in
 `curve.epsilons`, the dp-train recipe is trained again at that ε (σ calibrated to it; every other
 setting as in params.yaml) and its encoder probed on the first eval set with the `evaluate`
-protocol. ε = ∞ is the recipe's non-private twin (same sampling, steps and learning rate, no
-clipping or noise).
+protocol. ε = ∞ is the recipe's non-private twin (same sampling, no clipping or noise; the DP
+recipe's steps and learning rate unless `dp.nonprivate` gives it a schedule of its own).
 
 With `curve.seeds` > 1 each point is trained once per training seed (run.seed + k) and its
 interval covers the seeds as well as the test images. Every private training is a DP training on

@@ -142,7 +142,7 @@ def setup(params: dict, device: str) -> "Trainer":
     return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device)
 
 
-NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "log_private_stats")
+NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "log_private_stats")
 
 
 def work_dir(params: dict, trainer: "Trainer"):
@@ -175,9 +175,19 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     return model, counters, record
 
 
+def nonprivate_params(params: dict) -> dict:
+    """The ε = ∞ twin's params: the recipe, with `dp.nonprivate`'s schedule where it sets one."""
+    schedule = {k: v for k, v in params["dp"]["nonprivate"].items() if v is not None}
+    return {**params, "dp": {**params["dp"], **schedule}}
+
+
 def train_nonprivate(params: dict, trainer: "Trainer", ctx):
-    """The same recipe without clipping or noise (ε = ∞): for comparison only, never to be published."""
-    return trainer.train(params["run"]["seed"], work_dir(params, trainer) / "nonprivate", ctx, private=False)[0]
+    """The recipe without clipping or noise (ε = ∞): for comparison only, never to be published.
+    Noise does not limit it, so `dp.nonprivate` may give it a longer schedule of its own."""
+    p = nonprivate_params(params)
+    twin = Trainer(p, trainer.mcfg, trainer.tokenizer, trainer.held, {**trainer.mech, "planned_steps": p["dp"]["steps"]},
+                   trainer.world, trainer.device)
+    return twin.train(params["run"]["seed"], work_dir(p, trainer) / "nonprivate", ctx, private=False)[0]
 
 
 def run(params: dict, ctx) -> None:
@@ -195,7 +205,7 @@ def run(params: dict, ctx) -> None:
                    optimizer_steps=counters["applied_updates"], private=True)
         if baseline is not None:  # NOT private: for the evaluation table only, never to be published
             save_model(out / "nonprivate.pt", dp["objective"], trainer.mcfg.to_dict(), baseline,
-                       optimizer_steps=dp["steps"], private=False)
+                       optimizer_steps=nonprivate_params(params)["dp"]["steps"], private=False)
         write_json(out / "ledger.json", record)
         write_json(out / "history.json", history)
     barrier(world)

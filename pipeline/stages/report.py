@@ -178,7 +178,16 @@ def curve_order(epsilon) -> float:
     return float("inf") if epsilon == "inf" else float(epsilon)
 
 
-def curve_section(curve: dict | None, baselines: dict, path: Path) -> dict | None:
+def twin_text(dp: dict) -> str:
+    """What the ε = ∞ point is: the DP recipe without clipping or noise, on its own schedule if set."""
+    own = {k: v for k, v in dp.get("nonprivate", {}).items() if v is not None and v != dp.get(k)}
+    if not own:
+        return "∞ is the same recipe without clipping or noise"
+    return ("∞ is the recipe without clipping or noise, on a schedule of its own (dp.nonprivate: "
+            + ", ".join(f"{k} {v:g}" for k, v in own.items()) + f"; the DP points: steps {dp['steps']}, lr {dp['lr']:g})")
+
+
+def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict) -> dict | None:
     """The privacy–utility curve's figure, table (one row per init, one column per ε) and sentence."""
     if not curve or not curve.get("points"):
         return None
@@ -204,7 +213,7 @@ def curve_section(curve: dict | None, baselines: dict, path: Path) -> dict | Non
     over = f"over {seeds} training seeds and the test images" if seeds > 1 else "over the test images, one seed"
     caption = (f"Linear probe on {curve['set']} ({curve['n_probe_test']} probe-test images; band: 95% bootstrap "
                f"interval {over}) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
-               f"∞ is the same recipe without clipping or noise. {len(spent)} of the points are DP trainings on the "
+               f"{twin_text(dp)}. {len(spent)} of the points are DP trainings on the "
                "private data: what all DP runs on it compose to is in the mechanism table.")
     return {"figure": path, "columns": ["ε = ∞" if e == "inf" else f"ε = {e:g}" for e in epsilons], "rows": rows,
             "caption": caption, "sentence": sentence + "."}
@@ -254,7 +263,7 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
     plots.plot_privacy_utility(points, baselines, figures["privacy_utility"])
     curve = curve_section(metrics.get("privacy_utility"),
                           {n: (models[n]["label"], lp[n]) for n in ("synthetic", "random", "pixels") if n in lp},
-                          out / "privacy_utility_curve.png")
+                          out / "privacy_utility_curve.png", dp)
 
     primary_set = metrics["sets"][primary]
     headline = headline_sentence(primary, primary_set, models, {
