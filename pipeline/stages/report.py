@@ -113,8 +113,9 @@ def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -
                 "the synthetic encoder and the pixels are one fixed artifact each)." if seeds > 1 else
                 " (one training seed).")
              ,
-             f"Linear probe: {protocol['probe_solver']} on frozen {protocol['pool']}-pooled features of the last "
-             f"{protocol['last_k_blocks']} block(s), standardised."]
+             f"Linear probe: {protocol['probe_solver']} on frozen {protocol['pool']}-pooled features of "
+             + ("every block" if protocol["last_k_blocks"] == "all" else f"the last {protocol['last_k_blocks']} block(s)")
+             + ", standardised."]
     if any(c.endswith("-shot") for c in columns):
         parts.append(f"K-shot: logistic regression on K examples per class, mean ± std over "
                      f"{protocol['fewshot']['repeats']} seeded class-balanced subsets.")
