@@ -3,6 +3,7 @@ made once (the `data_dir` fixture), and stages run the way `dpfm <stage>` runs t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -42,16 +43,31 @@ def project(data_dir, tmp_path) -> Path:
     return tmp_path
 
 
-def train(workdir, overrides=()):
+@contextlib.contextmanager
+def inside(workdir):
+    """Stages read and write paths relative to the working directory: run them in `workdir`."""
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
-        run_in_process("dp-train", list(overrides))
-        ledger = yaml.safe_load((workdir / "models/dp/ledger.json").read_text())
-        ckpt = torch.load(workdir / "models/dp/checkpoint.pt", weights_only=False)
-        return ledger, ckpt
+        yield
     finally:
         os.chdir(cwd)
+
+
+def train(workdir, overrides=()):
+    with inside(workdir):
+        run_in_process("dp-train", list(overrides))
+    ledger = yaml.safe_load((workdir / "models/dp/ledger.json").read_text())
+    ckpt = torch.load(workdir / "models/dp/checkpoint.pt", weights_only=False)
+    return ledger, ckpt
+
+
+def charged_runs(workdir) -> list[dict]:
+    """The DP runs charged to the budget of `workdir`'s private data."""
+    from pipeline.privacy import budget
+
+    with inside(workdir):
+        return budget.runs(budget.fingerprint("data/shards/private"))
 
 
 def torchrun(workdir, name, overrides=()):

@@ -4,33 +4,18 @@ curve section."""
 
 import json
 import math
-import os
 
 import pytest
-from stage_runs import flat, initial_weights, project, run_in_process, torchrun, train
+from stage_runs import charged_runs, flat, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline.errors import VerificationFailed
-from pipeline.privacy import budget
 from pipeline.stages import curve, dp_train
 
 
 def run_curve(work, overrides):
-    cwd = os.getcwd()
-    os.chdir(work)
-    try:
+    with inside(work):
         run_in_process("curve", ["curve.inits=[random]", *overrides])
-        return json.loads((work / curve.OUT).read_text())
-    finally:
-        os.chdir(cwd)
-
-
-def charged_runs(work):
-    cwd = os.getcwd()
-    os.chdir(work)
-    try:
-        return budget.runs(budget.fingerprint("data/shards/private"))
-    finally:
-        os.chdir(cwd)
+    return json.loads((work / curve.OUT).read_text())
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])

@@ -3,36 +3,21 @@ extra DP seed is a verified DP training charged to the data's budget, shared wit
 of the same seed; the intervals cover the seeds."""
 
 import json
-import os
 
 import pytest
-from stage_runs import project, run_in_process, train
+from stage_runs import charged_runs, inside, project, run_in_process, train
 
 from pipeline.errors import VerificationFailed
-from pipeline.privacy import budget
 from pipeline.stages import dp_train
 
 BASELINES = "evaluate.baselines=[pixels, random, nonprivate]"  # no pretrain at micro scale (dp.init=random)
 
 
 def run_stages(work, names, overrides):
-    cwd = os.getcwd()
-    os.chdir(work)
-    try:
+    with inside(work):
         for name in names:
             run_in_process(name, overrides)
-        return json.loads((work / "results/eval/metrics.json").read_text()) if "evaluate" in names else None
-    finally:
-        os.chdir(cwd)
-
-
-def charged_runs(work):
-    cwd = os.getcwd()
-    os.chdir(work)
-    try:
-        return budget.runs(budget.fingerprint("data/shards/private"))
-    finally:
-        os.chdir(cwd)
+    return json.loads((work / "results/eval/metrics.json").read_text()) if "evaluate" in names else None
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
