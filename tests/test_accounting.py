@@ -444,3 +444,20 @@ def test_dpcap_external_config_is_an_rdp_eps8():
     pld = acc.epsilon(sigma, batch / n, steps, 1 / n)
     assert rdp == pytest.approx(8.0, rel=0.015)
     assert pld < 0.95 * 8.0
+
+
+def test_cli_plan_schedules_reach_epsilon_and_larger_batches_cut_the_noise(capsys):
+    assert main(["plan", "--n", "10000", "--epsilon", "4", "--epochs", "2", "--batch-sizes", "100", "1000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    small, large = out["schedules"]
+    for r in (small, large):
+        assert r["steps"] == -(-2 * 10000 // r["batch"])  # two passes over the data
+        q, delta = r["batch"] / 10000, out["delta"]
+        assert acc.epsilon(r["sigma"], q, r["steps"], delta) <= 4 + 1e-6  # calibrated: meets the target ...
+        assert acc.epsilon(0.97 * r["sigma"], q, r["steps"], delta) > 4  # ... and not with much less noise
+        assert r["noise_per_coordinate"] == pytest.approx(r["sigma"] / r["batch"])
+    # At the same compute (epochs), 10x the batch: sigma grows far less than 10x, so sigma/B falls.
+    assert large["noise_per_coordinate"] < small["noise_per_coordinate"] / 3
+    with pytest.raises(SystemExit):
+        main(["plan", "--n", "100", "--epsilon", "4", "--batch-sizes", "500"])
+    assert "must lie in 1..n=100" in capsys.readouterr().err

@@ -147,6 +147,21 @@ def test_fashion_mnist_shards_with_a_limit(in_tmp):
     assert sorted(ShardDataset("data/shards/private").index["key"]) != keys
 
 
+def test_private_limit_shrinks_the_private_split_and_keeps_the_eval_split(in_tmp):
+    write_fashion(DEFAULT_DIR)
+    run_shards("shards.image_size=16")
+    full_private = set(ShardDataset("data/shards/private").index["key"])
+    full_eval = sorted(ShardDataset("data/shards/eval").index["key"])
+    stats = run_shards("shards.image_size=16", "shards.private_limit=20")
+    private = ShardDataset("data/shards/private")
+    assert stats["private"]["usable"] == len(private) == 20
+    assert sorted(ShardDataset("data/shards/eval").index["key"]) == full_eval  # one eval set for every n
+    assert set(private.index["key"]) < full_private
+    assert np.bincount([private.meta(i)["label"] for i in range(len(private))]).tolist() == [2] * 10
+    with pytest.raises(ValueError, match=r"shards.private_limit subsamples a labelled set's private split"):
+        run_shards("shards.source=urls", "shards.urls=['x.tar']", "shards.private_limit=5")
+
+
 def test_fashion_mnist_shards_errors(in_tmp):
     with pytest.raises(FileNotFoundError, match="make fashion-mnist"):
         run_shards()

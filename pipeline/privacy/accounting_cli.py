@@ -1,13 +1,14 @@
 """Command-line front end for :mod:`pipeline.privacy.accounting`.
 
-``add_accounting_commands(subparsers)`` registers ``epsilon`` and
-``calibrate`` on an existing argparse subparsers object (so the pipeline's
+``add_accounting_commands(subparsers)`` registers ``epsilon``,
+``calibrate`` and ``plan`` on an existing argparse subparsers object (so the pipeline's
 main CLI can host them); ``main()`` builds a standalone parser.
 
 Examples::
 
     epsilon   --sigma 0.48 --steps 6027 --batch-size 98304 --n 233000000 --delta 1/2n --accountant all
     calibrate --epsilon 8 --steps 10000 --batch-size 98304 --n 233000000 --delta 1/2n --json
+    plan      --n 60000 --epsilon 8 --epochs 3 10 --batch-sizes 256 1024 4096
 """
 
 from __future__ import annotations
@@ -66,6 +67,28 @@ def add_accounting_commands(subparsers) -> None:
     cal.add_argument("--epsilon", type=float, required=True, help="target epsilon")
     _add_common_arguments(cal)
     cal.set_defaults(func=_run_calibrate, _parser=cal)
+
+    plan = subparsers.add_parser(
+        "plan", help="DP schedules for n examples and a compute budget: B, steps, sigma and sigma/B side by side",
+        description="For each expected batch B and number of epochs (passes over the data), the steps T = "
+                    "epochs*n/B and the sigma that reaches --epsilon, with the noise on one coordinate of the "
+                    "averaged gradient, sigma*sensitivity/B (in units of C). At a fixed compute budget "
+                    "(epochs), a larger B means fewer but far less noisy steps; the papers train with B of "
+                    "1-10%% of n over a few thousand steps. Pick the largest B that still leaves the "
+                    "optimizer enough steps (a few hundred).",
+    )
+    plan.add_argument("--n", type=int, required=True, help="usable private examples")
+    plan.add_argument("--epsilon", type=float, required=True, help="target epsilon")
+    plan.add_argument("--delta", default="1/2n", help="a number, '1/n' or '1/2n' (default 1/2n)")
+    plan.add_argument("--epochs", type=float, nargs="+", default=[1, 3, 10, 30],
+                      help="passes over the data the compute budget allows")
+    plan.add_argument("--batch-sizes", type=int, nargs="+",
+                      help="expected batch sizes (default: n/1000 .. n/8 by powers of 2)")
+    plan.add_argument("--sensitivity", type=float, default=1.0, help="2 for per-batch clipping (Dp-CLIP)")
+    plan.add_argument("--examples-per-s", type=float, help="training throughput, to print hours per schedule")
+    plan.add_argument("--accountant", choices=list(accounting.ACCOUNTANTS), default="pld")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=_run_plan, _parser=plan)
 
 
 def _resolve(args) -> Dict[str, object]:
@@ -183,6 +206,54 @@ def _run_calibrate(args) -> int:
         "epsilon": achieved,
     }
     _emit(args, payload, lines)
+    return 0
+
+
+def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float], batch_sizes: Sequence[int],
+                   sensitivity: float = 1.0, accountant: str = "pld") -> List[Dict[str, float]]:
+    """Every (B, epochs) schedule: T = ceil(epochs * n / B) steps, its calibrated sigma and sigma/B."""
+    rows = []
+    for batch in batch_sizes:
+        for e in epochs:
+            steps = max(1, math.ceil(e * n / batch))
+            q = batch / n
+            sigma = accounting.calibrate_sigma(epsilon, q, steps, delta, sensitivity=sensitivity, accountant=accountant)
+            rows.append({"batch": batch, "sample_rate": q, "epochs": e, "steps": steps, "sigma": sigma,
+                         "noise_per_coordinate": sigma * sensitivity / batch})
+    return rows
+
+
+def _run_plan(args) -> int:
+    parser = args._parser
+    if args.n < 2:
+        parser.error(f"--n must be at least 2 (got {args.n})")
+    try:
+        delta = accounting.parse_delta(args.delta, args.n)
+        accounting.check_delta(delta, args.n)
+    except ValueError as exc:
+        parser.error(f"--delta: {exc}")
+    batches = args.batch_sizes or sorted({2 ** k for k in range(int(math.log2(max(args.n // 1000, 1))),
+                                                                 int(math.log2(max(args.n // 8, 1))) + 1)})
+    if any(b < 1 or b > args.n for b in batches):
+        parser.error(f"--batch-sizes must lie in 1..n={args.n}")
+    if any(e <= 0 for e in args.epochs):
+        parser.error("--epochs must be positive")
+    try:
+        rows = plan_schedules(args.n, args.epsilon, delta, args.epochs, batches, args.sensitivity, args.accountant)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for r in rows:
+        if args.examples_per_s:
+            r["hours"] = r["epochs"] * args.n / args.examples_per_s / 3600
+    lines = [f"n={args.n}  epsilon={args.epsilon:g}  delta={delta:.3g}  sensitivity={args.sensitivity:g}  "
+             f"({args.accountant}); noise per averaged coordinate = sigma*sensitivity/B, in units of C",
+             f"{'B':>9} {'q':>9} {'epochs':>7} {'steps':>7} {'sigma':>8} {'sigma/B':>10}"
+             + (f" {'hours':>8}" if args.examples_per_s else "")]
+    for r in rows:
+        lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {r['sigma']:>8.3f} "
+                     f"{r['noise_per_coordinate']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s else ""))
+    _emit(args, {"command": "plan", "n": args.n, "epsilon": args.epsilon, "delta": delta,
+                 "sensitivity": args.sensitivity, "schedules": rows}, lines)
     return 0
 
 

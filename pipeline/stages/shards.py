@@ -50,6 +50,8 @@ def write_labelled(cfg: dict, seed: int, out: Path) -> dict:
     grey, labels = lset.load(cfg["path"])
     keep = labelled_sets.subsample(labels, cfg["limit"], seed + 2)
     train_idx, eval_idx = (keep[part] for part in split_indices(labels[keep], cfg["eval_fraction"], seed))
+    # A smaller private set with the same held-out split: how utility grows with n, on one eval set.
+    train_idx = train_idx[labelled_sets.subsample(labels[train_idx], cfg.get("private_limit"), seed + 3)]
     if not len(eval_idx):
         raise ValueError(f"shards.limit={cfg['limit']} leaves the {lset.name} eval split empty (eval_fraction "
                          f"{cfg['eval_fraction']} of each class rounds to 0): raise shards.limit")
@@ -127,6 +129,9 @@ def check_row_counts(out: Path, stats: dict) -> None:
 def run(params: dict, ctx) -> None:
     cfg, seed = params["shards"], params["run"]["seed"]
     labelled = cfg["source"] in labelled_sets.SETS
+    if cfg.get("private_limit") is not None and not labelled:
+        raise ValueError(f"shards.private_limit subsamples a labelled set's private split ({', '.join(labelled_sets.SETS)}); "
+                         f"source {cfg['source']} trains on every usable example")
     if cfg["limit"] is not None and not labelled:
         raise ValueError(f"shards.limit subsamples a labelled set ({', '.join(labelled_sets.SETS)}); "
                          f"source {cfg['source']} uses every usable sample: set it to null")

@@ -1,0 +1,129 @@
+"""Images/s and peak GPU memory of one clipped-gradient step against the non-private step, at 224 px.
+
+    python -m benchmarks.gpu_throughput [--sizes tiny base] [--objectives mae caption clip] [--precision bf16]
+
+For each ViT size (model.size: `tiny` has ViT-S/16's shape, width 384 and 12 blocks; `base` is
+ViT-B/16's), each objective and each engine (non-private `plain`, our `bookkeeping` per-example
+clipping; Dp-CLIP's per-batch clipping), the largest physical batch that fits is found by doubling
+(up to --max-batch), then steps are timed with CUDA synchronisation and the median counts. A step
+here is what the clipper does per micro-batch: forward, backward, per-example norms, clipping and the
+sum; the noise, added once per logical step, is timed apart ("noise ms"), drawn on the device.
+Runs on CPU as well (slowly: use --sizes micro --img 32 there). Ends with ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from pipeline.models import build_model
+from pipeline.objectives import OBJECTIVES
+from pipeline.privacy.engine import make_clipper
+from pipeline.train import autocast
+
+TEXT = {"vocab_size": 1000, "text_width": 512, "text_depth": 6, "text_heads": 8, "max_len": 40}
+
+
+def batch_for(objective: str, cfg: dict, n: int, device: str) -> tuple:
+    imgs = torch.randn(n, 3, cfg["img_size"], cfg["img_size"], device=device)
+    if OBJECTIVES[objective].masks:
+        return imgs, torch.rand(n, (cfg["img_size"] // cfg["patch_size"]) ** 2, device=device)
+    return imgs, torch.randint(4, cfg["vocab_size"], (n, cfg["max_len"]), device=device)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(objective: str, cfg: dict, engine: str, batch: int, device: str, precision: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = build_model(objective, cfg).to(device)
+    clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine,
+                           autocast=lambda: autocast(device, precision))
+    inputs = batch_for(objective, cfg, batch, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps + 2):  # two warm-up steps
+        sync(device)
+        t0 = time.perf_counter()
+        clipper.reset()
+        clipper.accumulate(*inputs)
+        sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums = [torch.zeros_like(p) for p in params]
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(5):  # the noise of one logical step: one normal draw per parameter, on the device
+        for g in sums:
+            g.add_(torch.randn_like(g), alpha=1e-3)
+    sync(device)
+    noise_ms = (time.perf_counter() - t0) / 5 * 1000
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    del clipper, model, inputs
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"batch": batch, "s_per_step": s, "images_per_s": batch / s, "peak_gib": peak, "noise_ms": noise_ms,
+            "params_m": sum(p.numel() for p in params) / 1e6}
+
+
+def largest_batch(objective, cfg, engine, device, precision, start: int, cap: int) -> int:
+    """Doubling until out of memory (or the cap): the largest physical batch that ran a step."""
+    best, b = 0, start
+    while b <= cap:
+        try:
+            measure(objective, cfg, engine, b, device, precision, steps=1)
+            best, b = b, b * 2
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=["tiny", "base"])
+    ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES))
+    ap.add_argument("--img", type=int, default=224)
+    ap.add_argument("--patch", type=int, default=16)
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"gpu_throughput on {name}, {args.img} px, patch {args.patch}, {args.precision}")
+    print(f"{'size':<6}{'objective':<9}{'engine':<13}{'batch':>6}{'img/s':>9}{'x time':>8}{'peak GiB':>10}"
+          f"{'x mem':>7}{'noise ms':>10}")
+    rows = []
+    for size in args.sizes:
+        for objective in args.objectives:
+            cfg = {"size": size, "img_size": args.img, "patch_size": args.patch, **TEXT}
+            engines = {"plain": None, "bookkeeping": None}
+            # Both at the largest batch the DP engine fits, so the ratios compare like with like.
+            batch = largest_batch(objective, cfg, "bookkeeping", device, args.precision, 8, args.max_batch)
+            for engine in engines:
+                engines[engine] = measure(objective, cfg, engine, batch, device, args.precision, args.steps)
+            base = engines["plain"]
+            for engine, r in engines.items():
+                tx, mx = r["s_per_step"] / base["s_per_step"], r["peak_gib"] / base["peak_gib"]
+                print(f"{size:<6}{objective:<9}{engine:<13}{batch:>6}{r['images_per_s']:>9.0f}{tx:>8.2f}"
+                      f"{r['peak_gib']:>10.2f}{mx:>7.2f}{r['noise_ms']:>10.2f}", flush=True)
+                rows.append({"size": size, "objective": objective, "engine": engine, **r,
+                             "time_ratio": round(tx, 3), "memory_ratio": round(mx, 3)})
+    print(json.dumps({"benchmark": "gpu_throughput", "device": name, "img": args.img, "patch": args.patch,
+                      "precision": args.precision, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Wheels the GPU benchmark machine lacks (it has CUDA PyTorch, numpy, scipy, pyarrow, sentencepiece,
+# scikit-learn, but no package registry): downloaded here into .gpu-wheels/ (git-ignored), carried
+# there, and installed with
+#   pip install --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# Versions are the ones this project's .venv resolved; pure-Python except rpds-py and dm-tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.gpu-wheels
+mkdir -p "$out"
+pip=(python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out")
+"${pip[@]}" jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+    braceexpand==0.1.7 webdataset==1.0.2 opacus==1.6.0 dp-accounting==0.6.0 dm-tree==0.1.10
+ls -la "$out"
