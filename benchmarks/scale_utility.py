@@ -65,8 +65,11 @@ ROOT = Path(__file__).resolve().parent.parent
 OBJECTIVES = ("mae", "caption", "clip")
 FULL = "full"
 # The scale recipe: Fashion-MNIST as the private set, and the schedule the papers scale (q, T fixed;
-# B = q·n). Chosen on the validation split (--validate); the README's scale section records how.
+# B = q·n). Sized for 2 CPU cores (B = 1024 of 60k, 100 steps: ~1.7 epochs per training); on a GPU
+# raise it (`--set dp.expected_batch_size=4096 --set dp.steps=300`, `dpfm plan` shows σ/B). The probe's
+# C is fixed: choosing it by cross-validation per row costs minutes of CPU per row.
 RECIPE = [
+    "evaluate.probe_c=1.0",
     "shards.source=fashion-mnist", "shards.eval_fraction=0.142857142857", "shards.limit=null",
     "evaluate.sets=[{name: fashion-mnist, source: fashion-mnist}]",
     "dp.init=pretrain", "dp.encoder_lr_scale=1.0", "dp.lr=0.002", "dp.warmup_steps=10", "dp.steps=100",

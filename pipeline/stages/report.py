@@ -172,6 +172,19 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     return text
 
 
+def noise_text(ver: dict, ledger: dict, objective: str, sensitivity: float) -> str:
+    """σ, the noise std, and what decides utility: the noise on one coordinate of the averaged gradient.
+    Per example it is std/B and falls as the batch grows; per batch (Dp-CLIP) the released clipped
+    mean carries the whole std whatever the batch."""
+    std = ledger.get("noise_std", ver["sigma"] * sensitivity * ledger.get("clip_norm", 1.0))
+    batch = ver["sample_rate"] * ver["n"]
+    if OBJECTIVES[objective].clipping == "per_batch":
+        per = f"on the clipped batch mean {std:.3g}, whatever the batch"
+    else:
+        per = f"per averaged coordinate std/B = {std / batch:.3g} (σ/B = {ver['sigma'] / batch:.3g})"
+    return f"σ = {ver['sigma']:.4f} (std {std:.4f}); {per}"
+
+
 INIT_LABELS = {"pretrain": "DP from the synthetic warm start", "random": "DP from random init"}
 
 
@@ -288,7 +301,7 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
                      f"(expected batch {ver['sample_rate'] * ver['n']:.0f})"),
         ("clipping", f"C = {ledger.get('clip_norm')}, sensitivity {sensitivity:g}·C "
                      f"({OBJECTIVES[objective].clipping.replace('_', ' ')})"),
-        ("noise", f"σ = {ver['sigma']:.4f} (std {ledger.get('noise_std', ver['sigma'] * sensitivity):.4f})"),
+        ("noise", noise_text(ver, ledger, objective, sensitivity)),
         ("steps", f"{ver['steps']} (planned {ledger.get('planned_steps', ver['steps'])})"),
         ("δ", delta_text(ver["delta"], dp.get("delta"))),
         ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())

@@ -1,0 +1,78 @@
+"""benchmarks/scale_utility.py: its targets can fail, its sizes keep q and T, and its rows resume."""
+
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.scale_utility import FULL, Rows, check_targets, size_params, validation_split
+
+EPSILONS = [1.0, 8.0, math.inf]
+
+
+def table(weak, strong, zero_acc=0.5):
+    rng = np.random.default_rng(1)
+    t = {"synthetic": {"probe": weak}, "pixels": {"probe": strong}}
+    for obj in ("mae", "caption", "clip"):
+        for eps in EPSILONS:
+            t[f"{obj}-n{FULL}-eps{eps:g}"] = {"probe": strong, "zero": rng.random(strong.shape) < zero_acc}
+    return t
+
+
+def outcomes():
+    rng = np.random.default_rng(0)
+    weak = rng.random((1, 400)) < 0.7
+    strong = weak | (rng.random((1, 400)) < 0.6)  # right wherever weak is, and on many more
+    return weak, strong
+
+
+def passed(t, chance=0.1):
+    return {k: v["passed"] for k, v in check_targets(t, ("mae", "caption", "clip"), EPSILONS, chance).items()}
+
+
+def test_a_clear_gain_passes_every_target():
+    weak, strong = outcomes()
+    result = passed(table(weak, strong))
+    assert all(result.values()) and len(result) == 2 + 3 + 3 + 1 + 1  # a: mae, caption; clip has no a
+
+
+def test_each_target_fails_when_its_comparison_breaks():
+    weak, strong = outcomes()
+    t = table(weak, strong)
+    t[f"caption-n{FULL}-eps8"]["probe"] = weak  # DP no better than its warm start, and below ε = 1
+    r = passed(t)
+    assert not r["a_caption_eps8_above_synthetic"] and not r["c_caption_eps8_not_below_eps1"]
+    assert r["a_mae_eps8_above_synthetic"]
+    t = table(weak, strong)
+    t[f"clip-n{FULL}-epsinf"]["probe"] = weak  # the non-private twin learns nothing
+    assert not passed(t)["b_clip_eps_inf_above_synthetic"]
+    t = table(weak, strong)
+    t["pixels"]["probe"] = np.ones_like(strong)  # pixels out of every encoder's reach
+    assert not passed(t)["d_best_vs_pixels"]
+    assert not passed(table(weak, strong, zero_acc=0.25))["e_caption_zero_shot_3x_chance"]  # 2.5x chance
+
+
+def test_sizes_keep_the_sampling_rate_and_the_steps():
+    params = {"shards": {"private_limit": None}, "dp": {"expected_batch_size": 1024, "steps": 100}}
+    full, small = size_params(params, FULL, None), size_params(params, "6000", 60000)
+    assert full["dp"]["expected_batch_size"] == 1024 and full["shards"]["private_limit"] is None
+    assert small["dp"] == {"expected_batch_size": round(1024 / 10), "steps": 100}
+    assert small["shards"]["private_limit"] == 6000
+
+
+def test_validation_never_reads_the_probe_test_part():
+    labels = np.repeat(np.arange(10), 30)
+    tr, te = np.arange(0, 300, 2), np.arange(1, 300, 2)
+    fit, val = validation_split((tr, te), labels)
+    assert set(fit) | set(val) == set(tr) and not set(fit) & set(val) and not (set(fit) | set(val)) & set(te)
+    assert len(val) == pytest.approx(len(tr) / 3, abs=1)
+
+
+def test_rows_are_kept_whole_and_read_back(tmp_path):
+    rows = Rows(tmp_path / "rows")
+    assert rows.get("mae-nfull-eps8") is None
+    probe, zero = np.array([[True, False, True]]), np.array([[False, True, True]])
+    rows.put("mae-nfull-eps8", probe, zero, {"n": 3, "sigma": 0.5})
+    back = rows.get("mae-nfull-eps8")
+    assert (back["probe"] == probe).all() and (back["zero"] == zero).all() and back["meta"] == {"n": 3, "sigma": 0.5}
+    assert [p.name for p in (tmp_path / "rows").iterdir()] == ["mae-nfull-eps8.npz"]  # no temporary left
