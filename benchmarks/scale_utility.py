@@ -377,7 +377,7 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("private examples n (expected batch B = q·n, q and steps fixed)")
     ax.set_ylabel("linear probe: DP ε=8 − synthetic-only (points)")
-    ax.set_title("DP gain over the synthetic warm start grows with n (95% CI)")
+    ax.set_title("DP gain over the synthetic warm start against n (95% CI)")
     ax.legend()
     fig.tight_layout()
     with atomic_path(path) as tmp:
