@@ -100,7 +100,7 @@ STAGE_BY_NAME = {s.name: s for s in STAGES}
 # such keys lists its others in TRACKED (a test checks both against the schema).
 UNTRACKED = {"run": ("experiment", "threads", "device"), "shards": ("workers", "scan_groups")}
 TRACKED = {"run": ("seed",),
-           "shards": ("source", "urls", "path", "limit", "image_size", "eval_fraction", "samples_per_shard",
+           "shards": ("source", "urls", "path", "limit", "private_limit", "image_size", "eval_fraction", "samples_per_shard",
                       "cache_dir", "download")}
 
 # Sources whose shards are scanned where they live: Snakemake splits their scan into
