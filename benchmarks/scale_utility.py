@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from sklearn.model_selection import train_test_split
 
-from benchmarks.utility import Scorer, inside, parse_epsilon
+from benchmarks.utility import Scorer, inside, parse_epsilon, print_targets
 from pipeline.cli import StageContext, resolve_device
 from pipeline.config import load_params
 from pipeline.data.tokenizer import Tokenizer
@@ -347,12 +347,7 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
             g = r["gain_over_synthetic"]
             print(f"  {r['objective']:<8} n={r['n']:>6} B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e}  "
                   f"{100 * g['diff']:+.1f} points (95% CI {100 * g['ci'][0]:+.1f} to {100 * g['ci'][1]:+.1f})")
-    print("\nscale_utility: targets")
-    for name, t in targets.items():
-        detail = (f"diff {100 * t['diff']['diff']:+.1f} points (95% CI {100 * t['diff']['ci'][0]:+.1f} to "
-                  f"{100 * t['diff']['ci'][1]:+.1f})" if "diff" in t else
-                  ", ".join(f"{k} {v}" for k, v in t.items() if k != "passed"))
-        print(f"  [{'ok' if t['passed'] else 'FAIL'}] {name}: {detail}")
+    print_targets("scale_utility", targets)
     print(f"scale_utility: {seconds:.0f} s this invocation, on {device}")
     print(json.dumps({"benchmark": "scale_utility", "dataset": set_name, "n_probe_test": n_test, "device": device,
                       "chance": round(chance, 4), "rows": out_rows,

@@ -140,6 +140,16 @@ def check_targets(probe: dict, zero: dict, pixels_acc: float, objectives, epsilo
     return targets
 
 
+def print_targets(benchmark: str, targets: dict) -> None:
+    """One line per target: passed or not, and the paired difference (or the figures) it rests on."""
+    print(f"\n{benchmark}: targets")
+    for name, t in targets.items():
+        detail = (f"diff {100 * t['diff']['diff']:+.1f} points (95% CI {100 * t['diff']['ci'][0]:+.1f} to "
+                  f"{100 * t['diff']['ci'][1]:+.1f})" if "diff" in t else
+                  ", ".join(f"{k} {v}" for k, v in t.items() if k != "passed"))
+        print(f"  [{'ok' if t['passed'] else 'FAIL'}] {name}: {detail}")
+
+
 def row_name(key) -> str:
     obj, init, eps = key
     return f"{obj or 'encoder'}/{init}" + ("" if eps is None else f"/ε={eps:g}")
@@ -229,12 +239,7 @@ def main() -> None:
         print(f"  {r['objective'] or '—':<9} {r['init']:<10} {eps:>5}  {100 * r['acc']:5.1f}%  "
               f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"
               + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else ""))
-    print("\nutility: targets")
-    for name, t in targets.items():
-        detail = (f"diff {100 * t['diff']['diff']:+.1f} points (95% CI {100 * t['diff']['ci'][0]:+.1f} to "
-                  f"{100 * t['diff']['ci'][1]:+.1f})" if "diff" in t else
-                  ", ".join(f"{k} {v}" for k, v in t.items() if k != "passed"))
-        print(f"  [{'ok' if t['passed'] else 'FAIL'}] {name}: {detail}")
+    print_targets("utility", targets)
     print(f"utility: {time.time() - started:.0f} s")
     print(json.dumps({"benchmark": "utility", "dataset": scorer.es.name, "n_probe_test": int(len(te)),
                       "pixels": {"acc": round(float(pixels.mean()), 4), "ci": [round(x, 4) for x in accuracy_ci(pixels)]},
