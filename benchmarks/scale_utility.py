@@ -91,7 +91,7 @@ def run_stage(name: str, params: dict, device: str) -> None:
 
 def recipe_id(params: dict) -> str:
     """Rows are kept per recipe: a changed schedule, model or eval protocol never reuses a row."""
-    keys = {s: params[s] for s in ("model", "dp", "evaluate", "synthetic", "pretrain", "tokenizer")}
+    keys = {s: params[s] for s in ("model", "dp", "privacy", "evaluate", "synthetic", "pretrain", "tokenizer")}
     keys["shards"] = {k: v for k, v in params["shards"].items() if k not in ("path", "workers", "cache_dir")}
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
@@ -262,7 +262,7 @@ def read_plan(size_dir: Path, p: dict, eps: float) -> dict:
         n = read_json("data/shards/stats.json")["private"]["usable"]
     dp = curve.point_params(p, "pretrain", eps)["dp"]
     batch, steps = dp["expected_batch_size"], dp["steps"]
-    sigma = plan_mechanism(dp, n)["sigma"] if math.isfinite(eps) else 0.0
+    sigma = plan_mechanism(dp, n, p["privacy"]["adjacency"])["sigma"] if math.isfinite(eps) else 0.0
     return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
             "epochs": round(batch * steps / n, 2)}
 

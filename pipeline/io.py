@@ -21,8 +21,9 @@ def _umask() -> int:
 
 
 @contextmanager
-def atomic_path(path: str | Path):
-    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`."""
+def atomic_path(path: str | Path, mode: int | None = None):
+    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`, with
+    permissions `mode` (default: an ordinary file's). The file is owner-only until the rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -31,7 +32,7 @@ def atomic_path(path: str | Path):
         yield Path(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files; artifacts are ordinary files
+        os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)  # mkstemp makes owner-only files
         os.replace(tmp, path)
     except OSError as e:
         if e.errno in DISK_FULL:  # say which file and that the old one survived, not just "errno 28"
@@ -53,8 +54,8 @@ def remove_stale_temps(directory: str | Path, name: str = "*") -> None:
             stale.unlink(missing_ok=True)
 
 
-def write_json(path: str | Path, obj) -> None:
-    with atomic_path(path) as tmp:
+def write_json(path: str | Path, obj, mode: int | None = None) -> None:
+    with atomic_path(path, mode) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 

@@ -17,6 +17,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import yaml
+
 from pipeline.errors import Stopped
 from pipeline.io import file_digest
 
@@ -110,7 +112,8 @@ class StageRun:
     def log_dict(self, data: dict, name: str) -> None:
         _retry(lambda: self._mlflow.log_dict(data, name))
 
-    def log_dp_model(self, checkpoint: str | Path, epsilon: float, delta: float) -> str:
+    def log_dp_model(self, checkpoint: str | Path, epsilon: float, delta: float,
+                     epsilon_composed: float | None = None) -> str:
         """The DP encoder (images -> features) as an MLflow model, registered as `dpfm-<objective>`
         with its ε and δ as version tags. Only verified models get here (the verify stage)."""
         import torch
@@ -137,9 +140,28 @@ class StageRun:
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy"]))
         client = self._mlflow.tracking.MlflowClient()
         version = info.registered_model_version
-        for key, value in (("epsilon", f"{epsilon:.4f}"), ("delta", f"{delta:.3e}"), ("private", "true")):
+        # `epsilon` is what all DP runs on the examples compose to (the report updates it after the
+        # curve's and the seeds' trainings); `epsilon_run` is this model's own.
+        composed = epsilon if epsilon_composed is None else epsilon_composed
+        for key, value in (("epsilon", f"{composed:.4f}"), ("epsilon_run", f"{epsilon:.4f}"), ("delta", f"{delta:.3e}"),
+                           ("private", "true")):
             _retry(lambda: client.set_model_version_tag(name, version, key, value))
         return name
+
+    def tag_dp_models(self, tags: dict) -> int:
+        """Set `tags` on the model versions registered under this pipeline's parent run; how many."""
+        parent = os.environ.get(PARENT_ENV)
+        if not parent:
+            return 0
+        client = self._mlflow.tracking.MlflowClient()
+        tagged = 0
+        for model in _retry(lambda: client.search_registered_models(filter_string="name LIKE 'dpfm-%'")):
+            for v in _retry(lambda: client.search_model_versions(f"name='{model.name}'")):
+                if v.run_id and client.get_run(v.run_id).data.tags.get("mlflow.parentRunId") == parent:
+                    for key, value in tags.items():
+                        _retry(lambda: client.set_model_version_tag(model.name, v.version, key, str(value)))
+                    tagged += 1
+        return tagged
 
 
 class NullRun:
@@ -152,7 +174,8 @@ class NullRun:
     def log_artifact(self, path, artifact_path=None): ...
     def set_tags(self, tags): ...
     def log_dict(self, data, name): ...
-    def log_dp_model(self, checkpoint, epsilon, delta): ...
+    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None): ...
+    def tag_dp_models(self, tags): return 0
 
 
 def _retry(fn, attempts: int = 8):
@@ -218,14 +241,15 @@ def start_parent(experiment: str, params: dict | None = None) -> str:
     return run.info.run_id
 
 
-def headline(verification: dict | None, metrics: dict | None) -> dict:
-    """The numbers a run is compared by: ε, δ, σ, and the DP model's linear probe and zero-shot on
-    the first eval set."""
+def headline(verification: dict | None, metrics: dict | None, privacy: dict | None = None) -> dict:
+    """The numbers a run is compared by: ε, δ, σ, the ε all DP runs on the data compose to (as the
+    report, the last stage, computed it), and the DP model's linear probe and zero-shot on the first
+    eval set."""
     out = {}
     if verification:
         out.update(epsilon=verification["epsilon_reported"], delta=verification["delta"], sigma=verification["sigma"])
-        if "composition" in verification:
-            out["epsilon_composed"] = verification["composition"]["epsilon"]
+    if privacy and privacy.get("private"):  # a run that is NOT PRIVATE as a whole has composed ε = ∞ (a tag)
+        out["epsilon_composed"] = privacy["epsilon_composed"]
     if metrics and metrics.get("sets"):
         dp = metrics["sets"][metrics["primary_set"]]["results"].get("dp", {})
         out.update({key: dp[key] for key in ("linear_probe", "zero_shot") if isinstance(dp.get(key), (int, float))})
@@ -268,19 +292,28 @@ def end_parent(experiment: str, run_id: str, ok: bool) -> None:
             return read_json(path) if Path(path).is_file() else None
 
         verification, metrics = load("results/privacy/verification.json"), load("results/eval/metrics.json")
-        numbers = headline(verification, metrics)
+        numbers = headline(verification, metrics, load("results/report/privacy.json"))
         if numbers:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
             _retry(lambda: client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in numbers.items()]))
+        privacy = load("results/report/privacy.json")
         if verification:
             objective = read_json("models/dp/ledger.json")["objective"] if Path("models/dp/ledger.json").is_file() else ""
             name = f"{recipe_name(objective)} ε={verification['epsilon_reported']:.2f} σ={verification['sigma']:.2f}"
+            if privacy and not privacy["private"]:
+                name = "NOT PRIVATE " + name
             _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))
-        for path, where in (("params.yaml", None), ("results/report", "report")):
-            if Path(path).is_dir():
-                _retry(lambda: client.log_artifacts(run_id, path, where))
-            elif Path(path).is_file():
-                _retry(lambda: client.log_artifact(run_id, path, where))
+        if privacy:
+            _retry(lambda: client.set_tag(run_id, "dpfm.private", str(privacy["private"]).lower()))
+            if not privacy["private"]:
+                _retry(lambda: client.set_tag(run_id, "dpfm.not_private", "; ".join(privacy["not_private"])))
+        if Path("params.yaml").is_file():  # as the report shows it: a known noise key never leaves the machine
+            from pipeline.eval.render import params_yaml
+
+            shown = params_yaml(yaml.safe_load(Path("params.yaml").read_text()))
+            _retry(lambda: client.log_text(run_id, shown, "params.yaml"))
+        if Path("results/report").is_dir():
+            _retry(lambda: client.log_artifacts(run_id, "results/report", "report"))
     _retry(lambda: client.set_terminated(run_id, status="FINISHED" if ok else "FAILED"))

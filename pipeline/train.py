@@ -180,7 +180,8 @@ class Schedule:
 
 
 def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dict], checkpointer: Checkpointer,
-             desc: str, log: Callable[[int, dict], None] | None = None, world: World = World()) -> TrainState:
+             desc: str, log: Callable[[int, dict], None] | None = None, world: World = World(),
+             timed: bool = True) -> TrainState:
     """Run steps [state.step, schedule.steps), starting from the last checkpoint if there is one.
 
     The learning rate is a function of the step, so restoring the state resumes the run exactly when
@@ -194,14 +195,16 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
         print(f"{desc}: resuming at step {state.step} from {checkpointer.path}")
     t0, done, total = time.time(), 0, schedule.steps
     with StopRequests() as requests:
-        for step in tqdm(range(state.step, total), desc=desc, initial=state.step, total=total, unit="step"):
+        bar = {} if timed else {"bar_format": "{l_bar}{bar}| {n_fmt}/{total_fmt} steps"}
+        for step in tqdm(range(state.step, total), desc=desc, initial=state.step, total=total, unit="step", **bar):
             for group in state.optimizer.param_groups:
                 group["lr"] = lr_at(step, schedule.lr, schedule.warmup, total) * group.get("lr_scale", 1.0)
             metrics = step_fn(step)
             state.step, done = step + 1, done + 1
             metrics["lr"] = state.optimizer.param_groups[0]["lr"]
             if step % schedule.log_every == 0 or step == total - 1:
-                metrics["steps_per_s"] = done / max(1e-9, time.time() - t0)
+                if timed:
+                    metrics["steps_per_s"] = done / max(1e-9, time.time() - t0)
                 state.history["step"].append(step)
                 state.history["metrics"].append(metrics)
                 if log:

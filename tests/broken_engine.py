@@ -44,6 +44,7 @@ BUGS = {
     "noise x0.7": (engine, "add_noise", noise_scaled(0.7)),
     "noise x0.5": (engine, "add_noise", noise_scaled(0.5)),
     "clip bound 2C": (clipping, "clip_factors", clip_bound_doubled),
+    "per-batch K=1": (engine.SENSITIVITY, "per_batch", 1.0),  # Dp-CLIP's noise halved, its accounting unchanged
 }
 
 
@@ -53,9 +54,11 @@ def bug(name):
         yield
         return
     module, attr, broken = BUGS[name]
-    original = getattr(module, attr)
-    setattr(module, attr, broken)
+    get, put = ((module.__getitem__, module.__setitem__) if isinstance(module, dict) else
+                (lambda a: getattr(module, a), lambda a, v: setattr(module, a, v)))
+    original = get(attr)
+    put(attr, broken)
     try:
         yield
     finally:
-        setattr(module, attr, original)
+        put(attr, original)

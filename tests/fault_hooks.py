@@ -171,8 +171,10 @@ def dp_state(work: Path) -> tuple[list[int], dict | None]:
 
 
 def dp_outcome(work: Path) -> tuple[dict, dict]:
+    """(the published ledger with the run's owner-only batch sizes, the checkpoint) dp-train left."""
     ledger = json.loads((work / "models/dp/ledger.json").read_text())
-    return ledger, torch.load(work / "models/dp/checkpoint.pt", weights_only=False)
+    owner = json.loads((work / ".dpfm/owner/runs" / f"{ledger['run']}.json").read_text())
+    return {**ledger, **owner}, torch.load(work / "models/dp/checkpoint.pt", weights_only=False)
 
 
 def check_same_as_uninterrupted(got: tuple[dict, dict], ref: tuple[dict, dict], steps: int = STEPS) -> None:

@@ -23,8 +23,13 @@ class RecordingTracker:
     def log_dict(self, data, name):
         self.artifacts.append((name, data))
 
-    def log_dp_model(self, checkpoint, epsilon, delta):
+    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None):
         self.tags["logged_model"] = (str(checkpoint), epsilon, delta)
+        self.tags["logged_model_epsilon_composed"] = epsilon_composed
+
+    def tag_dp_models(self, tags):
+        self.tags.update({f"model.{k}": v for k, v in tags.items()})
+        return 1
 
     def curve(self, name) -> dict:
         """step -> value of a metric, from per-step logging and whole-series logging alike."""

@@ -27,6 +27,7 @@ MICRO = [
     "model.text_depth=1", "model.text_heads=2", "model.max_caption_len=12", "dp.init=random",
     "dp.steps=6", "dp.expected_batch_size=48", "dp.physical_batch_size=16", "dp.warmup_steps=1",
     "dp.eval_every=3", "dp.checkpoint_every=2", "dp.noise_seed=123",
+    "privacy.testing=true",  # the known noise key makes runs reproducible, and NOT PRIVATE
 ]
 
 
@@ -55,11 +56,15 @@ def inside(workdir):
 
 
 def train(workdir, overrides=()):
+    """(the ledger as the data owner sees it: the published one with the run's owner-only batch sizes
+    and non-finite count, checkpoint) of a dp-train run in `workdir`."""
     with inside(workdir):
         run_in_process("dp-train", list(overrides))
     ledger = yaml.safe_load((workdir / "models/dp/ledger.json").read_text())
+    assert "batch_sizes" not in ledger and "nonfinite_examples" not in ledger  # published: no private statistic
+    owner = yaml.safe_load((workdir / ".dpfm/owner/runs" / f"{ledger['run']}.json").read_text())
     ckpt = torch.load(workdir / "models/dp/checkpoint.pt", weights_only=False)
-    return ledger, ckpt
+    return {**ledger, **owner}, ckpt
 
 
 def charged_runs(workdir) -> list[dict]:
@@ -67,7 +72,7 @@ def charged_runs(workdir) -> list[dict]:
     from pipeline.privacy import budget
 
     with inside(workdir):
-        return budget.runs(budget.fingerprint("data/shards/private"))
+        return budget.runs(budget.examples_identity("data/shards/private")[0])
 
 
 def torchrun(workdir, name, overrides=()):

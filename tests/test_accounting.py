@@ -6,6 +6,7 @@ as a mismatch.  Runtime is ~1 minute on 2 cores; speed is not asserted.
 """
 
 import argparse
+import functools
 import json
 
 import dp_accounting
@@ -107,20 +108,19 @@ def test_zero_steps_spend_nothing():
 # Sensitivity
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", acc.ACCOUNTANTS)
-def test_sensitivity_two_is_half_the_noise_multiplier(name):
-    q, sigma, steps, delta = 0.01, 2.0, 500, 1e-5
-    with_k = acc.epsilon(sigma, q, steps, delta, sensitivity=2.0, accountant=name)
-    halved = acc.epsilon(sigma / 2, q, steps, delta, accountant=name)
-    assert with_k == pytest.approx(halved, rel=1e-9)
-    assert with_k > acc.epsilon(sigma, q, steps, delta, accountant=name)
+def test_one_sigma_convention_a_clip_ledger_checked_through_the_cli_gives_its_own_epsilon(capsys):
+    """σ is relative to the sensitivity everywhere: the engine adds σ·K·C, and `dpfm epsilon
+    --sensitivity 2` reads a Dp-CLIP ledger's σ as it is (it once divided by K: 40.2 for a run of 7.98)."""
+    from pipeline.privacy.engine import SENSITIVITY
+    from pipeline.stages.dp_train import plan_mechanism
 
-
-def test_sensitivity_two_calibrates_to_twice_sigma():
-    q, steps, delta = 0.01, 500, 1e-5
-    base = acc.calibrate_sigma(2.0, q, steps, delta)
-    doubled = acc.calibrate_sigma(2.0, q, steps, delta, sensitivity=2.0)
-    assert doubled == pytest.approx(2 * base, rel=0.005)
+    dp = {"expected_batch_size": 128, "delta": "1/2n", "objective": "clip", "sigma": None, "epsilon": 8.0,
+          "steps": 40, "accountant": "pld", "clip_norm": 1.0}
+    mech = plan_mechanism(dp, 1258, "replace_one")
+    assert mech["noise_std"] == pytest.approx(mech["sigma"] * SENSITIVITY["per_batch"] * 1.0)
+    main(["epsilon", "--sigma", repr(mech["sigma"]), "--steps", "40", "--sample-rate", repr(mech["sample_rate"]),
+          "--delta", repr(mech["delta"]), "--sensitivity", "2", "--accountant", "pld", "--json"])
+    assert json.loads(capsys.readouterr().out)["epsilon"]["pld"] == pytest.approx(mech["epsilon_planned"], rel=1e-6)
 
 
 # --------------------------------------------------------------------------
@@ -128,21 +128,21 @@ def test_sensitivity_two_calibrates_to_twice_sigma():
 # --------------------------------------------------------------------------
 
 CALIBRATION_CASES = [
-    # target, q, steps, delta, sensitivity
-    (8.0, VIP_Q, 10_000, VIP_DELTA, 1.0),  # the 233M / B=98,304 config
-    (1.0, 0.01, 1000, 1e-5, 1.0),
-    (3.0, 0.1, 50, 1e-6, 2.0),
+    # target, q, steps, delta
+    (8.0, VIP_Q, 10_000, VIP_DELTA),  # the 233M / B=98,304 config
+    (1.0, 0.01, 1000, 1e-5),
+    (3.0, 0.1, 50, 1e-6),
 ]
 
 
 @pytest.mark.parametrize("name", acc.ACCOUNTANTS)
-@pytest.mark.parametrize("target,q,steps,delta,k", CALIBRATION_CASES)
-def test_calibration_round_trip(name, target, q, steps, delta, k):
-    sigma = acc.calibrate_sigma(target, q, steps, delta, sensitivity=k, accountant=name)
-    eps = acc.epsilon(sigma, q, steps, delta, sensitivity=k, accountant=name)
+@pytest.mark.parametrize("target,q,steps,delta", CALIBRATION_CASES)
+def test_calibration_round_trip(name, target, q, steps, delta):
+    sigma = acc.calibrate_sigma(target, q, steps, delta, accountant=name)
+    eps = acc.epsilon(sigma, q, steps, delta, accountant=name)
     assert 0.995 * target <= eps <= target
     # "Smallest" sigma: 0.5% less noise must overshoot the target.
-    assert acc.epsilon(sigma * 0.995, q, steps, delta, sensitivity=k, accountant=name) > target
+    assert acc.epsilon(sigma * 0.995, q, steps, delta, accountant=name) > target
 
 
 def test_calibration_rdp_bracket_is_conservative():
@@ -241,7 +241,6 @@ def test_check_delta():
         (dict(steps=True), "steps"),
         (dict(delta=0.0), "delta"),
         (dict(delta=1.0), "delta"),
-        (dict(sensitivity=0.0), "sensitivity"),
         (dict(accountant="gdp"), "accountant"),
     ],
 )
@@ -258,7 +257,7 @@ def test_bad_inputs_name_the_argument(kwargs, match):
 
 def test_cli_epsilon_text(capsys):
     rc = main(["epsilon", "--sigma", "1.0", "--steps", "1000", "--batch-size", "100",
-               "--n", "10000", "--delta", "1e-5"])
+               "--n", "10000", "--delta", "1e-5", "--adjacency", "add_remove"])
     assert rc == 0
     out = capsys.readouterr().out
     expected = acc.epsilon(1.0, 0.01, 1000, 1e-5)
@@ -267,7 +266,7 @@ def test_cli_epsilon_text(capsys):
 
 def test_cli_epsilon_json_all(capsys):
     rc = main(["epsilon", "--sigma", "1.0", "--steps", "1000", "--sample-rate", "0.01",
-               "--n", "100000", "--delta", "1/2n", "--accountant", "all", "--json"])
+               "--n", "100000", "--delta", "1/2n", "--accountant", "all", "--adjacency", "add_remove", "--json"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert data["delta"] == pytest.approx(5e-6)
@@ -276,18 +275,9 @@ def test_cli_epsilon_json_all(capsys):
         assert value == pytest.approx(acc.epsilon(1.0, 0.01, 1000, 5e-6, accountant=name), rel=1e-9)
 
 
-def test_cli_sensitivity(capsys):
-    main(["epsilon", "--sigma", "2.0", "--steps", "500", "--sample-rate", "0.01",
-          "--delta", "1e-5", "--sensitivity", "2", "--accountant", "rdp", "--json"])
-    data = json.loads(capsys.readouterr().out)
-    assert data["epsilon"]["rdp"] == pytest.approx(
-        acc.epsilon(1.0, 0.01, 500, 1e-5, accountant="rdp"), rel=1e-9
-    )
-
-
 def test_cli_calibrate(capsys):
     argv = ["calibrate", "--epsilon", "2", "--steps", "500", "--sample-rate", "0.01",
-            "--delta", "1e-5", "--accountant", "rdp"]
+            "--delta", "1e-5", "--accountant", "rdp", "--adjacency", "add_remove"]
     assert main(argv + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     sigma = data["sigma"]["rdp"]
@@ -330,7 +320,7 @@ def test_cli_accepts_delta_1_over_n_with_a_warning_and_matches_dp_accounting(cap
     from dp_accounting.pld import privacy_loss_distribution as pld
 
     argv = ["epsilon", "--sigma", "0.728", "--steps", "5708", "--batch-size", "1310720", "--n", "233804767",
-            "--delta", "1/n", "--json"]
+            "--delta", "1/n", "--adjacency", "add_remove", "--json"]
     assert main(argv) == 0
     out = capsys.readouterr()
     assert "delta=4.27707e-09 >= 1/n" in out.err and "dp-train requires delta < 1/n" in out.err
@@ -349,7 +339,7 @@ def test_cli_registers_on_foreign_parser(capsys):
     sub.add_parser("train")  # the pipeline's own commands live alongside
     add_accounting_commands(sub)
     args = parser.parse_args(["epsilon", "--sigma", "1", "--steps", "100",
-                              "--sample-rate", "0.01", "--delta", "1e-5", "--json"])
+                              "--sample-rate", "0.01", "--delta", "1e-5", "--adjacency", "add_remove", "--json"])
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["epsilon"]["pld"] == pytest.approx(
         acc.epsilon(1.0, 0.01, 100, 1e-5)
@@ -453,11 +443,53 @@ def test_cli_plan_schedules_reach_epsilon_and_larger_batches_cut_the_noise(capsy
     for r in (small, large):
         assert r["steps"] == -(-2 * 10000 // r["batch"])  # two passes over the data
         q, delta = r["batch"] / 10000, out["delta"]
-        assert acc.epsilon(r["sigma"], q, r["steps"], delta) <= 4 + 1e-6  # calibrated: meets the target ...
-        assert acc.epsilon(0.97 * r["sigma"], q, r["steps"], delta) > 4  # ... and not with much less noise
+        eps = functools.partial(acc.epsilon, sample_rate=q, steps=r["steps"], delta=delta, adjacency="replace_one")
+        assert eps(r["sigma"]) <= 4 + 1e-6  # calibrated (replace-one, dp-train's default): meets the target ...
+        assert eps(0.97 * r["sigma"]) > 4  # ... and not with much less noise
         assert r["noise_per_coordinate"] == pytest.approx(r["sigma"] / r["batch"])
     # At the same compute (epochs), 10x the batch: sigma grows far less than 10x, so sigma/B falls.
     assert large["noise_per_coordinate"] < small["noise_per_coordinate"] / 3
     with pytest.raises(SystemExit):
         main(["plan", "--n", "100", "--epsilon", "4", "--batch-sizes", "500"])
     assert "must lie in 1..n=100" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Adjacency
+# --------------------------------------------------------------------------
+
+def test_replace_one_costs_more_than_add_remove_at_small_n_and_about_the_same_at_large_n():
+    """The default run releases n, which add/remove does not cover: at n = 1,257 (digits) the σ
+    calibrated to ε = 8 add/remove gives 9.92 replace-one; at n = 10⁶ the two nearly agree."""
+    n = 1257
+    q, delta = 128 / n, 1 / (2 * n)
+    sigma = acc.calibrate_sigma(8.0, q, 40, delta)
+    assert acc.epsilon(sigma, q, 40, delta) == pytest.approx(7.99, abs=0.01)
+    assert acc.epsilon(sigma, q, 40, delta, adjacency="replace_one") == pytest.approx(9.92, abs=0.01)
+    big = 10**6
+    q, delta = 1024 / big, 1 / (2 * big)
+    sigma = acc.calibrate_sigma(8.0, q, 2000, delta)
+    assert acc.epsilon(sigma, q, 2000, delta, adjacency="replace_one") < 8.0 * 1.1
+    # Calibrated to replace-one, the run meets ε = 8 for the neighbours it releases.
+    sigma = acc.calibrate_sigma(8.0, 128 / n, 40, 1 / (2 * n), adjacency="replace_one")
+    assert 7.98 <= acc.epsilon(sigma, 128 / n, 40, 1 / (2 * n), adjacency="replace_one") <= 8.0
+
+
+def test_replace_one_pld_matches_dp_accounting_directly():
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(0.9)), 200)
+    ref = pld_privacy_accountant.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE, 1e-4
+                                               ).compose(event).get_epsilon(1e-5)
+    assert acc.epsilon(0.9, 0.05, 200, 1e-5, adjacency="replace_one") == pytest.approx(ref, rel=2e-3)
+
+
+def test_accountants_without_replace_one_are_refused_not_silently_used(capsys):
+    with pytest.raises(ValueError, match="add/remove adjacency only"):
+        acc.epsilon(1.0, 0.01, 100, 1e-5, accountant="rdp", adjacency="replace_one")
+    with pytest.raises(SystemExit):
+        main(["epsilon", "--sigma", "1", "--steps", "100", "--sample-rate", "0.01", "--delta", "1e-5",
+              "--accountant", "rdp"])
+    assert "--adjacency add_remove" in capsys.readouterr().err

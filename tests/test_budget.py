@@ -1,11 +1,20 @@
-"""The per-dataset privacy budget: runs on one dataset compose, a resumed run is charged once."""
+"""The privacy budget: runs on the same examples compose whatever their sharding or order, runs on
+overlapping sets compose, a resumed run is charged once, and the record survives `make clean`."""
 
 from __future__ import annotations
 
-import pytest
+import shutil
+import subprocess
+from pathlib import Path
 
+import numpy as np
+import pytest
+from shard_data import write_set
+
+from pipeline.data.shards import ShardWriter, encode_png
 from pipeline.privacy import accounting, budget
 
+ROOT = Path(__file__).resolve().parents[1]
 SIGMA, Q, STEPS, DELTA = 0.9, 0.01, 300, 1e-6
 
 
@@ -14,12 +23,55 @@ def entry(run, steps=STEPS, sigma=SIGMA):
             "n": 10_000}
 
 
-def test_two_runs_compose_to_one_run_of_both_lengths(in_tmp):
-    budget.record("data1", "run-a", entry("run-a"))
-    budget.record("data1", "run-a", entry("run-a"))  # a resume: the same run, charged once
-    budget.record("data1", "run-b", entry("run-b"))
-    budget.record("data2", "run-c", entry("run-c"))  # other data: not composed with data1
-    runs = budget.runs("data1")
+def examples(n, seed=0, start=0):
+    rng = np.random.default_rng(seed)
+    return [(f"x{i:05d}", encode_png(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)), f"caption {i}", {})
+            for i in range(start, start + n)]
+
+
+def shard(directory, samples, per_shard=7, keys=None):
+    with ShardWriter(directory, prefix="p", samples_per_shard=per_shard) as w:
+        for i, (key, image, caption, meta) in enumerate(samples):
+            w.write(keys[i] if keys else key, image, caption, meta)
+    return budget.examples_identity(directory)
+
+
+def charge(identity, sketch, run, **kw):
+    budget.record(identity, sketch, run, entry(run, **kw))
+
+
+def test_the_same_examples_keep_their_identity_whatever_the_sharding_order_or_keys(in_tmp):
+    samples = examples(40)
+    base, sketch = shard(in_tmp / "a", samples, per_shard=7)
+    assert shard(in_tmp / "b", samples, per_shard=500)[0] == base                   # re-sharded
+    assert shard(in_tmp / "c", samples[::-1], per_shard=3)[0] == base                # reordered
+    assert shard(in_tmp / "d", samples, keys=[f"k{i}" for i in range(40)])[0] == base  # renamed
+    assert shard(in_tmp / "e", samples[:-1])[0] != base                              # one example fewer
+    changed = samples[:-1] + [(samples[-1][0], samples[-1][1], "another caption", {})]
+    assert shard(in_tmp / "f", changed)[0] != base                                   # one caption changed
+    assert np.array_equal(shard(in_tmp / "g", samples[::-1])[1], sketch)
+
+
+def test_a_rescan_of_the_same_shards_has_the_writers_identity(in_tmp):
+    """The shards stage scans web shards (index.build_index) and writes labelled sets (ShardWriter):
+    both must name the same examples the same way."""
+    from pipeline.data.index import build_index
+
+    write_set(in_tmp / "ext", n=30, per_shard=10)
+    written = budget.examples_identity(in_tmp / "ext")[0]
+    build_index([str(p) for p in sorted((in_tmp / "ext").glob("*.tar"))], in_tmp / "scanned", eval_fraction=0.0,
+                seed=0, cache_dir=in_tmp / "cache", workers=1, check_size=8)
+    assert budget.examples_identity(in_tmp / "scanned/private")[0] == written
+
+
+def test_runs_on_the_same_examples_compose_and_a_resume_is_charged_once(in_tmp):
+    samples = examples(40)
+    a = shard(in_tmp / "a", samples, per_shard=7)
+    charge(*a, "run-a")
+    charge(*a, "run-a")  # a resume: the same run, charged once
+    b = shard(in_tmp / "b", samples, per_shard=500)  # the same examples, re-sharded
+    charge(*b, "run-b")
+    runs = budget.runs(b[0])
     assert [e["run"] for e in runs] == ["run-a", "run-b"]
     composed = budget.composed_epsilon(runs, DELTA)
     # The same mechanism twice is the mechanism run for twice the steps.
@@ -27,9 +79,25 @@ def test_two_runs_compose_to_one_run_of_both_lengths(in_tmp):
     assert composed > accounting.epsilon(SIGMA, Q, STEPS, DELTA) * 1.2
 
 
+def test_runs_on_overlapping_sets_compose_and_disjoint_ones_do_not(in_tmp):
+    full = shard(in_tmp / "full", examples(60))
+    subset = shard(in_tmp / "subset", examples(60)[10:25])
+    other = shard(in_tmp / "other", examples(30, seed=1, start=100))  # disjoint from both
+    charge(*full, "on-full")
+    charge(*subset, "on-subset")
+    charge(*other, "on-other")
+    assert [e["run"] for e in budget.runs(full[0])] == ["on-full", "on-subset"]
+    assert [e["run"] for e in budget.runs(subset[0])] == ["on-full", "on-subset"]
+    assert [e["run"] for e in budget.runs(other[0])] == ["on-other"]
+    # A set whose sketch was lost counts as overlapping: never fewer runs than there were.
+    (budget.BUDGET_DIR / "sets" / f"{other[0]}.npz").unlink()
+    assert len(budget.runs(full[0])) == 3
+
+
 def test_a_lone_run_composes_to_its_own_epsilon(in_tmp):
-    budget.record("d", "r", entry("r"))
-    assert budget.composed_epsilon(budget.runs("d"), DELTA) == accounting.epsilon(SIGMA, Q, STEPS, DELTA)
+    charge(*shard(in_tmp / "d", examples(10)), "r")
+    identity = budget.examples_identity(in_tmp / "d")[0]
+    assert budget.composed_epsilon(budget.runs(identity), DELTA) == accounting.epsilon(SIGMA, Q, STEPS, DELTA)
 
 
 def test_different_mechanisms_compose_between_their_parts(in_tmp):
@@ -44,7 +112,28 @@ def budget_entries(entries):
 
 
 def test_a_torn_last_line_is_ignored(in_tmp):
-    budget.record("d", "r", entry("r"))
-    with open(budget.BUDGET_DIR / "d.jsonl", "a") as f:
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "r")
+    with open(budget.BUDGET_DIR / "runs.jsonl", "a") as f:
         f.write('{"run": "half')
-    assert [e["run"] for e in budget.runs("d")] == ["r"]
+    assert [e["run"] for e in budget.runs(d[0])] == ["r"]
+
+
+def test_an_index_without_content_digests_is_refused_by_name(in_tmp):
+    import pyarrow.parquet as pq
+
+    shard(in_tmp / "d", examples(5))
+    table = pq.read_table(in_tmp / "d/index.parquet")
+    pq.write_table(table.drop(["content_hash"]), in_tmp / "d/index.parquet")
+    with pytest.raises(budget.IdentityError, match="re-run the shards stage"):
+        budget.examples_identity(in_tmp / "d")
+
+
+def test_make_clean_keeps_the_budget(tmp_path):
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    for d in ("data/budget/sets", "data/shards/private", "data/synthetic", "models/dp", ".dpfm/state"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "data/budget/runs.jsonl").write_text('{"run": "r"}\n')
+    subprocess.run(["make", "-s", "clean"], cwd=tmp_path, check=True)
+    assert (tmp_path / "data/budget/runs.jsonl").read_text() == '{"run": "r"}\n'
+    assert not any((tmp_path / d).exists() for d in ("data/shards", "data/synthetic", "models", ".dpfm"))

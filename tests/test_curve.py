@@ -78,9 +78,10 @@ def test_no_epsilons_writes_an_empty_curve(data_dir, tmp_path):
 
 def test_point_params_keep_dp_trains_sections_and_plan_infinity_at_the_recipes_epsilon():
     params = {"run": {"seed": 0}, "model": {}, "dp": {"epsilon": 8.0, "sigma": None, "init": "pretrain",
-                                                      "nonprivate_baseline": True}, "curve": {}, "evaluate": {}}
+                                                      "nonprivate_baseline": True},
+              "privacy": {"adjacency": "replace_one"}, "curve": {}, "evaluate": {}}
     p = curve.point_params(params, "random", 2)
-    assert set(p) == {"run", "model", "dp"} and p["dp"]["epsilon"] == 2.0 and p["dp"]["init"] == "random"
+    assert set(p) == {"run", "model", "dp", "privacy"} and p["dp"]["epsilon"] == 2.0 and p["dp"]["init"] == "random"
     assert curve.point_params(params, "pretrain", math.inf)["dp"]["epsilon"] == 8.0
 
 

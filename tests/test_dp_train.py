@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from stage_runs import flat, initial_weights, project, torchrun, train
+from stage_runs import flat, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline.stages import dp_train
 from pipeline.privacy import engine
@@ -28,7 +28,7 @@ def test_each_objective_trains_and_verifies(data_dir, tmp_path, objective):
     assert ledger["steps"] == ckpt["optimizer_steps"] == 6
     assert ledger["sensitivity"] == (2.0 if objective == "clip" else 1.0)
     dp = load_params(work / "params.yaml", [f"dp.objective={objective}"])["dp"]
-    result = verify(ledger, ckpt["optimizer_steps"], dp, ["pld", "rdp"], 0.001)
+    result = verify(ledger, ckpt["optimizer_steps"], dp, ["pld", "rdp"], 0.001, "replace_one")
     assert result["passed"], result["checks"]
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
@@ -116,7 +116,29 @@ def test_runs_on_the_same_private_data_compose(data_dir, tmp_path, monkeypatch):
     both = composition(second, second["delta"])
     assert both["runs"] == 2 and [r["objective"] for r in both["by_run"]] == ["mae", "caption"]
     assert both["epsilon"] > 1.2 * max(first["epsilon"], second["epsilon"])
-    assert first["data_fingerprint"] == second["data_fingerprint"] and first["run"] != second["run"]
+    assert first["data_identity"] == second["data_identity"] and first["run"] != second["run"]
+
+
+def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_path, monkeypatch):
+    """Re-sharding the same digits (another shards.samples_per_shard) once started a new, empty budget:
+    verify printed one run's ε while three runs had trained on the same examples."""
+    import shutil
+
+    from pipeline.privacy.budget import composition
+
+    work = project(data_dir, tmp_path)
+    first, _ = train(work, ["dp.objective=mae"])
+    with inside(work):  # the same examples, re-sharded: other shard files, another index
+        run_in_process("shards", ["shards.samples_per_shard=100"])
+        shutil.rmtree(".dpfm")  # what `make clean` deletes (it keeps data/budget)
+    assert len(list((work / "data/shards/private").glob("*.tar"))) != len(list((data_dir / "data/shards/private").glob("*.tar")))
+    second, _ = train(work, ["dp.objective=clip"])
+    third, _ = train(work, ["dp.objective=mae", "dp.epsilon=2"])
+    monkeypatch.chdir(work)
+    assert first["data_identity"] == second["data_identity"] == third["data_identity"]
+    c = composition(third, third["delta"])
+    assert c["runs"] == 3 and [r["objective"] for r in c["by_run"]] == ["mae", "clip", "mae"]
+    assert c["epsilon"] > 1.3 * max(first["epsilon"], second["epsilon"], third["epsilon"])
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -212,7 +234,6 @@ def test_img2dataset_output_at_64_px_trains_verifies_and_evaluates_with_a_32_px_
     private (no eval split carved out), dp-train resizes to the 32-px model, and evaluate runs on
     the public digits (the default set follows the source)."""
     from shard_data import img2dataset_folder
-    from stage_runs import run_in_process
 
     from pipeline.io import read_json
 

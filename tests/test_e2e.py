@@ -82,14 +82,16 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(finished_run):
     assert len(runs) == 1 + len(STAGE_RULES)
     # The parent: named after what ran, params.yaml as params, the headline figures, the report.
     parent = parents[0]
-    assert re.fullmatch(r"ViP ε=\d+\.\d\d σ=\d+\.\d\d", parent.info.run_name), parent.info.run_name
+    # MICRO's curve has an ε = ∞ point (non-private training on the digits): NOT PRIVATE as a whole.
+    assert re.fullmatch(r"NOT PRIVATE ViP ε=\d+\.\d\d σ=\d+\.\d\d", parent.info.run_name), parent.info.run_name
+    assert parent.data.tags["dpfm.private"] == "false" and "ε = ∞" in parent.data.tags["dpfm.not_private"]
     assert parent.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in parent.data.params
     assert {"epsilon", "delta", "sigma", "linear_probe"} <= set(parent.data.metrics)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"params.yaml", "report"}
     # The verified DP encoder is logged and registered with its ε and δ; training stages record system metrics.
     [version] = client.search_model_versions("name='dpfm-mae'")
-    assert float(version.tags["epsilon"]) == pytest.approx(parent.data.metrics["epsilon"], rel=1e-3)
-    assert version.tags["private"] == "true" and "delta" in version.tags
+    assert float(version.tags["epsilon_run"]) == pytest.approx(parent.data.metrics["epsilon"], rel=1e-3)
+    assert version.tags["epsilon"] == "inf" and version.tags["private"] == "false" and "delta" in version.tags
     dp = next(r for r in children if r.data.tags["dpfm.stage"] == "dp-train")
     assert any(k.startswith("system/") for k in dp.data.metrics), sorted(dp.data.metrics)
     assert dp.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in dp.data.params

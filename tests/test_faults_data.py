@@ -69,7 +69,7 @@ def test_kill_9_during_a_download_resumes_without_fetching_finished_shards_again
     # The same shard bytes, dataset and stats as the uninterrupted run (but for the reuse count).
     for tar in (ref / "data/cache/download").glob("*.tar"):
         assert (cache / tar.name).read_bytes() == tar.read_bytes(), tar.name
-    stats, ref_stats = (read_json(d / "data/shards/stats.json") for d in (work, ref))
+    stats, ref_stats = (read_json(d / ".dpfm/owner/shards.json") for d in (work, ref))  # download counts: owner-only
     assert (stats["download"].pop("reused_shards"), ref_stats["download"].pop("reused_shards")) == (1, 0)
     assert stats == ref_stats and stats["private"]["usable"] + stats["eval"]["usable"] == 12
     for split in ("private", "eval"):

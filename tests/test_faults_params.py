@@ -74,3 +74,44 @@ def test_a_full_disk_under_plain_torch_save_would_be_unreadable():
     with pytest.raises(OSError) as e, open("/dev/full", "wb") as f:
         torch.save({"x": torch.zeros(1000)}, f)
     assert e.value.errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["dp.noise_seed=5", "privacy.testing=false"], "dp.noise_seed fixes the noise key"),
+    (["dp.nonprivate_baseline=true", "privacy.nonprivate_on_private_data=false"],
+     "dp.nonprivate_baseline trains WITHOUT differential privacy"),
+])
+def test_what_voids_privacy_is_refused_before_any_work(data_dir, tmp_path, monkeypatch, capsys, no_tracking,
+                                                       overrides, message):
+    """A known noise key (finding: two runs with the same seed drew the same batches and noise and were
+    composed as independent) and non-private training on private data need to be asked for by name."""
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    assert cli.main(["dp-train", *sum((["--set", o] for o in overrides), [])]) == 2
+    err = capsys.readouterr().err
+    assert "privacy is invalid" in err and message in err and "Traceback" not in err
+    assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()
+
+
+def test_a_known_noise_key_runs_only_as_a_test_and_is_never_private(data_dir, tmp_path, monkeypatch, no_tracking):
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    assert cli.main(["dp-train", "--set", "dp.noise_seed=5", "--set", "privacy.testing=true", "--set", "dp.steps=2",
+                     "--set", "model.size=micro", "--set", "model.img_size=16", "--set", "dp.init=random"]) == 0
+    assert torch.load(work / "models/dp/checkpoint.pt", weights_only=False)["private"] is False
+
+
+@pytest.mark.parametrize("source, explicit, allowed", [
+    ("digits", None, True), ("fashion-mnist", None, True), ("urls", None, False), ("img2dataset", None, False),
+    ("urls", True, True), ("digits", False, False)])
+def test_nonprivate_training_on_private_data_is_opt_in_for_web_sources(source, explicit, allowed):
+    from pipeline.config import ParamsError
+    from pipeline.privacy import release
+
+    privacy = {"nonprivate_on_private_data": explicit, "testing": False}
+    assert release.nonprivate_allowed(privacy, source) is allowed
+    if allowed:
+        release.check_nonprivate(privacy, source, "the curve's ε = ∞ point")
+    else:
+        with pytest.raises(ParamsError, match="WITHOUT differential privacy"):
+            release.check_nonprivate(privacy, source, "the curve's ε = ∞ point")

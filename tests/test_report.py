@@ -14,7 +14,7 @@ from PIL import Image
 
 from pipeline.stages import report
 from pipeline.eval.render import TABLE_HEAD_COLOR
-from pipeline.io import write_json
+from pipeline.io import read_json, write_json
 from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,15 +212,15 @@ def test_report_renders_in_headless_chromium_and_the_screenshot_shows_the_table(
     assert any("undefinedFunction" in line for line in console)
 
 
-def test_data_card_reports_usable_n_and_skipped_examples_by_reason():
+def test_data_card_reports_usable_n_and_never_the_exclusion_counts():
     from pipeline.stages.report import data_card
 
     stats = {"source": "urls", "private": {"usable": 97, "rows": 100,
                                            "excluded": {"corrupt_image": 2, "missing_caption": 1}}}
     title, value, detail = data_card(stats)
     assert value == "97 usable"
-    assert detail == "of 100 rows from urls; skipped: 2 corrupt image, 1 missing caption"
-    assert data_card({"source": "digits", "private": {"usable": 5, "rows": 5, "excluded": {}}})[2].endswith("skipped: none")
+    assert "100" not in detail and "corrupt" not in detail and "2" not in detail.replace(".dpfm", "")
+    assert "data owner only" in detail
 
 
 def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
@@ -274,3 +274,33 @@ def test_the_curve_caption_says_when_the_non_private_point_has_a_schedule_of_its
     assert twin_text(recipe) == "∞ is the same recipe without clipping or noise"
     own = twin_text({**recipe, "nonprivate": {"steps": 600, "lr": 1e-3, "warmup_steps": None}})
     assert "steps 600, lr 0.001" in own and "the DP points: steps 40, lr 0.0005" in own
+
+
+def test_a_run_with_non_private_training_on_private_data_says_not_private_everywhere(project):
+    """The curve's ε = ∞ point trains without DP on the private shards: the run's outputs as a whole
+    are then not DP. The headline says so first, privacy.json and MLflow carry composed ε = ∞, and
+    the registered model is tagged not private; without it, the composed ε is finite and logged."""
+    import math
+
+    root, params = project
+    params["dp"]["noise_seed"] = None
+    params["curve"]["epsilons"] = [1, 8]
+    private = RecordingTracker()
+    report.run(params, SimpleNamespace(tracker=private))
+    final = read_json(root / "results/report/privacy.json")
+    assert final["private"] and final["not_private"] == []
+    assert private.metrics["epsilon_composed"] == pytest.approx(final["epsilon_composed"])
+    assert private.tags["model.private"] == "true" and float(private.tags["model.epsilon"]) == pytest.approx(
+        final["epsilon_composed"], abs=1e-4)
+    assert "NOT PRIVATE" not in (root / "results/report/report.md").read_text()
+
+    params["curve"]["epsilons"] = [1, 8, math.inf]
+    public = RecordingTracker()
+    report.run(params, SimpleNamespace(tracker=public))
+    final = read_json(root / "results/report/privacy.json")
+    assert not final["private"] and final["epsilon_composed"] == "inf"
+    assert "the curve's ε = ∞ point trains without DP on the private shards" in final["not_private"]
+    md = (root / "results/report/report.md").read_text()
+    assert "NOT PRIVATE as a whole: the curve's ε = ∞ point" in md and "ε of this run's outputs | ∞" in md
+    assert "epsilon_composed" not in public.metrics and public.tags["dpfm.private"] == "false"
+    assert public.tags["model.private"] == "false" and public.tags["model.epsilon"] == "inf"

@@ -423,15 +423,16 @@ def test_digits_stage_writes_splits_and_stats(in_tmp):
 
 
 def test_digits_shards_are_the_pinned_bytes(in_tmp):
-    """The digits shards as they were written before the labelled-set registry: tars, usable.idx and
-    stats.json byte for byte, the index row for row (its parquet footer names the pyarrow version)."""
+    """The digits shards byte for byte: tars, usable.idx and stats.json, the index row for row (its
+    parquet footer names the pyarrow version). Re-pinned when the index gained each example's
+    content digest (the privacy budget's identity) and stats.json lost the owner-only counts."""
     run_digits(eval_fraction=None)
     digest = hashlib.sha256()
     for f in sorted(f for f in Path("data/shards").rglob("*") if f.is_file()):
         data = (json.dumps(pq.read_table(f).to_pylist(), sort_keys=True).encode() if f.name == INDEX_NAME
                 else f.read_bytes())
         digest.update(f"{f.relative_to('data/shards')}\n".encode() + data)
-    assert digest.hexdigest() == "79eafd6f8f3416fa49ff41614cd81bfb8f07aa0db023b354a44d3d1bdfdddc5e"
+    assert digest.hexdigest() == "8dcc63b9070b1b8777d3b339aa7b6a9431878325330387e1a97972b448720264"
 
 
 def test_index_dict_keeps_per_format_offset_columns(tmp_path):

@@ -91,3 +91,60 @@ def test_dpfm_audit_prints_figures_and_exits_nonzero_when_flagged(in_tmp, capsys
 def test_dpfm_audit_without_sigma_or_shards_says_what_it_needs(in_tmp, capsys):
     assert cli.main(["audit", *sum((["--set", s] for s in MICRO), [])]) == 2
     assert "run `dpfm shards` first or pass --sigma" in capsys.readouterr().err
+
+
+ACCEPTED = [(mode, method, precision) for mode, methods in (("per_sample", ("bookkeeping", "vmap", "opacus-hooks",
+                                                                           "opacus-ghost")),
+                                                            ("per_batch", ("bookkeeping",)))
+            for method in methods for precision in ("fp32", "bf16", "fp16")]
+
+
+def accepted(method, precision):
+    from pipeline.privacy.engine import check_clipping
+
+    try:
+        check_clipping(method, precision, "cpu")
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("mode, method, precision", ACCEPTED)
+def test_worst_case_neighbours_reach_the_accounted_sensitivity_and_no_further(mode, method, precision):
+    """Every clipper × precision dp-train accepts: one example moves the release by exactly K·C at
+    worst (C per example; 2C per batch: the clipped mean flips)."""
+    from pipeline.privacy.step_audit import worst_case_sensitivity
+
+    if not accepted(method, precision):
+        pytest.skip(f"{method} under {precision} is refused by dp-train")
+    result = worst_case_sensitivity(mode, method, precision)
+    assert result["problems"] == [] and result["ratio"] == pytest.approx(1.0, abs=2e-3), result
+
+
+@pytest.mark.parametrize("mode, bug_name", [("per_batch", "per-batch K=1"), ("per_batch", "clip bound 2C"),
+                                            ("per_sample", "clip bound 2C")])
+def test_worst_case_neighbours_catch_a_wrong_sensitivity(mode, bug_name):
+    """SENSITIVITY['per_batch'] = 1 halves Dp-CLIP's noise; random batches never show it (below), the
+    worst-case pair does."""
+    from pipeline.privacy.step_audit import worst_case_sensitivity
+
+    with bug(bug_name):
+        result = worst_case_sensitivity(mode, "bookkeeping", "fp32")
+    assert result["ratio"] == pytest.approx(2.0, abs=2e-3) and "2.00× the accounted sensitivity" in result["problems"][0]
+
+
+def test_random_batches_alone_miss_a_per_batch_sensitivity_of_one():
+    """Why the worst case is needed: the audit on random inputs passes the broken accounting."""
+    from pipeline.distributed import World
+
+    assert audited("clip", "per-batch K=1", World())["verdict"] == "consistent"
+
+
+@pytest.mark.parametrize("method, precision", [("opacus-ghost", "bf16"), ("opacus-ghost", "fp16"),
+                                               ("opacus-hooks", "fp16")])
+def test_clippers_that_exceed_c_in_low_precision_are_refused(method, precision):
+    from pipeline.privacy.engine import check_clipping
+
+    with pytest.raises(ValueError, match="bookkeeping"):
+        check_clipping(method, precision, "cpu")
+    check_clipping(method, "fp32", "cpu")

@@ -27,9 +27,10 @@ def default_dp() -> dict:
     return load_params(ROOT / "params.yaml", schema_path=ROOT / "schemas/params.schema.yaml")["dp"]
 
 
-def realistic_ledger(tmp, dp: dict, n: int = N, key: int = 7, steps: int | None = None, q: float | None = None) -> dict:
+def realistic_ledger(tmp, dp: dict, n: int = N, key: int = 7, steps: int | None = None, q: float | None = None,
+                     adjacency: str = "add_remove") -> dict:
     """What dp-train writes: plan_mechanism's header, the real Poisson sampler's batch sizes, the claimed ε."""
-    mech = plan_mechanism(dp, n)
+    mech = plan_mechanism(dp, n, adjacency)
     sampler = PoissonSampler(n, q or mech["sample_rate"], key)
     ledger = Ledger(tmp / f"ledger-{key}-{dp['objective']}.jsonl", mech)
     for t in range(steps or dp["steps"]):
@@ -37,7 +38,7 @@ def realistic_ledger(tmp, dp: dict, n: int = N, key: int = 7, steps: int | None 
     record = ledger.to_dict()
     record["nonfinite_examples"] = 0
     record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], ledger.steps, mech["delta"],
-                                           accountant=mech["accountant"])
+                                           accountant=mech["accountant"], adjacency=adjacency)
     return record
 
 
@@ -49,6 +50,12 @@ def dp():
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory, dp):
     return realistic_ledger(tmp_path_factory.mktemp("ledger"), dp)
+
+
+@pytest.fixture(scope="module")
+def valid_replace_one(tmp_path_factory, dp):
+    """dp-train's default: σ calibrated to replace-one neighbours (n is released)."""
+    return realistic_ledger(tmp_path_factory.mktemp("ledger"), dp, adjacency="replace_one")
 
 
 def failed(result: dict) -> set[str]:
@@ -63,7 +70,7 @@ def run_verify(ledger, steps=None, dp=None):
 def test_realistic_run_passes_every_check(valid, dp):
     result = run_verify(valid, dp=dp)
     assert failed(result) == set(), result["checks"]
-    assert len(result["checks"]) == 10
+    assert len(result["checks"]) == 11
     assert result["epsilon_reported"] == pytest.approx(valid["epsilon"], rel=1e-3)
     assert result["epsilon"]["pld"] <= result["epsilon"]["rdp"]
     assert result["epsilon_reported"] <= dp["epsilon"]
@@ -146,6 +153,9 @@ DOCTORED = {
         {"ledger_matches_params"}),
     "σ other than the params' fixed σ": (lambda L, dp: (L, None, {**dp, "sigma": 2 * L["sigma"]}),
                                         {"ledger_matches_params"}),
+    "replace-one accounted by an add/remove-only accountant": (
+        lambda L, dp: (_with(L, adjacency="replace_one", accountant="rdp"), None, {**dp, "accountant": "rdp"}),
+        {"accountant_supports_adjacency", "claimed_epsilon_reproduced", "epsilon_within_target"}),
 }
 
 
@@ -161,6 +171,27 @@ def test_each_doctored_ledger_fails_its_check(valid, dp, case):
     result = run_verify(ledger, steps, dp_used)
     assert failed(result) == expected, [c for c in result["checks"] if not c["passed"]]
     assert not result["passed"]
+
+
+def test_a_replace_one_run_passes_and_reports_the_literatures_epsilon_beside(valid_replace_one, dp):
+    result = V.verify(valid_replace_one, valid_replace_one["steps"], dp, ACCOUNTANTS, ALPHA, "replace_one")
+    assert failed(result) == set(), result["checks"]
+    assert result["adjacency"] == "replace_one" and set(result["epsilon"]) == {"pld"}
+    assert result["epsilon_reported"] <= dp["epsilon"] and set(result["epsilon_add_remove"]) == set(ACCOUNTANTS)
+    assert result["epsilon_add_remove"]["pld"] < result["epsilon_reported"]  # the add/remove figure is smaller
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("claims the add/remove ε", {"claimed_epsilon_reproduced"}),
+    ("params ask for add/remove", {"ledger_matches_params"}),
+])
+def test_an_adjacency_other_than_accounted_fails(valid_replace_one, dp, case, expected):
+    ledger, adjacency = copy.deepcopy(valid_replace_one), "replace_one"
+    if case == "claims the add/remove ε":
+        ledger["epsilon"] = accounting.epsilon(ledger["sigma"], ledger["sample_rate"], ledger["steps"], ledger["delta"])
+    else:
+        adjacency = "add_remove"
+    assert failed(V.verify(ledger, ledger["steps"], dp, ACCOUNTANTS, ALPHA, adjacency)) == expected
 
 
 def test_broken_accountant_is_caught(valid, monkeypatch):
@@ -214,23 +245,29 @@ def test_dispersion_test_separates_fixed_size_from_poisson():
 # ---- the stage through the `dpfm` command, in a scratch project ------------------------------------
 
 @pytest.fixture
-def project(in_tmp, monkeypatch, valid):
+def project(in_tmp, monkeypatch, valid_replace_one):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("DPFM_PARENT_RUN_ID", raising=False)
 
     def write(ledger, optimizer_steps=None):
-        write_json("models/dp/ledger.json", ledger)
+        """dp-train's outputs: the published ledger, and its batch sizes in the owner-only zone."""
+        from pipeline.privacy import owner
+
+        write_json("models/dp/ledger.json", {**{k: v for k, v in ledger.items() if k != "batch_sizes"}, "run": "r1"})
+        owner.write(owner.run_record("r1"), {"batch_sizes": ledger["batch_sizes"], "nonfinite_examples": 0})
         torch.save({"optimizer_steps": ledger["steps"] if optimizer_steps is None else optimizer_steps},
                    "models/dp/checkpoint.pt")
-    write(valid)
+    write(valid_replace_one)
     return write
 
 
-def test_stage_writes_verification_with_curves_and_logs_them(project, in_tmp, valid):
+def test_stage_writes_verification_with_curves_and_logs_them(project, in_tmp, valid_replace_one):
+    valid = valid_replace_one
     assert cli.main(["verify"]) == 0
     out = read_json(in_tmp / V.OUT)
     assert out["passed"] and out["epsilon_reported"] == pytest.approx(valid["epsilon"], rel=1e-3)
-    assert set(out["epsilon_curve"]) == {"steps", "pld", "rdp"}
+    # Replace-one (the default) is accounted by PLD; RDP states the add/remove ε beside it.
+    assert set(out["epsilon_curve"]) == {"steps", "pld"} and set(out["epsilon_add_remove"]) == {"pld", "rdp"}
     assert not (in_tmp / V.FAILED_OUT).exists()
 
     import mlflow
@@ -243,7 +280,26 @@ def test_stage_writes_verification_with_curves_and_logs_them(project, in_tmp, va
     assert sorted(history, key=lambda m: m.step)[-1].value == pytest.approx(out["epsilon_curve"]["pld"][-1])
 
 
-def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, valid, capsys):
+def test_the_batch_size_test_is_owner_only(project, in_tmp, capsys):
+    """Its p-values are statistics of the realised (private) batch sizes: the verdict is published, the
+    p-values go to the owner-only zone, and without that zone's record verify says where it is."""
+    from pipeline.privacy import owner
+
+    assert cli.main(["verify"]) == 0
+    printed, published = capsys.readouterr().out, (in_tmp / V.OUT).read_text()
+    p_values = owner.read("runs/r1-verify")["batch_size_p_values"]
+    assert set(p_values) == {"p_mean", "p_dispersion"}
+    for p in p_values.values():
+        for text in (repr(p), f"{p:.4g}", f"{p:.3g}"):
+            assert text not in printed and text not in published, text
+    assert "p_mean" not in published and "batch_sizes" not in (in_tmp / "models/dp/ledger.json").read_text()
+    (owner.path("runs/r1")).unlink()
+    assert cli.main(["verify"]) == 3
+    assert "are kept owner-only on the machine that trained it" in capsys.readouterr().err
+
+
+def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, valid_replace_one, capsys):
+    valid = valid_replace_one
     doctored = {"sampler_is_poisson": (_with(valid, sampler="shuffle"), None),
                 "ledger_steps_match_optimizer": (valid, valid["steps"] + 1),
                 "batch_sizes_binomial": (_with(valid, batch_sizes=[128] * valid["steps"]), None)}

@@ -38,7 +38,7 @@ from pipeline.io import atomic_path
 INDEX_NAME = "index.parquet"
 META_KEY = b"dpfm.index"
 VERSION = 2
-SCAN_VERSION = 1  # bump when the scan's verdicts change, so cached scans are redone
+SCAN_VERSION = 2  # bump when the scan's verdicts or columns change, so cached scans are redone
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "tif", "tiff", "gif"})
 STATUSES = ("ok", "truncated", "missing_image", "corrupt_image", "missing_caption", "bad_caption",
             "duplicate_key")
@@ -47,6 +47,7 @@ SCHEMA = pa.schema([
     ("key", pa.string()), ("shard", pa.string()), ("shard_id", pa.int32()), ("image_ext", pa.string()),
     ("image_offset", pa.int64()), ("image_size", pa.int64()), ("txt_offset", pa.int64()), ("txt_size", pa.int64()),
     ("json_offset", pa.int64()), ("json_size", pa.int64()), ("caption_len", pa.int32()), ("status", pa.string()),
+    ("content_hash", pa.uint64()),  # the example's identity for the privacy budget (privacy/budget.py)
 ])
 SCAN_SCHEMA = SCHEMA.append(pa.field("key_hash", pa.uint64()))
 
@@ -65,6 +66,16 @@ def split_member_name(name: str) -> tuple[str, str] | None:
 
 def key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
+
+
+def content_hash(image: bytes, caption: bytes) -> int:
+    """An example's identity, whatever its key, shard or position: a digest of its image and caption
+    bytes. The same examples re-sharded, rescanned or reordered keep theirs (privacy/budget.py)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(len(image).to_bytes(8, "little"))
+    h.update(image)
+    h.update(caption)
+    return int.from_bytes(h.digest(), "little")
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -194,6 +205,7 @@ def _upgrade_v1(table: pa.Table) -> tuple[pa.Table, dict]:
     for m in ("txt", "json"):
         for f in ("offset", "size"):
             cols.setdefault(f"{m}_{f}", pa.array([-1] * len(table), pa.int64()))
+    cols.setdefault("content_hash", pa.nulls(len(table), pa.uint64()))
     return pa.table(cols).select(SCHEMA.names).cast(SCHEMA), {"shards": [{"url": s} for s in names]}
 
 
@@ -263,8 +275,11 @@ def scan_shard(url: str, check_size: int) -> tuple[pa.Table, dict]:
     def finish(sample):
         if sample is not None:
             cols, status = _verdict(sample, check_size)
+            image = sample.members.get(cols["image_ext"], (0, 0, None))[2] if cols["image_ext"] else None
+            caption = sample.members.get("txt", (0, 0, None))[2] or b""
             rows.append({"key": sample.key, "shard": url, "shard_id": -1, **cols, "status": status,
-                         "key_hash": key_hash(sample.key)})
+                         "key_hash": key_hash(sample.key),
+                         "content_hash": None if image is None else content_hash(image, caption)})
 
     with remote.open_stream(url) as f:
         try:
@@ -326,7 +341,7 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
     """Scan every shard (in parallel processes), in the order given."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     jobs = [(u, str(cache_dir), check_size) for u in urls]
-    results, samples = [], 0
+    results = []
     with tqdm(total=len(jobs), desc="scan shards", unit="shard") as bar:
         if workers <= 1:
             mapped = map(_scan_cached, jobs)
@@ -336,9 +351,8 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
         try:
             for piece, info in mapped:
                 results.append((piece, info))
-                samples += info.get("samples", 0)
-                bar.update(1)
-                bar.set_postfix(samples=samples, cached=sum(i.get("cached", False) for _, i in results),
+                bar.update(1)  # no sample count: rows read from the private shards are owner-only
+                bar.set_postfix(cached=sum(i.get("cached", False) for _, i in results),
                                 skipped=sum(p is None for p, _ in results))
         finally:
             if workers > 1:
@@ -363,7 +377,7 @@ def scan_group(urls: list[str], group: int, groups: int, cache_dir: str | Path, 
     good = [info for piece, info in results if piece is not None]
     cached = sum(info["cached"] for info in good)
     return {"group": group, "groups": groups, "listed": len(urls), "shards": len(results), "cached": cached,
-            "scanned": len(good) - cached, "samples": sum(info["samples"] for info in good),
+            "scanned": len(good) - cached,  # no sample count: it is a statistic of the private shards
             "skipped": [info for piece, info in results if piece is None]}
 
 

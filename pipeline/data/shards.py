@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeline.data.index import INDEX_NAME, IndexMismatch, read_index, read_usable_table, write_index
+from pipeline.data.index import INDEX_NAME, IndexMismatch, content_hash, read_index, read_usable_table, write_index
 from pipeline.data.index_mmap import USABLE_NAME, map_usable
 from pipeline.data.remote import RangeReader, ShardReadError, is_local, local_path
 from pipeline.data.transforms import decode_image
@@ -94,7 +94,8 @@ class ShardWriter:
         if self._shard is None or self._count_in_shard >= self.samples_per_shard:
             self._open_next()
         row = {"key": key, "shard": self.shards[-1]["url"], "shard_id": len(self.shards) - 1,
-               "image_ext": image_ext, "caption_len": len(caption), "status": "ok"}
+               "image_ext": image_ext, "caption_len": len(caption), "status": "ok",
+               "content_hash": content_hash(image_png, caption.encode("utf-8"))}
         payloads = (("image", image_ext, image_png), ("txt", "txt", caption.encode("utf-8")),
                     ("json", "json", json.dumps(meta, sort_keys=True).encode("utf-8")))
         for member, ext, payload in payloads:

@@ -1,7 +1,12 @@
 """The accountant back-ends behind pipeline.privacy.accounting: PLD (dp_accounting, with its
 discretisation refined until stable and an RDP safety net), RDP and PRV (Opacus). All work with the
-effective noise multiplier (σ / sensitivity). The libraries are imported where they are used: Opacus
-brings torch, dp_accounting scipy, so a CLI that needs one loads only that one."""
+noise multiplier σ relative to the sensitivity. The libraries are imported where they are used:
+Opacus brings torch, dp_accounting scipy, so a CLI that needs one loads only that one.
+
+Adjacency: `add_remove` (one example added or removed: the literature's, and every accountant's)
+or `replace_one` (one example replaced by another: n is the same in both worlds, so releasing it
+costs nothing). Only PLD accounts replace-one for Poisson sampling (dp_accounting's
+REPLACE_ONE relation); its safety net is then the group-privacy bound of two add/remove steps."""
 
 from __future__ import annotations
 
@@ -28,8 +33,26 @@ _PLD_SEARCH_INTERVALS = (1e-2, 1e-3)
 PRV_EPS_ERROR = 0.01
 
 
+ADJACENCIES = ("add_remove", "replace_one")
+
+
+def check_adjacency(adjacency: str, accountant: str) -> str:
+    if adjacency not in ADJACENCIES:
+        raise ValueError(f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}")
+    if adjacency == "replace_one" and accountant != "pld":
+        raise ValueError(f"accountant {accountant} accounts add/remove adjacency only: use pld for replace_one")
+    return adjacency
+
+
+def _relation(adjacency: str):
+    import dp_accounting
+
+    return (dp_accounting.NeighboringRelation.REPLACE_ONE if adjacency == "replace_one"
+            else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+
 @functools.lru_cache(maxsize=64)
-def _pld_step(noise: float, q: float, interval: float):
+def _pld_step(noise: float, q: float, interval: float, adjacency: str = "add_remove"):
     # Building the one-step PLD dominates the cost (~70%); caching it lets
     # curves and step searches recompose it for many step counts cheaply.
     from dp_accounting.pld import privacy_loss_distribution as _pld_lib
@@ -40,23 +63,26 @@ def _pld_step(noise: float, q: float, interval: float):
         sampling_prob=q,
         pessimistic_estimate=True,
         value_discretization_interval=interval,
+        neighboring_relation=_relation(adjacency),
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _pld_eps_at(noise: float, q: float, steps: int, delta: float, interval: float) -> float:
+def _pld_eps_at(noise: float, q: float, steps: int, delta: float, interval: float,
+                adjacency: str = "add_remove") -> float:
     """dp_accounting PLD epsilon at one fixed discretisation interval."""
-    composed = _pld_step(noise, q, interval).self_compose(steps)
+    composed = _pld_step(noise, q, interval, adjacency).self_compose(steps)
     return float(composed.get_epsilon_for_delta(delta))
 
 
-def _pld_grid_size(noise: float, q: float, interval: float) -> int:
+def _pld_grid_size(noise: float, q: float, interval: float, adjacency: str = "add_remove") -> int:
     # Number of points of the one-step PLD (private attribute; 0 if absent).
-    pmf = getattr(_pld_step(noise, q, interval), "_pmf_remove", None)
+    pmf = getattr(_pld_step(noise, q, interval, adjacency), "_pmf_remove", None)
     return int(getattr(pmf, "size", 0) or 0)
 
 
-def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float) -> Tuple[float, float]:
+def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float,
+                              adjacency: str = "add_remove") -> Tuple[float, float]:
     """Refine the interval until epsilon is stable to PLD_REL_TOL.
 
     The ladder always starts at PLD_START_INTERVAL and halves, so the result
@@ -75,26 +101,26 @@ def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float) 
     (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
     """
     interval = PLD_START_INTERVAL
-    values = [_pld_eps_at(noise, q, steps, delta, interval)]
+    values = [_pld_eps_at(noise, q, steps, delta, interval, adjacency)]
     diffs: List[float] = []
     while True:
         interval /= 2
-        current = _pld_eps_at(noise, q, steps, delta, interval)
+        current = _pld_eps_at(noise, q, steps, delta, interval, adjacency)
         if not math.isfinite(current):
             return current, interval
         diffs.append(abs(values[-1] - current))
         values.append(current)
         if diffs[-1] <= PLD_REL_TOL * current:
-            return _capped_by_rdp(current, noise, q, steps, delta), interval
+            return _capped_by_rdp(current, noise, q, steps, delta, adjacency), interval
         noise_floor = len(diffs) >= 3 and diffs[-1] > diffs[-2]
         too_fine = (
             interval / 2 < _PLD_MIN_INTERVAL
-            or _pld_grid_size(noise, q, interval) > _PLD_MAX_GRID // 2
+            or _pld_grid_size(noise, q, interval, adjacency) > _PLD_MAX_GRID // 2
         )
         if noise_floor or too_fine:
             recent = values[-3:]
             if max(recent) - min(recent) <= _PLD_NOISE_TOL * max(recent):
-                return _capped_by_rdp(max(recent), noise, q, steps, delta), interval
+                return _capped_by_rdp(max(recent), noise, q, steps, delta, adjacency), interval
             warnings.warn(
                 f"PLD accounting is numerically unstable here (steps={steps}, "
                 f"delta={delta:g}: epsilon varies {min(recent):.4g}..{max(recent):.4g} "
@@ -102,11 +128,20 @@ def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float) 
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return _rdp_bound(noise, q, steps, delta), interval
+            return _rdp_bound(noise, q, steps, delta, adjacency), interval
 
 
-def _rdp_bound(noise: float, q: float, steps: int, delta: float) -> float:
-    """dp_accounting's RDP bound: the PLD's safety net, without Opacus's torch import."""
+def _rdp_bound(noise: float, q: float, steps: int, delta: float, adjacency: str = "add_remove") -> float:
+    """dp_accounting's RDP bound: the PLD's safety net, without Opacus's torch import. Replace-one is
+    remove-then-add, a group of two under add/remove: (2ε, (1 + e^ε)δ')-DP with δ' = δ / (1 + e^ε)."""
+    if adjacency == "replace_one":
+        eps = _rdp_bound(noise, q, steps, delta / 2)
+        for _ in range(20):  # δ' shrinks as ε grows: iterate to a fixed point (from above)
+            step = _rdp_bound(noise, q, steps, delta / (1 + math.exp(min(eps, 700.0))))
+            if step <= eps * (1 + 1e-9):
+                break
+            eps = step
+        return 2 * eps
     import dp_accounting
     from dp_accounting.rdp import rdp_privacy_accountant
 
@@ -115,8 +150,8 @@ def _rdp_bound(noise: float, q: float, steps: int, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
-def _capped_by_rdp(eps: float, noise: float, q: float, steps: int, delta: float) -> float:
-    rdp = _rdp_bound(noise, q, steps, delta)
+def _capped_by_rdp(eps: float, noise: float, q: float, steps: int, delta: float, adjacency: str = "add_remove") -> float:
+    rdp = _rdp_bound(noise, q, steps, delta, adjacency)
     if eps > rdp:
         warnings.warn(
             f"PLD epsilon {eps:.4g} exceeds the RDP bound {rdp:.4g} (numerical "
@@ -163,11 +198,13 @@ def _prv_eps(noise: float, q: float, steps: int, delta: float) -> float:
         return float(accountant.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
 
 
-def _eps_noise(noise: float, q: float, steps: int, delta: float, accountant: str) -> float:
+def _eps_noise(noise: float, q: float, steps: int, delta: float, accountant: str,
+               adjacency: str = "add_remove") -> float:
+    check_adjacency(adjacency, accountant)
     if steps == 0:
         return 0.0  # nothing released, nothing spent
     if accountant == "pld":
-        return _pld_epsilon_and_interval(noise, q, steps, delta)[0]
+        return _pld_epsilon_and_interval(noise, q, steps, delta, adjacency)[0]
     if accountant == "rdp":
         return _rdp_eps(noise, q, steps, delta)
     return _prv_eps(noise, q, steps, delta)

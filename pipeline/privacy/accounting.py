@@ -16,9 +16,11 @@ bound* on the true privacy loss, and it is kept tight:
 * ``"prv"``: Opacus' PRV accountant (Gopi et al.), a second tight numeric
   accountant; it returns its upper error bound.
 
-``sensitivity`` K models mechanisms whose L2 sensitivity is K*C while the
-noise std is sigma*C (e.g. per-batch clipping in DP-CLIP, K = 2): this is
-the same mechanism as noise multiplier sigma/K.
+One sigma convention, the engine's, everywhere (CLI included): sigma is the
+noise multiplier *relative to the sensitivity*, noise std = sigma * K * C for
+an L2 sensitivity of K*C (K = 1 per example, 2 for DP-CLIP's per-batch
+clipping). Epsilon is then a function of sigma, q, steps and delta alone;
+K only scales the noise that is added (privacy/engine.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 # The back-ends (accountants.py) import their libraries where they are used: Opacus (rdp, prv) brings
 # torch, dp_accounting (pld) scipy; so `dpfm --help` needs neither and `dpfm calibrate` only one.
-from pipeline.privacy.accountants import _PLD_SEARCH_INTERVALS, _eps_noise, _pld_eps_at, _pld_epsilon_and_interval
+from pipeline.privacy.accountants import (_PLD_SEARCH_INTERVALS, ADJACENCIES, _eps_noise, _pld_eps_at,
+                                          _pld_epsilon_and_interval, check_adjacency)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -96,13 +99,12 @@ def _check_accountant(accountant) -> str:
     return accountant
 
 
-def _validate(sigma, sample_rate, steps, delta, sensitivity, accountant):
+def _validate(sigma, sample_rate, steps, delta, accountant):
     return (
         _check_positive("sigma", sigma),
         _check_sample_rate(sample_rate),
         _check_steps(steps),
         _check_delta_range(delta),
-        _check_positive("sensitivity", sensitivity),
         _check_accountant(accountant),
     )
 
@@ -158,20 +160,19 @@ def epsilon(
     steps: int,
     delta: float,
     *,
-    sensitivity: float = 1.0,
     accountant: str = "pld",
+    adjacency: str = "add_remove",
 ) -> float:
-    """Epsilon of ``steps`` Poisson-sampled Gaussian steps at the given delta.
+    """Epsilon of ``steps`` Poisson-sampled Gaussian steps at the given delta, for neighbours that
+    differ by one example added or removed (``add_remove``) or replaced (``replace_one``).
 
-    ``sigma`` is the noise multiplier (noise std / clipping norm C),
-    ``sample_rate`` the Poisson sampling probability q = B/n, and
-    ``sensitivity`` K the L2 sensitivity in units of C (noise multiplier
-    becomes sigma/K).
+    ``sigma`` is the noise multiplier (noise std / (sensitivity K * clip
+    norm C)), and ``sample_rate`` the Poisson sampling probability q = B/n.
     """
-    sigma, q, steps, delta, k, accountant = _validate(
-        sigma, sample_rate, steps, delta, sensitivity, accountant
+    sigma, q, steps, delta, accountant = _validate(
+        sigma, sample_rate, steps, delta, accountant
     )
-    return _eps_noise(sigma / k, q, steps, delta, accountant)
+    return _eps_noise(sigma, q, steps, delta, accountant, adjacency)
 
 
 def epsilon_curve(
@@ -180,8 +181,8 @@ def epsilon_curve(
     steps_list: Iterable[int],
     delta: float,
     *,
-    sensitivity: float = 1.0,
     accountant: str = "pld",
+    adjacency: str = "add_remove",
 ) -> List[float]:
     """Epsilon after each step count in ``steps_list`` (order preserved).
 
@@ -192,22 +193,23 @@ def epsilon_curve(
     within its ~0.1% accuracy).  PRV: one Opacus evaluation per point.
     """
     steps_list = list(steps_list)
-    sigma, q, _, delta, k, accountant = _validate(
-        sigma, sample_rate, 0, delta, sensitivity, accountant
+    sigma, q, _, delta, accountant = _validate(
+        sigma, sample_rate, 0, delta, accountant
     )
     steps_list = [_check_steps(t) for t in steps_list]
-    noise = sigma / k
+    check_adjacency(adjacency, accountant)
+    noise = sigma
     nonzero = [t for t in steps_list if t > 0]
     if accountant == "pld" and nonzero:
         interval = min(
-            _pld_epsilon_and_interval(noise, q, t, delta)[1]
+            _pld_epsilon_and_interval(noise, q, t, delta, adjacency)[1]
             for t in {min(nonzero), max(nonzero)}
         )
         return [
-            _pld_eps_at(noise, q, t, delta, interval) if t > 0 else 0.0
+            _pld_eps_at(noise, q, t, delta, interval, adjacency) if t > 0 else 0.0
             for t in steps_list
         ]
-    return [_eps_noise(noise, q, t, delta, accountant) for t in steps_list]
+    return [_eps_noise(noise, q, t, delta, accountant, adjacency) for t in steps_list]
 
 
 def _solve_sigma(
@@ -308,10 +310,10 @@ def calibrate_sigma(
     steps: int,
     delta: float,
     *,
-    sensitivity: float = 1.0,
     accountant: str = "pld",
+    adjacency: str = "add_remove",
 ) -> float:
-    """Smallest noise multiplier sigma whose epsilon is <= target_epsilon.
+    """Smallest noise multiplier sigma whose epsilon (under ``adjacency``) is <= target_epsilon.
 
     The returned sigma satisfies, with :func:`epsilon` and the same
     arguments, ``0.998 * target <= epsilon(sigma) <= target`` (never above).
@@ -326,9 +328,10 @@ def calibrate_sigma(
     delta ~ 1e-5, PRV at its eps_error 0.01 and overflows above ~709).
     """
     target = _check_positive("target_epsilon", target_epsilon)
-    _, q, steps, delta, k, accountant = _validate(
-        1.0, sample_rate, steps, delta, sensitivity, accountant
+    _, q, steps, delta, accountant = _validate(
+        1.0, sample_rate, steps, delta, accountant
     )
+    check_adjacency(adjacency, accountant)
     if steps == 0:
         raise ValueError(
             "steps=0 spends no privacy budget: every sigma gives epsilon=0, "
@@ -336,7 +339,7 @@ def calibrate_sigma(
         )
 
     def final_eps(sigma: float) -> float:
-        return _eps_noise(sigma / k, q, steps, delta, accountant)
+        return _eps_noise(sigma, q, steps, delta, accountant, adjacency)
 
     stages: List[Callable[[float], float]] = []
     if accountant in ("pld", "prv"):
@@ -344,7 +347,7 @@ def calibrate_sigma(
         # within ~0.2% of PRV, so it is a cheap way to get next to the answer.
         for interval in _PLD_SEARCH_INTERVALS:
             stages.append(
-                lambda s, v=interval: _pld_eps_at(s / k, q, steps, delta, v)
+                lambda s, v=interval: _pld_eps_at(s, q, steps, delta, v, adjacency)
             )
     stages.append(final_eps)
 
@@ -414,7 +417,6 @@ def steps_to_reach(
     delta: float,
     accountant: str = "pld",
     *,
-    sensitivity: float = 1.0,
     max_steps: int = 10**8,
 ) -> int:
     """Largest step count T with ``epsilon(sigma, q, T, delta) <= target``.
@@ -430,11 +432,11 @@ def steps_to_reach(
     PLD/PRV accuracy, so tight-accountant answers are good to ~+-1 step.
     """
     target = _check_positive("target_epsilon", target_epsilon)
-    sigma, q, _, delta, k, accountant = _validate(
-        sigma, sample_rate, 0, delta, sensitivity, accountant
+    sigma, q, _, delta, accountant = _validate(
+        sigma, sample_rate, 0, delta, accountant
     )
     max_steps = _check_steps(max_steps)
-    noise = sigma / k
+    noise = sigma
 
     def public(t: int) -> float:
         return _eps_noise(noise, q, t, delta, accountant)

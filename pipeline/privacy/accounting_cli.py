@@ -41,13 +41,19 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--sensitivity",
         type=float,
         default=1.0,
-        help="L2 sensitivity in units of the clip norm (2 for per-batch clipping)",
+        help="L2 sensitivity K in units of the clip norm (2 for per-batch clipping). sigma is relative to it, "
+             "as in dp-train and the ledger: the noise std is sigma*K*C, and epsilon does not depend on K",
     )
     parser.add_argument(
         "--accountant",
         choices=_ACCOUNTANT_CHOICES,
         default="pld",
         help="pld (tight, default), rdp (Opacus RDP), prv (Opacus PRV) or all",
+    )
+    parser.add_argument(
+        "--adjacency", choices=["replace_one", "add_remove"], default="replace_one",
+        help="neighbours: replace_one (dp-train's default, privacy.adjacency: covers releasing n) or add_remove "
+             "(the literature's; rdp and prv account only this one)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -87,6 +93,8 @@ def add_accounting_commands(subparsers) -> None:
     plan.add_argument("--sensitivity", type=float, default=1.0, help="2 for per-batch clipping (Dp-CLIP)")
     plan.add_argument("--examples-per-s", type=float, help="training throughput, to print hours per schedule")
     plan.add_argument("--accountant", choices=list(accounting.ACCOUNTANTS), default="pld")
+    plan.add_argument("--adjacency", choices=["replace_one", "add_remove"], default="replace_one",
+                      help="replace_one (dp-train's default) or add_remove (the literature's)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_run_plan, _parser=plan)
 
@@ -120,8 +128,12 @@ def _resolve(args) -> Dict[str, object]:
         print(f"warning: delta={delta:g} >= 1/n = {1.0 / args.n:g}: a mechanism that publishes one random "
               "example in full meets such a guarantee; dp-train requires delta < 1/n", file=sys.stderr)
     names: List[str] = (
-        list(accounting.ACCOUNTANTS) if args.accountant == "all" else [args.accountant]
+        [a for a in accounting.ACCOUNTANTS if args.adjacency == "add_remove" or a == "pld"]
+        if args.accountant == "all" else [args.accountant]
     )
+    if args.adjacency == "replace_one" and names != ["pld"]:
+        args._parser.error(f"--accountant {args.accountant} accounts add/remove neighbours only: pass "
+                           "--adjacency add_remove (the literature's), or use pld")
     return {"sample_rate": sample_rate, "delta": delta, "accountants": names}
 
 
@@ -132,8 +144,9 @@ def _emit(args, payload: Dict[str, object], lines: List[str]) -> None:
         print("\n".join(lines))
 
 
-def _settings_line(steps: int, q: float, delta: float, k: float) -> str:
-    return f"steps={steps}  q={q:.6g}  delta={delta:.6g}  sensitivity={k:g}"
+def _settings_line(steps: int, q: float, delta: float, k: float, adjacency: str) -> str:
+    return (f"steps={steps}  q={q:.6g}  delta={delta:.6g}  sensitivity={k:g} (noise std = sigma*{k:g}*C)  "
+            f"adjacency={adjacency}")
 
 
 def _run_epsilon(args) -> int:
@@ -144,11 +157,11 @@ def _run_epsilon(args) -> int:
         for name in cfg["accountants"]:
             results[name] = accounting.epsilon(
                 args.sigma, q, args.steps, delta,
-                sensitivity=args.sensitivity, accountant=name,
+                accountant=name, adjacency=args.adjacency,
             )
     except ValueError as exc:
         args._parser.error(str(exc))
-    lines = [f"sigma={args.sigma:g}  " + _settings_line(args.steps, q, delta, args.sensitivity)]
+    lines = [f"sigma={args.sigma:g}  " + _settings_line(args.steps, q, delta, args.sensitivity, args.adjacency)]
     lines += [f"epsilon[{name}] = {value:.4f}" for name, value in results.items()]
     payload = {
         "command": "epsilon",
@@ -157,6 +170,7 @@ def _run_epsilon(args) -> int:
         "sample_rate": q,
         "delta": delta,
         "sensitivity": args.sensitivity,
+        "adjacency": args.adjacency,
         "epsilon": results,
     }
     _emit(args, payload, lines)
@@ -177,18 +191,18 @@ def _run_calibrate(args) -> int:
         for name in cfg["accountants"]:
             sigma = accounting.calibrate_sigma(
                 args.epsilon, q, args.steps, delta,
-                sensitivity=args.sensitivity, accountant=name,
+                accountant=name, adjacency=args.adjacency,
             )
             sigmas[name] = sigma
             achieved[name] = accounting.epsilon(
                 sigma, q, args.steps, delta,
-                sensitivity=args.sensitivity, accountant=name,
+                accountant=name, adjacency=args.adjacency,
             )
     except ValueError as exc:
         args._parser.error(str(exc))
     lines = [
         f"target epsilon={args.epsilon:g}  "
-        + _settings_line(args.steps, q, delta, args.sensitivity)
+        + _settings_line(args.steps, q, delta, args.sensitivity, args.adjacency)
     ]
     # Printed sigma is rounded *up*: more noise never breaks the target.
     lines += [
@@ -202,6 +216,7 @@ def _run_calibrate(args) -> int:
         "sample_rate": q,
         "delta": delta,
         "sensitivity": args.sensitivity,
+        "adjacency": args.adjacency,
         "sigma": sigmas,
         "epsilon": achieved,
     }
@@ -210,14 +225,15 @@ def _run_calibrate(args) -> int:
 
 
 def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float], batch_sizes: Sequence[int],
-                   sensitivity: float = 1.0, accountant: str = "pld") -> List[Dict[str, float]]:
+                   sensitivity: float = 1.0, accountant: str = "pld",
+                   adjacency: str = "replace_one") -> List[Dict[str, float]]:
     """Every (B, epochs) schedule: T = ceil(epochs * n / B) steps, its calibrated sigma and sigma/B."""
     rows = []
     for batch in batch_sizes:
         for e in epochs:
             steps = max(1, math.ceil(e * n / batch))
             q = batch / n
-            sigma = accounting.calibrate_sigma(epsilon, q, steps, delta, sensitivity=sensitivity, accountant=accountant)
+            sigma = accounting.calibrate_sigma(epsilon, q, steps, delta, accountant=accountant, adjacency=adjacency)
             rows.append({"batch": batch, "sample_rate": q, "epochs": e, "steps": steps, "sigma": sigma,
                          "noise_per_coordinate": sigma * sensitivity / batch})
     return rows
@@ -239,14 +255,15 @@ def _run_plan(args) -> int:
     if any(e <= 0 for e in args.epochs):
         parser.error("--epochs must be positive")
     try:
-        rows = plan_schedules(args.n, args.epsilon, delta, args.epochs, batches, args.sensitivity, args.accountant)
+        rows = plan_schedules(args.n, args.epsilon, delta, args.epochs, batches, args.sensitivity, args.accountant,
+                              args.adjacency)
     except ValueError as exc:
         parser.error(str(exc))
     for r in rows:
         if args.examples_per_s:
             r["hours"] = r["epochs"] * args.n / args.examples_per_s / 3600
     lines = [f"n={args.n}  epsilon={args.epsilon:g}  delta={delta:.3g}  sensitivity={args.sensitivity:g}  "
-             f"({args.accountant}); noise per averaged coordinate = sigma*sensitivity/B, in units of C",
+             f"({args.accountant}, {args.adjacency}); noise per averaged coordinate = sigma*sensitivity/B, in units of C",
              f"{'B':>9} {'q':>9} {'epochs':>7} {'steps':>7} {'sigma':>8} {'sigma/B':>10}"
              + (f" {'hours':>8}" if args.examples_per_s else "")]
     for r in rows:

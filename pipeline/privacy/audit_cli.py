@@ -63,10 +63,17 @@ def _step(args) -> int:
                                "run `dpfm shards` first or pass --sigma"])
         from pipeline.stages.dp_train import plan_mechanism
 
-        sigma = plan_mechanism(params["dp"], read_json(stats)["private"]["usable"])["sigma"]
+        sigma = plan_mechanism(params["dp"], read_json(stats)["private"]["usable"],
+                               params["privacy"]["adjacency"])["sigma"]
     device = "cuda" if params["run"]["device"] == "cuda" else "cpu"
     world = init_world(device)
     result = audit_step(params, sigma, world, device)
+    from pipeline.objectives import objective
+    from pipeline.privacy.step_audit import worst_case_sensitivity
+
+    worst = worst_case_sensitivity(objective(params["dp"]["objective"]).clipping, params["dp"]["clipping"],
+                                   params["dp"]["precision"], params["dp"]["clip_norm"], sigma, device)
+    result = {**result, "worst_case": worst, "problems": result["problems"] + worst["problems"]}
     if world.is_main:
         dp = params["dp"]
         print(f"audit of the dp-train step: objective={dp['objective']}, clipping={dp['clipping']}, "
@@ -76,6 +83,8 @@ def _step(args) -> int:
         print(f"  sensitivity  {result['sensitivity']:.6g}  = {result['sensitivity_ratio']:.4f} × accounted "
               f"{result['sensitivity_accounted']:.6g}")
         print(f"  σ effective  {result['sigma_effective']:.4g} (accounted {sigma:.4g})")
+        print(f"  worst case   {worst['move']:.6g}  = {worst['ratio']:.4f} × accounted {worst['bound']:.6g}  "
+              f"(neighbours built to move the release the most)")
         for problem in result["problems"]:
             print(f"  FLAGGED: {problem}")
         if not result["problems"]:

@@ -1,57 +1,117 @@
-"""The privacy budget of one private dataset: every DP training run on it, composed.
+"""The privacy budget: every DP training run on the private examples, composed.
 
-Each dp-train run appends its mechanism (σ, q, planned steps, δ) to `.dpfm/budget/<fingerprint>.jsonl`
-before its first step, keyed by the data's fingerprint (a digest of its index) and by the run's
-identity (its state directory, itself a digest of the params and inputs): a resumed run is the same
-entry, a re-run with other params or another objective is a new one. Planned steps are charged,
-not applied ones: a run may go on to its plan at any later resume, so this is an upper bound.
+Each DP training (dp-train, every DP point of the curve, evaluate's extra seeds) appends its
+mechanism (σ, q, planned steps, δ) to `data/budget/runs.jsonl` before its first step, with the
+identity of the examples it trains on and its own identity (its state directory, a digest of the
+params and inputs: a resumed run is the same entry, a re-run with other params a new one). Planned
+steps are charged, not applied ones: a run may go on to its plan at any later resume.
 
-`verify` and the report show the composed ε of all runs on the data beside the run's own: several
-models trained on one dataset together release more than any one of them. Deleting `.dpfm/`
-deletes this record too; keep it with the data.
+The examples' identity is a digest of the multiset of their content digests (index `content_hash`:
+image and caption bytes), so re-sharding, rescanning or reordering the same examples keeps it. Runs
+on *overlapping* sets (a subsample, a rescan that lost a shard, a new download sharing images) must
+compose too: each set also leaves a sketch, a 2²⁴-bit map of its examples' digests, and a run is
+composed with every recorded run whose set shares a bit with its own. Two disjoint sets can share
+a bit by chance (more likely the larger they are), which only charges more than needed; a set
+that truly overlaps always does, so composition is never undercounted.
+
+The budget lives with the data (`data/budget/`, beside the shards; `make push` versions it with
+DVC, `make clean` keeps it): it is the data owner's record and lives where the shards live. Only the
+composed ε computed from it is published.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from pipeline.data.index import INDEX_NAME
+from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
+from pipeline.io import atomic_path
 from pipeline.privacy import accounting
 from pipeline.privacy.accountants import PLD_REL_TOL, PLD_START_INTERVAL
 
-BUDGET_DIR = Path(".dpfm/budget")
+BUDGET_DIR = Path("data/budget")
+SKETCH_BITS = 24  # 2 MiB per set: disjoint sets of n₁ and n₂ examples share a bit with chance ≈ n₁n₂/2²⁴
 
 
-def fingerprint(private_dir: str | Path) -> str:
-    """The private data's identity: a digest of its index (which example lives where, and its bytes'
-    digests), so a byte-identical re-download keeps it and any other data changes it."""
-    h = hashlib.sha256()
-    with open(Path(private_dir) / INDEX_NAME, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
+class IdentityError(ValueError):
+    """The index cannot say which examples it holds."""
 
 
-def record(data: str, run: str, mech: dict) -> None:
-    """Charge run `run`'s planned mechanism to dataset `data` (once; fsynced before training)."""
-    if any(entry["run"] == run for entry in runs(data)):
+def _salted(h: np.ndarray, salt: int) -> np.ndarray:
+    return mix64_np(h ^ np.uint64((salt * GOLDEN) & MASK64))
+
+
+def examples_identity(private_dir: str | Path) -> tuple[str, np.ndarray]:
+    """(identity, sketch) of the usable examples of a shard directory, streamed from its index in
+    row batches (memory flat in n): the identity adds two salted 64-bit mixes of every content digest
+    (an order-free multiset digest), the sketch sets one bit per example."""
+    path = Path(private_dir) / INDEX_NAME
+    pf = pq.ParquetFile(path)
+    if "content_hash" not in pf.schema_arrow.names:
+        raise IdentityError(f"{path} predates content digests, which the privacy budget needs: re-run the shards stage")
+    count, sums = 0, [np.uint64(0), np.uint64(0)]
+    sketch = np.zeros(1 << SKETCH_BITS, dtype=bool)
+    with np.errstate(over="ignore"):
+        for batch in pf.iter_batches(batch_size=1 << 20, columns=["content_hash", "status"]):
+            batch = batch.filter(pc.equal(batch.column("status"), "ok"))
+            digests = batch.column("content_hash")
+            if digests.null_count:
+                raise IdentityError(f"{path}: {digests.null_count} usable rows have no content digest: re-run the "
+                                    "shards stage")
+            h = digests.to_numpy()
+            count += len(h)
+            sums = [sums[i] + _salted(h, i + 1).sum(dtype=np.uint64) for i in range(2)]
+            sketch[_salted(h, 3) >> np.uint64(64 - SKETCH_BITS)] = True
+    identity = hashlib.sha256(f"{count}:{int(sums[0]):016x}:{int(sums[1]):016x}".encode()).hexdigest()[:16]
+    return identity, sketch
+
+
+def _sketch_path(identity: str) -> Path:
+    return BUDGET_DIR / "sets" / f"{identity}.npz"
+
+
+def _save_sketch(identity: str, sketch: np.ndarray) -> None:
+    if _sketch_path(identity).exists():
         return
-    entry = {"run": run, "objective": mech["objective"], "sigma": mech["sigma"], "sample_rate": mech["sample_rate"],
-             "steps": mech["planned_steps"], "delta": mech["delta"], "n": mech["n"], "recorded": time.time()}
+    with atomic_path(_sketch_path(identity)) as tmp, open(tmp, "wb") as f:
+        np.savez_compressed(f, bits=np.packbits(sketch))
+
+
+def _load_sketch(identity: str) -> np.ndarray | None:
+    path = _sketch_path(identity)
+    if not path.exists():
+        return None
+    with np.load(path) as z:
+        return z["bits"]
+
+
+def record(identity: str, sketch: np.ndarray, run: str, mech: dict) -> None:
+    """Charge run `run`'s planned mechanism to the examples `identity` (once; fsynced before training)."""
+    _save_sketch(identity, sketch)
+    if any(entry["run"] == run for entry in _entries()):
+        return
+    entry = {"run": run, "set": identity, "objective": mech["objective"], "sigma": mech["sigma"],
+             "sample_rate": mech["sample_rate"], "steps": mech["planned_steps"], "delta": mech["delta"],
+             "n": mech["n"], "adjacency": mech.get("adjacency", "add_remove"), "recorded": time.time()}
     BUDGET_DIR.mkdir(parents=True, exist_ok=True)
-    with open(BUDGET_DIR / f"{data}.jsonl", "a") as f:
+    with open(BUDGET_DIR / "runs.jsonl", "a") as f:
         f.write(json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def runs(data: str) -> list[dict]:
-    """The DP runs charged to dataset `data` (a line torn by a kill is dropped: its run had not started)."""
-    path = BUDGET_DIR / f"{data}.jsonl"
+def _entries() -> list[dict]:
+    """Every charged run (a line torn by a kill is dropped: its run had not started)."""
+    path = BUDGET_DIR / "runs.jsonl"
     if not path.exists():
         return []
     out = []
@@ -63,38 +123,62 @@ def runs(data: str) -> list[dict]:
     return out
 
 
-def composed_epsilon(entries: list[dict], delta: float) -> float:
-    """ε at δ of the runs' mechanisms applied one after another to the same data: PLD composition of
-    Poisson-subsampled Gaussians (σ relative to the sensitivity), its discretisation halved until
-    stable to 0.1%, and never above dp_accounting's RDP bound of the same composition."""
+def runs(identity: str) -> list[dict]:
+    """The DP runs that touched any example of set `identity`: on the same set, or on a set whose
+    sketch shares a bit with its sketch (a set without a sketch on record counts as overlapping)."""
+    mine = _load_sketch(identity)
+    overlaps: dict[str, bool] = {identity: True}
+    out = []
+    for entry in _entries():
+        other = entry["set"]
+        if other not in overlaps:
+            theirs = _load_sketch(other)
+            overlaps[other] = mine is None or theirs is None or bool(np.any(mine & theirs))
+        if overlaps[other]:
+            out.append(entry)
+    return out
+
+
+def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_remove") -> float:
+    """ε at δ of the runs' mechanisms applied one after another to the same data, for `adjacency`
+    neighbours: PLD composition of Poisson-subsampled Gaussians (σ relative to the sensitivity), its
+    discretisation halved until stable to 0.1%, and (add/remove) never above dp_accounting's RDP
+    bound of the same composition."""
     if len(entries) == 1:
         e = entries[0]
-        return accounting.epsilon(e["sigma"], e["sample_rate"], e["steps"], delta)
+        return accounting.epsilon(e["sigma"], e["sample_rate"], e["steps"], delta, adjacency=adjacency)
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.rdp import rdp_privacy_accountant
+
+    from pipeline.privacy.accountants import _relation
 
     event = dp_accounting.ComposedDpEvent([
         dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(e["sample_rate"], dp_accounting.GaussianDpEvent(e["sigma"])), e["steps"])
         for e in entries if e["steps"] > 0])
-    rdp = rdp_privacy_accountant.RdpAccountant().compose(event).get_epsilon(delta)
+    # dp_accounting's RDP has no replace-one for Poisson sampling: there the PLD stands alone.
+    rdp = rdp_privacy_accountant.RdpAccountant().compose(event).get_epsilon(delta) if adjacency == "add_remove" else math.inf
     interval, last = PLD_START_INTERVAL, None
     while interval > 1e-5:
-        eps = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval).compose(event).get_epsilon(delta)
+        eps = pld_privacy_accountant.PLDAccountant(_relation(adjacency), value_discretization_interval=interval
+                                                   ).compose(event).get_epsilon(delta)
         if last is not None and abs(eps - last) <= PLD_REL_TOL * eps:
             return float(min(eps, rdp))
         last, interval = eps, interval / 2
+    if math.isinf(rdp):
+        return float(eps)  # the finest grid tried: pessimistic, so still an upper bound
     return float(rdp)
 
 
 def composition(ledger: dict, delta: float) -> dict:
-    """ε of every DP run charged to this run's private data, composed (budget.py); this run is
-    counted even if the budget record was lost."""
-    entries = runs(ledger["data_fingerprint"]) if "data_fingerprint" in ledger else []
+    """ε of every DP run charged to examples this run trained on, composed; this run is counted even
+    if the budget record was lost."""
+    entries = runs(ledger["data_identity"]) if "data_identity" in ledger else []
     if not any(e["run"] == ledger.get("run") for e in entries):
         entries.append({"run": ledger.get("run"), "objective": ledger["objective"], "sigma": ledger["sigma"],
                         "sample_rate": ledger["sample_rate"], "steps": ledger["planned_steps"]})
-    return {"epsilon": composed_epsilon(entries, delta), "runs": len(entries),
-            "data_fingerprint": ledger.get("data_fingerprint"),
+    adjacency = ledger.get("adjacency", "add_remove")  # a ledger from before it was recorded: add/remove
+    return {"epsilon": composed_epsilon(entries, delta, adjacency), "runs": len(entries), "adjacency": adjacency,
+            "data_identity": ledger.get("data_identity"),
             "by_run": [{k: e[k] for k in ("run", "objective", "sigma", "sample_rate", "steps")} for e in entries]}

@@ -60,6 +60,20 @@ class Mechanism:
         return self.sigma * self.sensitivity * self.clip_norm
 
 
+def check_clipping(method: str, precision: str, device: str) -> None:
+    """Refuse a clipper × precision whose clipped sum can exceed C (the accounted sensitivity)."""
+    from pipeline.train import uses_bf16
+
+    low = precision == "fp16" or uses_bf16(device, precision)
+    if method == "opacus-ghost" and low:
+        # Its ghost norms come from low-precision activations: the step audit measured the clipped
+        # sum exceeding C (ratio 1.0013 in bf16), which the accountant's sensitivity does not allow.
+        raise ValueError("dp.clipping=opacus-ghost exceeds the clip norm under bf16/fp16 autocast: use it with "
+                         "dp.precision=fp32, or dp.clipping=bookkeeping (exact in every precision)")
+    if method.startswith("opacus-") and precision == "fp16":
+        raise ValueError("the Opacus baselines have no loss scale: use dp.clipping=bookkeeping for fp16")
+
+
 def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: str = "bookkeeping",
                  autocast=contextlib.nullcontext, loss_scale: float = 1.0, gather=None):
     """The clipper for a clipping mode ("per_sample" or "per_batch") and, per example, a method:

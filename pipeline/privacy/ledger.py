@@ -1,7 +1,8 @@
 """The privacy ledger: an append-only record of everything the accountant needs.
 
 Line 1 is the header (n, δ, q, σ, C, sensitivity, sampler, target ε); then one line per logical step
-with its realised batch size, appended and fsynced *before* the step's update is applied. A step
+with its realised batch size, appended and fsynced *before* the step's update is applied. The file
+lives in the run's state directory, never published; `public()` is what models/dp/ledger.json holds. A step
 re-run after a crash redraws the same batch and noise (same key), so it is recorded once; the
 ledger therefore never counts fewer steps than were applied.
 """
@@ -65,5 +66,10 @@ class Ledger:
         return len(self.batch_sizes)
 
     def to_dict(self) -> dict:
-        return {**self.header, "steps": self.steps,
-                "batch_sizes": [self.batch_sizes[s] for s in sorted(self.batch_sizes)]}
+        """Everything: the mechanism and every step's realised batch size (owner-only: privacy/owner.py)."""
+        return {**self.public(), "batch_sizes": [self.batch_sizes[s] for s in sorted(self.batch_sizes)]}
+
+    def public(self) -> dict:
+        """What may be published: the mechanism and the number of steps charged, not the batch sizes
+        (they reveal the sampling that the accountant assumes is secret)."""
+        return {**self.header, "steps": self.steps}

@@ -14,6 +14,15 @@ It measures the two numbers the accountant takes on trust, from the step's own o
 A step whose noise is scaled ×0.5 or ×0.7, divided by the world size, or whose examples count W
 times, fails with a message naming the figure that is off. The one-run canary audit (audit.py) is
 the statistical, black-box complement.
+
+Random inputs rarely reach the sensitivity bound: a per-batch clipped mean of 16 random examples
+moves by a fraction of 2C when one leaves, so an engine told K = 1 for Dp-CLIP would pass. The
+worst-case neighbours (`worst_case_sensitivity`) reach it by construction, on a model whose
+per-example loss is ⟨θ, v_i⟩ so each example's gradient is the vector it is given: per example,
+one example of large gradient joins (the release moves by exactly C, clipped); per batch, one
+example joins a batch whose mean points one way and turns it the other way (the clipped mean
+flips from +C·u to −C·u: the release moves by 2C). Either way the measured move must not exceed
+K·C, for every clipper and precision dp-train accepts.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from scipy import stats
 from pipeline.distributed import World, gather_with_grad
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
-from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
+from pipeline.privacy.engine import SENSITIVITY, Mechanism, dp_step, make_clipper
 from pipeline.train import autocast, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
@@ -117,3 +126,52 @@ def judge(noise: torch.Tensor, largest_move: float, mech: Mechanism, world_size:
             "sensitivity_ratio": largest_move / bound, "sigma_accounted": mech.sigma,
             "sigma_effective": measured / max(largest_move, bound), "world_size": world_size,
             "verdict": "flagged" if problems else "consistent", "problems": problems}
+
+
+class LinearLoss(nn.Module):
+    """loss_i = ⟨θ, v_i⟩: example i's gradient is exactly v_i, so the audit chooses every gradient."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.head = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, v: torch.Tensor, gather=None) -> torch.Tensor:
+        return self.head(v).squeeze(-1)
+
+
+def worst_case_pair(mode: str, dim: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradients of D, of D plus one example) whose releases differ the most under `mode` clipping."""
+    u = torch.zeros(dim)
+    u[0] = scale  # beyond C: everything is clipped (and within fp16's range under its loss scale)
+    if mode == "per_batch":  # mean +u over D; the joiner makes the mean of D' equal to -u
+        return u[None].clone(), torch.stack([u, -3 * u])
+    others = torch.randn(3, dim, generator=torch.Generator().manual_seed(0)) * scale
+    return others, torch.cat([others, u[None]])
+
+
+def worst_case_sensitivity(mode: str, method: str, precision: str, clip_norm: float = 1.0, sigma: float = 1.0,
+                           device: str = "cpu", dim: int = 8, world: World = World()) -> dict:
+    """How far one example moves the step's release at its worst, against the accounted K·C, for a
+    clipping mode ("per_sample" | "per_batch"), a clipper method and a precision."""
+    sensitivity = SENSITIVITY[mode]
+    mech = Mechanism(sample_rate=1.0, sigma=sigma, clip_norm=clip_norm, sensitivity=sensitivity,
+                     denominator=1.0, steps=1)
+    small, large = (x.to(device) for x in worst_case_pair(mode, dim, 2 * clip_norm))
+
+    def release(grads: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = LinearLoss(dim).to(device)
+        clipper = make_clipper(mode, model, clip_norm, method, autocast=lambda: autocast(device, precision),
+                               loss_scale=loss_scale(precision),
+                               gather=gather_with_grad(world) if mode == "per_batch" else None)
+        dp_step(0, sampler=FixedBatch(np.arange(len(grads))), fetch=lambda s, idx, pos: [grads[idx[pos]]],
+                clipper=clipper, mech=mech, key=7, world=world)
+        return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters()])
+
+    move = float((release(large) - release(small)).norm())
+    bound = sensitivity * clip_norm
+    problems = [] if move <= bound * (1 + SENSITIVITY_TOL) else [
+        f"worst-case neighbours move the release by {move:.4g}, {move / bound:.2f}× the accounted sensitivity "
+        f"K·C = {bound:.4g} ({mode} clipping, {method}, {precision})"]
+    return {"mode": mode, "method": method, "precision": precision, "move": move, "bound": bound,
+            "ratio": move / bound, "problems": problems}

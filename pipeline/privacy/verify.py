@@ -19,7 +19,7 @@ from scipy import stats as sstats
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json
 from pipeline.objectives import OBJECTIVES
-from pipeline.privacy import accounting
+from pipeline.privacy import accounting, owner
 
 DP_DIR, OUT = "models/dp", "results/privacy/verification.json"
 FAILED_OUT = "results/privacy/verification-failed.json"
@@ -87,16 +87,24 @@ def curve_steps(steps: int, points: int = CURVE_POINTS) -> list[int]:
     return sorted({max(1, round(steps * i / points)) for i in range(1, points + 1)}) if steps else []
 
 
-def epsilon_curves(multiplier: float, q: float, steps: int, delta: float, accountants: list[str]) -> dict:
+def epsilon_curves(multiplier: float, q: float, steps: int, delta: float, accountants: list[str],
+                   adjacency: str = "add_remove") -> dict:
     """ε after each step count, one list per accountant, for the report and MLflow."""
     grid = curve_steps(steps)
-    return {"steps": grid, **{a: accounting.epsilon_curve(multiplier, q, grid, delta, accountant=a)
+    return {"steps": grid, **{a: accounting.epsilon_curve(multiplier, q, grid, delta, accountant=a, adjacency=adjacency)
                               for a in accountants}}
 
 
-def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str], alpha: float) -> dict:
+def supporting(accountants: list[str], adjacency: str) -> list[str]:
+    """The accountants that account `adjacency` (replace-one: PLD only)."""
+    return [a for a in accountants if adjacency == "add_remove" or a == "pld"]
+
+
+def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str], alpha: float,
+           adjacency: str | None = None) -> dict:
     """Run every check on a ledger and the optimizer's own step count. `dp` is the params.yaml
-    section the run was asked to follow. Raises VerificationFailed if the ledger is unreadable."""
+    section the run was asked to follow, `adjacency` its privacy.adjacency (None: not compared).
+    Raises VerificationFailed if the ledger is unreadable."""
     problems = ledger_problems(ledger)
     if not (isinstance(optimizer_steps, int) and not isinstance(optimizer_steps, bool)):
         problems.append(f"checkpoint optimizer_steps={optimizer_steps!r} must be an integer")
@@ -119,8 +127,10 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
     check("noise_matches_sigma", math.isclose(ledger["noise_std"], want_std, rel_tol=1e-9),
           f"noise std {ledger['noise_std']} vs σ·K·C = {want_std}")
     sizes = batch_size_tests(ledger["batch_sizes"], n, q)
+    # The p-values are statistics of the realised (private) batch sizes: the verdict is published,
+    # they are not (`owner_record`).
     check("batch_sizes_binomial", batch_sizes_pass(sizes, alpha),
-          f"p-values {sizes} against Binomial(n={n}, q={q:.5g}), each needs ≥ α/2 = {alpha / 2:g}")
+          f"realised batch sizes tested against Binomial(n={n}, q={q:.5g}) at α = {alpha:g} (p-values: data owner only)")
     check("delta_below_1_over_n", delta < 1 / n,
           f"δ={delta:.3g} must be below 1/n = {1 / n:.3g}: a larger δ allows publishing whole records")
     want_delta = accounting.parse_delta(dp["delta"], n)
@@ -130,6 +140,10 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
              "accountant": (ledger["accountant"], dp["accountant"])}
     if dp["sigma"] is not None:  # otherwise σ was calibrated from the target
         asked["sigma"] = (ledger["sigma"], dp["sigma"])
+    # A ledger written before adjacency was recorded was accounted add/remove.
+    relation = ledger.get("adjacency", "add_remove")
+    if adjacency is not None:
+        asked["adjacency"] = (relation, adjacency)
     differ = {k: v for k, v in asked.items()
               if not (v[0] == v[1] if isinstance(v[1], str) else math.isclose(v[0], v[1], rel_tol=1e-9))}
     check("ledger_matches_params", not differ,
@@ -140,28 +154,63 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
     # Noise multiplier relative to the sensitivity, recovered from the recorded noise itself.
     multiplier = ledger["noise_std"] / (ledger["sensitivity"] * ledger["clip_norm"])
     main = ledger["accountant"]
-    eps = {a: accounting.epsilon(multiplier, q, steps, delta, accountant=a) for a in dict.fromkeys(accountants + [main])}
+    check("accountant_supports_adjacency", main in supporting([main], relation),
+          f"{main} accounts {relation.replace('_', '-')} neighbours" if main in supporting([main], relation) else
+          f"{main} accounts add/remove only, the ledger says {relation}: its ε would not cover the run")
+    if main not in supporting([main], relation):
+        main = "pld"
+    # ε under the run's adjacency (the reported one); under add/remove for every accountant, as the
+    # literature states it (equal to the former when the run is add/remove).
+    literature = {a: accounting.epsilon(multiplier, q, steps, delta, accountant=a) for a in dict.fromkeys(accountants + [main])}
+    eps = literature if relation == "add_remove" else {
+        a: accounting.epsilon(multiplier, q, steps, delta, accountant=a, adjacency=relation)
+        for a in supporting(list(dict.fromkeys(accountants + [main])), relation)}
     main_eps = eps[main]
-    eps = {a: eps[a] for a in accountants}
+    eps = {a: eps[a] for a in supporting(accountants, relation)}
     target = dp["epsilon"]  # what the user asked for, not what the ledger says it was asked
     check("epsilon_within_target", main_eps <= target * (1 + 1e-9),
-          f"ε={main_eps:.4f} ({main}) vs target {target} (params.yaml dp.epsilon)")
+          f"ε={main_eps:.4f} ({main}, {relation.replace('_', '-')}) vs target {target} (params.yaml dp.epsilon)")
     claimed = ledger["epsilon"]
     check("claimed_epsilon_reproduced", math.isclose(claimed, main_eps, rel_tol=1e-3),
           f"training claimed ε={claimed:.4f}, recomputed {main_eps:.4f} ({main})")
-    if "pld" in eps and "rdp" in eps:
+    if relation == "replace_one":
+        # Replace-one is remove-then-add: never below add/remove, never above its group-privacy bound.
+        from pipeline.privacy.accountants import _rdp_bound
+
+        ar, group = accounting.epsilon(multiplier, q, steps, delta), _rdp_bound(multiplier, q, steps, delta, relation)
+        check("accountants_agree", ar * (1 - 1e-3) <= main_eps <= group,
+              f"replace-one PLD ε={main_eps:.4f} must lie between add/remove PLD ε={ar:.4f} and the group-privacy "
+              f"bound {group:.4f}")
+    elif "pld" in eps and "rdp" in eps:
         # RDP is an upper bound too, only looser: a PLD above it means one of them is wrong.
         check("accountants_agree", eps["pld"] <= eps["rdp"] * 1.01,
               f"PLD ε={eps['pld']:.4f} must not exceed RDP ε={eps['rdp']:.4f}")
     return {"passed": all(c["passed"] for c in checks), "checks": checks, "epsilon": eps,
-            "epsilon_reported": main_eps, "accountant": main, "delta": delta, "steps": steps,
+            "epsilon_reported": main_eps, "accountant": main, "adjacency": relation, "delta": delta, "steps": steps,
+            "epsilon_add_remove": {a: literature[a] for a in accountants},
             "sigma": ledger["sigma"], "noise_multiplier": multiplier, "sample_rate": q, "n": n,
-            "batch_size_p_values": sizes,
-            "epsilon_curve": epsilon_curves(multiplier, q, steps, delta, accountants)}
+            "epsilon_curve": epsilon_curves(multiplier, q, steps, delta, supporting(accountants, relation), relation)}
+
+
+def owner_record(ledger: dict, alpha: float) -> dict:
+    """What verify found that only the data owner may see: the batch-size test's p-values."""
+    return {"batch_size_p_values": batch_size_tests(ledger["batch_sizes"], ledger["n"], ledger["sample_rate"]),
+            "alpha": alpha}
+
+
+def with_batch_sizes(ledger: dict) -> dict:
+    """The published ledger (models/dp/ledger.json) joined with its run's owner-only batch sizes."""
+    name = owner.run_record(ledger.get("run", "?"))
+    record = owner.read(name)
+    if record is None:
+        raise VerificationFailed(f"{owner.path(name)} is missing: the realised batch sizes of run {ledger.get('run')} "
+                                 "are kept owner-only on the machine that trained it; verify there")
+    return {**ledger, "batch_sizes": record["batch_sizes"]}
 
 
 def load_run(dp_dir: str | Path = DP_DIR) -> tuple[dict, int]:
-    """The ledger and the optimizer's own count of applied updates from the dp-train outputs."""
+    """The ledger (with the owner-only batch sizes) and the optimizer's own count of applied updates
+    from the dp-train outputs."""
     dp_dir = Path(dp_dir)
     for name in ("ledger.json", "checkpoint.pt"):
         if not (dp_dir / name).is_file():
@@ -169,4 +218,4 @@ def load_run(dp_dir: str | Path = DP_DIR) -> tuple[dict, int]:
     ckpt = torch.load(dp_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
     if not isinstance(ckpt, dict) or "optimizer_steps" not in ckpt:
         raise VerificationFailed(f"{dp_dir / 'checkpoint.pt'} has no optimizer_steps: it was not written by dp-train")
-    return read_json(dp_dir / "ledger.json"), ckpt["optimizer_steps"]
+    return with_batch_sizes(read_json(dp_dir / "ledger.json")), ckpt["optimizer_steps"]

@@ -24,12 +24,13 @@ from pipeline.errors import VerificationFailed
 from pipeline.eval.evalsets import load_eval_set
 from pipeline.eval.probe import features, linear_probe
 from pipeline.eval.stats import accuracy_ci
-from pipeline.io import write_json
-from pipeline.privacy.verify import verify
+from pipeline.io import read_json, write_json
+from pipeline.privacy import release
+from pipeline.privacy.verify import verify, with_batch_sizes
 from pipeline.stages import dp_train
 
 OUT = "results/curve/curve.json"
-TRAIN_SECTIONS = ("run", "model", "dp")  # dp-train's own: its state directory (and budget entry) is keyed by them
+TRAIN_SECTIONS = ("run", "model", "dp", "privacy")  # dp-train's own (its state directory is keyed by run, model, dp)
 
 
 def point_params(params: dict, init: str, epsilon: float) -> dict:
@@ -52,8 +53,8 @@ def train_point(params: dict, ctx, init: str, epsilon: float):
     if not is_main:
         return model, None, is_main
     record.pop("history")
-    checked = verify(record, counters["applied_updates"], p["dp"], params["verify"]["accountants"],
-                     params["verify"]["batch_size_alpha"])
+    checked = verify(with_batch_sizes(record), counters["applied_updates"], p["dp"], params["verify"]["accountants"],
+                     params["verify"]["batch_size_alpha"], params["privacy"]["adjacency"])
     if not checked["passed"]:
         failed = [c["name"] for c in checked["checks"] if not c["passed"]]
         raise VerificationFailed(f"curve point ε={epsilon} from {init}: privacy verification failed: {', '.join(failed)}")
@@ -62,6 +63,9 @@ def train_point(params: dict, ctx, init: str, epsilon: float):
 
 def run(params: dict, ctx) -> None:
     cfg, ev, seed = params["curve"], params["evaluate"], params["run"]["seed"]
+    if any(math.isinf(e) for e in cfg["epsilons"]):  # refused before any DP point spends budget
+        release.check_nonprivate(params["privacy"], read_json("data/shards/stats.json").get("source"),
+                                 "curve.epsilons' ε = ∞ point")
     points, es, split, is_main = [], None, None, True
     for init in cfg["inits"]:
         for epsilon in sorted(cfg["epsilons"]):

@@ -27,11 +27,11 @@ from pipeline.data.sampling import PoissonSampler
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.distributed import barrier, broadcast_int, gather_with_grad, init_world
-from pipeline.io import atomic_dir, read_json, write_json
+from pipeline.io import atomic_dir, atomic_path, read_json, write_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
-from pipeline.privacy import accounting, budget
-from pipeline.privacy.engine import Mechanism, dp_step, make_clipper, micro_batches
+from pipeline.privacy import accounting, budget, owner, release
+from pipeline.privacy.engine import Mechanism, check_clipping, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
                             save_model, state_dir, step_generator)
@@ -85,15 +85,14 @@ def secret_key(directory, noise_seed: int | None) -> int:
     if noise_seed is not None:
         return noise_seed
     path = directory / "secret.key"
-    if not path.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        path.write_text(str(secrets.randbits(63)))
-        path.chmod(0o600)
+    if not path.exists():  # owner-only from its first byte, and whole or absent (a kill leaves no half key)
+        with atomic_path(path, mode=0o600) as tmp:
+            tmp.write_text(str(secrets.randbits(63)))
     return int(path.read_text())
 
 
-def plan_mechanism(dp: dict, n: int) -> dict:
-    """q, δ, σ and the ε they give, checked for contradictions before any work."""
+def plan_mechanism(dp: dict, n: int, adjacency: str) -> dict:
+    """q, δ, σ and the ε they give under `adjacency`, checked for contradictions before any work."""
     q = dp["expected_batch_size"] / n
     if q > 1:
         raise ValueError(f"dp.expected_batch_size={dp['expected_batch_size']} exceeds the {n} usable private examples")
@@ -101,15 +100,17 @@ def plan_mechanism(dp: dict, n: int) -> dict:
     accounting.check_delta(delta, n)
     sensitivity = objective(dp["objective"]).sensitivity
     # σ is the noise multiplier relative to the sensitivity: noise std = σ · sensitivity · C.
-    sigma = dp["sigma"] or accounting.calibrate_sigma(dp["epsilon"], q, dp["steps"], delta, accountant=dp["accountant"])
-    eps = accounting.epsilon(sigma, q, dp["steps"], delta, accountant=dp["accountant"])
+    acc = {"accountant": dp["accountant"], "adjacency": adjacency}
+    sigma = dp["sigma"] or accounting.calibrate_sigma(dp["epsilon"], q, dp["steps"], delta, **acc)
+    eps = accounting.epsilon(sigma, q, dp["steps"], delta, **acc)
     if eps > dp["epsilon"]:
         raise ValueError(f"dp.sigma={sigma} gives ε={eps:.3f} after {dp['steps']} steps, above the target "
                          f"dp.epsilon={dp['epsilon']}: raise sigma or lower steps")
     return {"n": n, "sample_rate": q, "delta": delta, "sigma": sigma, "clip_norm": dp["clip_norm"],
             "sensitivity": sensitivity, "noise_std": sigma * sensitivity * dp["clip_norm"],
             "sampler": PoissonSampler.name, "objective": dp["objective"], "planned_steps": dp["steps"],
-            "target_epsilon": dp["epsilon"], "accountant": dp["accountant"], "epsilon_planned": eps}
+            "target_epsilon": dp["epsilon"], "accountant": dp["accountant"], "adjacency": adjacency,
+            "epsilon_planned": eps}
 
 
 def check_labelled_captions(tokenizer: Tokenizer, max_len: int, source: str) -> None:
@@ -131,18 +132,26 @@ def setup(params: dict, device: str) -> "Trainer":
     stats_n = stats["private"]["usable"]
     if n != stats_n:
         raise ValueError(f"{SHARDS}/private index has {n} usable examples but stats.json says {stats_n}")
+    release.check_noise_seed(dp, params["privacy"])
+    try:
+        check_clipping(dp["clipping"], dp["precision"], device)
+    except ValueError as e:
+        raise ParamsError([str(e)], source="dp params") from None
+    if dp["nonprivate_baseline"]:
+        release.check_nonprivate(params["privacy"], stats.get("source"), "dp.nonprivate_baseline")
     try:  # contradictions in the params stop the run here, before any image is decoded or state written
-        mech = plan_mechanism(dp, n)
+        mech = plan_mechanism(dp, n, params["privacy"]["adjacency"])
     except ValueError as e:
         raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
     if tokenizer and stats.get("source") in labelled_sets.SETS:
         check_labelled_captions(tokenizer, mcfg.max_len, stats["source"])
     held = split_loader("eval", mcfg, tokenizer)
     held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
-    return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device)
+    return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device, stats.get("source"))
 
 
 NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "log_private_stats")
+RUN_SECTIONS = ("run", "model", "dp")  # what a DP training is: dp-train, the curve and the seeds key it by them
 
 
 def work_dir(params: dict, trainer: "Trainer"):
@@ -152,26 +161,30 @@ def work_dir(params: dict, trainer: "Trainer"):
     # Keys that change what is reported beside the private run, not the run: toggling them must
     # resume it, not train (and charge) the same private model again.
     dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
-    return state_dir("dp-train", {**params, "dp": dp}, inputs)
+    # The adjacency sets σ (calibrated to it): another adjacency is another mechanism, another run.
+    dp["adjacency"] = params["privacy"]["adjacency"]
+    return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": dp}, inputs)
 
 
 def train_private(params: dict, trainer: "Trainer", ctx):
     """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
     world, mech = trainer.world, trainer.mech
     work = work_dir(params, trainer)
-    if world.is_main:  # charged to the dataset's budget before the first step (composition across runs)
-        data_id = budget.fingerprint(f"{SHARDS}/private")
-        budget.record(data_id, work.name, mech)
+    if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
+        data_id, sketch = budget.examples_identity(f"{SHARDS}/private")
+        budget.record(data_id, sketch, work.name, mech)
     key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
     model, counters, history = trainer.train(key, work, ctx, private=True)
     record = None
     if world.is_main:
-        record = trainer.ledger.to_dict()
-        record["nonfinite_examples"] = counters["nonfinite"]
-        record["data_fingerprint"], record["run"] = data_id, work.name
+        record = trainer.ledger.public()
+        record["data_identity"], record["run"] = data_id, work.name
         record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], trainer.ledger.steps, mech["delta"],
-                                               accountant=mech["accountant"])
+                                               accountant=mech["accountant"], adjacency=mech["adjacency"])
         record["history"] = history
+        # Statistics of the private data, for the data owner and `verify` only (privacy/owner.py).
+        owner.write(owner.run_record(work.name), {"batch_sizes": trainer.ledger.to_dict()["batch_sizes"],
+                                                 "nonfinite_examples": counters["nonfinite"]})
     return model, counters, record
 
 
@@ -184,9 +197,10 @@ def nonprivate_params(params: dict) -> dict:
 def train_nonprivate(params: dict, trainer: "Trainer", ctx):
     """The recipe without clipping or noise (ε = ∞): for comparison only, never to be published.
     Noise does not limit it, so `dp.nonprivate` may give it a longer schedule of its own."""
+    release.check_nonprivate(params["privacy"], trainer.source, "the ε = ∞ twin")
     p = nonprivate_params(params)
     twin = Trainer(p, trainer.mcfg, trainer.tokenizer, trainer.held, {**trainer.mech, "planned_steps": p["dp"]["steps"]},
-                   trainer.world, trainer.device)
+                   trainer.world, trainer.device, trainer.source)
     return twin.train(params["run"]["seed"], work_dir(p, trainer) / "nonprivate", ctx, private=False)[0]
 
 
@@ -201,8 +215,9 @@ def run(params: dict, ctx) -> None:
         return
     history = record.pop("history")
     with atomic_dir(OUT_DIR) as out:
+        # A test run's noise key is known: its model is not private, and is never registered as such.
         save_model(out / "checkpoint.pt", dp["objective"], trainer.mcfg.to_dict(), model,
-                   optimizer_steps=counters["applied_updates"], private=True)
+                   optimizer_steps=counters["applied_updates"], private=not params["privacy"]["testing"])
         if baseline is not None:  # NOT private: for the evaluation table only, never to be published
             save_model(out / "nonprivate.pt", dp["objective"], trainer.mcfg.to_dict(), baseline,
                        optimizer_steps=nonprivate_params(params)["dp"]["steps"], private=False)
@@ -213,19 +228,20 @@ def run(params: dict, ctx) -> None:
                              "sample_rate": mech["sample_rate"]})
     ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": mech["accountant"]})
     print(f"dp-train: {trainer.ledger.steps} steps on n={mech['n']}, q={mech['sample_rate']:.4f}, σ={mech['sigma']:.4f}, "
-          f"ε={record['epsilon']:.3f} (δ={mech['delta']:.2e}, {mech['accountant']})")
+          f"ε={record['epsilon']:.3f} (δ={mech['delta']:.2e}, {mech['accountant']}, {mech['adjacency'].replace('_', '-')})")
     if dp["log_private_stats"]:  # opted in: released without noise, not covered by the ε above
-        ctx.tracker.log_metrics({"private_nonfinite_examples": record["nonfinite_examples"]})
-        print(f"dp-train: {record['nonfinite_examples']} non-finite examples dropped "
+        nonfinite = counters["nonfinite"]
+        ctx.tracker.log_metrics({"private_nonfinite_examples": nonfinite})
+        print(f"dp-train: {nonfinite} non-finite examples dropped "
               "(a statistic of the private data, released without noise: dp.log_private_stats)")
 
 
 class Trainer:
     """Builds the model and runs the DP (or, for the baseline, the plain) training loop."""
 
-    def __init__(self, params, mcfg, tokenizer, held_inputs, mech, world, device):
+    def __init__(self, params, mcfg, tokenizer, held_inputs, mech, world, device, source):
         self.params, self.dp, self.mcfg, self.tokenizer = params, params["dp"], mcfg, tokenizer
-        self.mech, self.world, self.device = mech, world, device
+        self.mech, self.world, self.device, self.source = mech, world, device, source
         self.num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
         self.held = held_inputs  # None: no eval split, no held-out loss
         if held_inputs is not None:
@@ -292,7 +308,8 @@ class Trainer:
         try:
             run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
                      step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
-                     log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s), world=world)
+                     log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s), world=world,
+                     timed=False)  # on private data, a step's time tracks its realised batch size
         finally:
             stream.close()
         return model, counters, state.history

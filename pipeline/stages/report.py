@@ -8,14 +8,15 @@ experiment's runs, and the synthetic contact sheet.
 from __future__ import annotations
 
 import datetime
+import math
 import shutil
 from pathlib import Path
 
 from pipeline.eval import plots
 from pipeline.eval.render import accuracy_table, params_yaml, render_html, render_markdown
-from pipeline.io import atomic_dir, read_json
+from pipeline.io import atomic_dir, read_json, write_json
 from pipeline.objectives import OBJECTIVES, recipe_title
-from pipeline.privacy import accounting, budget
+from pipeline.privacy import accounting, budget, owner, release
 
 OUT_DIR = "results/report"
 VERIFICATION, METRICS = "results/privacy/verification.json", "results/eval/metrics.json"
@@ -24,16 +25,14 @@ SHARD_STATS = "data/shards/stats.json"
 
 
 def data_card(stats: dict) -> tuple[str, str, str]:
-    """Usable private examples (the n of the accounting) and what the shard scan skipped, by reason."""
+    """Usable private examples (the n of the accounting, public). What the shard scan excluded, by
+    reason, is a statistic of the private data: the card says where the owner finds it, not what it is."""
     private = stats["private"]
-    skipped = private.get("excluded") or {}
-    detail = (", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in sorted(skipped.items()))
-              if skipped else "none")
     unprotected = (f"; {stats['eval']['usable']} private examples held out for evaluation are NOT protected "
                    "(shards.eval_fraction)" if stats.get("eval_from_private") else "")
     return ("Private data", f"{private['usable']} usable",
-            f"of {private.get('rows', private['usable'])} rows from {stats.get('source', '?')}; skipped: {detail}"
-            + unprotected)
+            f"from {stats.get('source', '?')}; exclusions by reason are kept for the data owner only "
+            f"({owner.path('shards')})" + unprotected)
 
 
 # -- ε against step ---------------------------------------------------------------------------
@@ -238,7 +237,8 @@ def delta_text(delta: float, param) -> str:
     return f"{delta:.2e}{named}"
 
 
-def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlflow_points: tuple[list, str]) -> dict:
+def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlflow_points: tuple[list, str],
+           privacy: dict) -> dict:
     """Everything the renderers need; writes the figures into `out`."""
     primary = metrics["primary_set"]
     models = metrics["models"]
@@ -306,12 +306,15 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
         ("δ", delta_text(ver["delta"], dp.get("delta"))),
         ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())
          + f" (target {ledger.get('target_epsilon', '—')})"),
+        ("adjacency", adjacency_text(ver)),
     ]
-    if "composition" in ver:  # several models trained on one dataset release more than any one
-        # Recomputed now: the curve's runs (and any other) may have been charged after verify ran.
-        c = budget.composition(ledger, ver["delta"]) if "data_fingerprint" in ledger else ver["composition"]
-        mechanism.append(("ε over all DP runs on this data", f"{c['epsilon']:.4f} at the same δ, {c['runs']} run"
-                          f"{'s' if c['runs'] > 1 else ''} ({', '.join(r['objective'] for r in c['by_run'])})"))
+    runs = f"{privacy['runs']} DP run{'s' if privacy['runs'] > 1 else ''} ({', '.join(privacy['objectives'])})"
+    if privacy["private"]:  # several models trained on one dataset release more than any one
+        mechanism.append(("ε over all DP runs on this data", f"{privacy['epsilon_composed']:.4f} at the same δ, {runs}"))
+    else:
+        mechanism.append(("ε of this run's outputs", f"∞: NOT PRIVATE as a whole ({'; '.join(privacy['not_private'])}); "
+                          f"its {runs} compose to {privacy['epsilon_dp_runs']:.4f}"))
+        headline = f"NOT PRIVATE as a whole: {'; '.join(privacy['not_private'])}. " + headline
     if dp.get("log_private_stats"):
         mechanism.append(("released outside ε", "counts of dropped non-finite private examples "
                           "(dp.log_private_stats: true): not covered by the ε above"))
@@ -339,15 +342,50 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
     }
 
 
+def adjacency_text(ver: dict) -> str:
+    """Which neighbours the ε is for, whether it covers the released n, and the other adjacency's ε."""
+    other = ver.get("epsilon_add_remove", {})
+    if ver.get("adjacency", "add_remove") == "replace_one":
+        return ("replace-one (neighbours differ in one example, replaced; n is the same on both sides, so releasing "
+                "it is covered); add/remove, as the literature states it: "
+                + ", ".join(f"{a.upper()} ε = {v:.4f}" for a, v in other.items()))
+    return ("add/remove (one example added or removed, as the literature states it): this ε does NOT cover "
+            f"releasing n = {ver['n']}, which this report does; privacy.adjacency: replace_one covers it")
+
+
+def final_privacy(params: dict, ledger: dict, ver: dict) -> dict:
+    """The run's privacy as released: this model's ε, what every DP run on the data composes to
+    (recomputed now, after the curve's and the seeds' trainings), and, when something ran outside
+    DP (privacy/release.py), composed ε = ∞ with the reasons."""
+    mechanism = {"sigma": ver["sigma"], "sample_rate": ver["sample_rate"], "planned_steps": ver["steps"], **ledger}
+    c = budget.composition(mechanism, ver["delta"])
+    stats = read_json(SHARD_STATS) if Path(SHARD_STATS).exists() else {}
+    reasons = release.not_private_reasons(params, stats)
+    return {"epsilon_run": ver["epsilon_reported"], "epsilon_dp_runs": c["epsilon"],
+            "epsilon_composed": math.inf if reasons else c["epsilon"], "private": not reasons,
+            "not_private": reasons, "runs": c["runs"], "objectives": [r["objective"] for r in c["by_run"]],
+            "delta": ver["delta"], "accountant": ver["accountant"]}
+
+
 def run(params: dict, ctx) -> None:
     ver, metrics, ledger = read_json(VERIFICATION), read_json(METRICS), read_json(LEDGER)
     from pipeline.tracking import dvc_hash
 
     model_hash = dvc_hash("models/dp") if Path("models/dp").exists() else None
     points = experiment_points(params["run"]["experiment"], model_hash)
+    final = final_privacy(params, ledger, ver)
     with atomic_dir(OUT_DIR) as out:
-        content = gather(params, ver, ledger, metrics, out, points)
+        content = gather(params, ver, ledger, metrics, out, points, final)
         (out / "report.md").write_text(render_markdown(content))
         (out / "report.html").write_text(render_html(content))
+        write_json(out / "privacy.json", {**final, "epsilon_composed": str(final["epsilon_composed"])
+                                          if not final["private"] else final["epsilon_composed"]})
+    # The last stage: every DP training of this run (dp-train, the curve, the seeds) is charged by now.
+    ctx.tracker.log_metrics({"epsilon_dp_runs": final["epsilon_dp_runs"], "dp_runs_on_data": final["runs"]}
+                            | ({"epsilon_composed": final["epsilon_composed"]} if final["private"] else {}))
+    ctx.tracker.set_tags({"dpfm.private": str(final["private"]).lower()})
+    ctx.tracker.tag_dp_models({"epsilon": f"{final['epsilon_composed']:.4f}" if final["private"] else "inf",
+                               "dp_runs_on_data": final["runs"], "private": str(final["private"]).lower()}
+                              | ({} if final["private"] else {"not_private": "; ".join(final["not_private"])}))
     ctx.tracker.log_artifact(OUT_DIR, "report")
     print(f"report: {OUT_DIR}/report.html")

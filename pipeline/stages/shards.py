@@ -10,8 +10,9 @@ point at them where they live. For `urls` and `img2dataset`, Snakemake first run
 shards.scan_groups jobs (`dpfm scan-shards`, rules/scan.smk), so this stage finds every shard's
 scan in the cache and only merges them.
 
-stats.json records per split the usable examples (the n that accounting uses) and every excluded
-row by reason.
+stats.json records per split the usable examples (the n that accounting uses, public); the rows
+read and every excluded row by reason are statistics of the private data, kept owner-only
+(`.dpfm/owner/shards.json`, privacy/owner.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pipeline.data import labelled_sets, sources
 from pipeline.data.index import INDEX_NAME, build_index, scan_group
 from pipeline.data.shards import ShardWriter, encode_png
 from pipeline.io import atomic_dir, write_json
+from pipeline.privacy import owner
 from pipeline.stages import SCAN_GROUP_SOURCES
 
 OUT_DIR = "data/shards"
@@ -152,13 +154,24 @@ def run(params: dict, ctx) -> None:
         # wrote the index; re-reading 233M rows to count them again would take ~24 GB.
         check_row_counts(out, stats)
         if stats["private"]["usable"] == 0:
-            raise ValueError("no usable private examples: every sample was excluded (see the reasons printed above)")
-        write_json(out / "stats.json", stats)
-    ctx.tracker.log_metrics({f"{s}_usable": stats[s]["usable"] for s in SPLITS}
-                            | {f"{s}_excluded": sum(stats[s]["excluded"].values()) for s in SPLITS})
-    excluded = {}
-    for s in SPLITS:
-        for reason, count in stats[s]["excluded"].items():
-            excluded[reason] = excluded.get(reason, 0) + count
-    print(f"shards: {stats['private']['usable']} private-train and {stats['eval']['usable']} eval samples in {OUT_DIR}/"
-          + (f"; excluded {excluded}" if excluded else ""))
+            raise ValueError("no usable private examples: every sample was excluded (the reasons, for the data "
+                             f"owner only, are in {owner.write('shards', stats)})")
+        public, private = split_stats(stats)
+        write_json(out / "stats.json", public)
+    where = owner.write("shards", private)  # per-reason exclusions, download and scan details: owner-only
+    ctx.tracker.log_metrics({f"{s}_usable": stats[s]["usable"] for s in SPLITS})
+    print(f"shards: {stats['private']['usable']} private-train and {stats['eval']['usable']} eval samples in {OUT_DIR}/ "
+          f"(what was excluded, and why, is kept for the data owner only: {where})")
+
+
+PUBLIC_SPLIT_KEYS = ("usable", "shards", "classes")  # n is public (privacy.adjacency); the rest is of labelled sets
+
+
+def split_stats(stats: dict) -> tuple[dict, dict]:
+    """(published, owner-only) parts of the stage's statistics. Published: the source, the split and
+    each split's usable count n. Everything else (rows read, exclusions by reason, what the download
+    and the shard scan reported) is a statistic of the private data: owner-only (privacy/owner.py)."""
+    public = {k: stats[k] for k in ("source", "eval_fraction", "eval_from_private")}
+    for split in SPLITS:
+        public[split] = {k: v for k, v in stats[split].items() if k in PUBLIC_SPLIT_KEYS}
+    return public, stats

@@ -8,19 +8,22 @@ from pathlib import Path
 
 from pipeline.errors import VerificationFailed
 from pipeline.io import write_json
-from pipeline.privacy import budget
-from pipeline.privacy.verify import DP_DIR, FAILED_OUT, OUT, load_run, verify
+from pipeline.privacy import budget, owner
+from pipeline.privacy.verify import DP_DIR, FAILED_OUT, OUT, load_run, owner_record, verify
 
 
 def run(params: dict, ctx) -> None:
     # A pass from an earlier run must never outlive a failed (or crashed) re-check.
     Path(OUT).unlink(missing_ok=True)
     ledger, optimizer_steps = load_run()
-    result = verify(ledger, optimizer_steps, params["dp"], params["verify"]["accountants"],
-                    params["verify"]["batch_size_alpha"])
+    alpha = params["verify"]["batch_size_alpha"]
+    result = verify(ledger, optimizer_steps, params["dp"], params["verify"]["accountants"], alpha,
+                    params["privacy"]["adjacency"])
+    owner.write(f"{owner.run_record(ledger['run'])}-verify", owner_record(ledger, alpha))
     for c in result["checks"]:
         print(f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")
-    ctx.tracker.log_metrics({f"epsilon_{a}": e for a, e in result["epsilon"].items()})
+    ctx.tracker.log_metrics({f"epsilon_{a}": e for a, e in result["epsilon"].items()}
+                            | {f"epsilon_add_remove_{a}": e for a, e in result["epsilon_add_remove"].items()})
     curve = result["epsilon_curve"]
     for a in result["epsilon"]:
         ctx.tracker.log_series(f"epsilon_curve_{a}", curve[a], curve["steps"])
@@ -32,15 +35,22 @@ def run(params: dict, ctx) -> None:
     Path(FAILED_OUT).unlink(missing_ok=True)
     result["composition"] = budget.composition(ledger, result["delta"])
     write_json(OUT, result)
-    print(f"verify: passed; ε = {result['epsilon_reported']:.3f} ({result['accountant']}), "
-          + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon"].items()))
+    print(f"verify: passed; ε = {result['epsilon_reported']:.3f} ({result['accountant']}, "
+          f"{result['adjacency'].replace('_', '-')}), " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon"].items())
+          + ("" if result["adjacency"] == "add_remove" else
+             "; add/remove (the literature's): " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon_add_remove"].items())))
     c = result["composition"]
     if c["runs"] > 1:
         print(f"verify: {c['runs']} DP runs on this private data compose to ε = {c['epsilon']:.3f} at δ = "
               f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f})")
-    ctx.tracker.log_metrics({"epsilon_composed": c["epsilon"], "dp_runs_on_data": c["runs"]})
+    # epsilon_composed goes to MLflow and the registry from the report, after the curve's and the
+    # seeds' DP trainings: here it would be stale.
     # What was checked goes with the run: the mechanism (not the per-step batch sizes, which depend on
     # the private data), the verdict, and the verified model itself.
     ctx.tracker.log_artifact(OUT)
     ctx.tracker.log_dict({k: v for k, v in ledger.items() if k != "batch_sizes"}, "mechanism.json")
-    ctx.tracker.log_dp_model(f"{DP_DIR}/checkpoint.pt", result["epsilon_reported"], result["delta"])
+    if params["privacy"]["testing"]:  # a known noise key: never registered as a private model
+        print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
+        ctx.tracker.set_tags({"dpfm.private": "false"})
+        return
+    ctx.tracker.log_dp_model(f"{DP_DIR}/checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"])

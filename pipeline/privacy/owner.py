@@ -1,0 +1,42 @@
+"""The owner-only zone: statistics of the private data that the data owner needs and nobody else sees.
+
+Everything else the pipeline writes is published (MLflow, the report, stdout and logs, the DVC
+outputs `make push` uploads) and holds only DP or public values. What is computed on the private
+data without noise goes here instead, under `.dpfm/owner/` (files mode 0600, never logged, pushed
+or reported): the shard scan's exclusions by reason, non-finite examples dropped in training, the
+realised batch sizes and the sampler's goodness-of-fit test on them.
+
+`dp.log_private_stats: true` is the explicit opt-in to publish the non-finite count as well; the
+report then says that it is not covered by ε. tests/test_published_zone.py runs the pipeline and
+scans every published artifact for each of these values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.io import read_json, write_json
+
+OWNER_DIR = Path(".dpfm/owner")
+
+
+def path(name: str) -> Path:
+    return OWNER_DIR / f"{name}.json"
+
+
+def write(name: str, record: dict) -> Path:
+    """Keep `record` (a statistic of the private data) for the owner only; returns where it is."""
+    OWNER_DIR.mkdir(parents=True, exist_ok=True)
+    OWNER_DIR.chmod(0o700)
+    path(name).parent.mkdir(parents=True, exist_ok=True)
+    write_json(path(name), record, mode=0o600)
+    return path(name)
+
+
+def run_record(run: str) -> str:
+    """The name of a DP run's owner-only record: its realised batch sizes and non-finite count."""
+    return f"runs/{run}"
+
+
+def read(name: str) -> dict | None:
+    return read_json(path(name)) if path(name).exists() else None

@@ -1,0 +1,59 @@
+"""What may run outside ε, and how a run that did so is labelled.
+
+Three things make a run's outputs, as a whole, NOT differentially private even when every DP
+training in it is: training without DP on the private shards (the curve's ε = ∞ points,
+`dp.nonprivate_baseline`), a known noise key (`dp.noise_seed`: whoever knows it can subtract the
+noise), and an eval split carved out of a web source (`shards.eval_fraction`). Each is refused
+unless asked for by name in `privacy`, and a run that has any of them says NOT PRIVATE in the
+report's headline, on the MLflow parent and in the registry, with composed ε = ∞.
+
+The bundled labelled sets (digits, Fashion-MNIST) are public data standing in for private data:
+non-private training on them is allowed by default (`privacy.nonprivate_on_private_data: null`),
+and still labelled.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipeline.config import ParamsError
+from pipeline.data import labelled_sets
+
+
+def nonprivate_allowed(privacy: dict, source: str | None) -> bool:
+    """Whether training without DP on the private shards of `source` may run."""
+    explicit = privacy["nonprivate_on_private_data"]
+    return source in labelled_sets.SETS if explicit is None else bool(explicit)
+
+
+def check_nonprivate(privacy: dict, source: str | None, what: str) -> None:
+    """Refuse `what` (a non-private training on the private shards) unless it is allowed."""
+    if nonprivate_allowed(privacy, source):
+        return
+    why = ("privacy.nonprivate_on_private_data is false" if privacy["nonprivate_on_private_data"] is False else
+           f"shards.source={source} is private data")
+    raise ParamsError([f"{what} trains WITHOUT differential privacy on the private shards, and {why}: drop it, or "
+                       "set privacy.nonprivate_on_private_data: true (the run is then labelled NOT PRIVATE)"],
+                      source="privacy")
+
+
+def check_noise_seed(dp: dict, privacy: dict) -> None:
+    """A known noise key lets anyone who knows it remove the noise: only for tests and public data."""
+    if dp["noise_seed"] is not None and not privacy["testing"]:
+        raise ParamsError(["dp.noise_seed fixes the noise key, so whoever knows it can subtract the noise: leave it "
+                           "null (a secret key), or set privacy.testing: true for a test or public-data run (labelled "
+                           "NOT PRIVATE, never registered as private)"], source="privacy")
+
+
+def not_private_reasons(params: dict, stats: dict) -> list[str]:
+    """Why this run's outputs, as a whole, are not covered by its ε (empty when they are)."""
+    reasons = []
+    if params["privacy"]["testing"] or params["dp"]["noise_seed"] is not None:
+        reasons.append("a test run (privacy.testing; a known dp.noise_seed voids the noise)")
+    if any(math.isinf(e) for e in params["curve"]["epsilons"]):
+        reasons.append("the curve's ε = ∞ point trains without DP on the private shards")
+    if params["dp"]["nonprivate_baseline"]:
+        reasons.append("dp.nonprivate_baseline trains without DP on the private shards")
+    if stats.get("eval_from_private"):
+        reasons.append("the eval split is carved out of the private data (shards.eval_fraction)")
+    return reasons

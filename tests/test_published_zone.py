@@ -1,0 +1,152 @@
+"""Nothing published holds a statistic of the private data (privacy/owner.py).
+
+The whole DAG runs under Snakemake on a web source with bad samples (so there are exclusions to
+count), once per objective. Afterwards every published artifact is scanned: the files under
+results/ and models/ (DVC outputs `make push` uploads), data/shards/stats.json, logs/, what
+Snakemake printed, and everything in MLflow (params, metrics, tags, artifacts, the registry). The
+needles are the values the owner-only zone (`.dpfm/owner/`) holds for each run: the realised batch
+sizes, the batch-size test's p-values, the exclusion counts by reason; and the names under which
+they used to leak (`batch_sizes`, `nonfinite_examples`, `excluded`, `steps_per_s` of a private run).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pipeline.data.shards import encode_png
+from shard_data import picture, write_set
+from snakemake_project import MICRO, set_params, snakemake_project
+from test_e2e import snakemake
+
+OBJECTIVES = ("mae", "caption", "clip")
+REASONS = ("corrupt_image", "missing_caption", "missing_image")
+LEAKY_NAMES = ("batch_sizes", "nonfinite_examples", "batch_size_p_values", "p_dispersion", "excluded",
+               *REASONS, *(r.replace("_", " ") for r in REASONS))
+TEXT_SUFFIXES = {".json", ".md", ".html", ".txt", ".yaml", ".log", ".tsv", ".jsonl", ".csv", ".svg", ""}
+
+
+def web_source(root: Path) -> str:
+    """60 good samples in 4 shards, and a fifth shard with 3 corrupt images, 2 images without a
+    caption and 1 caption without an image."""
+    write_set(root, n=60, per_shard=15, prefix="w")
+    rng = np.random.default_rng(1)
+    members = [(f"bad{i}.png", b"not a png") for i in range(3)] + [(f"bad{i}.txt", b"a caption") for i in range(3)]
+    members += [(f"bare{i}.png", encode_png(picture(rng))) for i in range(2)] + [("lonely.txt", b"no image")]
+    with tarfile.open(root / "w-000004.tar", "w") as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return str(root / "w-{000000..000004}.tar")
+
+
+def published_texts(work: Path, printed: str) -> dict[str, str]:
+    """Every published file's text, by path (binary checkpoints hold model weights only)."""
+    texts = {"snakemake output": printed}
+    for top in ("results", "models", "logs", "mlartifacts"):
+        for f in (work / top).rglob("*") if (work / top).exists() else ():
+            if f.is_file() and f.suffix in TEXT_SUFFIXES:
+                texts[str(f.relative_to(work))] = f.read_text(errors="replace")
+    texts["data/shards/stats.json"] = (work / "data/shards/stats.json").read_text()
+    return texts
+
+
+def mlflow_texts(work: Path) -> tuple[dict[str, str], list]:
+    """MLflow's params, metric names and values, tags and registry tags, as text per run; and the runs."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=1000)
+    texts = {}
+    for r in runs:
+        history = {k: [m.value for m in client.get_metric_history(r.info.run_id, k)] for k in r.data.metrics}
+        texts[f"mlflow run {r.info.run_name}"] = json.dumps({"params": r.data.params, "metrics": history,
+                                                            "tags": r.data.tags}, default=str)
+    for model in client.search_registered_models():
+        for v in client.search_model_versions(f"name='{model.name}'"):
+            texts[f"registry {model.name} v{v.version}"] = json.dumps(v.tags)
+    return texts, runs
+
+
+def owner_needles(work: Path) -> dict[str, list[str]]:
+    """What the owner-only zone holds, as the strings a release of it would contain."""
+    owner = work / ".dpfm/owner"
+    needles = {"exclusions": [], "batch sizes": [], "p-values": []}
+    shards = json.loads((owner / "shards.json").read_text())
+    total = {}
+    for split in ("private", "eval"):
+        for reason, count in shards[split]["excluded"].items():
+            total[reason] = total.get(reason, 0) + count
+    assert total, "the web source has bad samples: the owner file must count them"
+    needles["exclusions"] = [json.dumps(total, sort_keys=True)[1:-1], f"{shards['private']['rows']} rows"]
+    for f in (owner / "runs").glob("*.json"):
+        record = json.loads(f.read_text())
+        if "batch_sizes" in record:
+            sizes = record["batch_sizes"]
+            needles["batch sizes"] += [json.dumps(sizes), ", ".join(map(str, sizes)), json.dumps(sizes, indent=2)]
+        for p in record.get("batch_size_p_values", {}).values():
+            if 0 < p < 1:
+                needles["p-values"] += [repr(p), f"{p:.4g}", f"{p:.4f}"]
+    assert needles["batch sizes"] and needles["p-values"], sorted(p.name for p in (owner / "runs").glob("*"))
+    return needles
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    """The DAG once per objective on one project: (project, {objective: published texts}, owner needles)."""
+    work = snakemake_project(tmp_path_factory.mktemp("zone"))
+    pattern = web_source(tmp_path_factory.mktemp("web"))
+    set_params(work, MICRO)
+    set_params(work, {"shards": {"source": "urls", "urls": [pattern], "eval_fraction": 0, "workers": 1,
+                                 "image_size": 16},
+                      "dp": {"expected_batch_size": 24},
+                      "curve": {"epsilons": [2]}})  # no ε = ∞ point: refused on a web source by default
+    published, needles = {}, {}
+    for obj in OBJECTIVES:
+        set_params(work, {"dp": {"objective": obj}})
+        printed = snakemake(work)
+        published[obj] = published_texts(work, printed)
+        for kind, values in owner_needles(work).items():
+            needles.setdefault(kind, set()).update(values)
+    return work, published, needles
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_no_published_file_holds_a_private_statistic(pipeline_runs, objective):
+    work, published, needles = pipeline_runs
+    found = [(where, kind, needle) for where, text in published[objective].items()
+             for kind, values in needles.items() for needle in values if needle in text]
+    found += [(where, "name", name) for where, text in published[objective].items()
+              for name in LEAKY_NAMES if name in text]
+    assert not found, found[:10]
+
+
+@pytest.mark.e2e
+def test_mlflow_and_the_registry_hold_no_private_statistic(pipeline_runs):
+    work, _, needles = pipeline_runs
+    texts, runs = mlflow_texts(work)
+    assert {r.data.tags.get("dpfm.stage") for r in runs} >= {"shards", "dp-train", "verify", "curve", "report"}
+    found = [(where, kind, needle) for where, text in texts.items()
+             for kind, values in needles.items() for needle in values if needle in text]
+    found += [(where, "name", name) for where, text in texts.items() for name in LEAKY_NAMES if name in text]
+    # A private training's rate tracks its realised batch sizes; pretraining (public data) may log it.
+    found += [(r.info.run_name, "metric", k) for r in runs if r.data.tags.get("dpfm.stage") != "pretrain"
+              for k in r.data.metrics if "steps_per_s" in k or "images_per_s" in k]
+    assert not found, found[:10]
+
+
+@pytest.mark.e2e
+def test_the_owner_zone_is_owner_only_and_complete(pipeline_runs):
+    work, _, needles = pipeline_runs
+    owner = work / ".dpfm/owner"
+    files = [f for f in owner.rglob("*") if f.is_file()]
+    assert files and all(f.stat().st_mode & 0o077 == 0 for f in files)
+    record = next(json.loads(f.read_text()) for f in (owner / "runs").glob("*.json") if "nonfinite_examples" in f.read_text())
+    assert record["nonfinite_examples"] == 0 and all(isinstance(b, int) for b in record["batch_sizes"])
+    assert np.mean(record["batch_sizes"]) > 0
