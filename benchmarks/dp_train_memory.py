@@ -1,4 +1,4 @@
-"""Does dp-train's memory stay flat as the private set grows? (pipeline/stages/dp_train.py)
+"""Does dp-train's memory stay flat as the private set grows? (pipeline/privacy/training.py)
 
     python -m benchmarks.dp_train_memory [--small 20000] [--factor 10] [--dir DIR]
 

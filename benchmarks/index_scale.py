@@ -98,7 +98,7 @@ def _memory_mb() -> dict:
 def measure(directory: str, mode: str, steps: int) -> dict:
     """Open the index through ShardDataset; `mapped`: then time sampling steps; `in_ram`: then copy
     its rows into this process's memory, as read_index held them before usable.idx."""
-    from pipeline.data.sampling import PoissonSampler
+    from pipeline.privacy.sampling import PoissonSampler
     from pipeline.data.shards import ShardDataset
 
     before = _memory_mb()

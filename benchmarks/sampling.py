@@ -1,4 +1,4 @@
-"""Cost of one Poisson-sampling step draw at web scale (pipeline/data/sampling.py).
+"""Cost of one Poisson-sampling step draw at web scale (pipeline/privacy/sampling.py).
 
     python benchmarks/sampling.py [--n 233000000] [--batch 98304] [--draws 20]
 
@@ -21,7 +21,7 @@ import tracemalloc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipeline.data.sampling import PoissonSampler  # noqa: E402
+from pipeline.privacy.sampling import PoissonSampler  # noqa: E402
 
 TARGET_SECONDS = 1.0
 TARGET_MB = 200.0

@@ -58,7 +58,8 @@ from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES
 from pipeline.io import atomic_path, read_json
 from pipeline.models import build_encoder
-from pipeline.stages import curve, stage
+from pipeline.privacy import training
+from pipeline.stages import stage
 from pipeline.tracking import NullRun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,7 +237,7 @@ def measure(params, args, epsilons, sizes, work: Path, full_dir: Path, rows: Row
             t0 = time.time()
             p = {**p_size, "run": {**p_size["run"], "seed": seed}}
             with inside(size_dir):
-                model, spent, _ = curve.train_point(p, context("curve", device), "pretrain", eps)
+                model, spent, _ = training.train_point(p, context("curve", device), "pretrain", eps)
                 n = read_json("data/shards/stats.json")["private"]["usable"]
             plan = read_plan(size_dir, p, eps)
             probe.append(score(model.encoder, seed))
@@ -256,11 +257,11 @@ def measure(params, args, epsilons, sizes, work: Path, full_dir: Path, rows: Row
 
 def read_plan(size_dir: Path, p: dict, eps: float) -> dict:
     """The point's schedule and noise: B, T and σ as dp-train plans them (σ = 0 at ε = ∞)."""
-    from pipeline.stages.dp_train import plan_mechanism
+    from pipeline.privacy.plan import plan_mechanism
 
     with inside(size_dir):
         n = read_json("data/shards/stats.json")["private"]["usable"]
-    dp = curve.point_params(p, "pretrain", eps)["dp"]
+    dp = training.point_params(p, "pretrain", eps)["dp"]
     batch, steps = dp["expected_batch_size"], dp["steps"]
     sigma = plan_mechanism(dp, n, p["privacy"]["adjacency"])["sigma"] if math.isfinite(eps) else 0.0
     return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,

@@ -51,7 +51,8 @@ from pipeline.eval.probe import features, linear_probe
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.models import build_encoder
-from pipeline.stages import curve, stage
+from pipeline.privacy import training
+from pipeline.stages import stage
 from pipeline.tracking import NullRun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,7 +209,7 @@ def main() -> None:
                 for init in ("pretrain", "random"):
                     for eps in epsilons:
                         t0 = time.time()
-                        model, spent, _ = curve.train_point(po, context("curve"), init, eps)
+                        model, spent, _ = training.train_point(po, context("curve"), init, eps)
                         key = (obj, INIT_NAMES[init], eps)
                         add(probe, key, scorer.probe(model.encoder, seed))
                         if obj in ZERO_SHOT_OBJECTIVES and init == "pretrain":

@@ -123,13 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: print(f"{a.params}: ok") if load_params(a.params, a.set) else None)
 
     try:
-        from pipeline.privacy.accounting_cli import add_accounting_commands
+        from pipeline.privacy.tools.accounting_cli import add_accounting_commands
     except ImportError:  # accounting not installed in this build
         pass
     else:
         add_accounting_commands(sub)
 
-    from pipeline.privacy.audit_cli import add_audit_command
+    from pipeline.privacy.tools.audit_cli import add_audit_command
 
     add_audit_command(sub)
     return parser

@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# L2 sensitivity of one DP step in units of C, by clipping mode (the proofs: privacy/engine.py's
+# docstring; the worst-case audit, privacy/tools/step_audit.py, measures it): per example one
+# clipped term enters or leaves the sum; per batch the clipped mean moves from one point of the
+# C-ball to another, up to 2C apart.
+SENSITIVITY = {"per_sample": 1.0, "per_batch": 2.0}
+
+
 @dataclass(frozen=True)
 class Objective:
     name: str
@@ -18,9 +25,7 @@ class Objective:
 
     @property
     def sensitivity(self) -> float:
-        """L2 sensitivity of the step in units of C (engine.SENSITIVITY; 2 for per-batch clipping)."""
-        from pipeline.privacy.engine import SENSITIVITY
-
+        """L2 sensitivity of the step in units of C (2 for per-batch clipping)."""
         return SENSITIVITY[self.clipping]
 
 

@@ -38,7 +38,7 @@ def hang(what):
         time.sleep(60)
 
 import torch
-import pipeline.stages.dp_train as dp_train
+import pipeline.privacy.training as dp_train
 from pipeline.stages import synthetic as synthetic_stage
 from pipeline.privacy.ledger import Ledger
 

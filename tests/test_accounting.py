@@ -15,7 +15,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants import PRVAccountant, RDPAccountant
 
 from pipeline.privacy import accounting as acc
-from pipeline.privacy.accounting_cli import add_accounting_commands, main
+from pipeline.privacy.tools.accounting_cli import add_accounting_commands, main
 
 N_LAION = 233_000_000
 VIP_Q = 98_304 / N_LAION
@@ -111,8 +111,8 @@ def test_zero_steps_spend_nothing():
 def test_one_sigma_convention_a_clip_ledger_checked_through_the_cli_gives_its_own_epsilon(capsys):
     """σ is relative to the sensitivity everywhere: the engine adds σ·K·C, and `dpfm epsilon
     --sensitivity 2` reads a Dp-CLIP ledger's σ as it is (it once divided by K: 40.2 for a run of 7.98)."""
-    from pipeline.privacy.engine import SENSITIVITY
-    from pipeline.stages.dp_train import plan_mechanism
+    from pipeline.objectives import SENSITIVITY
+    from pipeline.privacy.plan import plan_mechanism
 
     dp = {"expected_batch_size": 128, "delta": "1/2n", "objective": "clip", "sigma": None, "epsilon": 8.0,
           "steps": 40, "accountant": "pld", "clip_norm": 1.0}

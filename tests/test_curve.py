@@ -9,7 +9,8 @@ import pytest
 from stage_runs import charged_runs, flat, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline.errors import VerificationFailed
-from pipeline.stages import curve, dp_train
+from pipeline.privacy import training
+from pipeline.stages import curve
 
 
 def run_curve(work, overrides):
@@ -49,13 +50,13 @@ def test_the_point_that_repeats_dp_train_is_the_same_run_and_charged_once(data_d
 def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, monkeypatch):
     """The bug flipped on: the optimizer applies one update more than the ledger charged."""
     work = project(data_dir, tmp_path)
-    real = dp_train.train_private
+    real = training.train_private
 
     def one_extra_update(*args, **kw):
         model, counters, record = real(*args, **kw)
         return model, {**counters, "applied_updates": counters["applied_updates"] + 1}, record
 
-    monkeypatch.setattr(dp_train, "train_private", one_extra_update)
+    monkeypatch.setattr(training, "train_private", one_extra_update)
     with pytest.raises(VerificationFailed, match="ledger_steps_match_optimizer"):
         run_curve(work, ["curve.epsilons=[2]"])
     assert not (work / curve.OUT).exists()
@@ -80,9 +81,9 @@ def test_point_params_keep_dp_trains_sections_and_plan_infinity_at_the_recipes_e
     params = {"run": {"seed": 0}, "model": {}, "dp": {"epsilon": 8.0, "sigma": None, "init": "pretrain",
                                                       "nonprivate_baseline": True},
               "privacy": {"adjacency": "replace_one"}, "curve": {}, "evaluate": {}}
-    p = curve.point_params(params, "random", 2)
+    p = training.point_params(params, "random", 2)
     assert set(p) == {"run", "model", "dp", "privacy"} and p["dp"]["epsilon"] == 2.0 and p["dp"]["init"] == "random"
-    assert curve.point_params(params, "pretrain", math.inf)["dp"]["epsilon"] == 8.0
+    assert training.point_params(params, "pretrain", math.inf)["dp"]["epsilon"] == 8.0
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])

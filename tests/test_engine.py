@@ -24,8 +24,9 @@ from ranks import on_two_ranks
 
 from pipeline.distributed import World, gather_with_grad
 from pipeline.models import build_model
+from pipeline import objectives
 from pipeline.objectives import OBJECTIVES
-from pipeline.privacy import clipping, engine
+from pipeline.privacy import clipping
 from pipeline.privacy.clipping import BookKeepingClipper, UnboundableModel, VmapClipper
 from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
 
@@ -60,7 +61,7 @@ def fetcher(name):
 
 def mechanism(name, sigma=SIGMA):
     mode = OBJECTIVES[name].clipping
-    return Mechanism(sample_rate=Q, sigma=sigma, clip_norm=C, sensitivity=engine.SENSITIVITY[mode],
+    return Mechanism(sample_rate=Q, sigma=sigma, clip_norm=C, sensitivity=objectives.SENSITIVITY[mode],
                      denominator=1.0 if mode == "per_batch" else Q * N, steps=100)
 
 
@@ -97,7 +98,7 @@ def train(name, world, steps=3, bug_name=None):
 
 
 def engine_sampler():
-    from pipeline.data.sampling import PoissonSampler
+    from pipeline.privacy.sampling import PoissonSampler
 
     return PoissonSampler(N, Q, KEY)
 
@@ -155,7 +156,7 @@ def check_noise_and_signal(name, noise, clean, one_example):
     """The accounted mechanism: noise std σ·K·C (within 5%), and the noiseless sum moved by at most
     C by one example (per example) or bounded by C as a whole (per batch)."""
     problems = []
-    std, want = float(noise.std()), SIGMA * engine.SENSITIVITY[OBJECTIVES[name].clipping] * C
+    std, want = float(noise.std()), SIGMA * objectives.SENSITIVITY[OBJECTIVES[name].clipping] * C
     if abs(std / want - 1) > 0.05:
         problems.append(f"noise std {std:.4g}, accounted {want:.4g}")
     if OBJECTIVES[name].clipping == "per_batch" and float(clean.norm()) > C * (1 + 1e-5):

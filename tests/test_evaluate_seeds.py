@@ -8,7 +8,7 @@ import pytest
 from stage_runs import charged_runs, inside, project, run_in_process, train
 
 from pipeline.errors import VerificationFailed
-from pipeline.stages import dp_train
+from pipeline.privacy import training
 
 BASELINES = "evaluate.baselines=[pixels, random, nonprivate]"  # no pretrain at micro scale (dp.init=random)
 
@@ -51,13 +51,13 @@ def test_an_extra_seed_that_fails_verification_stops_the_stage(data_dir, tmp_pat
     work = project(data_dir, tmp_path)
     train(work, [BASELINES])
     run_stages(work, ["verify"], [])
-    real = dp_train.train_private
+    real = training.train_private
 
     def one_extra_update(*args, **kw):
         model, counters, record = real(*args, **kw)
         return model, {**counters, "applied_updates": counters["applied_updates"] + 1}, record
 
-    monkeypatch.setattr(dp_train, "train_private", one_extra_update)
+    monkeypatch.setattr(training, "train_private", one_extra_update)
     with pytest.raises(VerificationFailed, match="ledger_steps_match_optimizer"):
         run_stages(work, ["evaluate"], [BASELINES, "evaluate.seeds=2"])
     assert not (work / "results/eval/metrics.json").exists()

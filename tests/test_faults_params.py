@@ -35,7 +35,7 @@ def test_contradictory_dp_params_stop_dpfm_before_any_work(data_dir, tmp_path, m
     work = project(data_dir, tmp_path)
     monkeypatch.chdir(work)
     decoded = []
-    monkeypatch.setattr("pipeline.stages.dp_train.split_loader", lambda *a, **k: decoded.append(a))
+    monkeypatch.setattr("pipeline.privacy.training.split_loader", lambda *a, **k: decoded.append(a))
     assert cli.main(["dp-train", "--set", override, "--set", "dp.noise_seed=null"]) == 2
     err = capsys.readouterr().err
     assert "dpfm: dp params (n=1258 usable private examples) is invalid:\n  - " in err and message in err

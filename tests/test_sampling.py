@@ -1,4 +1,4 @@
-"""Poisson sampling (pipeline/data/sampling.py): the distribution the accountant assumes, exactly.
+"""Poisson sampling (pipeline/privacy/sampling.py): the distribution the accountant assumes, exactly.
 
 Each statistical check is run on the real sampler (must pass) and on deliberately broken samplers
 (must fail), so the checks are shown to have the power to catch the bugs that matter: fixed-size
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pipeline.data.sampling import PoissonSampler
+from pipeline.privacy.sampling import PoissonSampler
 
 N, Q, STEPS, KEY = 400, 0.3, 3000, 20240611
 ALPHA = 1e-3  # the fixed keys make these deterministic: a pass is a pass on every run
@@ -212,7 +212,7 @@ def test_resume_check_catches_a_stateful_sampler():
 
 
 def test_same_batches_in_another_process():
-    code = ("from pipeline.data.sampling import PoissonSampler as P; "
+    code = ("from pipeline.privacy.sampling import PoissonSampler as P; "
             f"print(P({N}, {Q}, {KEY}).batch(11).tolist())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""}).stdout

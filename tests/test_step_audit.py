@@ -13,7 +13,7 @@ from ranks import on_two_ranks
 from pipeline import cli
 from pipeline.config import load_params
 from pipeline.objectives import OBJECTIVES
-from pipeline.privacy.step_audit import audit_step
+from pipeline.privacy.tools.step_audit import audit_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = ["model.size=micro", "model.img_size=16", "model.decoder_width=32", "model.decoder_depth=1",
@@ -113,7 +113,7 @@ def accepted(method, precision):
 def test_worst_case_neighbours_reach_the_accounted_sensitivity_and_no_further(mode, method, precision):
     """Every clipper × precision dp-train accepts: one example moves the release by exactly K·C at
     worst (C per example; 2C per batch: the clipped mean flips)."""
-    from pipeline.privacy.step_audit import worst_case_sensitivity
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
 
     if not accepted(method, precision):
         pytest.skip(f"{method} under {precision} is refused by dp-train")
@@ -126,7 +126,7 @@ def test_worst_case_neighbours_reach_the_accounted_sensitivity_and_no_further(mo
 def test_worst_case_neighbours_catch_a_wrong_sensitivity(mode, bug_name):
     """SENSITIVITY['per_batch'] = 1 halves Dp-CLIP's noise; random batches never show it (below), the
     worst-case pair does."""
-    from pipeline.privacy.step_audit import worst_case_sensitivity
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
 
     with bug(bug_name):
         result = worst_case_sensitivity(mode, "bookkeeping", "fp32")

@@ -21,7 +21,7 @@ from pipeline.data import tokenizer as tok
 from pipeline.data.labelled_sets import DIGITS
 from pipeline.data.transforms import tokenize
 from pipeline.eval.evalsets import load_eval_set
-from pipeline.stages.dp_train import check_labelled_captions
+from pipeline.privacy.training import check_labelled_captions
 from pipeline.stages import tokenizer as tokenizer_stage
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from recording import RecordingTracker

@@ -10,8 +10,8 @@ import torch
 
 from pipeline import cli
 from pipeline.config import load_params
-from pipeline.data.sampling import PoissonSampler
-from pipeline.stages.dp_train import plan_mechanism
+from pipeline.privacy.sampling import PoissonSampler
+from pipeline.privacy.plan import plan_mechanism
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json, write_json
 from pipeline.privacy import accounting, verify as V

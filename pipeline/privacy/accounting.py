@@ -31,8 +31,8 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 # The back-ends (accountants.py) import their libraries where they are used: Opacus (rdp, prv) brings
 # torch, dp_accounting (pld) scipy; so `dpfm --help` needs neither and `dpfm calibrate` only one.
-from pipeline.privacy.accountants import (_PLD_SEARCH_INTERVALS, ADJACENCIES, _eps_noise, _pld_eps_at,
-                                          _pld_epsilon_and_interval, check_adjacency)
+from pipeline.privacy.accountants import (_PLD_SEARCH_INTERVALS, _eps_noise, _pld_eps_at, _pld_epsilon_and_interval,
+                                          check_adjacency)
 
 __all__ = [
     "ACCOUNTANTS",

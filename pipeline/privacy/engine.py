@@ -40,7 +40,6 @@ from pipeline.distributed import World, all_reduce_sum
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.train import NOISE, step_generator
 
-SENSITIVITY = {"per_sample": 1.0, "per_batch": 2.0}
 CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
 
 
@@ -84,7 +83,7 @@ def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: st
     if method == "plain":
         return PlainSum(model, math.inf, **kw)
     if method.startswith("opacus-"):  # baselines; imported only when asked for
-        from pipeline.privacy.opacus_clipper import OpacusGhostClipper, OpacusHooksClipper
+        from pipeline.privacy.tools.opacus_clipper import OpacusGhostClipper, OpacusHooksClipper
 
         return {"opacus-hooks": OpacusHooksClipper, "opacus-ghost": OpacusGhostClipper}[method](model, clip_norm, **kw)
     if method not in CLIPPERS:
@@ -97,7 +96,7 @@ def rank_share(batch_size: int, mode: str, physical_batch_size: int, world: Worl
     """This rank's positions in the logical batch, as micro-batches. Per example: round-robin
     micro-batches (every rank the same count). Per batch: one part per rank (the loss needs the
     whole part at once)."""
-    from pipeline.data.sampling import PoissonSampler
+    from pipeline.privacy.sampling import PoissonSampler
 
     physical = max(1, batch_size) if mode == "per_batch" else physical_batch_size
     return PoissonSampler.split(np.arange(batch_size), physical, world.rank, world.size)

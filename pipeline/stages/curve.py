@@ -20,47 +20,14 @@ import math
 
 import numpy as np
 
-from pipeline.errors import VerificationFailed
 from pipeline.eval.evalsets import load_eval_set
 from pipeline.eval.probe import features, linear_probe
 from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
 from pipeline.privacy import release
-from pipeline.privacy.verify import verify, with_batch_sizes
-from pipeline.stages import dp_train
+from pipeline.privacy.training import train_point
 
 OUT = "results/curve/curve.json"
-TRAIN_SECTIONS = ("run", "model", "dp", "privacy")  # dp-train's own (its state directory is keyed by run, model, dp)
-
-
-def point_params(params: dict, init: str, epsilon: float) -> dict:
-    """dp-train's params for one point: the recipe at `epsilon` from `init`. ε = ∞ keeps the
-    recipe's own ε for planning (the sampling rate and steps), and trains without noise."""
-    dp = {**params["dp"], "init": init}
-    if math.isfinite(epsilon) and epsilon != dp["epsilon"]:  # dp-train's own ε keeps its σ (and identity)
-        dp.update(epsilon=float(epsilon), sigma=None)
-    return {**{s: params[s] for s in TRAIN_SECTIONS}, "dp": dp}
-
-
-def train_point(params: dict, ctx, init: str, epsilon: float):
-    """(model, verified ε or None for ∞, whether this is the main process) of one point."""
-    p = point_params(params, init, epsilon)
-    trainer = dp_train.setup(p, ctx.device)
-    is_main = trainer.world.is_main
-    if not math.isfinite(epsilon):
-        return dp_train.train_nonprivate(p, trainer, ctx), None, is_main
-    model, counters, record = dp_train.train_private(p, trainer, ctx)
-    if not is_main:
-        return model, None, is_main
-    record.pop("history")
-    checked = verify(with_batch_sizes(record), counters["applied_updates"], p["dp"], params["verify"]["accountants"],
-                     params["verify"]["batch_size_alpha"], params["privacy"]["adjacency"])
-    if not checked["passed"]:
-        failed = [c["name"] for c in checked["checks"] if not c["passed"]]
-        raise VerificationFailed(f"curve point ε={epsilon} from {init}: privacy verification failed: {', '.join(failed)}")
-    return model, checked["epsilon_reported"], is_main
-
-
 def run(params: dict, ctx) -> None:
     cfg, ev, seed = params["curve"], params["evaluate"], params["run"]["seed"]
     if any(math.isinf(e) for e in cfg["epsilons"]):  # refused before any DP point spends budget

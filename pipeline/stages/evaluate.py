@@ -109,7 +109,7 @@ def random_candidate(objective: str, mcfg: dict, seed: int, with_text: bool, see
 def seed_candidates(params: dict, ctx, first: list[Candidate], with_text: bool) -> list[Candidate]:
     """The trained rows at training seeds run.seed + 1 ... + evaluate.seeds - 1 (see the module
     docstring): the DP recipe, its non-private twin when `first` has one, and random init."""
-    from pipeline.stages.curve import train_point  # dp-train's own training, verified and charged
+    from pipeline.privacy.training import train_point  # dp-train's own training, verified and charged
 
     seed, names = params["run"]["seed"], {c.name: c for c in first}
     mcfg = load_checkpoint(f"{DP_DIR}/checkpoint.pt")["model_cfg"]

@@ -37,7 +37,8 @@ from scipy import stats
 from pipeline.distributed import World, gather_with_grad
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
-from pipeline.privacy.engine import SENSITIVITY, Mechanism, dp_step, make_clipper
+from pipeline.objectives import SENSITIVITY
+from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
 from pipeline.train import autocast, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million

@@ -7,7 +7,7 @@ Under torchrun the step audit runs at the training's world size:
 
 from __future__ import annotations
 
-from pipeline.privacy.audit_settings import AuditConfig
+from pipeline.privacy.tools.audit_settings import AuditConfig
 
 
 def add_audit_command(subparsers) -> None:
@@ -52,7 +52,7 @@ def _step(args) -> int:
     from pipeline.config import ParamsError, load_params
     from pipeline.distributed import init_world
     from pipeline.io import read_json, write_json
-    from pipeline.privacy.step_audit import audit_step
+    from pipeline.privacy.tools.step_audit import audit_step
 
     params = load_params(args.params, args.set)
     sigma = args.sigma or params["dp"]["sigma"]
@@ -61,7 +61,7 @@ def _step(args) -> int:
         if not stats.exists():
             raise ParamsError(["dpfm audit: σ is calibrated from n, and data/shards/stats.json is missing: "
                                "run `dpfm shards` first or pass --sigma"])
-        from pipeline.stages.dp_train import plan_mechanism
+        from pipeline.privacy.plan import plan_mechanism
 
         sigma = plan_mechanism(params["dp"], read_json(stats)["private"]["usable"],
                                params["privacy"]["adjacency"])["sigma"]
@@ -69,7 +69,7 @@ def _step(args) -> int:
     world = init_world(device)
     result = audit_step(params, sigma, world, device)
     from pipeline.objectives import objective
-    from pipeline.privacy.step_audit import worst_case_sensitivity
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
 
     worst = worst_case_sensitivity(objective(params["dp"]["objective"]).clipping, params["dp"]["clipping"],
                                    params["dp"]["precision"], params["dp"]["clip_norm"], sigma, device)
@@ -96,7 +96,7 @@ def _step(args) -> int:
 
 def _one_run(args) -> int:
     from pipeline.io import write_json
-    from pipeline.privacy.audit import run_audit
+    from pipeline.privacy.tools.audit import run_audit
 
     fields = {k: getattr(args, k) for k in ("canaries", "steps", "expected_batch_size", "epsilon", "delta", "clipping",
                                             "confidence", "seed", "clipping_enabled", "noise_scale")}

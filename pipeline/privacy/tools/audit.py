@@ -34,10 +34,11 @@ import torch.nn.functional as F
 from scipy import stats
 from tqdm import tqdm
 
-from pipeline.data.sampling import PoissonSampler
-from pipeline.privacy.audit_settings import AuditConfig
+from pipeline.privacy.sampling import PoissonSampler
+from pipeline.privacy.tools.audit_settings import AuditConfig
 from pipeline.privacy import accounting
-from pipeline.privacy.engine import CLIPPERS, SENSITIVITY, Mechanism, dp_step, make_clipper
+from pipeline.objectives import SENSITIVITY
+from pipeline.privacy.engine import CLIPPERS, Mechanism, dp_step, make_clipper
 
 
 # ---- the statistics: correct guesses -> ε lower bound ------------------------------------------------

@@ -1,0 +1,296 @@
+"""DP training itself: dp-train, the curve's points and evaluate's extra seeds all train through here.
+
+One logical step is `privacy.engine.dp_step` (sample, charge the ledger, clip, sum over micro-batches
+and torchrun ranks, add noise once, divide): this module plans the mechanism (plan.py), charges the
+examples' budget before the first step (budget.py), builds the model and clipper from the
+objective's table entry, streams the sampled examples, and runs the shared loop. `train_point` is
+one point of the privacy-utility curve: the recipe at an ε, verified like dp-train's own run.
+
+Nothing per example is held in memory: the sampler draws step t's ids from the key, and loader
+worker processes read, decode and resize just this rank's share of them, several steps ahead (the
+schedule is a function of the key, so it is known in advance). Peak memory is flat in n.
+
+Only public-data figures are logged: the loss on the held-out eval split (when there is one), which
+is post-processing of the private model. The realised batch sizes and the non-finite count go to the
+owner-only zone (owner.py); no rate is logged (it tracks the realised batch size).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pipeline.config import ParamsError
+from pipeline.data import labelled_sets
+from pipeline.data.loader import BatchLoader
+from pipeline.data.shards import ShardDataset
+from pipeline.data.tokenizer import Tokenizer
+from pipeline.distributed import broadcast_int, gather_with_grad, init_world
+from pipeline.errors import VerificationFailed
+from pipeline.io import read_json
+from pipeline.models import ModelConfig, build_model
+from pipeline.objectives import objective
+from pipeline.privacy import accounting, budget, owner, release
+from pipeline.privacy.engine import Mechanism, check_clipping, dp_step, make_clipper, micro_batches
+from pipeline.privacy.ledger import Ledger
+from pipeline.privacy.plan import plan_mechanism, secret_key
+from pipeline.privacy.sampling import PoissonSampler
+from pipeline.privacy.verify import verify, with_batch_sizes
+from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
+                            state_dir, step_generator)
+
+SHARDS, PRETRAIN, TOKENIZER = "data/shards", "models/pretrain", "models/tokenizer"
+HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
+
+
+def split_loader(split: str, mcfg: ModelConfig, tokenizer: Tokenizer | None, workers: int = 0) -> BatchLoader:
+    """Model inputs (images at the model's size; caption tokens for caption/clip) of one split, by index."""
+    return BatchLoader(ShardDataset(f"{SHARDS}/{split}"), mcfg.img_size, tokenizer=tokenizer,
+                       max_len=mcfg.max_len if tokenizer else None, workers=workers)
+
+
+class StreamedBatches:
+    """`fetch` for dp_step: the inputs of the micro-batches this rank computes, decoded ahead.
+
+    The first call starts the stream at its step (after a resume, the checkpoint's); from there the
+    loader decodes, in dp_step's order, exactly the examples dp_step will ask for: those of
+    `engine.micro_batches` over each step's sample. A request out of that order is a bug, not a
+    reason to read something else.
+    """
+
+    def __init__(self, loader: BatchLoader, sampler: PoissonSampler, mode: str, physical_batch_size: int, world,
+                 steps: int):
+        self.loader, self.sampler, self.mode, self.world = loader, sampler, mode, world
+        self.physical, self.steps, self._stream = physical_batch_size, steps, None
+
+    def _plan(self, start: int):
+        for step in range(start, self.steps):
+            indices = self.sampler.batch(step)
+            for positions in micro_batches(len(indices), self.mode, self.physical, self.world):
+                yield indices[positions]
+
+    def __call__(self, step: int, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, ...]:
+        if self._stream is None:
+            self._stream = self.loader(self._plan(step))
+        ids, inputs = next(self._stream)
+        if not np.array_equal(ids, indices[positions]):
+            raise RuntimeError(f"step {step}: the loader decoded other examples than the step sampled")
+        return inputs
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()  # stops the decoding workers
+        self.loader.dataset.close()
+
+
+def check_labelled_captions(tokenizer: Tokenizer, max_len: int, source: str) -> None:
+    """Warn (CaptionsTruncated) if max_len cuts any caption the labelled set `source` writes.
+
+    The loader cuts private captions silently, as counting the cut ones would release a statistic
+    of the private data; a labelled set's captions come from public templates, so they can be checked."""
+    tokenizer.encode(labelled_sets.get(source).captions(), max_len, public=True)
+
+
+def setup(params: dict, device: str) -> "Trainer":
+    """Everything one DP training needs, planned and checked before any image is decoded."""
+    dp = params["dp"]
+    world = init_world(device)
+    tokenizer = Tokenizer(TOKENIZER) if objective(dp["objective"]).tokens else None
+    mcfg = ModelConfig.from_params(params["model"], dp["objective"], tokenizer.vocab_size if tokenizer else None)
+    n = len(ShardDataset(f"{SHARDS}/private"))
+    stats = read_json(f"{SHARDS}/stats.json")
+    stats_n = stats["private"]["usable"]
+    if n != stats_n:
+        raise ValueError(f"{SHARDS}/private index has {n} usable examples but stats.json says {stats_n}")
+    release.check_noise_seed(dp, params["privacy"])
+    try:
+        check_clipping(dp["clipping"], dp["precision"], device)
+    except ValueError as e:
+        raise ParamsError([str(e)], source="dp params") from None
+    if dp["nonprivate_baseline"]:
+        release.check_nonprivate(params["privacy"], stats.get("source"), "dp.nonprivate_baseline")
+    try:  # contradictions in the params stop the run here, before any image is decoded or state written
+        mech = plan_mechanism(dp, n, params["privacy"]["adjacency"])
+    except ValueError as e:
+        raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
+    if tokenizer and stats.get("source") in labelled_sets.SETS:
+        check_labelled_captions(tokenizer, mcfg.max_len, stats["source"])
+    held = split_loader("eval", mcfg, tokenizer)
+    held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
+    return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device, stats.get("source"))
+
+
+NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "log_private_stats")
+RUN_SECTIONS = ("run", "model", "dp")  # what a DP training is: dp-train, the curve and the seeds key it by them
+
+
+def work_dir(params: dict, trainer: "Trainer"):
+    """The run's state directory: its identity for resume and for the privacy budget."""
+    inputs = ([f"{SHARDS}/private"] + ([PRETRAIN] if params["dp"]["init"] == "pretrain" else [])
+              + ([TOKENIZER] if trainer.tokenizer else []))
+    # Keys that change what is reported beside the private run, not the run: toggling them must
+    # resume it, not train (and charge) the same private model again.
+    dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
+    # The adjacency sets σ (calibrated to it): another adjacency is another mechanism, another run.
+    dp["adjacency"] = params["privacy"]["adjacency"]
+    return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": dp}, inputs)
+
+
+def train_private(params: dict, trainer: "Trainer", ctx):
+    """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
+    world, mech = trainer.world, trainer.mech
+    work = work_dir(params, trainer)
+    if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
+        data_id, sketch = budget.examples_identity(f"{SHARDS}/private")
+        budget.record(data_id, sketch, work.name, mech)
+    key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
+    model, counters, history = trainer.train(key, work, ctx, private=True)
+    record = None
+    if world.is_main:
+        record = trainer.ledger.public()
+        record["data_identity"], record["run"] = data_id, work.name
+        record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], trainer.ledger.steps, mech["delta"],
+                                               accountant=mech["accountant"], adjacency=mech["adjacency"])
+        record["history"] = history
+        # Statistics of the private data, for the data owner and `verify` only (privacy/owner.py).
+        owner.write(owner.run_record(work.name), {"batch_sizes": trainer.ledger.to_dict()["batch_sizes"],
+                                                 "nonfinite_examples": counters["nonfinite"]})
+    return model, counters, record
+
+
+def nonprivate_params(params: dict) -> dict:
+    """The ε = ∞ twin's params: the recipe, with `dp.nonprivate`'s schedule where it sets one."""
+    schedule = {k: v for k, v in params["dp"]["nonprivate"].items() if v is not None}
+    return {**params, "dp": {**params["dp"], **schedule}}
+
+
+def train_nonprivate(params: dict, trainer: "Trainer", ctx):
+    """The recipe without clipping or noise (ε = ∞): for comparison only, never to be published.
+    Noise does not limit it, so `dp.nonprivate` may give it a longer schedule of its own."""
+    release.check_nonprivate(params["privacy"], trainer.source, "the ε = ∞ twin")
+    p = nonprivate_params(params)
+    twin = Trainer(p, trainer.mcfg, trainer.tokenizer, trainer.held, {**trainer.mech, "planned_steps": p["dp"]["steps"]},
+                   trainer.world, trainer.device, trainer.source)
+    return twin.train(params["run"]["seed"], work_dir(p, trainer) / "nonprivate", ctx, private=False)[0]
+
+
+class Trainer:
+    """Builds the model and runs the DP (or, for the baseline, the plain) training loop."""
+
+    def __init__(self, params, mcfg, tokenizer, held_inputs, mech, world, device, source):
+        self.params, self.dp, self.mcfg, self.tokenizer = params, params["dp"], mcfg, tokenizer
+        self.mech, self.world, self.device, self.source = mech, world, device, source
+        self.num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
+        self.held = held_inputs  # None: no eval split, no held-out loss
+        if held_inputs is not None:
+            self.held_noise = torch.rand(len(held_inputs[0]), self.num_patches,
+                                         generator=torch.Generator().manual_seed(params["run"]["seed"]))
+        self.ledger = None
+
+    def build(self):
+        torch.manual_seed(self.params["run"]["seed"])
+        model = build_model(self.dp["objective"], self.mcfg).to(self.device)
+        if self.dp["init"] == "pretrain":
+            ckpt = torch.load(f"{PRETRAIN}/checkpoint.pt", map_location="cpu", weights_only=False)
+            if self.dp["objective"] == ckpt["objective"]:  # MAE: the whole model, its decoder too (ViP)
+                model.load_state_dict(ckpt["model"])
+            else:  # a captioner or CLIP: the encoder; the text tower starts from random weights
+                model.encoder.load_state_dict(ckpt["encoder"])
+        return model
+
+    def train(self, key: int, work, ctx, private: bool):
+        dp, plan, world, device = self.dp, self.mech, self.world, self.device
+        obj, n = objective(dp["objective"]), plan["n"]
+        model = self.build()
+        # A warm-started encoder moves at encoder_lr_scale × lr (its features are what the run is for).
+        optimizer = make_optimizer(model, dp["optimizer"], dp["lr"], dp["weight_decay"],
+                                   dp["encoder_lr_scale"] if dp["init"] == "pretrain" else 1.0)
+        clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
+                               autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
+                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
+        mech = Mechanism(sample_rate=plan["sample_rate"], sigma=plan["sigma"] if private else 0.0,
+                         clip_norm=dp["clip_norm"], sensitivity=plan["sensitivity"], steps=plan["planned_steps"],
+                         denominator=1.0 if obj.clipping == "per_batch" else plan["sample_rate"] * n)
+        sampler = PoissonSampler(n, plan["sample_rate"], key)
+        ledger = Ledger(work / "ledger.jsonl", plan) if private and world.is_main else None
+        if private:
+            self.ledger = ledger
+        # Counted by the optimizer's own hook, so `verify` can compare it with the ledger independently.
+        state = TrainState(model, optimizer, counters={"applied_updates": 0, "nonfinite": 0})
+        counters = state.counters
+        optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
+        masks = {}
+        stream = StreamedBatches(split_loader("private", self.mcfg, self.tokenizer, dp["data_workers"]), sampler,
+                                 obj.clipping, dp["physical_batch_size"], world, plan["planned_steps"])
+
+        def fetch(step: int, indices: np.ndarray, positions: np.ndarray) -> tuple:
+            batch = stream(step, indices, positions)
+            if obj.masks:  # drawn for the whole logical batch, so they do not depend on how it is split
+                if step not in masks:
+                    masks.clear()
+                    masks[step] = torch.rand(len(indices), self.num_patches, generator=step_generator(key, step, MASKS))
+                batch += (masks[step][positions],)
+            return tuple(x.to(device) for x in batch)
+
+        def step_fn(step: int) -> dict:
+            result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, mech=mech, key=key, world=world,
+                             physical_batch_size=dp["physical_batch_size"], ledger=ledger)
+            counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
+            optimizer.step()
+            metrics = {}
+            if self.held is not None and (step % dp["eval_every"] == 0 or step == plan["planned_steps"] - 1):
+                metrics["heldout_loss"] = self.heldout_loss(model)
+            return metrics
+
+        prefix = "" if private else "nonprivate_"
+        try:
+            run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
+                     step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
+                     log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s), world=world,
+                     timed=False)  # on private data, a step's time tracks its realised batch size
+        finally:
+            stream.close()
+        return model, counters, state.history
+
+    @torch.no_grad()
+    def heldout_loss(self, model) -> float:
+        model.eval()
+        inputs = tuple(x.to(self.device) for x in self.held)
+        if objective(self.dp["objective"]).masks:
+            inputs = inputs + (self.held_noise.to(self.device),)
+        loss = model(*inputs).mean().item()
+        model.train()
+        return loss
+
+
+TRAIN_SECTIONS = ("run", "model", "dp", "privacy")  # dp-train's own (its state directory is keyed by run, model, dp)
+
+
+def point_params(params: dict, init: str, epsilon: float) -> dict:
+    """dp-train's params for one point: the recipe at `epsilon` from `init`. ε = ∞ keeps the
+    recipe's own ε for planning (the sampling rate and steps), and trains without noise."""
+    dp = {**params["dp"], "init": init}
+    if math.isfinite(epsilon) and epsilon != dp["epsilon"]:  # dp-train's own ε keeps its σ (and identity)
+        dp.update(epsilon=float(epsilon), sigma=None)
+    return {**{s: params[s] for s in TRAIN_SECTIONS}, "dp": dp}
+
+
+def train_point(params: dict, ctx, init: str, epsilon: float):
+    """(model, verified ε or None for ∞, whether this is the main process) of one point."""
+    p = point_params(params, init, epsilon)
+    trainer = setup(p, ctx.device)
+    is_main = trainer.world.is_main
+    if not math.isfinite(epsilon):
+        return train_nonprivate(p, trainer, ctx), None, is_main
+    model, counters, record = train_private(p, trainer, ctx)
+    if not is_main:
+        return model, None, is_main
+    record.pop("history")
+    checked = verify(with_batch_sizes(record), counters["applied_updates"], p["dp"], params["verify"]["accountants"],
+                     params["verify"]["batch_size_alpha"], params["privacy"]["adjacency"])
+    if not checked["passed"]:
+        failed = [c["name"] for c in checked["checks"] if not c["passed"]]
+        raise VerificationFailed(f"curve point ε={epsilon} from {init}: privacy verification failed: {', '.join(failed)}")
+    return model, checked["epsilon_reported"], is_main
