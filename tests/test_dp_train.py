@@ -4,6 +4,7 @@ Each test trains in its own project (stage_runs.project) on the shards and token
 session-wide `data_dir` fixture (conftest.py) makes once."""
 
 import io
+import json
 import os
 import shutil
 
@@ -60,6 +61,29 @@ def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_di
         assert torch.equal(v, got["model"][k]), k
 
 
+def test_the_secret_key_is_owner_only_from_its_first_byte_and_kept(tmp_path, monkeypatch):
+    """Written and then chmod'ed, the key was world-readable for a moment (under a permissive
+    umask): every file holding it must already be 0600 before any chmod, and whole when it appears."""
+    import stat
+
+    from pipeline.privacy.plan import secret_key
+
+    before_chmod, real_chmod = [], os.chmod
+    monkeypatch.setattr(os, "chmod", lambda path, mode, *a, **k: (
+        before_chmod.append(stat.S_IMODE(os.stat(path).st_mode)), real_chmod(path, mode, *a, **k))[1])
+    umask = os.umask(0)  # the most permissive: an ordinary write would make the key 0666
+    try:
+        key = secret_key(tmp_path / "run", None)
+    finally:
+        os.umask(umask)
+    path = tmp_path / "run/secret.key"
+    assert before_chmod and all(m == 0o600 for m in before_chmod), [oct(m) for m in before_chmod]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert secret_key(tmp_path / "run", None) == key == int(path.read_text())  # reused on resume
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["secret.key"]  # no temporary left
+    assert secret_key(tmp_path / "other", 5) == 5 and not (tmp_path / "other").exists()
+
+
 def test_budget_guard_refuses_steps_beyond_the_accounted_ones(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(training, "run_loop", lambda state, schedule, step_fn, *a, **k: step_fn(schedule.steps))
     with pytest.raises(RuntimeError, match="refusing step 6"):
@@ -94,9 +118,14 @@ def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name
     the update linear in the gradient; σ is small enough that the noise does not drown the signal."""
     sets = [f"dp.objective={name}", "dp.sigma=0.3", "dp.epsilon=100", "dp.optimizer=sgd", "dp.lr=0.05"]
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
-    _, ref = train(one, sets)
+    ref_ledger, ref = train(one, sets)
     torchrun(two, "dp-train", sets)
     got = torch.load(two / "models/dp/checkpoint.pt", weights_only=False)
+    # At 2 ranks too, the published ledger holds no private statistic; rank 0 keeps them owner-only.
+    published = json.loads((two / "models/dp/ledger.json").read_text())
+    assert "batch_sizes" not in published and "nonfinite_examples" not in published
+    owner = json.loads((two / ".dpfm/owner/runs" / f"{published['run']}.json").read_text())
+    assert owner["batch_sizes"] == ref_ledger["batch_sizes"]
     assert got["optimizer_steps"] == ref["optimizer_steps"] == 6
     start = flat(initial_weights(one, sets))
     want = flat(ref["model"]) - start

@@ -19,7 +19,7 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from . import accounting
+from pipeline.privacy import accounting
 
 _ACCOUNTANT_CHOICES = list(accounting.ACCOUNTANTS) + ["all"]
 
