@@ -90,3 +90,20 @@ def test_naming_and_scheduling_keys_are_untracked_and_the_rest_tracked():
     params = {"run": {"seed": 3, "experiment": "x", "threads": 4, "device": "cuda"}, "dp": {"epsilon": 8}}
     assert tracked(params, ("run", "dp")) == {"run": {"seed": 3}, "dp": {"epsilon": 8}}
     assert render_dvc_yaml().count("- run.seed") == len(STAGES) and "- run\n" not in render_dvc_yaml()
+
+
+def test_no_stage_imports_another_stage():
+    """The stages call the privacy boundary (privacy/training.py), never each other: the curve and the
+    extra seeds once reached DP training through the dp-train and curve stage modules."""
+    import ast
+
+    from pipeline.stages import STAGES
+
+    modules = {st.module for st in STAGES}
+    for st in STAGES:
+        tree = ast.parse(Path(ROOT / (st.module.replace(".", "/") + ".py")).read_text())
+        named = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        named |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                  for a in n.names}
+        named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not (named & (modules - {st.module})), (st.name, sorted(named & modules))
