@@ -151,6 +151,8 @@ def _rdp_bound(noise: float, q: float, steps: int, delta: float, adjacency: str 
 
 
 def _capped_by_rdp(eps: float, noise: float, q: float, steps: int, delta: float, adjacency: str = "add_remove") -> float:
+    if adjacency == "replace_one":  # the group-privacy bound is far looser than any PLD: no cap to apply
+        return eps
     rdp = _rdp_bound(noise, q, steps, delta, adjacency)
     if eps > rdp:
         warnings.warn(
