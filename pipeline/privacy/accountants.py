@@ -36,10 +36,15 @@ PRV_EPS_ERROR = 0.01
 ADJACENCIES = ("add_remove", "replace_one")
 
 
+def supports(accountant: str, adjacency: str) -> bool:
+    """Whether `accountant` accounts `adjacency` neighbours (replace-one: PLD only)."""
+    return adjacency == "add_remove" or accountant == "pld"
+
+
 def check_adjacency(adjacency: str, accountant: str) -> str:
     if adjacency not in ADJACENCIES:
         raise ValueError(f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}")
-    if adjacency == "replace_one" and accountant != "pld":
+    if not supports(accountant, adjacency):
         raise ValueError(f"accountant {accountant} accounts add/remove adjacency only: use pld for replace_one")
     return adjacency
 

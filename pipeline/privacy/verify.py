@@ -97,7 +97,9 @@ def epsilon_curves(multiplier: float, q: float, steps: int, delta: float, accoun
 
 def supporting(accountants: list[str], adjacency: str) -> list[str]:
     """The accountants that account `adjacency` (replace-one: PLD only)."""
-    return [a for a in accountants if adjacency == "add_remove" or a == "pld"]
+    from pipeline.privacy.accountants import supports
+
+    return [a for a in accountants if supports(a, adjacency)]
 
 
 def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str], alpha: float,

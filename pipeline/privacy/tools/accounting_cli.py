@@ -20,6 +20,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from pipeline.privacy import accounting
+from pipeline.privacy.accountants import supports
 
 _ACCOUNTANT_CHOICES = list(accounting.ACCOUNTANTS) + ["all"]
 
@@ -128,7 +129,7 @@ def _resolve(args) -> Dict[str, object]:
         print(f"warning: delta={delta:g} >= 1/n = {1.0 / args.n:g}: a mechanism that publishes one random "
               "example in full meets such a guarantee; dp-train requires delta < 1/n", file=sys.stderr)
     names: List[str] = (
-        [a for a in accounting.ACCOUNTANTS if args.adjacency == "add_remove" or a == "pld"]
+        [a for a in accounting.ACCOUNTANTS if supports(a, args.adjacency)]
         if args.accountant == "all" else [args.accountant]
     )
     if args.adjacency == "replace_one" and names != ["pld"]:
