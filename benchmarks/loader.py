@@ -32,7 +32,8 @@ from pipeline.data.loader import BatchLoader  # noqa: E402
 from pipeline.data.shards import ShardDataset, ShardWriter  # noqa: E402
 from pipeline.data.transforms import encode_jpeg  # noqa: E402
 from pipeline.models import build_model  # noqa: E402
-from pipeline.privacy.engine import Mechanism, dp_step, make_clipper  # noqa: E402
+from pipeline.privacy.engine import dp_step, make_clipper  # noqa: E402
+from pipeline.privacy.plan import Plan  # noqa: E402
 
 TARGET_RATIO = 3.0
 
@@ -75,10 +76,10 @@ def dp_step_rate(res: int, size: str, batch: int, steps: int, device: str) -> fl
     x = torch.randn(batch, 3, res, res, device=device)
     noise = torch.rand(batch, (res // 16) ** 2, device=device)
     whole = type("Whole", (), {"batch": lambda self, step: np.arange(batch)})()
-    mech = Mechanism(sample_rate=1.0, sigma=1.0, clip_norm=1.0, sensitivity=1.0, denominator=batch, steps=1 << 30)
+    plan = Plan.unaccounted("mae", "per_sample", sigma=1.0, clip_norm=1.0, n=batch, steps=1 << 30)
 
     def step():
-        dp_step(0, sampler=whole, fetch=lambda s, idx, pos: (x[pos], noise[pos]), clipper=clipper, mech=mech, key=0,
+        dp_step(0, sampler=whole, fetch=lambda s, idx, pos: (x[pos], noise[pos]), clipper=clipper, plan=plan, key=0,
                 physical_batch_size=batch)
         opt.step()
         if device == "cuda":

@@ -263,7 +263,7 @@ def read_plan(size_dir: Path, p: dict, eps: float) -> dict:
         n = read_json("data/shards/stats.json")["private"]["usable"]
     dp = training.point_params(p, "pretrain", eps)["dp"]
     batch, steps = dp["expected_batch_size"], dp["steps"]
-    sigma = plan_mechanism(dp, n, p["privacy"]["adjacency"])["sigma"] if math.isfinite(eps) else 0.0
+    sigma = plan_mechanism(dp, n, p["privacy"]["adjacency"]).sigma if math.isfinite(eps) else 0.0
     return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
             "epochs": round(batch * steps / n, 2)}
 

@@ -116,11 +116,11 @@ def test_one_sigma_convention_a_clip_ledger_checked_through_the_cli_gives_its_ow
 
     dp = {"expected_batch_size": 128, "delta": "1/2n", "objective": "clip", "sigma": None, "epsilon": 8.0,
           "steps": 40, "accountant": "pld", "clip_norm": 1.0}
-    mech = plan_mechanism(dp, 1258, "replace_one")
-    assert mech["noise_std"] == pytest.approx(mech["sigma"] * SENSITIVITY["per_batch"] * 1.0)
-    main(["epsilon", "--sigma", repr(mech["sigma"]), "--steps", "40", "--sample-rate", repr(mech["sample_rate"]),
-          "--delta", repr(mech["delta"]), "--sensitivity", "2", "--accountant", "pld", "--json"])
-    assert json.loads(capsys.readouterr().out)["epsilon"]["pld"] == pytest.approx(mech["epsilon_planned"], rel=1e-6)
+    plan = plan_mechanism(dp, 1258, "replace_one")
+    assert plan.noise_std == pytest.approx(plan.sigma * SENSITIVITY["per_batch"] * 1.0)
+    main(["epsilon", "--sigma", repr(plan.sigma), "--steps", "40", "--sample-rate", repr(plan.sample_rate),
+          "--delta", repr(plan.delta), "--sensitivity", "2", "--accountant", "pld", "--json"])
+    assert json.loads(capsys.readouterr().out)["epsilon"]["pld"] == pytest.approx(plan.epsilon, rel=1e-6)
 
 
 # --------------------------------------------------------------------------

@@ -13,14 +13,15 @@ from shard_data import write_set
 
 from pipeline.data.shards import ShardWriter, encode_png
 from pipeline.privacy import accounting, budget
+from pipeline.privacy.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGMA, Q, STEPS, DELTA = 0.9, 0.01, 300, 1e-6
 
 
-def entry(run, steps=STEPS, sigma=SIGMA):
-    return {"run": run, "objective": "mae", "sigma": sigma, "sample_rate": Q, "planned_steps": steps, "delta": DELTA,
-            "n": 10_000}
+def plan(steps=STEPS, sigma=SIGMA):
+    return Plan(objective="mae", clipping="per_sample", n=10_000, sample_rate=Q, sigma=sigma, clip_norm=1.0,
+                steps=steps, delta=DELTA, accountant="pld", adjacency="add_remove", target_epsilon=8.0, epsilon=8.0)
 
 
 def examples(n, seed=0, start=0):
@@ -37,7 +38,7 @@ def shard(directory, samples, per_shard=7, keys=None):
 
 
 def charge(identity, sketch, run, **kw):
-    budget.record(identity, sketch, run, entry(run, **kw))
+    budget.record(identity, sketch, run, plan(**kw))
 
 
 def test_the_same_examples_keep_their_identity_whatever_the_sharding_order_or_keys(in_tmp):
@@ -101,14 +102,16 @@ def test_a_lone_run_composes_to_its_own_epsilon(in_tmp):
 
 
 def test_different_mechanisms_compose_between_their_parts(in_tmp):
-    small, big = entry("a", sigma=2.0), entry("b", sigma=0.8)
-    parts = [budget.composed_epsilon([e], DELTA) for e in budget_entries([small, big])]
-    both = budget.composed_epsilon(budget_entries([small, big]), DELTA)
+    small, big = entry("a", plan(sigma=2.0)), entry("b", plan(sigma=0.8))
+    parts = [budget.composed_epsilon([e], DELTA) for e in [small, big]]
+    both = budget.composed_epsilon([small, big], DELTA)
     assert max(parts) < both < sum(parts) * 1.01
 
 
-def budget_entries(entries):
-    return [{**e, "steps": e["planned_steps"]} for e in entries]
+def entry(run, p):
+    """A budget entry as `budget.record` writes it."""
+    return {"run": run, "objective": p.objective, "sigma": p.sigma, "sample_rate": p.sample_rate, "steps": p.steps,
+            "delta": p.delta, "n": p.n}
 
 
 def test_a_torn_last_line_is_ignored(in_tmp):

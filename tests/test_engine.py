@@ -28,7 +28,8 @@ from pipeline import objectives
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import clipping
 from pipeline.privacy.clipping import BookKeepingClipper, UnboundableModel, VmapClipper
-from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
+from pipeline.privacy.engine import dp_step, make_clipper
+from pipeline.privacy.plan import Plan
 
 N, Q, C, SIGMA, KEY = 40, 0.3, 0.05, 1.3, 11
 CFG = {"size": "micro", "vocab_size": 50, "max_len": 8}
@@ -59,10 +60,9 @@ def fetcher(name):
     return fetch
 
 
-def mechanism(name, sigma=SIGMA):
+def plan_for(name, sigma=SIGMA):
     mode = OBJECTIVES[name].clipping
-    return Mechanism(sample_rate=Q, sigma=sigma, clip_norm=C, sensitivity=objectives.SENSITIVITY[mode],
-                     denominator=1.0 if mode == "per_batch" else Q * N, steps=100)
+    return Plan.unaccounted(name, mode, sigma, C, n=N, sample_rate=Q, steps=100)
 
 
 def model_for(name):
@@ -91,7 +91,7 @@ def train(name, world, steps=3, bug_name=None):
     sampler = engine_sampler()
     with bug(bug_name):
         for step in range(steps):
-            dp_step(step, sampler=sampler, fetch=fetcher(name), clipper=clipper, mech=mechanism(name, 0.0), key=KEY,
+            dp_step(step, sampler=sampler, fetch=fetcher(name), clipper=clipper, plan=plan_for(name, 0.0), key=KEY,
                     world=world, physical_batch_size=4)
             optimizer.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -110,14 +110,14 @@ def noise_and_signal(name, world, bug_name=None):
     with bug(bug_name):
         noisy, clean = run_once(name, world, indices, SIGMA), run_once(name, world, indices, 0.0)
         without = [run_once(name, world, np.delete(indices, i), 0.0) for i in (0, 5)]
-    divisor = mechanism(name).denominator
+    divisor = plan_for(name).denominator
     return (noisy - clean) * divisor, clean * divisor, max(float((clean - w).norm()) * divisor for w in without)
 
 
 def run_once(name, world, indices, sigma, precision=None):
     model = model_for(name)
     dp_step(0, sampler=FixedSampler(indices), fetch=fetcher(name), clipper=clipper_for(name, model, world, precision),
-            mech=mechanism(name, sigma), key=KEY, world=world, physical_batch_size=4)
+            plan=plan_for(name, sigma), key=KEY, world=world, physical_batch_size=4)
     return grads(model)
 
 
@@ -182,7 +182,7 @@ def test_noise_and_sensitivity_check_catches_broken_steps(tmp_path, name, bug_na
 
 def contributions(name, precision):
     """Each example's clipped contribution (one-example batches through the real step, no noise)."""
-    return [float(run_once(name, World(), np.array([i]), 0.0, precision).norm()) * mechanism(name).denominator
+    return [float(run_once(name, World(), np.array([i]), 0.0, precision).norm()) * plan_for(name).denominator
             for i in range(0, N, 4)]
 
 
@@ -259,8 +259,8 @@ def test_every_model_is_accepted():
 
 def test_budget_guard_refuses_a_step_beyond_the_accounted_ones():
     model = model_for("mae")
-    mech = Mechanism(Q, SIGMA, C, 1.0, Q * N, steps=2)
+    plan = Plan.unaccounted("mae", "per_sample", SIGMA, C, n=N, sample_rate=Q, steps=2)
     with pytest.raises(RuntimeError, match="refusing step 2: ε was accounted for 2 steps"):
         dp_step(2, sampler=engine_sampler(), fetch=fetcher("mae"), clipper=clipper_for("mae", model, World()),
-                mech=mech, key=KEY)
+                plan=plan, key=KEY)
 

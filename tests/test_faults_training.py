@@ -29,6 +29,7 @@ from stage_runs import project, train
 
 from pipeline.data.shards import ShardDataset
 from pipeline.privacy.ledger import Ledger
+from pipeline.privacy.plan import Plan
 
 
 # -- pretrain: kill -9 while a checkpoint is half written, SIGTERM to it and its decoding workers -----
@@ -213,7 +214,9 @@ def test_the_resume_check_catches_a_ledger_not_written_before_the_update(data_di
 
 def test_a_torn_last_ledger_line_is_dropped_and_charged_again(tmp_path):
     """A kill inside the ledger's own append leaves half a line: the ledger still opens, loses no step."""
-    path, header = tmp_path / "ledger.jsonl", {"n": 10, "sigma": 1.0}
+    path = tmp_path / "ledger.jsonl"
+    header = Plan(objective="mae", clipping="per_sample", n=10, sample_rate=0.3, sigma=1.0, clip_norm=1.0, steps=3,
+                  delta=1e-3, accountant="pld", adjacency="replace_one", target_epsilon=8.0, epsilon=7.5)
     ledger = Ledger(path, header)
     for step, size in [(0, 3), (1, 4)]:
         ledger.record_step(step, size)
@@ -224,4 +227,4 @@ def test_a_torn_last_ledger_line_is_dropped_and_charged_again(tmp_path):
     ledger.record_step(2, 5)  # charged again when re-run
     assert Ledger(path, header).to_dict()["batch_sizes"] == [3, 4, 5]
     path.write_text('{"header": {"n"')  # killed while writing the header itself
-    assert Ledger(path, header).steps == 0 and json.loads(path.read_text()) == {"header": header}
+    assert Ledger(path, header).steps == 0 and json.loads(path.read_text()) == {"header": header.header()}

@@ -15,6 +15,7 @@ from PIL import Image
 from pipeline.stages import report
 from pipeline.eval.render import TABLE_HEAD_COLOR
 from pipeline.io import read_json, write_json
+from pipeline.privacy.plan import Plan
 from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,9 +67,9 @@ def project(tmp_path, monkeypatch):
         "epsilon": {"pld": 7.99, "rdp": 9.6}, "epsilon_reported": 7.99, "accountant": "pld", "delta": 4e-4,
         "steps": 40, "sigma": 0.67, "sample_rate": 0.1, "n": 1258,
         "epsilon_curve": {"pld": [[1, 2.3], [20, 5.8], [40, 7.99]], "rdp": [[1, 3.1], [20, 7.3], [40, 9.6]]}})
-    write_json("models/dp/ledger.json", {"target_epsilon": 8.0, "clip_norm": 1.0, "sensitivity": 1.0,
-                                         "noise_std": 0.67, "sampler": "poisson", "planned_steps": 40,
-                                         "objective": "caption"})
+    plan = Plan(objective="caption", clipping="per_sample", n=1258, sample_rate=0.1, sigma=0.67, clip_norm=1.0,
+                steps=40, delta=4e-4, accountant="pld", adjacency="replace_one", target_epsilon=8.0, epsilon=7.99)
+    write_json("models/dp/ledger.json", {**plan.header(), "steps": 40, "epsilon": 7.99})
     write_json("results/eval/metrics.json", metrics_json())
     write_json("models/pretrain/history.json", history("loss", range(0, 300, 20)))
     write_json("models/dp/history.json", history("heldout_loss", range(0, 40, 10)))

@@ -30,15 +30,15 @@ def default_dp() -> dict:
 def realistic_ledger(tmp, dp: dict, n: int = N, key: int = 7, steps: int | None = None, q: float | None = None,
                      adjacency: str = "add_remove") -> dict:
     """What dp-train writes: plan_mechanism's header, the real Poisson sampler's batch sizes, the claimed ε."""
-    mech = plan_mechanism(dp, n, adjacency)
-    sampler = PoissonSampler(n, q or mech["sample_rate"], key)
-    ledger = Ledger(tmp / f"ledger-{key}-{dp['objective']}.jsonl", mech)
+    plan = plan_mechanism(dp, n, adjacency)
+    sampler = PoissonSampler(n, q or plan.sample_rate, key)
+    ledger = Ledger(tmp / f"ledger-{key}-{dp['objective']}.jsonl", plan)
     for t in range(steps or dp["steps"]):
         ledger.record_step(t, len(sampler.batch(t)))
     record = ledger.to_dict()
     record["nonfinite_examples"] = 0
-    record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], ledger.steps, mech["delta"],
-                                           accountant=mech["accountant"], adjacency=adjacency)
+    record["epsilon"] = accounting.epsilon(plan.sigma, plan.sample_rate, ledger.steps, plan.delta,
+                                           accountant=plan.accountant, adjacency=adjacency)
     return record
 
 

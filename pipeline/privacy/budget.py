@@ -37,6 +37,7 @@ from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.io import atomic_path
 from pipeline.privacy import accounting
 from pipeline.privacy.accountants import PLD_REL_TOL, PLD_START_INTERVAL
+from pipeline.privacy.plan import Plan
 
 BUDGET_DIR = Path("data/budget")
 SKETCH_BITS = 24  # 2 MiB per set: disjoint sets of n₁ and n₂ examples share a bit with chance ≈ n₁n₂/2²⁴
@@ -94,14 +95,14 @@ def _load_sketch(identity: str) -> np.ndarray | None:
         return z["bits"]
 
 
-def record(identity: str, sketch: np.ndarray, run: str, mech: dict) -> None:
+def record(identity: str, sketch: np.ndarray, run: str, plan: Plan) -> None:
     """Charge run `run`'s planned mechanism to the examples `identity` (once; fsynced before training)."""
     _save_sketch(identity, sketch)
     if any(entry["run"] == run for entry in _entries()):
         return
-    entry = {"run": run, "set": identity, "objective": mech["objective"], "sigma": mech["sigma"],
-             "sample_rate": mech["sample_rate"], "steps": mech["planned_steps"], "delta": mech["delta"],
-             "n": mech["n"], "adjacency": mech.get("adjacency", "add_remove"), "recorded": time.time()}
+    entry = {"run": run, "set": identity, "objective": plan.objective, "sigma": plan.sigma,
+             "sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta, "n": plan.n,
+             "adjacency": plan.adjacency, "recorded": time.time()}
     BUDGET_DIR.mkdir(parents=True, exist_ok=True)
     with open(BUDGET_DIR / "runs.jsonl", "a") as f:
         f.write(json.dumps(entry, sort_keys=True) + "\n")
@@ -173,12 +174,12 @@ def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_re
 
 def composition(ledger: dict, delta: float) -> dict:
     """ε of every DP run charged to examples this run trained on, composed; this run is counted even
-    if the budget record was lost."""
+    if the budget record was lost. `ledger` is the published ledger: its plan, run and data identity."""
+    plan = Plan.from_header(ledger)
     entries = runs(ledger["data_identity"]) if "data_identity" in ledger else []
     if not any(e["run"] == ledger.get("run") for e in entries):
-        entries.append({"run": ledger.get("run"), "objective": ledger["objective"], "sigma": ledger["sigma"],
-                        "sample_rate": ledger["sample_rate"], "steps": ledger["planned_steps"]})
-    adjacency = ledger.get("adjacency", "add_remove")  # a ledger from before it was recorded: add/remove
-    return {"epsilon": composed_epsilon(entries, delta, adjacency), "runs": len(entries), "adjacency": adjacency,
-            "data_identity": ledger.get("data_identity"),
+        entries.append({"run": ledger.get("run"), "objective": plan.objective, "sigma": plan.sigma,
+                        "sample_rate": plan.sample_rate, "steps": plan.steps})
+    return {"epsilon": composed_epsilon(entries, delta, plan.adjacency), "runs": len(entries),
+            "adjacency": plan.adjacency, "data_identity": ledger.get("data_identity"),
             "by_run": [{k: e[k] for k in ("run", "objective", "sigma", "sample_rate", "steps")} for e in entries]}

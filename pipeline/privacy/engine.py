@@ -38,25 +38,10 @@ import torch
 
 from pipeline.distributed import World, all_reduce_sum
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
+from pipeline.privacy.plan import Plan
 from pipeline.train import NOISE, step_generator
 
 CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
-
-
-@dataclass(frozen=True)
-class Mechanism:
-    """What the accountant was told: the step must add exactly this noise for this sensitivity."""
-
-    sample_rate: float
-    sigma: float          # noise multiplier: noise std = σ·K·C
-    clip_norm: float      # C
-    sensitivity: float    # K, in units of C
-    denominator: float    # q·n per example, 1 per batch
-    steps: int            # the steps ε was paid for: a later step is refused
-
-    @property
-    def noise_std(self) -> float:
-        return self.sigma * self.sensitivity * self.clip_norm
 
 
 def check_clipping(method: str, precision: str, device: str) -> None:
@@ -117,14 +102,14 @@ class StepResult:
 
 
 def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray], Iterable[torch.Tensor]],
-            clipper, mech: Mechanism, key: int, world: World = World(), physical_batch_size: int = 1 << 30,
+            clipper, plan: Plan, key: int, world: World = World(), physical_batch_size: int = 1 << 30,
             ledger=None) -> StepResult:
     """Steps 1-5 above; leaves the noisy gradient in p.grad for the caller's optimizer.
 
     `fetch(step, indices, positions)` gives the model inputs of the examples `indices[positions]`;
     `ledger.record_step(step, |B_t|)` (rank 0) charges the step before it is computed."""
-    if step >= mech.steps:  # budget guard: ε was paid for mech.steps steps, no more
-        raise RuntimeError(f"refusing step {step}: ε was accounted for {mech.steps} steps")
+    if step >= plan.steps:  # budget guard: ε was paid for plan.steps steps, no more
+        raise RuntimeError(f"refusing step {step}: ε was accounted for {plan.steps} steps")
     indices = sampler.batch(step)
     if ledger is not None:
         ledger.record_step(step, len(indices))
@@ -135,7 +120,7 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     count = torch.tensor([float(nonfinite)], device=next(iter(clipper.sum.values())).device)
     all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
     dropped = clipper.finish(len(indices))
-    add_noise(clipper, mech.noise_std, mech.denominator, step_generator(key, step, NOISE))
+    add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE))
     return StepResult(len(indices), int(count.item()) + dropped)
 
 

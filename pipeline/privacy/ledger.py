@@ -1,6 +1,6 @@
 """The privacy ledger: an append-only record of everything the accountant needs.
 
-Line 1 is the header (n, δ, q, σ, C, sensitivity, sampler, target ε); then one line per logical step
+Line 1 is the header (the run's `Plan`: n, δ, q, σ, C, sensitivity, sampler, target ε); then one line per logical step
 with its realised batch size, appended and fsynced *before* the step's update is applied. The file
 lives in the run's state directory, never published; `public()` is what models/dp/ledger.json holds. A step
 re-run after a crash redraws the same batch and noise (same key), so it is recorded once; the
@@ -13,15 +13,18 @@ import json
 import os
 from pathlib import Path
 
+from pipeline.privacy.plan import Plan
+
 
 class LedgerError(RuntimeError):
     pass
 
 
 class Ledger:
-    def __init__(self, path: str | Path, header: dict):
+    def __init__(self, path: str | Path, plan: Plan):
         self.path = Path(path)
-        self.header = header
+        self.plan, self.header = plan, plan.header()
+        header = self.header
         self.batch_sizes: dict[int, int] = {}
         lines = []
         if self.path.exists():

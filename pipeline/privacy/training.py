@@ -33,7 +33,7 @@ from pipeline.io import read_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
-from pipeline.privacy.engine import Mechanism, check_clipping, dp_step, make_clipper, micro_batches
+from pipeline.privacy.engine import check_clipping, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
 from pipeline.privacy.plan import plan_mechanism, secret_key
 from pipeline.privacy.sampling import PoissonSampler
@@ -112,14 +112,14 @@ def setup(params: dict, device: str) -> "Trainer":
     if dp["nonprivate_baseline"]:
         release.check_nonprivate(params["privacy"], stats.get("source"), "dp.nonprivate_baseline")
     try:  # contradictions in the params stop the run here, before any image is decoded or state written
-        mech = plan_mechanism(dp, n, params["privacy"]["adjacency"])
+        plan = plan_mechanism(dp, n, params["privacy"]["adjacency"])
     except ValueError as e:
         raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
     if tokenizer and stats.get("source") in labelled_sets.SETS:
         check_labelled_captions(tokenizer, mcfg.max_len, stats["source"])
     held = split_loader("eval", mcfg, tokenizer)
     held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
-    return Trainer(params, mcfg, tokenizer, held_inputs, mech, world, device, stats.get("source"))
+    return Trainer(params, mcfg, tokenizer, held_inputs, plan, world, device, stats.get("source"))
 
 
 NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "log_private_stats")
@@ -140,19 +140,19 @@ def work_dir(params: dict, trainer: "Trainer"):
 
 def train_private(params: dict, trainer: "Trainer", ctx):
     """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
-    world, mech = trainer.world, trainer.mech
+    world, plan = trainer.world, trainer.plan
     work = work_dir(params, trainer)
     if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
         data_id, sketch = budget.examples_identity(f"{SHARDS}/private")
-        budget.record(data_id, sketch, work.name, mech)
+        budget.record(data_id, sketch, work.name, plan)
     key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
     model, counters, history = trainer.train(key, work, ctx, private=True)
     record = None
     if world.is_main:
         record = trainer.ledger.public()
         record["data_identity"], record["run"] = data_id, work.name
-        record["epsilon"] = accounting.epsilon(mech["sigma"], mech["sample_rate"], trainer.ledger.steps, mech["delta"],
-                                               accountant=mech["accountant"], adjacency=mech["adjacency"])
+        record["epsilon"] = accounting.epsilon(plan.sigma, plan.sample_rate, trainer.ledger.steps, plan.delta,
+                                               accountant=plan.accountant, adjacency=plan.adjacency)
         record["history"] = history
         # Statistics of the private data, for the data owner and `verify` only (privacy/owner.py).
         owner.write(owner.run_record(work.name), {"batch_sizes": trainer.ledger.to_dict()["batch_sizes"],
@@ -171,7 +171,7 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
     Noise does not limit it, so `dp.nonprivate` may give it a longer schedule of its own."""
     release.check_nonprivate(params["privacy"], trainer.source, "the ε = ∞ twin")
     p = nonprivate_params(params)
-    twin = Trainer(p, trainer.mcfg, trainer.tokenizer, trainer.held, {**trainer.mech, "planned_steps": p["dp"]["steps"]},
+    twin = Trainer(p, trainer.mcfg, trainer.tokenizer, trainer.held, trainer.plan.without_noise(p["dp"]["steps"]),
                    trainer.world, trainer.device, trainer.source)
     return twin.train(params["run"]["seed"], work_dir(p, trainer) / "nonprivate", ctx, private=False)[0]
 
@@ -179,9 +179,9 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
 class Trainer:
     """Builds the model and runs the DP (or, for the baseline, the plain) training loop."""
 
-    def __init__(self, params, mcfg, tokenizer, held_inputs, mech, world, device, source):
+    def __init__(self, params, mcfg, tokenizer, held_inputs, plan, world, device, source):
         self.params, self.dp, self.mcfg, self.tokenizer = params, params["dp"], mcfg, tokenizer
-        self.mech, self.world, self.device, self.source = mech, world, device, source
+        self.plan, self.world, self.device, self.source = plan, world, device, source
         self.num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
         self.held = held_inputs  # None: no eval split, no held-out loss
         if held_inputs is not None:
@@ -201,8 +201,8 @@ class Trainer:
         return model
 
     def train(self, key: int, work, ctx, private: bool):
-        dp, plan, world, device = self.dp, self.mech, self.world, self.device
-        obj, n = objective(dp["objective"]), plan["n"]
+        dp, plan, world, device = self.dp, self.plan, self.world, self.device
+        obj = objective(dp["objective"])
         model = self.build()
         # A warm-started encoder moves at encoder_lr_scale × lr (its features are what the run is for).
         optimizer = make_optimizer(model, dp["optimizer"], dp["lr"], dp["weight_decay"],
@@ -210,10 +210,9 @@ class Trainer:
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
-        mech = Mechanism(sample_rate=plan["sample_rate"], sigma=plan["sigma"] if private else 0.0,
-                         clip_norm=dp["clip_norm"], sensitivity=plan["sensitivity"], steps=plan["planned_steps"],
-                         denominator=1.0 if obj.clipping == "per_batch" else plan["sample_rate"] * n)
-        sampler = PoissonSampler(n, plan["sample_rate"], key)
+        if not private and plan.sigma:
+            raise ValueError("a non-private training takes its plan's without_noise()")
+        sampler = PoissonSampler(plan.n, plan.sample_rate, key)
         ledger = Ledger(work / "ledger.jsonl", plan) if private and world.is_main else None
         if private:
             self.ledger = ledger
@@ -223,7 +222,7 @@ class Trainer:
         optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
         masks = {}
         stream = StreamedBatches(split_loader("private", self.mcfg, self.tokenizer, dp["data_workers"]), sampler,
-                                 obj.clipping, dp["physical_batch_size"], world, plan["planned_steps"])
+                                 obj.clipping, dp["physical_batch_size"], world, plan.steps)
 
         def fetch(step: int, indices: np.ndarray, positions: np.ndarray) -> tuple:
             batch = stream(step, indices, positions)
@@ -235,12 +234,12 @@ class Trainer:
             return tuple(x.to(device) for x in batch)
 
         def step_fn(step: int) -> dict:
-            result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, mech=mech, key=key, world=world,
+            result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
                              physical_batch_size=dp["physical_batch_size"], ledger=ledger)
             counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
             optimizer.step()
             metrics = {}
-            if self.held is not None and (step % dp["eval_every"] == 0 or step == plan["planned_steps"] - 1):
+            if self.held is not None and (step % dp["eval_every"] == 0 or step == plan.steps - 1):
                 metrics["heldout_loss"] = self.heldout_loss(model)
             return metrics
 

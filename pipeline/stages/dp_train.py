@@ -18,7 +18,7 @@ OUT_DIR = "models/dp"
 def run(params: dict, ctx) -> None:
     dp = params["dp"]
     trainer = setup(params, ctx.device)
-    world, mech = trainer.world, trainer.mech
+    world, plan = trainer.world, trainer.plan
     model, counters, record = train_private(params, trainer, ctx)
     baseline = train_nonprivate(params, trainer, ctx) if dp["nonprivate_baseline"] else None
     if not world.is_main:
@@ -35,11 +35,11 @@ def run(params: dict, ctx) -> None:
         write_json(out / "ledger.json", record)
         write_json(out / "history.json", history)
     barrier(world)
-    ctx.tracker.log_metrics({"epsilon": record["epsilon"], "sigma": mech["sigma"], "steps": trainer.ledger.steps,
-                             "sample_rate": mech["sample_rate"]})
-    ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": mech["accountant"]})
-    print(f"dp-train: {trainer.ledger.steps} steps on n={mech['n']}, q={mech['sample_rate']:.4f}, σ={mech['sigma']:.4f}, "
-          f"ε={record['epsilon']:.3f} (δ={mech['delta']:.2e}, {mech['accountant']}, {mech['adjacency'].replace('_', '-')})")
+    ctx.tracker.log_metrics({"epsilon": record["epsilon"], "sigma": plan.sigma, "steps": trainer.ledger.steps,
+                             "sample_rate": plan.sample_rate})
+    ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": plan.accountant})
+    print(f"dp-train: {trainer.ledger.steps} steps on n={plan.n}, q={plan.sample_rate:.4f}, σ={plan.sigma:.4f}, "
+          f"ε={record['epsilon']:.3f} (δ={plan.delta:.2e}, {plan.accountant}, {plan.adjacency.replace('_', '-')})")
     if dp["log_private_stats"]:  # opted in: released without noise, not covered by the ε above
         nonfinite = counters["nonfinite"]
         ctx.tracker.log_metrics({"private_nonfinite_examples": nonfinite})

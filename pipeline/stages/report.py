@@ -17,6 +17,7 @@ from pipeline.eval.render import accuracy_table, params_yaml, render_html, rende
 from pipeline.io import atomic_dir, read_json, write_json
 from pipeline.objectives import OBJECTIVES, recipe_title
 from pipeline.privacy import accounting, budget, owner, release
+from pipeline.privacy.plan import Plan
 
 OUT_DIR = "results/report"
 VERIFICATION, METRICS = "results/privacy/verification.json", "results/eval/metrics.json"
@@ -171,13 +172,13 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     return text
 
 
-def noise_text(ver: dict, ledger: dict, objective: str, sensitivity: float) -> str:
+def noise_text(ver: dict, plan: Plan) -> str:
     """σ, the noise std, and what decides utility: the noise on one coordinate of the averaged gradient.
     Per example it is std/B and falls as the batch grows; per batch (Dp-CLIP) the released clipped
     mean carries the whole std whatever the batch."""
-    std = ledger.get("noise_std", ver["sigma"] * sensitivity * ledger.get("clip_norm", 1.0))
+    std = plan.noise_std
     batch = ver["sample_rate"] * ver["n"]
-    if OBJECTIVES[objective].clipping == "per_batch":
+    if plan.clipping == "per_batch":
         per = f"on the clipped batch mean {std:.3g}, whatever the batch"
     else:
         per = f"per averaged coordinate std/B = {std / batch:.3g} (σ/B = {ver['sigma'] / batch:.3g})"
@@ -237,12 +238,12 @@ def delta_text(delta: float, param) -> str:
     return f"{delta:.2e}{named}"
 
 
-def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlflow_points: tuple[list, str],
+def gather(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_points: tuple[list, str],
            privacy: dict) -> dict:
     """Everything the renderers need; writes the figures into `out`."""
     primary = metrics["primary_set"]
     models = metrics["models"]
-    objective = metrics.get("objective") or ledger.get("objective")
+    objective = plan.objective
     dp = params.get("dp", {})
     figures = {"losses": out / "losses.png", "epsilon": out / "epsilon.png",
                "privacy_utility": out / "privacy_utility.png", "contact_sheet": out / "contact_sheet.png"}
@@ -265,7 +266,7 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
 
     curves = epsilon_curves(ver)
     final = (ver["steps"], ver["epsilon_reported"])
-    plots.plot_epsilon(curves, ledger.get("target_epsilon"), final, figures["epsilon"])
+    plots.plot_epsilon(curves, plan.target_epsilon, final, figures["epsilon"])
     plots.plot_losses(read_json("models/pretrain/history.json"), read_json("models/dp/history.json"), figures["losses"])
     shutil.copyfile("data/synthetic/contact_sheet.png", figures["contact_sheet"])
 
@@ -282,7 +283,7 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
     primary_set = metrics["sets"][primary]
     headline = headline_sentence(primary, primary_set, models, {
         "n": ver["n"], "batch": ver["sample_rate"] * ver["n"], "sigma": ver["sigma"],
-        "epsilon": ver["epsilon_reported"], "clip": ledger.get("clip_norm", 1.0)})
+        "epsilon": ver["epsilon_reported"], "clip": plan.clip_norm})
     cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}",
               f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
               f"{ver['steps']} DP steps on n = {ver['n']}")]
@@ -293,19 +294,17 @@ def gather(params: dict, ver: dict, ledger: dict, metrics: dict, out: Path, mlfl
                 f"DP model {points_ci(versus[name]) if name in versus else signed(100 * (lp['dp'] - lp[name])) + ' points'}")
         cards.append((models[name]["label"], f"{100 * lp[name]:.1f}%", diff))
     model = params.get("model", {})
-    sensitivity = ledger.get("sensitivity", 1.0)
     mechanism = [
         ("recipe", recipe_title(objective)),
         ("private examples n", f"{ver['n']}"),
-        ("sampling", f"{ledger.get('sampler', 'poisson')}, rate q = {ver['sample_rate']:.5g} "
+        ("sampling", f"{plan.sampler}, rate q = {ver['sample_rate']:.5g} "
                      f"(expected batch {ver['sample_rate'] * ver['n']:.0f})"),
-        ("clipping", f"C = {ledger.get('clip_norm')}, sensitivity {sensitivity:g}·C "
-                     f"({OBJECTIVES[objective].clipping.replace('_', ' ')})"),
-        ("noise", noise_text(ver, ledger, objective, sensitivity)),
-        ("steps", f"{ver['steps']} (planned {ledger.get('planned_steps', ver['steps'])})"),
+        ("clipping", f"C = {plan.clip_norm}, sensitivity {plan.sensitivity:g}·C ({plan.clipping.replace('_', ' ')})"),
+        ("noise", noise_text(ver, plan)),
+        ("steps", f"{ver['steps']} (planned {plan.steps})"),
         ("δ", delta_text(ver["delta"], dp.get("delta"))),
         ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())
-         + f" (target {ledger.get('target_epsilon', '—')})"),
+         + f" (target {plan.target_epsilon})"),
         ("adjacency", adjacency_text(ver)),
     ]
     runs = f"{privacy['runs']} DP run{'s' if privacy['runs'] > 1 else ''} ({', '.join(privacy['objectives'])})"
@@ -357,8 +356,7 @@ def final_privacy(params: dict, ledger: dict, ver: dict) -> dict:
     """The run's privacy as released: this model's ε, what every DP run on the data composes to
     (recomputed now, after the curve's and the seeds' trainings), and, when something ran outside
     DP (privacy/release.py), composed ε = ∞ with the reasons."""
-    mechanism = {"sigma": ver["sigma"], "sample_rate": ver["sample_rate"], "planned_steps": ver["steps"], **ledger}
-    c = budget.composition(mechanism, ver["delta"])
+    c = budget.composition(ledger, ver["delta"])
     stats = read_json(SHARD_STATS) if Path(SHARD_STATS).exists() else {}
     reasons = release.not_private_reasons(params, stats)
     return {"epsilon_run": ver["epsilon_reported"], "epsilon_dp_runs": c["epsilon"],
@@ -375,7 +373,7 @@ def run(params: dict, ctx) -> None:
     points = experiment_points(params["run"]["experiment"], model_hash)
     final = final_privacy(params, ledger, ver)
     with atomic_dir(OUT_DIR) as out:
-        content = gather(params, ver, ledger, metrics, out, points, final)
+        content = gather(params, ver, Plan.from_header(ledger), metrics, out, points, final)
         (out / "report.md").write_text(render_markdown(content))
         (out / "report.html").write_text(render_html(content))
         write_json(out / "privacy.json", {**final, "epsilon_composed": str(final["epsilon_composed"])

@@ -37,8 +37,8 @@ from tqdm import tqdm
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.tools.audit_settings import AuditConfig
 from pipeline.privacy import accounting
-from pipeline.objectives import SENSITIVITY
-from pipeline.privacy.engine import CLIPPERS, Mechanism, dp_step, make_clipper
+from pipeline.privacy.engine import CLIPPERS, dp_step, make_clipper
+from pipeline.privacy.plan import Plan
 
 
 # ---- the statistics: correct guesses -> ε lower bound ------------------------------------------------
@@ -155,8 +155,11 @@ def run_audit(cfg: AuditConfig = AuditConfig(), progress: bool = True) -> dict:
         raise ValueError(f"audit settings are invalid: clipping={cfg.clipping!r} is not a per-sample clipping "
                          f"method of the engine (the values of dp.clipping, e.g. {', '.join(CLIPPERS)})") from None
     # Divided by the expected batch size, as dp-train does.
-    mech = Mechanism(sample_rate=q, sigma=sigma * cfg.noise_scale, clip_norm=clip, sensitivity=SENSITIVITY["per_sample"],
-                     denominator=cfg.expected_batch_size, steps=cfg.steps)
+    # n is what the accountant is told (the expected count): the canaries inside are the secret, so
+    # the divisor q·n = expected batch size must not depend on them.
+    plan = Plan(objective="canary", clipping="per_sample", n=expected_n, sample_rate=q, sigma=sigma * cfg.noise_scale,
+                clip_norm=clip, steps=cfg.steps, delta=cfg.delta, accountant="pld", adjacency="add_remove",
+                target_epsilon=cfg.epsilon, epsilon=eps_claimed)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # plain SGD: the update is a sum of steps
     sampler = PoissonSampler(n, q, sample_key)
     canary_value = cfg.canary_gradient_norm * clip
@@ -174,7 +177,7 @@ def run_audit(cfg: AuditConfig = AuditConfig(), progress: bool = True) -> dict:
         return x, y, z, torch.as_tensor(is_canary, dtype=torch.float32)
 
     for step in tqdm(range(cfg.steps), desc="audit", disable=not progress):
-        dp_step(step, sampler=sampler, fetch=inputs, clipper=clipper, mech=mech, key=noise_seed,
+        dp_step(step, sampler=sampler, fetch=inputs, clipper=clipper, plan=plan, key=noise_seed,
                 physical_batch_size=cfg.physical_batch_size)
         optimizer.step()
 
@@ -183,6 +186,6 @@ def run_audit(cfg: AuditConfig = AuditConfig(), progress: bool = True) -> dict:
     found = audit_scores(scores, included, cfg.delta, cfg.confidence)
     flagged = found["epsilon_lower"] > eps_claimed
     return {"settings": asdict(cfg), "included": int(included.sum()), "n": n, "sample_rate": q, "sigma": sigma,
-            "noise_std": mech.noise_std, "epsilon_claimed": eps_claimed, **found,
+            "noise_std": plan.noise_std, "epsilon_claimed": eps_claimed, **found,
             "score_gap": float(scores[included].mean() - scores[~included].mean()),
             "verdict": "flagged" if flagged else "consistent", "seconds": time.perf_counter() - started}

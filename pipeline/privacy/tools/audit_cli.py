@@ -64,7 +64,7 @@ def _step(args) -> int:
         from pipeline.privacy.plan import plan_mechanism
 
         sigma = plan_mechanism(params["dp"], read_json(stats)["private"]["usable"],
-                               params["privacy"]["adjacency"])["sigma"]
+                               params["privacy"]["adjacency"]).sigma
     device = "cuda" if params["run"]["device"] == "cuda" else "cpu"
     world = init_world(device)
     result = audit_step(params, sigma, world, device)

@@ -38,7 +38,8 @@ from pipeline.distributed import World, gather_with_grad
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.objectives import SENSITIVITY
-from pipeline.privacy.engine import Mechanism, dp_step, make_clipper
+from pipeline.privacy.engine import dp_step, make_clipper
+from pipeline.privacy.plan import Plan
 from pipeline.train import autocast, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
@@ -84,8 +85,8 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
     dp, obj = params["dp"], objective(params["dp"]["objective"])
     vocab = params["tokenizer"]["vocab_size"] if obj.tokens else None
     mcfg = ModelConfig.from_params(params["model"], dp["objective"], vocab)
-    mech = Mechanism(sample_rate=1.0, sigma=sigma, clip_norm=dp["clip_norm"], sensitivity=obj.sensitivity,
-                     denominator=1.0 if obj.clipping == "per_batch" else float(dp["expected_batch_size"]), steps=1)
+    # One step over a fixed batch, divided as dp-train divides (by the expected batch size per example).
+    plan = Plan.unaccounted(dp["objective"], obj.clipping, sigma, dp["clip_norm"], n=dp["expected_batch_size"])
     inputs = [x.to(device) for x in public_inputs(params, batch_size, seed)]
 
     def release(indices: np.ndarray, key: int) -> torch.Tensor:
@@ -95,19 +96,19 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
         dp_step(0, sampler=FixedBatch(indices), fetch=lambda s, idx, pos: [x[idx[pos]] for x in inputs],
-                clipper=clipper, mech=mech, key=key, world=world, physical_batch_size=dp["physical_batch_size"])
+                clipper=clipper, plan=plan, key=key, world=world, physical_batch_size=dp["physical_batch_size"])
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
 
     batch = np.arange(batch_size)
     first, second = release(batch, seed + 1), release(batch, seed + 2)
-    noise = (first - second) * mech.denominator / math.sqrt(2)
-    moves = [float((first - release(np.delete(batch, i), seed + 1)).norm()) * mech.denominator
+    noise = (first - second) * plan.denominator / math.sqrt(2)
+    moves = [float((first - release(np.delete(batch, i), seed + 1)).norm()) * plan.denominator
              for i in range(removed)]
-    return judge(noise, max(moves), mech, world.size)
+    return judge(noise, max(moves), plan, world.size)
 
 
-def judge(noise: torch.Tensor, largest_move: float, mech: Mechanism, world_size: int) -> dict:
-    accounted, bound = mech.noise_std, mech.sensitivity * mech.clip_norm
+def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int) -> dict:
+    accounted, bound = plan.noise_std, plan.sensitivity * plan.clip_norm
     d = noise.numel()
     measured = float(noise.pow(2).mean().sqrt())
     # One-sided: Σ z²/s² ~ χ²(d) for a correct step; too small a sum means too little noise.
@@ -124,7 +125,7 @@ def judge(noise: torch.Tensor, largest_move: float, mech: Mechanism, world_size:
                         f"the accounted sensitivity K·C = {bound:.4g}")
     return {"parameters": d, "noise_std": measured, "noise_std_accounted": accounted, "noise_ratio": measured / accounted,
             "noise_p_low": p_low, "sensitivity": largest_move, "sensitivity_accounted": bound,
-            "sensitivity_ratio": largest_move / bound, "sigma_accounted": mech.sigma,
+            "sensitivity_ratio": largest_move / bound, "sigma_accounted": plan.sigma,
             "sigma_effective": measured / max(largest_move, bound), "world_size": world_size,
             "verdict": "flagged" if problems else "consistent", "problems": problems}
 
@@ -155,8 +156,7 @@ def worst_case_sensitivity(mode: str, method: str, precision: str, clip_norm: fl
     """How far one example moves the step's release at its worst, against the accounted K·C, for a
     clipping mode ("per_sample" | "per_batch"), a clipper method and a precision."""
     sensitivity = SENSITIVITY[mode]
-    mech = Mechanism(sample_rate=1.0, sigma=sigma, clip_norm=clip_norm, sensitivity=sensitivity,
-                     denominator=1.0, steps=1)
+    plan = Plan.unaccounted("linear", mode, sigma, clip_norm, n=1)  # divided by 1: the sum itself
     small, large = (x.to(device) for x in worst_case_pair(mode, dim, 2 * clip_norm))
 
     def release(grads: torch.Tensor) -> torch.Tensor:
@@ -166,7 +166,7 @@ def worst_case_sensitivity(mode: str, method: str, precision: str, clip_norm: fl
                                loss_scale=loss_scale(precision),
                                gather=gather_with_grad(world) if mode == "per_batch" else None)
         dp_step(0, sampler=FixedBatch(np.arange(len(grads))), fetch=lambda s, idx, pos: [grads[idx[pos]]],
-                clipper=clipper, mech=mech, key=7, world=world)
+                clipper=clipper, plan=plan, key=7, world=world)
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters()])
 
     move = float((release(large) - release(small)).norm())

@@ -1,0 +1,40 @@
+"""The plan: one frozen description of the mechanism, written as the ledger's header and read back
+by the budget, verify and the report without losing or changing a value."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeline.objectives import OBJECTIVES
+from pipeline.privacy.plan import Plan, plan_mechanism
+
+DP = {"expected_batch_size": 128, "delta": "1/2n", "sigma": None, "epsilon": 8.0, "steps": 40, "accountant": "pld",
+      "clip_norm": 1.5}
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_the_header_reads_back_as_the_same_plan(name):
+    plan = plan_mechanism({**DP, "objective": name}, 1258, "replace_one")
+    assert Plan.from_header(plan.header()) == plan
+    assert plan.header()["noise_std"] == pytest.approx(plan.sigma * plan.sensitivity * 1.5)
+    # divided by the expected batch q·n per example (never the realised size), by 1 per batch
+    want = 1.0 if OBJECTIVES[name].clipping == "per_batch" else 128.0
+    assert plan.denominator == pytest.approx(want)
+
+
+@pytest.mark.parametrize("field,value", [("noise_std", 0.5), ("sensitivity", 1.0)])
+def test_a_header_whose_derived_values_disagree_is_refused(field, value):
+    header = plan_mechanism({**DP, "objective": "clip"}, 1258, "replace_one").header()
+    with pytest.raises(ValueError, match=field):
+        Plan.from_header({**header, field: value})
+
+
+def test_the_plan_cannot_be_changed_and_its_twin_is_not_accounted():
+    plan = plan_mechanism({**DP, "objective": "mae"}, 1258, "add_remove")
+    with pytest.raises(AttributeError):
+        plan.sigma = 0.0
+    twin = plan.without_noise(steps=500)
+    assert twin.noise_std == 0 and twin.steps == 500 and math.isinf(twin.epsilon)
+    assert twin.sample_rate == plan.sample_rate and plan.sigma > 0
