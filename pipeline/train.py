@@ -106,11 +106,12 @@ def loss_scale(precision: str) -> float:
     return FP16_LOSS_SCALE if precision == "fp16" else 1.0
 
 
-def step_generator(key: int, step: int, stream: int) -> torch.Generator:
+def step_generator(key: int, step: int, stream: int, device: str | torch.device = "cpu") -> torch.Generator:
     """The one step-seed scheme: an independent generator per (key, step, stream), the same on every
-    rank and on every re-run, so a step's randomness does not depend on how the run got there."""
+    rank and on every re-run, so a step's randomness does not depend on how the run got there. On a
+    GPU it is the device's own counter-based generator (Philox), so the draws never leave the device."""
     seed = int(np.random.SeedSequence([key, step, stream]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 MASKS, NOISE = 1, 2  # streams of step_generator: MAE masks, DP noise

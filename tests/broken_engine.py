@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from pipeline import objectives
@@ -32,6 +33,18 @@ def noise_scaled(factor):
                                                                                  denominator, generator)
 
 
+def noise_from_the_ranks_own_stream(clipper, noise_std, denominator, generator):
+    """Each rank seeds its own noise: W independent draws summed into the update, not one."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return REAL["add_noise"](clipper, noise_std, denominator, generator.manual_seed(generator.initial_seed() + rank))
+
+
+def noise_from_the_global_stream(clipper, noise_std, denominator, generator):
+    """The noise drawn from torch's global generator: it depends on everything drawn before (a
+    resumed run draws other noise than the uninterrupted one)."""
+    return REAL["add_noise"](clipper, noise_std, denominator, torch.default_generator)
+
+
 def clip_bound_doubled(norms, clip_norm):
     return REAL["clip_factors"](norms, 2 * clip_norm)
 
@@ -43,6 +56,8 @@ BUGS = {
     "whole batch per rank": (engine, "rank_share", every_rank_takes_the_whole_batch),
     "noise / W": (engine, "add_noise", noise_divided_by_world_size),
     "noise x0.7": (engine, "add_noise", noise_scaled(0.7)),
+    "noise per rank": (engine, "add_noise", noise_from_the_ranks_own_stream),
+    "noise from the global stream": (engine, "add_noise", noise_from_the_global_stream),
     "noise x0.5": (engine, "add_noise", noise_scaled(0.5)),
     "clip bound 2C": (clipping, "clip_factors", clip_bound_doubled),
     "per-batch K=1": (objectives.SENSITIVITY, "per_batch", 1.0),  # Dp-CLIP's noise halved, its accounting unchanged

@@ -114,9 +114,9 @@ def noise_and_signal(name, world, bug_name=None):
     return (noisy - clean) * divisor, clean * divisor, max(float((clean - w).norm()) * divisor for w in without)
 
 
-def run_once(name, world, indices, sigma, precision=None):
+def run_once(name, world, indices, sigma, precision=None, step=0):
     model = model_for(name)
-    dp_step(0, sampler=FixedSampler(indices), fetch=fetcher(name), clipper=clipper_for(name, model, world, precision),
+    dp_step(step, sampler=FixedSampler(indices), fetch=fetcher(name), clipper=clipper_for(name, model, world, precision),
             plan=plan_for(name, sigma), key=KEY, world=world, physical_batch_size=4)
     return grads(model)
 
@@ -127,6 +127,32 @@ def _train(name, bug_name, world):
 
 def _noise_and_signal(name, bug_name, world):
     return noise_and_signal(name, world, bug_name)
+
+
+def noise_at(name, step, bug_name, world, history=()):
+    """The noise of step `step` on a fixed batch (the noisy update less the noiseless one), after
+    running the steps in `history` on the same model first, as a resumed run would not."""
+    indices, model = np.arange(0, N, 3), model_for(name)
+    clipper = clipper_for(name, model, world)
+
+    def release(sigma, s):
+        dp_step(s, sampler=FixedSampler(indices), fetch=fetcher(name), clipper=clipper, plan=plan_for(name, sigma),
+                key=KEY, world=world, physical_batch_size=4)
+        return grads(model)
+
+    with bug(bug_name):
+        for earlier in history:
+            release(SIGMA, earlier)
+        return release(SIGMA, step) - release(0.0, step)
+
+
+def _noise_on_every_rank(name, bug_name, world):
+    import torch.distributed as dist
+
+    mine = noise_at(name, 2, bug_name, world)
+    every = [torch.empty_like(mine) for _ in range(world.size)]
+    dist.all_gather(every, mine)
+    return every
 
 
 def relative(a, b):
@@ -170,6 +196,30 @@ def check_noise_and_signal(name, noise, clean, one_example):
 def test_noise_and_sensitivity_are_as_accounted_on_two_ranks(tmp_path, name):
     assert check_noise_and_signal(name, *noise_and_signal(name, World())) == []
     assert check_noise_and_signal(name, *on_two_ranks(tmp_path, _noise_and_signal, name, None)) == []
+
+
+def noise_problems(name, tmp_path, bug_name=None) -> list[str]:
+    """Step 2's noise depends on (key, step) alone: the same fresh, after other steps (a resume
+    replays none of them), and on each of two ranks (so it is added once, not twice)."""
+    fresh = noise_at(name, 2, bug_name, World())
+    others = [("after steps 0 and 1", noise_at(name, 2, bug_name, World(), history=(0, 1)))]
+    others += [(f"on rank {r} of 2", noise) for r, noise in
+               enumerate(on_two_ranks(tmp_path, _noise_on_every_rank, name, bug_name))]
+    return [f"{label} differs by {relative(other, fresh):.2g}" for label, other in others
+            if relative(other, fresh) > 1e-4]
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_the_noise_depends_on_key_and_step_alone(tmp_path, name):
+    assert noise_problems(name, tmp_path) == []
+    assert noise_at(name, 2, None, World()).abs().sum() > 0 and relative(noise_at(name, 3, None, World()),
+                                                                          noise_at(name, 2, None, World())) > 0.5
+
+
+@pytest.mark.parametrize("name, bug_name", [("mae", "noise per rank"), ("caption", "noise from the global stream"),
+                                            ("clip", "noise per rank"), ("clip", "noise from the global stream")])
+def test_the_noise_check_catches_noise_that_depends_on_more(tmp_path, name, bug_name):
+    assert noise_problems(name, tmp_path, bug_name) != []
 
 
 @pytest.mark.parametrize("name, bug_name", [("mae", "noise / W"), ("caption", "noise x0.7"), ("clip", "noise / W"),

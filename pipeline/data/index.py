@@ -80,6 +80,11 @@ def content_hash(image: bytes, caption: bytes) -> int:
 
 # -- writing ---------------------------------------------------------------------------------------
 
+# A reader decodes a whole row group of the columns it reads: small groups keep every pass over
+# the index (the budget's content digests, the scan's statistics) flat in memory, whatever n.
+ROW_GROUP_ROWS = 1 << 16
+
+
 @contextmanager
 def index_writer(path: str | Path, shards: list[dict]):
     """Stream tables into an index file written atomically, then derive its usable.idx from it;
@@ -88,7 +93,7 @@ def index_writer(path: str | Path, shards: list[dict]):
     with atomic_path(path) as tmp:
         writer = pq.ParquetWriter(tmp, schema)
         try:
-            yield lambda table: writer.write_table(table.select(schema.names).cast(schema))
+            yield lambda table: writer.write_table(table.select(schema.names).cast(schema), row_group_size=ROW_GROUP_ROWS)
         finally:
             writer.close()
     write_usable(Path(path))
@@ -111,7 +116,7 @@ def _open(path: Path, columns: list[str]) -> tuple[dict, Iterable[pa.RecordBatch
     if "image_offset" not in pf.schema_arrow.names:
         table, meta = _upgrade_v1(pf.read())
         return meta, table.select(columns).to_batches()
-    return meta, pf.iter_batches(batch_size=1 << 20, columns=columns)
+    return meta, pf.iter_batches(batch_size=ROW_GROUP_ROWS, columns=columns)
 
 
 def _index_path(directory: Path) -> Path:

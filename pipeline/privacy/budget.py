@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.data.index import INDEX_NAME
+from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.io import atomic_path
 from pipeline.privacy import accounting
@@ -62,7 +62,7 @@ def examples_identity(private_dir: str | Path) -> tuple[str, np.ndarray]:
     count, sums = 0, [np.uint64(0), np.uint64(0)]
     sketch = np.zeros(1 << SKETCH_BITS, dtype=bool)
     with np.errstate(over="ignore"):
-        for batch in pf.iter_batches(batch_size=1 << 20, columns=["content_hash", "status"]):
+        for batch in pf.iter_batches(batch_size=ROW_GROUP_ROWS, columns=["content_hash", "status"]):
             batch = batch.filter(pc.equal(batch.column("status"), "ok"))
             digests = batch.column("content_hash")
             if digests.null_count:

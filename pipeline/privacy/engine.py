@@ -11,8 +11,8 @@ One logical step t:
   3. sum      one all-reduce over ranks: every rank holds the sum over the whole of B_t, each
               example in it exactly once whatever the world size W
               (per batch: now divided by |B_t| and clipped to C, once)
-  4. noise    z ~ N(0, (σ·K·C)²) from the generator of (key, t): identical on every rank, so it
-              is added once, not W times
+  4. noise    z ~ N(0, (σ·K·C)²) from the generator of (key, t), drawn on the device: identical on
+              every rank, so it is added once, not W times
   5. divide   by the expected batch size q·n (per example; never the realised |B_t|, which is
               private) or 1 (per batch: the clipped quantity is already a mean)
 
@@ -117,19 +117,21 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     nonfinite = 0
     for positions in micro_batches(len(indices), clipper.mode, physical_batch_size, world):
         nonfinite += clipper.accumulate(*fetch(step, indices, positions)).nonfinite
-    count = torch.tensor([float(nonfinite)], device=next(iter(clipper.sum.values())).device)
+    device = next(iter(clipper.sum.values())).device
+    count = torch.tensor([float(nonfinite)], device=device)
     all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
     dropped = clipper.finish(len(indices))
-    add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE))
+    add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE, device))
     return StepResult(len(indices), int(count.item()) + dropped)
 
 
 def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
-    """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, the
-    noise drawn in fp32 on the CPU, one parameter after another in a fixed order (so the generator
-    gives every rank, and every re-run, the same noise)."""
+    """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, in
+    place in the fp32 sums. The noise is drawn on the sums' device from the step's generator, one
+    parameter after another in a fixed order, so every rank and every re-run draws the same noise."""
     for name, total in clipper.sum.items():
         p = clipper.params[name]
         if noise_std > 0:
-            total = total + (torch.randn(p.shape, generator=generator, dtype=torch.float32) * noise_std).to(total.device)
-        p.grad = (total / denominator).to(p.dtype)
+            total.add_(torch.randn(total.shape, generator=generator, device=total.device, dtype=torch.float32),
+                       alpha=noise_std)
+        p.grad = total.div_(denominator).to(p.dtype)
