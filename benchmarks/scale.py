@@ -4,7 +4,8 @@
 
   index        benchmarks/index_scale.py     a 233M-row memory-mapped index: private memory (USS)
                                              of a process that maps it, one sampling step's time
-  dp-train     benchmarks/dp_train_memory.py dp-train's peak RSS at n and 10·n private examples
+  dp-train     benchmarks/dp_train_memory.py dp-train's peak private memory (and mapped file pages
+                                             apart) at n and 10·n private examples
   remote reads benchmarks/remote_reads.py    sampled examples/s from an HTTP server with 20 ms
                                              injected per request, in one process
   indexing     benchmarks/scan.py            shards scanned per second per core
@@ -32,7 +33,7 @@ TARGETS = {  # key: (comparison, bound), from the web-scale issue
     "sample_step_s": ("<=", 1.0),
     "remote_examples_per_s": (">=", 2000.0),
 }
-RSS_RATIO_TARGET = 1.25
+PRIVATE_RATIO_TARGET = 1.1  # dp-train's private memory at 10·n against n
 
 
 def run_benchmark(module: str, args: list[str]) -> dict:
@@ -69,17 +70,18 @@ def main() -> None:
 
     result = {"benchmark": "scale", "index_rows": index["index_rows"], "index_uss_mb": index["index_uss_mb"],
               "sample_step_s": index["sample_step_s"],
-              **{k: memory[k] for k in ("dp_train_n_small", "dp_train_rss_mb_small", "dp_train_n_large",
-                                        "dp_train_rss_mb_large")},
+              **{k: memory[k] for k in ("dp_train_n_small", "dp_train_n_large", "dp_train_anon_mb_small",
+                                        "dp_train_anon_mb_large", "dp_train_file_mb_small", "dp_train_file_mb_large",
+                                        "dp_train_rss_mb_small", "dp_train_rss_mb_large")},
               "remote_latency_ms": remote["remote_latency_ms"], "remote_examples_per_s": remote["remote_examples_per_s"],
               "index_shards_per_s_per_core": scan["index_shards_per_s_per_core"]}
     print("\n== summary")
     for key, (op, bound) in TARGETS.items():
         ok = result[key] <= bound if op == "<=" else result[key] >= bound
         print(f"   {key:<28}{result[key]:>12.3f}  target {op} {bound:g}  {'ok' if ok else 'MISSED'}")
-    ratio = result["dp_train_rss_mb_large"] / result["dp_train_rss_mb_small"]
-    print(f"   {'dp-train RSS 10n / n':<28}{ratio:>12.3f}  target <= {RSS_RATIO_TARGET}  "
-          f"{'ok' if ratio <= RSS_RATIO_TARGET else 'MISSED'}")
+    ratio = result["dp_train_anon_mb_large"] / result["dp_train_anon_mb_small"]
+    print(f"   {'dp-train private 10n / n':<28}{ratio:>12.3f}  target <= {PRIVATE_RATIO_TARGET}  "
+          f"{'ok' if ratio <= PRIVATE_RATIO_TARGET else 'MISSED'}")
     print(json.dumps(result))
 
 

@@ -85,6 +85,12 @@ def content_hash(image: bytes, caption: bytes) -> int:
 ROW_GROUP_ROWS = 1 << 16
 
 
+def open_index(path: str | Path) -> pq.ParquetFile:
+    """An index for one streamed pass, a row group at a time. Without pre_buffer=False, pyarrow keeps
+    every column chunk it has read until the file is closed: 10 bytes per row, 2 GB at 233M rows."""
+    return pq.ParquetFile(path, pre_buffer=False)
+
+
 @contextmanager
 def index_writer(path: str | Path, shards: list[dict]):
     """Stream tables into an index file written atomically, then derive its usable.idx from it;
@@ -111,7 +117,7 @@ USABLE_COLUMNS = ["key", "shard_id", "image_ext", *[f"{m}_{f}" for m in MEMBERS 
 
 
 def _open(path: Path, columns: list[str]) -> tuple[dict, Iterable[pa.RecordBatch]]:
-    pf = pq.ParquetFile(path)
+    pf = open_index(path)
     meta = json.loads((pf.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
     if "image_offset" not in pf.schema_arrow.names:
         table, meta = _upgrade_v1(pf.read())

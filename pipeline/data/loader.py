@@ -58,20 +58,32 @@ def _worker_init(_):
 
 class BatchLoader:
     """`loader(batches)` yields (indices, inputs) per index array, in order; inputs are
-    (images,) or, with a tokenizer, (images, tokens): what the models' forward takes."""
+    (images,) or, with a tokenizer, (images, tokens): what the models' forward takes, on `device`.
+
+    On a GPU the decoded uint8 images travel in page-locked memory with a non-blocking copy, and are
+    normalised there: a quarter of the bytes of float32 over PCIe, and the host is not held up."""
 
     def __init__(self, dataset: ShardDataset, image_size: int, *, tokenizer=None, max_len: int | None = None,
-                 workers: int = 0, prefetch: int = 4):
+                 workers: int = 0, prefetch: int = 4, device: str | torch.device = "cpu"):
         if tokenizer is not None and not max_len:
             raise ValueError("a tokenizer needs max_len (the model's caption length)")
         self.dataset, self.image_size = dataset, image_size
         self.tokenizer, self.max_len = tokenizer, max_len
         self.workers, self.prefetch = workers, prefetch
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
         self._decoded = _Decoded(dataset, image_size, tokenizer is not None)
 
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.pinned:
+            return x.to(self.device)
+        return (x if x.is_pinned() else x.pin_memory()).to(self.device, non_blocking=True)
+
     def _inputs(self, images: torch.Tensor, captions: list[str]) -> tuple[torch.Tensor, ...]:
-        x = to_tensor(images)
-        return (x,) if self.tokenizer is None else (x, tokenize(self.tokenizer, captions, self.max_len))
+        x = to_tensor(self._to_device(images))
+        if self.tokenizer is None:
+            return (x,)
+        return x, self._to_device(tokenize(self.tokenizer, captions, self.max_len))
 
     def load(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
         """One batch, decoded in this process."""
@@ -86,7 +98,7 @@ class BatchLoader:
         # batch_size=None: each element of `batches` is one whole batch, handed to one worker.
         loader = torch.utils.data.DataLoader(self._decoded, batch_size=None, sampler=batches,
                                              num_workers=self.workers, prefetch_factor=self.prefetch,
-                                             worker_init_fn=_worker_init, collate_fn=_as_is)
+                                             worker_init_fn=_worker_init, collate_fn=_as_is, pin_memory=self.pinned)
         # The workers are forked by iter(): with the stop signals blocked meanwhile, none can die of one
         # before _worker_init ignores it. This process gets any that arrived once they are unblocked.
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

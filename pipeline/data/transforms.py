@@ -45,9 +45,9 @@ def encode_jpeg(image: np.ndarray, quality: int = 95) -> bytes:
 
 
 def to_tensor(images_uint8: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """(N, H, W, 3) uint8 -> (N, 3, H, W) float32, normalised."""
+    """(N, H, W, 3) uint8 -> (N, 3, H, W) float32, normalised, on the device the images are on."""
     x = torch.as_tensor(images_uint8).float().div_(255.0)
-    x = (x - MEAN) / STD
+    x = (x - MEAN.to(x.device)) / STD.to(x.device)
     return x.permute(0, 3, 1, 2).contiguous()
 
 

@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS
+from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.io import atomic_path
 from pipeline.privacy import accounting
@@ -56,7 +55,7 @@ def examples_identity(private_dir: str | Path) -> tuple[str, np.ndarray]:
     row batches (memory flat in n): the identity adds two salted 64-bit mixes of every content digest
     (an order-free multiset digest), the sketch sets one bit per example."""
     path = Path(private_dir) / INDEX_NAME
-    pf = pq.ParquetFile(path)
+    pf = open_index(path)
     if "content_hash" not in pf.schema_arrow.names:
         raise IdentityError(f"{path} predates content digests, which the privacy budget needs: re-run the shards stage")
     count, sums = 0, [np.uint64(0), np.uint64(0)]

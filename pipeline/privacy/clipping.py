@@ -150,8 +150,8 @@ class BookKeepingClipper(_Summing):
             (losses.float().sum() * self.loss_scale).backward()
         records = [r for r in self._records if r.grad is not None]  # calls that did not reach the loss: none
         self._records = []
-        for r in records:
-            r.grad = r.grad.float() / self.loss_scale
+        for r in records:  # fp32 from here on (no copy when they already are, and no fp16 loss scale)
+            r.grad = r.grad.float() if self.loss_scale == 1 else r.grad.float() / self.loss_scale
             if r.activation is not None and r.activation.is_floating_point():
                 r.activation = r.activation.float()
         return losses.shape[0], records
@@ -180,16 +180,19 @@ class BookKeepingClipper(_Summing):
                 instantiated.append((first.module, per))
             norms = sq.sqrt()
             factors, finite = clip_factors(norms, self.clip_norm)
+            all_finite = bool(finite.all())  # the usual case: no row to zero, no copies for it
             for m, per in instantiated:
                 for k, v in per.items():
-                    self.sum[self._names[id(getattr(m, k))]] += torch.einsum("b,b...->...", factors, _zero_rows(v, finite))
+                    v = v if all_finite else _zero_rows(v, finite)
+                    self.sum[self._names[id(getattr(m, k))]] += torch.einsum("b,b...->...", factors, v)
             done = {id(m) for m, _ in instantiated}
             for r in records:
                 if id(r.module) in done:
                     continue
-                grad = _zero_rows(r.grad, finite) * factors.view(-1, *[1] * (r.grad.dim() - 1))
+                grad = r.grad if all_finite else _zero_rows(r.grad, finite)
+                grad = grad * factors.view(-1, *[1] * (r.grad.dim() - 1))
                 activation = r.activation
-                if activation is not None and activation.is_floating_point():
+                if not all_finite and activation is not None and activation.is_floating_point():
                     activation = _zero_rows(activation, finite)  # 0·NaN would still be NaN
                 for k, v in r.rule.clipped_sum(r.module, activation, grad).items():
                     self.sum[self._names[id(getattr(r.module, k))]] += v

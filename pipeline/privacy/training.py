@@ -45,10 +45,11 @@ SHARDS, PRETRAIN, TOKENIZER = "data/shards", "models/pretrain", "models/tokenize
 HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
 
 
-def split_loader(split: str, mcfg: ModelConfig, tokenizer: Tokenizer | None, workers: int = 0) -> BatchLoader:
+def split_loader(split: str, mcfg: ModelConfig, tokenizer: Tokenizer | None, workers: int = 0,
+                 device: str = "cpu") -> BatchLoader:
     """Model inputs (images at the model's size; caption tokens for caption/clip) of one split, by index."""
     return BatchLoader(ShardDataset(f"{SHARDS}/{split}"), mcfg.img_size, tokenizer=tokenizer,
-                       max_len=mcfg.max_len if tokenizer else None, workers=workers)
+                       max_len=mcfg.max_len if tokenizer else None, workers=workers, device=device)
 
 
 class StreamedBatches:
@@ -221,8 +222,8 @@ class Trainer:
         counters = state.counters
         optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
         masks = {}
-        stream = StreamedBatches(split_loader("private", self.mcfg, self.tokenizer, dp["data_workers"]), sampler,
-                                 obj.clipping, dp["physical_batch_size"], world, plan.steps)
+        loader = split_loader("private", self.mcfg, self.tokenizer, dp["data_workers"], device)
+        stream = StreamedBatches(loader, sampler, obj.clipping, dp["physical_batch_size"], world, plan.steps)
 
         def fetch(step: int, indices: np.ndarray, positions: np.ndarray) -> tuple:
             batch = stream(step, indices, positions)

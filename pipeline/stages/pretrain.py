@@ -74,7 +74,7 @@ def run(params: dict, ctx) -> None:
     if n == 0:
         raise ValueError(f"{IN_DIR} has no usable images: run the synthetic stage")
     # Images are centre-cropped/resized to the model's size, should the synthetic resolution differ.
-    loader = BatchLoader(dataset, mcfg.img_size, workers=cfg["data_workers"])
+    loader = BatchLoader(dataset, mcfg.img_size, workers=cfg["data_workers"], device=device)
     world = init_world(device)
     if batch % world.size:
         raise ValueError(f"pretrain.batch_size={batch} must divide evenly over the {world.size} torchrun ranks")
