@@ -58,7 +58,10 @@ def load_job_params(params_path: str, overrides=(), sections_json: str | None = 
 
 
 def job_threads(threads: int, params: dict) -> int:
-    return threads or params["run"]["threads"] or os.cpu_count() or 1
+    """--threads, run.threads or every core; inside a SLURM job, what SLURM gave it (pipeline/slurm.py)."""
+    from pipeline import slurm
+
+    return slurm.threads_per_process(threads or params["run"]["threads"] or os.cpu_count() or 1)
 
 
 def run_stage(name: str, params_path: str = "params.yaml", overrides=(), sections_json: str | None = None,

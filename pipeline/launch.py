@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
+
+from pipeline import slurm
 
 BASE_PORT = 20000  # rendezvous ports: BASE_PORT + job id mod PORT_SPAN, so jobs sharing a head node differ
 PORT_SPAN = 20000
@@ -23,7 +24,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # not `torchrun`: a 
 def launch_command(command: list[str], nodes: int = 1, gpus: int = 0, head: str | None = None,
                    port: int | None = None, job_id: str | None = None) -> list[str]:
     """The argv that runs `command` once per GPU: plain for one process, else torchrun (under srun on
-    several nodes, one torchrun per node meeting at `head:port`)."""
+    several nodes, one torchrun per node meeting at `head:port`; one CPU process per node when the
+    job has no GPUs)."""
     if not command:
         raise ValueError("launch: no command given (expected `-- dpfm <stage> ...`)")
     if nodes < 1:
@@ -34,13 +36,14 @@ def launch_command(command: list[str], nodes: int = 1, gpus: int = 0, head: str 
         if gpus <= 1:
             return list(command)
         return [*TORCHRUN, "--standalone", f"--nproc_per_node={gpus}", "--no-python", *command]
-    if gpus < nodes or gpus % nodes:
+    if gpus % nodes:
         raise ValueError(f"launch: a {nodes}-node run needs the same number of GPUs on every node; "
                          f"resources.gpu (the job's total) is {gpus}, not a multiple of {nodes}")
+    per_node = gpus // nodes or 1  # no GPUs: one CPU process per node (gloo)
     if not head or port is None or not job_id:
         raise ValueError("launch: a multi-node run needs the rendezvous head host, port and job id")
     return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            *TORCHRUN, f"--nnodes={nodes}", f"--nproc_per_node={gpus // nodes}", "--rdzv_backend=c10d",
+            *TORCHRUN, f"--nnodes={nodes}", f"--nproc_per_node={per_node}", "--rdzv_backend=c10d",
             f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={job_id}", "--no-python", *command]
 
 
@@ -49,18 +52,17 @@ def rendezvous_port(job_id: str) -> int:
 
 
 def slurm_rendezvous(nodes: int, env=os.environ) -> tuple[str, int, str]:
-    """(head host, port, job id) of the SLURM allocation this multi-node run is in."""
-    job_id, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
-    if not job_id or not nodelist:
-        raise RuntimeError(f"launch: a {nodes}-node run must start inside a SLURM allocation (no SLURM_JOB_ID/"
-                           "SLURM_JOB_NODELIST here); run snakemake with --workflow-profile profiles/slurm")
-    allocated = int(env.get("SLURM_JOB_NUM_NODES", "0"))
-    if allocated < nodes:
-        raise RuntimeError(f"launch: resources.nodes is {nodes} but the SLURM job has {allocated} node(s); "
-                           "set DPFM_NODES before submitting so the profile asks for them")
-    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                           check=True).stdout.split()
-    return hosts[0], rendezvous_port(job_id), job_id
+    """(head host, port, job id) of the SLURM allocation this multi-node run is in, from scontrol
+    (pipeline/slurm.py): the plugin's job step keeps few of SLURM's variables."""
+    alloc = slurm.allocation(env)
+    if alloc is None:
+        raise RuntimeError(f"launch: a {nodes}-node run must start inside a SLURM job, and this process is in "
+                           "none (neither SLURM_JOB_ID nor `scontrol pidinfo` names one); run snakemake with "
+                           "--workflow-profile profiles/slurm")
+    if len(alloc.hosts) < nodes:
+        raise RuntimeError(f"launch: resources.nodes is {nodes} but SLURM job {alloc.job_id} has "
+                           f"{len(alloc.hosts)} node(s); set DPFM_NODES before submitting so the profile asks for them")
+    return alloc.hosts[0], rendezvous_port(alloc.job_id), alloc.job_id
 
 
 def main(argv=None) -> int:

@@ -196,6 +196,10 @@ def stage_run(stage, params: dict, experiment: str):
     mlflow = _mlflow(experiment)
     parent = os.environ.get(PARENT_ENV)
     tags = {"dpfm.stage": stage.name, "mlflow.source.git.commit": git_commit()}
+    from pipeline import slurm
+
+    if (job := slurm.job_id()) is not None:  # to find the job's SLURM log from its MLflow run
+        tags["slurm.job_id"] = job
     if parent:
         tags["mlflow.parentRunId"] = parent
     for path in stage.inputs:
@@ -288,8 +292,11 @@ def end_parent(experiment: str, run_id: str, ok: bool) -> None:
         _retry(lambda: client.delete_run(run_id))
         return
     if ok:
+        started_s = client.get_run(run_id).info.start_time / 1000
+
         def load(path):
-            return read_json(path) if Path(path).is_file() else None
+            """An output of this run; one left by an earlier run (a partial target) names nothing."""
+            return read_json(path) if Path(path).is_file() and Path(path).stat().st_mtime >= started_s else None
 
         verification, metrics = load("results/privacy/verification.json"), load("results/eval/metrics.json")
         numbers = headline(verification, metrics, load("results/report/privacy.json"))

@@ -89,12 +89,20 @@ def scan_params():
     return json.dumps({"shards": {k: config["shards"][k] for k in SCAN_KEYS}}, sort_keys=True)
 
 
+# What a training job needs on SLURM to stay correct, whatever sizes the profile or the command line
+# give it (a command-line --set-resources replaces the profile's whole set-resources block):
+# SIGTERM 5 min before the time limit, so the step in flight ends and a checkpoint is saved, and
+# no --ntasks-per-gpu, so SLURM starts the rule once (per node), not once per GPU.
+TRAINING_ON_SLURM = {"slurm_extra": "'--signal=TERM@300'", "tasks_per_gpu": 0}
+
+
 def stage_resources(name):
     r = stage(name).resources
     # GPUs are asked for only on CUDA runs (set run.device: cuda on a GPU cluster); profiles/slurm sets
     # gpu and nodes per rule itself. `nodes` is the plugin's --nodes and pipeline/launch.py's node count.
     gpu = r.gpu if config["run"]["device"] == "cuda" else 0
-    return {"mem_mb": r.mem_mb, "runtime": r.runtime, "gpu": gpu, "nodes": 1}
+    training = TRAINING_ON_SLURM if r.gpu else {}
+    return {"mem_mb": r.mem_mb, "runtime": r.runtime, "gpu": gpu, "nodes": 1, **training}
 
 
 onstart:
@@ -116,7 +124,11 @@ onsuccess:
         else:
             print("\nDVC: outputs cached and recorded in dvc.lock (`git add dvc.lock`, then `dvc push`)")
     print("\nReport: results/report/report.html (open it in a browser)")
-    print("MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  then http://127.0.0.1:5000")
+    uri = tracking.tracking_uri()
+    if uri.startswith("sqlite"):
+        print(f"MLflow: {PYTHON} -m mlflow ui --backend-store-uri {uri}  then http://127.0.0.1:5000")
+    else:
+        print(f"MLflow: {uri}")
 
 
 onerror:

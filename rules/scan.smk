@@ -34,4 +34,4 @@ rule scan_shards:
         STAGE_ENV
     shell:
         "{params.python} -m pipeline.cli scan-shards --group {wildcards.group} --groups {params.groups}"
-        " --threads {threads} --sections-json {params.sections:q} --summary {output} 2>&1 | tee {log}"
+        " --threads {threads} --sections-json {params.sections:q} --summary {output} 2>&1 | (trap '' TERM INT; exec tee {log})"

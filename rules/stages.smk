@@ -35,4 +35,4 @@ for st in STAGES:
         conda:
             STAGE_ENV
         shell:
-            "{params.command} --threads {threads} --sections-json {params.sections:q} 2>&1 | tee {log}"
+            "{params.command} --threads {threads} --sections-json {params.sections:q} 2>&1 | (trap '' TERM INT; exec tee {log})"

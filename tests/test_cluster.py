@@ -5,8 +5,10 @@ SLURM plugin's own functions turn them into the sbatch command it would submit.
 """
 
 import os
+import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 from snakemake_project import set_params
 
-from pipeline import launch
+from pipeline import launch, slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -64,28 +66,67 @@ def test_two_nodes_of_eight_gpus_render_srun_with_one_torchrun_per_node():
         "--rdzv_endpoint=gpu001:21234 --rdzv_id=41234 --no-python dpfm dp-train --threads 8")
 
 
-@pytest.mark.parametrize("nodes, gpus, match", [(2, 13, "multiple of 2"), (2, 0, "multiple of 2"),
+@pytest.mark.parametrize("nodes, gpus, match", [(2, 13, "multiple of 2"), (2, 3, "multiple of 2"),
                                                 (0, 8, "nodes must be"), (1, -1, "gpus must be")])
 def test_bad_resources_are_named(nodes, gpus, match):
     with pytest.raises(ValueError, match=match):
         launch.launch_command(STAGE, nodes=nodes, gpus=gpus, head="h", port=1, job_id="1")
 
 
-def test_rendezvous_comes_from_the_slurm_allocation(monkeypatch):
+def test_two_cpu_nodes_run_one_gloo_process_each():
+    got = launch.launch_command(STAGE, nodes=2, gpus=0, head="cpu001", port=21234, job_id="7")
+    assert "--nnodes=2" in got and "--nproc_per_node=1" in got and got[0] == "srun"
+
+
+def fake_scontrol(monkeypatch, jobs: dict[str, str], pids: dict[int, str] | None = None) -> list:
+    """scontrol as SLURM answers it, for the jobs given (`show job -o ID` lines)."""
     calls = []
+    hostnames = {"gpu[017-018]": "gpu017\ngpu018\n", "cpu001": "cpu001\n"}
 
-    def scontrol(cmd, **kw):
-        calls.append(cmd)
-        return SimpleNamespace(stdout="gpu017\ngpu018\n")
+    def scontrol(*args):
+        calls.append(args)
+        if args[:2] == ("show", "hostnames"):
+            return hostnames[args[2]]
+        if args[:3] == ("show", "job", "-o"):
+            return jobs[args[3]]
+        if args[0] == "pidinfo" and pids and int(args[1]) in pids:
+            return f"Slurm job id {pids[int(args[1])]} ends at Tue Nov 24 12:00:00 2026\n"
+        raise slurm.subprocess.CalledProcessError(1, ["scontrol", *args])
 
-    monkeypatch.setattr(launch.subprocess, "run", scontrol)
-    env = {"SLURM_JOB_ID": "41234", "SLURM_JOB_NODELIST": "gpu[017-018]", "SLURM_JOB_NUM_NODES": "2"}
+    monkeypatch.setattr(slurm, "_scontrol", scontrol)
+    return calls
+
+
+JOB = "JobId=41234 JobName=dp_train UserId=me(1) NumNodes=2 NumCPUs=32 NumTasks=2 NodeList=gpu[017-018] Partition=gpu"
+
+
+def test_rendezvous_comes_from_scontrol_not_from_stripped_variables(monkeypatch):
+    """The SLURM plugin's job step keeps SLURM_JOB_ID and drops SLURM_JOB_NODELIST (jobstep 0.6.1):
+    the launcher once stopped there, naming the wrong variable."""
+    fake_scontrol(monkeypatch, {"41234": JOB})
+    env = {"SLURM_JOB_ID": "41234"}  # what the jobstep plugin leaves
     assert launch.slurm_rendezvous(2, env) == ("gpu017", 20000 + 41234 % 20000, "41234")
-    assert calls == [["scontrol", "show", "hostnames", "gpu[017-018]"]]
-    with pytest.raises(RuntimeError, match="has 1 node"):
-        launch.slurm_rendezvous(2, {**env, "SLURM_JOB_NUM_NODES": "1"})
-    with pytest.raises(RuntimeError, match="inside a SLURM allocation"):
+    with pytest.raises(RuntimeError, match="has 2 node"):
+        launch.slurm_rendezvous(4, env)
+    monkeypatch.setattr(slurm, "_in_slurm_cgroup", lambda: False)
+    with pytest.raises(RuntimeError, match="in none"):
         launch.slurm_rendezvous(2, {})
+
+
+def test_a_process_without_slurm_variables_finds_its_job_through_pidinfo(monkeypatch):
+    fake_scontrol(monkeypatch, {"41234": JOB}, pids={os.getpid(): "41234"})
+    monkeypatch.setattr(slurm, "_in_slurm_cgroup", lambda: True)
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert slurm.allocation({}) == slurm.Allocation("41234", ("gpu017", "gpu018"), 32)
+
+
+def test_stage_threads_are_the_cpus_slurm_gave_the_node(monkeypatch):
+    """Snakemake caps a rule's threads at --cores: `--cores 2` once ran dp-train on 2 threads of 8."""
+    fake_scontrol(monkeypatch, {"41234": JOB, "9": "JobId=9 NumNodes=1 NumCPUs=8 NodeList=cpu001"})
+    assert slurm.threads_per_process(2, {"SLURM_JOB_ID": "9"}) == 8
+    assert slurm.threads_per_process(2, {"SLURM_JOB_ID": "41234", "LOCAL_WORLD_SIZE": "4"}) == 4  # 16 CPUs a node
+    monkeypatch.setattr(slurm, "_in_slurm_cgroup", lambda: False)
+    assert slurm.threads_per_process(2, {}) == 2  # not in SLURM: as asked
 
 
 def test_launcher_passes_the_stage_exit_status_through(tmp_path):
@@ -93,7 +134,7 @@ def test_launcher_passes_the_stage_exit_status_through(tmp_path):
                                     text=True, timeout=60, env=tool_env())
     assert run("--nodes", "1", "--gpus", "0", "--", sys.executable, "-c", "raise SystemExit(3)").returncode == 3
     bad = run("--nodes", "2", "--gpus", "16", "--", "true")
-    assert bad.returncode == 2 and "SLURM allocation" in bad.stderr
+    assert bad.returncode == 2 and "must start inside a SLURM job" in bad.stderr
 
 
 def test_the_rendered_multi_node_torchrun_meets_on_one_rendezvous():
@@ -111,8 +152,9 @@ def test_the_rendered_multi_node_torchrun_meets_on_one_rendezvous():
 
 # ---- the SLURM profile -------------------------------------------------------------------------------
 
-def dry_run(tmp_path: Path, shards: dict | None = None, **env) -> str:
-    """`snakemake --workflow-profile profiles/slurm -n -p` in a copy of the project (with `shards` params)."""
+def dry_run(tmp_path: Path, shards: dict | None = None, extra: tuple = (), **env) -> str:
+    """The README's `snakemake --workflow-profile profiles/slurm`, dry (-n -p), in a copy of the project
+    (with `shards` params and `extra` arguments)."""
     pytest.importorskip("snakemake_executor_plugin_slurm",
                         reason="SLURM plugin missing: pip install -c constraints.txt -e '.[cluster]'")
     work = tmp_path / "project"
@@ -122,8 +164,8 @@ def dry_run(tmp_path: Path, shards: dict | None = None, **env) -> str:
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
     set_params(work, {"shards": shards or {}})
     proc = subprocess.run([str(BIN / "snakemake"), "--workflow-profile", "profiles/slurm", "-n", "-p",
-                           "--cores", "64", "models/dp"], cwd=work, env=tool_env(**env), capture_output=True,
-                          text=True, timeout=120)
+                           "models/dp", "results/curve/curve.json", *extra], cwd=work, env=tool_env(**env),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -159,7 +201,8 @@ def sbatch_command(job, monkeypatch) -> str:
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
     monkeypatch.setattr(plugin, "validate_account", lambda account, logger: account)
-    executor = SimpleNamespace(logger=None, _fallback_account_arg=None, _partitions=None, _fallback_partition=None)
+    # No default partition to look up with sinfo: a job without one gets no -p.
+    executor = SimpleNamespace(logger=None, _fallback_account_arg=None, _partitions=None, _fallback_partition="")
     params = {"run_uuid": "uuid", "slurm_logfile": "logs/%j.log", "comment_str": f"rule_{job.name}",
               "account": next(plugin.Executor.get_account_arg(executor, job)),
               "partition": plugin.Executor.get_partition_arg(executor, job), "workdir": "/project"}
@@ -218,10 +261,45 @@ def test_two_node_dp_train_job_gets_one_task_per_node(tmp_path, monkeypatch):
     assert planned_job(out, "pretrain").resources["nodes"] == 1
 
 
+def test_a_cpu_only_partition_takes_one_variable(tmp_path, monkeypatch):
+    """DPFM_GPUS_PER_NODE=0 once left the curve asking for a GPU (sbatch: invalid gres) and refused 2 nodes."""
+    out = dry_run(tmp_path, DPFM_GPUS_PER_NODE="0", DPFM_NODES="2", DPFM_SLURM_PARTITION="cpu", DPFM_SLURM_ACCOUNT="a")
+    for rule in ("pretrain", "dp_train", "curve"):
+        job = planned_job(out, rule)
+        sbatch = sbatch_command(job, monkeypatch)
+        assert "--gpus" not in sbatch and "--gres" not in sbatch and "--cpus-per-task=8" in sbatch, (rule, sbatch)
+        assert f" --threads 8 " in job.shell
+    dp = planned_job(out, "dp_train")
+    assert {"--nodes=2", "--ntasks=2", "--signal=TERM@300"} <= set(shlex.split(sbatch_command(dp, monkeypatch)))
+    assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 0 -- ")
+
+
+def test_memory_follows_the_gpus_and_the_variables(tmp_path, monkeypatch):
+    """Fixed requests (256 GB per training node, 24 GB for the shards of the digits) once made sbatch
+    refuse a 20 GB node."""
+    out = dry_run(tmp_path, DPFM_GPUS_PER_NODE="2", DPFM_MEM_MB_PER_GPU="9000", DPFM_CPU_MEM_MB="4000",
+                  DPFM_SLURM_ACCOUNT="a")
+    for rule, mem in (("dp_train", 18000), ("pretrain", 18000), ("curve", 9000), ("shards", 4000)):
+        args = shlex.split(sbatch_command(planned_job(out, rule), monkeypatch))
+        assert args[args.index("--mem") + 1] == str(mem), (rule, args)
+
+
+def test_a_command_line_override_keeps_the_stop_signal_and_one_launcher(tmp_path, monkeypatch):
+    """`--set-resources` replaces the profile's whole block: it once dropped --signal=TERM@300 (no
+    checkpoint at preemption) and tasks_per_gpu: 0 along with the one value it lowered."""
+    out = dry_run(tmp_path, extra=("--set-resources", "dp_train:mem_mb=20000"), **PLACEHOLDERS)
+    dp = planned_job(out, "dp_train")
+    sbatch = sbatch_command(dp, monkeypatch)
+    args = shlex.split(sbatch)
+    assert args[args.index("--mem") + 1] == "20000" and "--signal=TERM@300" in args, sbatch
+    assert_one_launcher_per_node(sbatch, nodes=1)
+    assert dp.resources["runtime"] == 2880  # the rule's own time limit, as the profile's
+
+
 def test_scan_jobs_and_their_gather_get_the_profiles_cpus_memory_and_time(tmp_path, monkeypatch):
     out = dry_run(tmp_path, {"source": "urls", "urls": ["s3://b/laion/{00000..00299}.tar"], "scan_groups": 3},
                   **PLACEHOLDERS)
-    for rule, cpus, mem, minutes in (("scan_shards", 8, 16000, 60), ("shards", 4, 24000, 240)):
+    for rule, cpus, mem, minutes in (("scan_shards", 8, 16000, 60), ("shards", 4, 16000, 240)):
         job = planned_job(out, rule)
         assert job.threads == cpus and f" --threads {cpus} " in job.shell
         sbatch = sbatch_command(job, monkeypatch)
@@ -324,3 +402,68 @@ def test_two_stages_log_at_once_through_an_mlflow_server(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, 9)
             server.wait()
+
+
+# ---- what a cluster run leaves behind ------------------------------------------------------------
+
+def rule_log_pipe() -> str:
+    """How the stage rules send a stage's output to its log (rules/stages.smk)."""
+    found = re.search(r'2>&1 \| (.*?)"', (ROOT / "rules/stages.smk").read_text())
+    return found.group(1).replace("{log}", "stage.log")
+
+
+STOPPING_STAGE = ("import signal, sys, time\n"
+                  "signal.signal(signal.SIGTERM, lambda *a: (print('dp-train: stopped after step 3', flush=True),"
+                  " sys.exit(143)))\n"
+                  "print('step 1', flush=True)\n"
+                  "time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("pipe", ["rule", "plain tee (before)"])
+def test_the_stop_message_reaches_the_stage_log(tmp_path, pipe):
+    """SLURM signals every process of the job: a plain `| tee {log}` died with the stage, so the
+    one-line stop message reached neither the stage log nor SLURM's."""
+    tail = rule_log_pipe() if pipe == "rule" else "tee stage.log"
+    job = subprocess.Popen(["bash", "-c", f"set -euo pipefail; {sys.executable} -c {shlex.quote(STOPPING_STAGE)} "
+                                          f"2>&1 | {tail}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                           start_new_session=True)
+    assert job.stdout.readline() == b"step 1\n"  # the stage runs, its handler is installed
+    os.killpg(job.pid, signal.SIGTERM)  # as SLURM does: the whole job, tee included
+    job.communicate(timeout=60)
+    logged = "dp-train: stopped after step 3" in (tmp_path / "stage.log").read_text()
+    assert logged == (pipe == "rule")
+
+
+def test_stage_runs_carry_the_slurm_job_id(local_mlflow, monkeypatch):
+    from pipeline import tracking
+    from pipeline.stages import stage
+
+    monkeypatch.setenv("SLURM_JOB_ID", "41234")
+    with tracking.stage_run(stage("verify"), {"run": {"seed": 0}}, "dpfm") as run:
+        run_id = run.run_id
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    assert client.get_run(run_id).data.tags["slurm.job_id"] == "41234"
+
+
+def test_the_parent_is_named_from_this_runs_outputs_only(local_mlflow):
+    """A partial target (`snakemake models/dp`) once named its parent from a verification.json that an
+    earlier run had left."""
+    from pipeline import tracking
+    from pipeline.io import write_json
+
+    write_json("results/privacy/verification.json", {"epsilon_reported": 7.5, "sigma": 0.9, "delta": 1e-5})
+    write_json("models/dp/ledger.json", {"objective": "mae"})
+    old = time.time() - 3600
+    for path in ("results/privacy/verification.json", "models/dp/ledger.json"):
+        os.utime(path, (old, old))
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    names = []
+    for fresh in (False, True):
+        parent = tracking.start_parent("dpfm")
+        exp_id = client.get_experiment_by_name("dpfm").experiment_id
+        client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
+        if fresh:  # this run wrote it
+            os.utime("results/privacy/verification.json")
+        tracking.end_parent("dpfm", parent, ok=True)
+        names.append(client.get_run(parent).data.tags["mlflow.runName"])
+    assert "7.50" not in names[0] and "ε=7.50" in names[1], names
