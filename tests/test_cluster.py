@@ -268,7 +268,7 @@ def test_a_cpu_only_partition_takes_one_variable(tmp_path, monkeypatch):
         job = planned_job(out, rule)
         sbatch = sbatch_command(job, monkeypatch)
         assert "--gpus" not in sbatch and "--gres" not in sbatch and "--cpus-per-task=8" in sbatch, (rule, sbatch)
-        assert f" --threads 8 " in job.shell
+        assert " --threads 8 " in job.shell
     dp = planned_job(out, "dp_train")
     assert {"--nodes=2", "--ntasks=2", "--signal=TERM@300"} <= set(shlex.split(sbatch_command(dp, monkeypatch)))
     assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 0 -- ")
