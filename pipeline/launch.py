@@ -62,7 +62,8 @@ def slurm_rendezvous(nodes: int, env=os.environ) -> tuple[str, int, str]:
     if len(alloc.hosts) < nodes:
         raise RuntimeError(f"launch: resources.nodes is {nodes} but SLURM job {alloc.job_id} has "
                            f"{len(alloc.hosts)} node(s); set DPFM_NODES before submitting so the profile asks for them")
-    return alloc.hosts[0], rendezvous_port(alloc.job_id), alloc.job_id
+    # The head's address as SLURM reaches it (NodeAddr), which other nodes resolve where a name may not.
+    return slurm.node_address(alloc.hosts[0]), rendezvous_port(alloc.job_id), alloc.job_id
 
 
 def main(argv=None) -> int:

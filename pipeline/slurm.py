@@ -37,8 +37,8 @@ def job_id(env=os.environ) -> str | None:
             return env[name]
     if shutil.which("scontrol") is None or not _in_slurm_cgroup():
         return None
-    try:  # "Slurm job id 123 ends at ..." for a process of a job
-        found = re.search(r"job id (\d+)", _scontrol("pidinfo", str(os.getpid())))
+    try:  # "Slurm JobId=123 ends at ..." for a process of a job
+        found = re.search(r"JobId=(\d+)", _scontrol("pidinfo", str(os.getpid())))
     except (subprocess.SubprocessError, OSError):
         return None
     return found.group(1) if found else None
@@ -54,9 +54,14 @@ def _in_slurm_cgroup() -> bool:
         return False
 
 
-def parse_job(text: str) -> dict[str, str]:
-    """`scontrol show job -o` (one line of key=value) as a dict."""
+def parse_fields(text: str) -> dict[str, str]:
+    """`scontrol show job|node -o ...` (one line of key=value) as a dict."""
     return dict(field.split("=", 1) for field in text.split() if "=" in field)
+
+
+def node_address(host: str) -> str:
+    """The address SLURM reaches a node by (NodeAddr; its name where they agree)."""
+    return parse_fields(_scontrol("show", "node", "-o", host)).get("NodeAddr") or host
 
 
 def allocation(env=os.environ) -> Allocation | None:
@@ -64,7 +69,7 @@ def allocation(env=os.environ) -> Allocation | None:
     job = job_id(env)
     if job is None:
         return None
-    fields = parse_job(_scontrol("show", "job", "-o", job))
+    fields = parse_fields(_scontrol("show", "job", "-o", job))
     hosts = tuple(_scontrol("show", "hostnames", fields["NodeList"]).split())
     return Allocation(job, hosts, int(fields.get("NumCPUs", "1")))
 

@@ -89,8 +89,11 @@ def fake_scontrol(monkeypatch, jobs: dict[str, str], pids: dict[int, str] | None
             return hostnames[args[2]]
         if args[:3] == ("show", "job", "-o"):
             return jobs[args[3]]
+        if args[:3] == ("show", "node", "-o"):
+            return f"NodeName={args[3]} Arch=x86_64 NodeAddr={args[3]}.ib.cluster NodeHostName={args[3]} CPUTot=64"
         if args[0] == "pidinfo" and pids and int(args[1]) in pids:
-            return f"Slurm job id {pids[int(args[1])]} ends at Tue Nov 24 12:00:00 2026\n"
+            return (f"Slurm JobId={pids[int(args[1])]} ends at Wed Nov 24 05:06:30 2027\n"
+                    "Job remaining time is 60 seconds\n")
         raise slurm.subprocess.CalledProcessError(1, ["scontrol", *args])
 
     monkeypatch.setattr(slurm, "_scontrol", scontrol)
@@ -105,7 +108,7 @@ def test_rendezvous_comes_from_scontrol_not_from_stripped_variables(monkeypatch)
     the launcher once stopped there, naming the wrong variable."""
     fake_scontrol(monkeypatch, {"41234": JOB})
     env = {"SLURM_JOB_ID": "41234"}  # what the jobstep plugin leaves
-    assert launch.slurm_rendezvous(2, env) == ("gpu017", 20000 + 41234 % 20000, "41234")
+    assert launch.slurm_rendezvous(2, env) == ("gpu017.ib.cluster", 20000 + 41234 % 20000, "41234")
     with pytest.raises(RuntimeError, match="has 2 node"):
         launch.slurm_rendezvous(4, env)
     monkeypatch.setattr(slurm, "_in_slurm_cgroup", lambda: False)
