@@ -33,6 +33,16 @@ CLUSTER_ENV = {"DPFM_GPUS_PER_NODE": "0", "DPFM_TRAIN_CPUS": "2", "DPFM_CPU_MEM_
 TEST_RUN = {"dp": {"noise_seed": 11, "steps": 4}, "privacy": {"testing": True}, "run": {"device": "cpu"}}
 
 
+def test_the_commands_run_here_are_the_documented_ones():
+    """docs/cluster.md's commands for a CPU-only partition and a cluster without slurmdbd are the ones
+    this file runs (with a test's polling added), so the doc cannot drift from what is tested."""
+    doc = (Path(__file__).resolve().parents[1] / "docs/cluster.md").read_text()
+    assert "snakemake --workflow-profile profiles/slurm --slurm-status-command squeue" in doc
+    assert "DPFM_GPUS_PER_NODE=0" in doc and "DPFM_NODES=4 snakemake --workflow-profile profiles/slurm" in doc
+    for variable in CLUSTER_ENV:
+        assert f"`{variable}`" in doc, variable
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
