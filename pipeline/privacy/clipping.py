@@ -176,6 +176,7 @@ class BookKeepingClipper(_Summing):
                 for r in module_calls:  # a reused layer: its calls summed per example first
                     for k, v in r.rule.per_sample(r.module, r.activation, r.grad).items():
                         per[k] = per[k] + v if k in per else v
+                    r.activation = r.grad = None  # held in `per` from here
                 sq += sum(v.flatten(1).pow(2).sum(1) for v in per.values())
                 instantiated.append((first.module, per))
             norms = sq.sqrt()

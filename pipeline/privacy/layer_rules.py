@@ -15,7 +15,9 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
   Embedding   E_i = Σ_t onehot(id_it) g_itᵀ
   Broadcast   P_i = g_i                       (cls/mask tokens, CLIP's temperature)
 
-Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s), cheaper when T² < d_in·d_out.
+Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s), used for a Linear layer when its
+per-sample gradients (d_in·d_out floats each) are larger than its input and output gradient
+(T·(d_in + d_out)); otherwise they are instantiated, which is faster and then no larger.
 """
 
 from __future__ import annotations
@@ -76,7 +78,11 @@ class LinearRule(LayerRule):
     def ghost_sq_norm(self, m, a, g, force):
         g3, a3 = as_3d(g), as_3d(a)
         T = g3.shape[1]
-        if force is False or (force is None and T * T >= m.in_features * m.out_features):
+        # Instantiating costs B·d·p floats and one weight gradient; the ghost norm keeps a and g
+        # (B·T·(d+p)) and its Gram products cost B·T²·(d+p) on top of the clipped sum. Where the
+        # per-sample gradients are no larger than a and g, they are cheaper in time and memory both.
+        d, p = m.in_features, m.out_features
+        if force is False or (force is None and d * p <= T * (d + p)):
             return None
         sq = ((a3 @ a3.transpose(1, 2)) * (g3 @ g3.transpose(1, 2))).sum((1, 2))
         if m.bias is not None:
