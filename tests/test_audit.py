@@ -127,9 +127,8 @@ def test_a_bug_in_the_clipper_code_is_flagged(monkeypatch):
     norm 10·C passes unclipped). The audit sees it because canaries go through the real clipper."""
     real = LinearRule.ghost_sq_norm
 
-    def broken(self, m, a, g, force):
-        sq = real(self, m, a, g, force)
-        return None if sq is None else sq / 100
+    def broken(self, m, a, g, force):  # the ghost path, taken for every Linear, 10× short in norm
+        return real(self, m, a, g, True) / 100
 
     monkeypatch.setattr(LinearRule, "ghost_sq_norm", broken)
     r = A.run_audit(SMALL, progress=False)
