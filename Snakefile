@@ -1,4 +1,4 @@
-# dpfm: shards -> synthetic -> tokenizer -> pretrain -> dp-train -> verify -> evaluate -> report.
+# dpfm: shards -> synthetic -> tokenizer -> pretrain -> dp-train -> verify -> curve -> evaluate -> report.
 # Rules come from the stage table in pipeline/stages/__init__.py (the same table writes dvc.yaml);
 # rules/scan.smk scatters the shards stage's scan of a web source over jobs.
 from snakemake.utils import min_version

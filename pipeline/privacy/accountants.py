@@ -215,8 +215,3 @@ def _eps_noise(noise: float, q: float, steps: int, delta: float, accountant: str
     if accountant == "rdp":
         return _rdp_eps(noise, q, steps, delta)
     return _prv_eps(noise, q, steps, delta)
-
-
-# --------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------
