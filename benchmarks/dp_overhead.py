@@ -43,11 +43,11 @@ ENGINES = ["nonprivate", "bookkeeping", "opacus-hooks", "opacus-ghost"]
 
 
 def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    import os
+
+    from benchmarks.peak_memory import status_kib
+
+    return status_kib(os.getpid(), ("VmRSS",)).get("VmRSS", float("nan")) / 1024
 
 
 def _setup(model_name: str, engines: list[str], threads: int):

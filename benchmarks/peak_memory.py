@@ -36,14 +36,14 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _status_kib(pid: int) -> dict[str, int]:
-    """RssAnon, RssFile and RssShmem of one process, from /proc/<pid>/status (KiB)."""
+def status_kib(pid: int, keys=("RssAnon", "RssFile", "RssShmem")) -> dict[str, int]:
+    """Fields of /proc/<pid>/status in KiB (by default the resident memory by kind)."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key in ("RssAnon", "RssFile", "RssShmem"):
+                if key in keys:
                     out[key] = int(value.split()[0])
     except (FileNotFoundError, ProcessLookupError):
         pass
@@ -56,7 +56,7 @@ def tree_memory_kib(root: int) -> dict[str, int]:
     pending = [root]
     while pending:
         pid = pending.pop()
-        for key, value in _status_kib(pid).items():
+        for key, value in status_kib(pid).items():
             total[key] += value
         pending += _children(pid)
     return total

@@ -99,7 +99,8 @@ def index_writer(path: str | Path, shards: list[dict]):
     with atomic_path(path) as tmp:
         writer = pq.ParquetWriter(tmp, schema)
         try:
-            yield lambda table: writer.write_table(table.select(schema.names).cast(schema), row_group_size=ROW_GROUP_ROWS)
+            yield lambda table: writer.write_table(table.select(schema.names).cast(schema),
+                                                   row_group_size=ROW_GROUP_ROWS)
         finally:
             writer.close()
     write_usable(Path(path))

@@ -98,7 +98,8 @@ class BatchLoader:
         # batch_size=None: each element of `batches` is one whole batch, handed to one worker.
         loader = torch.utils.data.DataLoader(self._decoded, batch_size=None, sampler=batches,
                                              num_workers=self.workers, prefetch_factor=self.prefetch,
-                                             worker_init_fn=_worker_init, collate_fn=_as_is, pin_memory=self.pinned)
+                                             worker_init_fn=_worker_init, collate_fn=_as_is,
+                                             pin_memory=self.pinned)
         # The workers are forked by iter(): with the stop signals blocked meanwhile, none can die of one
         # before _worker_init ignores it. This process gets any that arrived once they are unblocked.
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
