@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU figures of README "GPU figures", on a machine with CUDA PyTorch and no package registry:
+# The GPU figures (docs/results.md: DP overhead, throughput, the scale table), on a machine with
+# CUDA PyTorch and no package registry:
 # bring the wheels (`benchmarks/gpu_wheels.sh`) and Fashion-MNIST (`make fashion-mnist`, then
 # `tar czf .gpu-carry/fashion.tgz data/public/fashion-mnist`) along, then
 #   bash benchmarks/gpu_figures.sh OUT_DIR throughput|validate|table [extra scale_utility args]

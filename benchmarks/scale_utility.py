@@ -8,9 +8,9 @@ split (`shards.eval_fraction` 1/7 of each class, by a public seed) is what DP tr
 the 10,000 held out are the public eval set. The package carries no official train/test split, so
 this seeded, stratified one takes its place; the two never share an image.
 
-The recipe scales the way ViP and DP-Cap do (README "Choosing a DP schedule"): a fixed sampling
-rate q and number of steps T, so the expected batch B = q·n grows with n while σ (set by ε, q, T,
-δ) stays put, and the noise on each averaged coordinate, σ·C/B, falls as 1/n. ε = ∞ is the same
+The recipe scales the way ViP and DP-Cap do (docs/privacy.md, "Choosing a DP schedule"): a fixed
+sampling rate q and number of steps T, so the expected batch B = q·n grows with n while σ (set by ε,
+q, T, δ) stays put, and the noise on each averaged coordinate, σ·C/B, falls as 1/n. ε = ∞ is the same
 recipe without clipping or noise, on the same schedule.
 
 Rows, every objective on the same probe-train / probe-test split of the eval set (chosen once):
@@ -51,7 +51,8 @@ import torch
 from sklearn.model_selection import train_test_split
 
 from benchmarks.utility import Scorer, inside, parse_epsilon, print_targets
-from pipeline.cli import StageContext, resolve_device
+from pipeline import checkpoints
+from pipeline.cli import StageContext, resolve_device, runner
 from pipeline.config import load_params
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.eval.stats import accuracy_ci, difference_ci
@@ -85,9 +86,7 @@ def context(name: str, device: str) -> StageContext:
 
 
 def run_stage(name: str, params: dict, device: str) -> None:
-    import importlib
-
-    importlib.import_module(stage(name).module).run(params, context(name, device))
+    runner(name)(params, context(name, device))
 
 
 def recipe_id(params: dict) -> str:
@@ -188,8 +187,8 @@ def main() -> None:
 def measure(params, args, epsilons, sizes, work: Path, full_dir: Path, rows: Rows, device: str, started: float):
     """Every row, each trained, probed and kept as it finishes; finished rows are read back."""
     n_full = read_json("data/shards/stats.json")["private"]["usable"]
-    ckpt = torch.load("models/pretrain/checkpoint.pt", map_location="cpu", weights_only=False)
-    scorer = Scorer(params, ckpt["model_cfg"]["img_size"])
+    warm = checkpoints.load("models/pretrain/checkpoint.pt")
+    scorer = Scorer(params, warm.model_cfg["img_size"])
     tokenizer = Tokenizer("models/tokenizer")
     if args.validate:
         scorer.split = validation_split(scorer.split, scorer.es.labels)
@@ -208,14 +207,8 @@ def measure(params, args, epsilons, sizes, work: Path, full_dir: Path, rows: Row
 
     table = {}
     table["pixels"] = untrained("pixels", lambda seed: None)
-    table["random"] = untrained("random", lambda seed: (torch.manual_seed(seed), build_encoder(ckpt["model_cfg"]))[1])
-
-    def synthetic(seed):
-        enc = build_encoder(ckpt["model_cfg"])
-        enc.load_state_dict(ckpt["encoder"])
-        return enc
-
-    table["synthetic"] = untrained("synthetic", synthetic)
+    table["random"] = untrained("random", lambda seed: (torch.manual_seed(seed), build_encoder(warm.model_cfg))[1])
+    table["synthetic"] = untrained("synthetic", lambda seed: warm.build_encoder())
     for name in ("pixels", "random", "synthetic"):
         print(f"scale_utility: {name:<28} probe {table[name]['probe'].mean():.3f}", flush=True)
 

@@ -44,7 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.cli import StageContext
+from pipeline import checkpoints
+from pipeline.cli import StageContext, runner
 from pipeline.config import load_params
 from pipeline.eval.evalsets import load_eval_set
 from pipeline.eval.probe import features, linear_probe
@@ -77,9 +78,7 @@ def context(name: str) -> StageContext:
 
 
 def run_stage(name: str, params: dict) -> None:
-    import importlib
-
-    importlib.import_module(stage(name).module).run(params, context(name))
+    runner(name)(params, context(name))
 
 
 def parse_epsilon(text: str) -> float:
@@ -197,10 +196,10 @@ def main() -> None:
                  "privacy": {**params["privacy"], "testing": True}}
             if not Path("models/pretrain/checkpoint.pt").exists():
                 run_stage("pretrain", p)
-            mcfg = torch.load("models/pretrain/checkpoint.pt", map_location="cpu", weights_only=False)["model_cfg"]
+            warm = checkpoints.load("models/pretrain/checkpoint.pt")
+            mcfg = warm.model_cfg
             scorer = scorer or Scorer(p, mcfg["img_size"])
-            synthetic = build_encoder(mcfg)
-            synthetic.load_state_dict(torch.load("models/pretrain/checkpoint.pt", weights_only=False)["encoder"])
+            synthetic = warm.build_encoder()
             add(probe, (None, "synthetic", None), scorer.probe(synthetic, seed))
             torch.manual_seed(seed)
             add(probe, (None, "random", None), scorer.probe(build_encoder(mcfg), seed))

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import math
 import os
 import sys
 from dataclasses import dataclass
 
-from pipeline.config import ParamsError, load_params, sections_of
+from pipeline.config import ParamsError, load_params, read_resolved, sections_of
 from pipeline.errors import StageBusy, Stopped, VerificationFailed
 from pipeline.stages import STAGES, Stage, stage
 
@@ -35,25 +32,39 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def yaml_text(value) -> str:
-    """`value` as YAML the override parser reads back as it was: JSON (a subset of YAML), except the
-    non-finite floats JSON cannot write (`curve.epsilons` holds .inf)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
-    if isinstance(value, list):
-        return "[" + ", ".join(yaml_text(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)}: {yaml_text(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)
+def runner(name: str):
+    """The `run(params, ctx)` of stage `name`, imported on demand: the table itself stays light (the
+    Snakefile imports it), and a stage loads only its own dependencies."""
+    match name:
+        case "shards":
+            from pipeline.stages.shards import run
+        case "synthetic":
+            from pipeline.stages.synthetic import run
+        case "tokenizer":
+            from pipeline.stages.tokenizer import run
+        case "pretrain":
+            from pipeline.stages.pretrain import run
+        case "dp-train":
+            from pipeline.stages.dp_train import run
+        case "verify":
+            from pipeline.stages.verify import run
+        case "curve":
+            from pipeline.stages.curve import run
+        case "evaluate":
+            from pipeline.stages.evaluate import run
+        case "report":
+            from pipeline.stages.report import run
+        case _:
+            stage(name)  # raises, naming the stages
+    return run
 
 
-def load_job_params(params_path: str, overrides=(), sections_json: str | None = None) -> dict:
-    overrides = list(overrides)
-    if sections_json:
-        # Snakemake passes the sections it tracks, so what re-runs a stage is exactly what it reads.
-        # Key by key: the untracked keys of a section (run.threads, ...) keep their params.yaml values.
-        overrides += [f"{s}.{k}={yaml_text(v)}" for s, values in json.loads(sections_json).items()
-                      for k, v in values.items()]
+def job_params(params_path: str, overrides=(), resolved: str | None = None) -> dict:
+    """Under Snakemake, the params it validated (`--resolved`); by hand, params.yaml with `--set`s."""
+    if resolved:
+        if overrides or params_path != "params.yaml":
+            raise ParamsError(["--resolved is the whole config: it takes no --set or --params"])
+        return read_resolved(resolved)
     return load_params(params_path, overrides)
 
 
@@ -64,25 +75,25 @@ def job_threads(threads: int, params: dict) -> int:
     return slurm.threads_per_process(threads or params["run"]["threads"] or os.cpu_count() or 1)
 
 
-def run_stage(name: str, params_path: str = "params.yaml", overrides=(), sections_json: str | None = None,
+def run_stage(name: str, params_path: str = "params.yaml", overrides=(), resolved: str | None = None,
               threads: int = 0) -> None:
     st = stage(name)
-    params = sections_of(load_job_params(params_path, overrides, sections_json), st.sections)
+    params = sections_of(job_params(params_path, overrides, resolved), st.sections)
     threads = job_threads(threads, params)
     import torch
 
     torch.set_num_threads(threads)
-    module = importlib.import_module(st.module)
+    run = runner(name)
     from pipeline.distributed import process_rank
     from pipeline.locking import stage_lock
     from pipeline.tracking import NullRun, stage_run
 
     device = resolve_device(params["run"]["device"])
     if process_rank() > 0:  # torchrun: rank 0 alone tracks the stage
-        module.run(params, StageContext(st, NullRun(), threads, device))
+        run(params, StageContext(st, NullRun(), threads, device))
         return
     with stage_lock(st.name), stage_run(st, params, params["run"]["experiment"]) as tracker:
-        module.run(params, StageContext(st, tracker, threads, device))
+        run(params, StageContext(st, tracker, threads, device))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
         p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one parameter (repeatable); the value is parsed as YAML")
-        p.add_argument("--sections-json", help=argparse.SUPPRESS)  # used by the Snakefile
+        p.add_argument("--resolved", help=argparse.SUPPRESS)  # the params Snakemake validated (rules/common.smk)
         p.add_argument("--threads", type=int, default=0, help="CPU threads (default: run.threads or all)")
-        p.set_defaults(func=lambda a, name=st.name: run_stage(name, a.params, a.set, a.sections_json, a.threads))
+        p.set_defaults(func=lambda a, name=st.name: run_stage(name, a.params, a.set, a.resolved, a.threads))
 
     p = sub.add_parser("scan-shards", help="scan one group of a web source's shards into the scan cache",
                        description="One job of Snakemake's scatter of the shards stage (rules/scan.smk): scan "
@@ -104,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one parameter (repeatable); the value is parsed as YAML")
-    p.add_argument("--sections-json", help=argparse.SUPPRESS)  # used by the Snakefile
+    p.add_argument("--resolved", help=argparse.SUPPRESS)  # the params Snakemake validated (rules/common.smk)
     p.add_argument("--threads", type=int, default=0, help="scan processes when shards.workers is 0 "
                                                           "(default: run.threads or all cores)")
     p.add_argument("--group", type=int, required=True)
@@ -160,7 +171,7 @@ def _scan_shards(args) -> int:
     from pipeline.io import write_json
     from pipeline.stages.shards import scan
 
-    params = load_job_params(args.params, args.set, args.sections_json)
+    params = job_params(args.params, args.set, args.resolved)
     summary = scan(params, args.group, args.groups, job_threads(args.threads, params))
     if args.summary:
         write_json(args.summary, summary)

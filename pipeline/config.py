@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 
 import jsonschema
 import yaml
 
+from pipeline.io import atomic_path
+
 SCHEMA_PATH = Path("schemas/params.schema.yaml")
 PARAMS_PATH = Path("params.yaml")
+RESOLVED_DIR = Path(".dpfm/params")  # the validated params of Snakemake runs, one file per config
 
 
 class ParamsError(ValueError):
@@ -88,6 +92,32 @@ def validate(params: dict, schema: dict | None = None, source: str = "params") -
     problems = [_describe_error(e, schema) for e in validator.iter_errors(params)]
     if problems:
         raise ParamsError(sorted(set(problems)), source=source)
+
+
+def write_resolved(params: dict, directory: str | Path = RESOLVED_DIR) -> Path:
+    """Validated params as one file the jobs of a Snakemake run read (`dpfm <stage> --resolved`), named
+    by a hash of its text: another config never shares the file, and a job reads what was validated."""
+    text = yaml.safe_dump(params, sort_keys=True)  # YAML, not JSON: it spells ∞ (curve.epsilons)
+    path = Path(directory) / f"{_digest(text)}.yaml"
+    if not (path.exists() and path.read_text() == text):  # every cluster job writes it again: the same bytes
+        with atomic_path(path) as tmp:
+            tmp.write_text(text)
+    return path
+
+
+def read_resolved(path: str | Path) -> dict:
+    """The params `write_resolved` wrote, refused if the file no longer matches its name."""
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError([f"{path} does not exist (Snakemake writes it when it reads its config)"], source=str(path))
+    text = path.read_text()
+    if path.stem != _digest(text):
+        raise ParamsError([f"{path} was changed after it was validated; run snakemake again"], source=str(path))
+    return yaml.safe_load(text)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def sections_of(params: dict, sections) -> dict:

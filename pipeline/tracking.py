@@ -119,21 +119,17 @@ class StageRun:
         import torch
         from mlflow.models import infer_signature
 
-        from pipeline.models import build_encoder
+        from pipeline import checkpoints
 
-        ckpt = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if "encoder" not in ckpt:
-            print(f"MLflow: {checkpoint} holds no encoder weights; no model logged")
-            return ""
-        if not ckpt.get("private", True):
+        ckpt = checkpoints.load(checkpoint)
+        if not ckpt.private:
             raise ValueError(f"{checkpoint} is not private: it is never registered as a DP model")
-        encoder = build_encoder(ckpt["model_cfg"])
-        encoder.load_state_dict(ckpt["encoder"])
+        encoder = ckpt.build_encoder()
         encoder.eval()
         example = torch.zeros(2, 3, encoder.img_size, encoder.img_size)
         with torch.no_grad():
             signature = infer_signature(example.numpy(), encoder(example).numpy())
-        name = f"dpfm-{ckpt['objective']}"
+        name = f"dpfm-{ckpt.objective}"
         info = _retry(lambda: self._mlflow.pytorch.log_model(
             encoder, name="dp_encoder", signature=signature, registered_model_name=name,
             serialization_format="pickle", code_paths=[str(Path(__file__).parent)],  # the classes travel with it
@@ -202,9 +198,9 @@ def stage_run(stage, params: dict, experiment: str):
         tags["slurm.job_id"] = job
     if parent:
         tags["mlflow.parentRunId"] = parent
-    for path in stage.inputs:
+    for path in stage.input_paths:
         if Path(path).exists():
-            tags[f"dvc.input.{path.rstrip('/')}"] = dvc_hash(path)
+            tags[f"dvc.input.{path}"] = dvc_hash(path)
     system = stage.resources.gpu > 0  # training stages: CPU, memory (and GPU with pynvml) while they run
     if system:
         mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_EVERY_S)
@@ -298,16 +294,19 @@ def end_parent(experiment: str, run_id: str, ok: bool) -> None:
             """An output of this run; one left by an earlier run (a partial target) names nothing."""
             return read_json(path) if Path(path).is_file() and Path(path).stat().st_mtime >= started_s else None
 
-        verification, metrics = load("results/privacy/verification.json"), load("results/eval/metrics.json")
-        numbers = headline(verification, metrics, load("results/report/privacy.json"))
+        from pipeline.artifacts import artifact
+
+        report, ledger = artifact("report"), artifact("dp") / "ledger.json"
+        verification, metrics = load(artifact("verification")), load(artifact("metrics"))
+        privacy = load(report / "privacy.json")
+        numbers = headline(verification, metrics, privacy)
         if numbers:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
             _retry(lambda: client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in numbers.items()]))
-        privacy = load("results/report/privacy.json")
         if verification:
-            objective = read_json("models/dp/ledger.json")["objective"] if Path("models/dp/ledger.json").is_file() else ""
+            objective = read_json(ledger)["objective"] if ledger.is_file() else ""
             name = f"{recipe_name(objective)} ε={verification['epsilon_reported']:.2f} σ={verification['sigma']:.2f}"
             if privacy and not privacy["private"]:
                 name = "NOT PRIVATE " + name
@@ -317,10 +316,10 @@ def end_parent(experiment: str, run_id: str, ok: bool) -> None:
             if not privacy["private"]:
                 _retry(lambda: client.set_tag(run_id, "dpfm.not_private", "; ".join(privacy["not_private"])))
         if Path("params.yaml").is_file():  # as the report shows it: a known noise key never leaves the machine
-            from pipeline.eval.render import params_yaml
+            from pipeline.report.render import params_yaml
 
             shown = params_yaml(yaml.safe_load(Path("params.yaml").read_text()))
             _retry(lambda: client.log_text(run_id, shown, "params.yaml"))
-        if Path("results/report").is_dir():
-            _retry(lambda: client.log_artifacts(run_id, "results/report", "report"))
+        if report.is_dir():
+            _retry(lambda: client.log_artifacts(run_id, str(report), "report"))
     _retry(lambda: client.set_terminated(run_id, status="FINISHED" if ok else "FAILED"))

@@ -117,13 +117,6 @@ def step_generator(key: int, step: int, stream: int, device: str | torch.device 
 MASKS, NOISE = 1, 2  # streams of step_generator: MAE masks, DP noise
 
 
-def save_model(path: Path, objective: str, model_cfg: dict, model: torch.nn.Module, **meta) -> None:
-    """A finished model: the whole model, its encoder alone (what evaluation and warm starts read),
-    its config and `meta` (steps, privacy)."""
-    torch.save({"objective": objective, "model_cfg": model_cfg, "model": model.state_dict(),
-                "encoder": model.encoder.state_dict(), **meta}, path)
-
-
 class Checkpointer:
     def __init__(self, directory: Path, write: bool = True):
         """`write=False` for non-main torchrun ranks: they resume from the shared checkpoint, rank 0 saves it."""

@@ -4,23 +4,22 @@ import os
 import subprocess
 import sys
 
-from snakemake.utils import validate
-
 from pipeline import tracking
-from pipeline.config import ParamsError, load_schema, merge, typed
-from pipeline.config import validate as check_params
+from pipeline.config import ParamsError, load_schema, merge, typed, validate, write_resolved
 from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 
 # `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings).
 config.update(merge(config, typed(workflow.config_settings.overwrite_config or {})))
-# Readable errors first (key path and allowed values, one line each, exit 2 as `dpfm` does), then
-# Snakemake's own schema validation.
+# Validated once, here, against the schema (errors name the key path and the allowed values, one
+# line each; exit 2 as `dpfm` does). Every job then reads the file written below (`--resolved`)
+# rather than params.yaml again. Its name is a hash of the config, so it is not a rule param: the
+# `tracked` params are what re-runs a stage.
 try:
-    check_params(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
+    validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
 except ParamsError as e:
     print(f"dpfm: {e}", file=sys.stderr)
     sys.exit(2)
-validate(config, "../schemas/params.schema.yaml")
+RESOLVED_PARAMS = str(write_resolved(config))
 
 STAGE_ENV = "../envs/dpfm.yaml"
 PYTHON = sys.executable  # the interpreter running Snakemake, by absolute path: jobs need no activated venv
@@ -55,8 +54,9 @@ def stage_outputs(name):
 
 
 def stage_params(name):
-    """The params a stage's results depend on, as JSON: a change to them (only) re-runs the stage.
-    Naming and scheduling keys (run.experiment, run.threads, run.device) re-run nothing."""
+    """The params a stage's results depend on: a change to them (only) re-runs the stage. Naming and
+    scheduling keys (run.experiment, run.threads, run.device) re-run nothing. The stage itself reads
+    RESOLVED_PARAMS; this JSON text is only what Snakemake compares with the last run's."""
     return json.dumps(tracked(config, stage(name).sections), sort_keys=True)
 
 
@@ -85,7 +85,7 @@ SCAN_KEYS = ("source", "urls", "path", "image_size", "cache_dir")
 
 
 def scan_params():
-    """The params of a scan job, as JSON (as stage_params, a change to them re-runs the job)."""
+    """The params a scan job depends on (as stage_params: a change to them re-runs the job)."""
     return json.dumps({"shards": {k: config["shards"][k] for k in SCAN_KEYS}}, sort_keys=True)
 
 
@@ -109,7 +109,7 @@ onstart:
     if workflow.non_local_exec and tracking.tracking_uri().startswith("sqlite"):
         # Concurrent cluster jobs writing one SQLite file (often on NFS) lock or corrupt it.
         print(f"WARNING: cluster run logging to SQLite ({tracking.tracking_uri()}); start an MLflow "
-              "tracking server and export MLFLOW_TRACKING_URI (README: Running on a SLURM cluster)")
+              "tracking server and export MLFLOW_TRACKING_URI (docs/cluster.md: MLflow)")
     os.environ[tracking.PARENT_ENV] = tracking.start_parent(config["run"]["experiment"], config)
 
 

@@ -18,7 +18,7 @@ rule scan_shards:
         scan_summary(),
     params:
         # A function, as in the stage rules: URL brace patterns pass through unexpanded.
-        sections=lambda wildcards: scan_params(),
+        tracked=lambda wildcards: scan_params(),
         groups=scan_groups(),
         python=PYTHON,
     log:
@@ -34,4 +34,4 @@ rule scan_shards:
         STAGE_ENV
     shell:
         "{params.python} -m pipeline.cli scan-shards --group {wildcards.group} --groups {params.groups}"
-        " --threads {threads} --sections-json {params.sections:q} --summary {output} 2>&1 | (trap '' TERM INT; exec tee {log})"
+        " --threads {threads} --resolved {RESOLVED_PARAMS} --summary {output} 2>&1 | (trap '' TERM INT; exec tee {log})"

@@ -22,7 +22,7 @@ for st in STAGES:
         params:
             # Functions: their values are not expanded as wildcards, so braces pass through unchanged
             # (URL brace patterns, "a photo of a {c}." templates).
-            sections=lambda wildcards, name=st.name: stage_params(name),
+            tracked=lambda wildcards, name=st.name: stage_params(name),
             # Bound here: the shell command is evaluated when the job runs, after the loop has moved on.
             command=lambda wildcards, resources, st=st: stage_command(st, resources),
         log:
@@ -35,4 +35,4 @@ for st in STAGES:
         conda:
             STAGE_ENV
         shell:
-            "{params.command} --threads {threads} --sections-json {params.sections:q} 2>&1 | (trap '' TERM INT; exec tee {log})"
+            "{params.command} --threads {threads} --resolved {RESOLVED_PARAMS} 2>&1 | (trap '' TERM INT; exec tee {log})"

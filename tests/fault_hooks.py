@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline import checkpoints
+
 BIN = Path(sys.executable).parent
 MARKER = "fault.reached"
 STEPS = 6  # stage_runs.MICRO: 6 steps, a checkpoint every 2
@@ -170,20 +172,20 @@ def dp_state(work: Path) -> tuple[list[int], dict | None]:
     return [rec["step"] for rec in lines[1:]], ckpt
 
 
-def dp_outcome(work: Path) -> tuple[dict, dict]:
+def dp_outcome(work: Path) -> tuple[dict, checkpoints.Checkpoint]:
     """(the published ledger with the run's owner-only batch sizes, the checkpoint) dp-train left."""
     ledger = json.loads((work / "models/dp/ledger.json").read_text())
     owner = json.loads((work / ".dpfm/owner/runs" / f"{ledger['run']}.json").read_text())
-    return {**ledger, **owner}, torch.load(work / "models/dp/checkpoint.pt", weights_only=False)
+    return {**ledger, **owner}, checkpoints.load(work / "models/dp/checkpoint.pt")
 
 
 def check_same_as_uninterrupted(got: tuple[dict, dict], ref: tuple[dict, dict], steps: int = STEPS) -> None:
     """The privacy check of a resumed run: every applied step charged once, the same batches and model."""
     (ledger, ckpt), (ref_ledger, ref_ckpt) = got, ref
-    assert ledger["steps"] == ckpt["optimizer_steps"] == steps, "ledger and optimizer disagree on the steps"
+    assert ledger["steps"] == ckpt.steps == steps, "ledger and optimizer disagree on the steps"
     assert ledger["batch_sizes"] == ref_ledger["batch_sizes"], "the resumed run drew other batches"
-    for name, value in ref_ckpt["model"].items():
-        assert torch.equal(value, ckpt["model"][name]), f"{name} differs from the uninterrupted run"
+    for name, value in ref_ckpt.model.items():
+        assert torch.equal(value, ckpt.model[name]), f"{name} differs from the uninterrupted run"
 
 
 def mlflow_runs(work: Path) -> list:

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from pipeline import checkpoints
 from pipeline.data.shards import ShardWriter, encode_png
-from pipeline.stages import pretrain
+from pipeline.artifacts import artifact
 
 MICRO_MODEL = {"size": "micro", "img_size": 16, "patch_size": 4, "decoder_width": 32, "decoder_depth": 1,
                "decoder_heads": 2, "text_width": 32, "text_depth": 1, "text_heads": 2, "max_caption_len": 12}
@@ -28,7 +28,7 @@ def make_project(root: Path, image_seed: int = 0) -> Path:
     (root / "schemas/params.schema.yaml").write_text((repo / "schemas/params.schema.yaml").read_text())
     (root / "params.yaml").write_text((repo / "params.yaml").read_text())
     rng = np.random.default_rng(image_seed)
-    with ShardWriter(root / pretrain.IN_DIR, prefix="synthetic", samples_per_shard=8) as writer:
+    with ShardWriter(root / artifact("synthetic"), prefix="synthetic", samples_per_shard=8) as writer:
         for i in range(IMAGES):
             image = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
             writer.write(f"img{i:03d}", encode_png(image), "a procedural image", {"program": i})
@@ -41,5 +41,5 @@ def micro_sets(**pretrain_overrides) -> list[str]:
     return sets + [f"pretrain.{k}={json.dumps(v)}" for k, v in {**SHORT, **pretrain_overrides}.items()]
 
 
-def saved(project: Path) -> dict:
-    return torch.load(project / pretrain.OUT_DIR / "checkpoint.pt", map_location="cpu", weights_only=False)
+def saved(project: Path) -> checkpoints.Checkpoint:
+    return checkpoints.load(project / artifact("pretrain") / "checkpoint.pt")

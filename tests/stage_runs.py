@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from pipeline.cli import StageContext
+from pipeline import checkpoints
+from pipeline.cli import StageContext, runner
 from pipeline.config import load_params, sections_of
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.models import ModelConfig, build_model
@@ -34,7 +35,7 @@ MICRO = [
 def run_in_process(name, overrides):
     st = stage(name)
     params = sections_of(load_params("params.yaml", overrides), st.sections)
-    __import__(st.module, fromlist=["run"]).run(params, StageContext(st, NullRun(), 1, "cpu"))
+    runner(name)(params, StageContext(st, NullRun(), 1, "cpu"))
 
 
 def project(data_dir, tmp_path) -> Path:
@@ -63,7 +64,7 @@ def train(workdir, overrides=()):
     ledger = yaml.safe_load((workdir / "models/dp/ledger.json").read_text())
     assert "batch_sizes" not in ledger and "nonfinite_examples" not in ledger  # published: no private statistic
     owner = yaml.safe_load((workdir / ".dpfm/owner/runs" / f"{ledger['run']}.json").read_text())
-    ckpt = torch.load(workdir / "models/dp/checkpoint.pt", weights_only=False)
+    ckpt = checkpoints.load(workdir / "models/dp/checkpoint.pt")
     return {**ledger, **owner}, ckpt
 
 

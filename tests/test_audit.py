@@ -11,7 +11,7 @@ import torch
 from scipy import stats
 
 from pipeline import cli
-from pipeline.privacy.tools import audit as A
+from pipeline.privacy.tools import canary_audit as A
 from pipeline.privacy.layer_rules import LinearRule
 
 SMALL = A.AuditConfig(canaries=400, steps=40, expected_batch_size=256, epsilon=1.0)

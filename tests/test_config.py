@@ -1,8 +1,8 @@
 import pytest
 import yaml
 
-from pipeline.cli import main
-from pipeline.config import ParamsError, apply_overrides, load_params
+from pipeline.cli import job_params, main
+from pipeline.config import ParamsError, apply_overrides, load_params, read_resolved, write_resolved
 
 
 def errors_for(*overrides):
@@ -104,23 +104,29 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
 
     ok = dry("dp={epsilon: 2, sigma: null}")
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert '"epsilon": 2' in ok.stdout and '"sigma": null' in ok.stdout  # the stage gets numbers and None
+    # Every job reads the one file Snakemake validated and wrote, named on its command line.
+    resolved = {line.split("--resolved ")[1].split()[0] for line in ok.stdout.splitlines() if "--resolved " in line}
+    assert len(resolved) == 1, resolved
+    params = read_resolved(tmp_path / resolved.pop())
+    assert params["dp"]["epsilon"] == 2 and params["dp"]["sigma"] is None  # numbers and None, not strings
+    assert "--sections-json" not in ok.stdout and '"epsilon"' not in ok.stdout  # no params on the shell line
     bad = dry("dp={epsilon: -2}")
     assert bad.returncode == 2 and "dp.epsilon: -2 is not allowed" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_sections_passed_by_snakemake_round_trip_infinity_and_templates(in_tmp):
-    """Snakemake hands a stage its sections as JSON (rules/stages.smk); ∞ (curve.epsilons) has no
-    JSON spelling and a template has YAML-looking braces: both must arrive as params.yaml holds them."""
-    import json
-
-    from pipeline.cli import load_job_params
-
-    sections = {"curve": {"epsilons": [1, 8.0, float("inf")], "inits": ["random"]},
-                "evaluate": {"sets": [{"name": "d", "source": "digits", "templates": ["a photo of a {c}."]}]}}
-    params = load_job_params("params.yaml", (), json.dumps(sections))
-    assert {k: params["curve"][k] for k in sections["curve"]} == sections["curve"]
-    assert params["evaluate"]["sets"] == sections["evaluate"]["sets"]
+def test_resolved_params_keep_infinity_and_templates_and_refuse_an_edit(in_tmp):
+    """The file Snakemake's jobs read holds ∞ (curve.epsilons) and `{c}` templates as params.yaml
+    does; a file changed after validation is refused, not read."""
+    params = load_params("params.yaml")
+    params["curve"]["epsilons"] = [1, 8.0, float("inf")]
+    params["evaluate"]["sets"] = [{"name": "d", "source": "digits", "templates": ["a photo of a {c}."]}]
+    path = write_resolved(params)
+    assert read_resolved(path) == params and write_resolved(params) == path
+    path.write_text(path.read_text().replace("epsilon: 8.0", "epsilon: 80.0"))
+    with pytest.raises(ParamsError, match="was changed after it was validated"):
+        read_resolved(path)
+    with pytest.raises(ParamsError, match="takes no --set"):
+        job_params("params.yaml", ["dp.epsilon=1"], str(path))
 
 
 def test_a_key_that_is_not_a_string_is_named_not_a_crash(in_tmp):

@@ -8,15 +8,16 @@ import math
 import pytest
 from stage_runs import charged_runs, flat, initial_weights, inside, project, run_in_process, torchrun, train
 
+from pipeline import checkpoints
 from pipeline.errors import VerificationFailed
 from pipeline.privacy import training
-from pipeline.stages import curve
+from pipeline.artifacts import artifact
 
 
 def run_curve(work, overrides):
     with inside(work):
         run_in_process("curve", ["curve.inits=[random]", *overrides])
-    return json.loads((work / curve.OUT).read_text())
+    return json.loads((work / artifact("curve")).read_text())
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
@@ -59,7 +60,7 @@ def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, mon
     monkeypatch.setattr(training, "train_private", one_extra_update)
     with pytest.raises(VerificationFailed, match="ledger_steps_match_optimizer"):
         run_curve(work, ["curve.epsilons=[2]"])
-    assert not (work / curve.OUT).exists()
+    assert not (work / artifact("curve")).exists()
 
 
 def test_each_seed_is_its_own_dp_training(data_dir, tmp_path):
@@ -94,16 +95,16 @@ def test_the_non_private_schedule_trains_the_twin_only_and_never_recharges_the_p
     work = project(data_dir, tmp_path)
     common = [f"dp.objective={objective}", "dp.nonprivate_baseline=true"]
     _, private = train(work, [*common, "dp.nonprivate.steps=9", "dp.nonprivate.lr=0.002"])
-    twin = torch.load(work / "models/dp/nonprivate.pt", weights_only=False)
-    assert private["optimizer_steps"] == 6 and twin["optimizer_steps"] == 9
+    twin = checkpoints.load(work / "models/dp/nonprivate.pt")
+    assert private.steps == 6 and twin.steps == 9
     assert len([p for p in (work / ".dpfm/state").glob("dp-train-*/nonprivate/checkpoint.pt")
                 if torch.load(p, weights_only=False)["step"] == 9]) == 1  # the twin ran its own 9 steps
     # Another schedule for the twin: a new twin, the same private run (resumed, not charged again).
     _, again = train(work, [*common, "dp.nonprivate.steps=12"])
-    assert again["optimizer_steps"] == 6 and len(charged_runs(work)) == 1
-    assert torch.load(work / "models/dp/nonprivate.pt", weights_only=False)["optimizer_steps"] == 12
-    assert {name: torch.equal(v, private["model"][name]) for name, v in again["model"].items()} == \
-        {name: True for name in private["model"]}
+    assert again.steps == 6 and len(charged_runs(work)) == 1
+    assert checkpoints.load(work / "models/dp/nonprivate.pt").steps == 12
+    assert {name: torch.equal(v, private.model[name]) for name, v in again.model.items()} == \
+        {name: True for name in private.model}
     # The curve's ∞ point is that twin: same schedule, same state.
     result = run_curve(work, [*common, "dp.nonprivate.steps=12", "curve.epsilons=[.inf]"])
     assert result["points"][0]["epsilon"] == "inf" and len(charged_runs(work)) == 1
@@ -121,7 +122,7 @@ def test_the_curve_on_two_ranks_is_the_one_process_curve_charged_once(data_dir, 
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
     want = run_curve(one, sets)
     torchrun(two, "curve", sets)
-    got = json.loads((two / curve.OUT).read_text())
+    got = json.loads((two / artifact("curve")).read_text())
     assert len(charged_runs(two)) == len(charged_runs(one)) == 1  # the ε = 2 point, once for both ranks
     for g, w in zip(got["points"], want["points"], strict=True):
         assert g["epsilon"] == w["epsilon"] and g["epsilon_spent"] == pytest.approx(w["epsilon_spent"])

@@ -13,25 +13,26 @@ import pytest
 import torch
 from stage_runs import flat, initial_weights, inside, project, run_in_process, torchrun, train
 
+from pipeline import checkpoints
 from pipeline.privacy import training
 from pipeline.privacy import engine
 from pipeline.config import load_params
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.models import ModelConfig
 from pipeline.objectives import objective
-from pipeline.privacy.verify import verify
+from pipeline.privacy.run_checks import verify
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
 def test_each_objective_trains_and_verifies(data_dir, tmp_path, objective):
     work = project(data_dir, tmp_path)
     ledger, ckpt = train(work, [f"dp.objective={objective}"])
-    assert ledger["steps"] == ckpt["optimizer_steps"] == 6
+    assert ledger["steps"] == ckpt.steps == 6
     assert ledger["sensitivity"] == (2.0 if objective == "clip" else 1.0)
     dp = load_params(work / "params.yaml", [f"dp.objective={objective}"])["dp"]
-    result = verify(ledger, ckpt["optimizer_steps"], dp, ["pld", "rdp"], 0.001, "replace_one")
+    result = verify(ledger, ckpt.steps, dp, ["pld", "rdp"], 0.001, "replace_one")
     assert result["passed"], result["checks"]
-    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert all(torch.isfinite(v).all() for v in ckpt.model.values())
 
 
 class Crash(RuntimeError):
@@ -57,8 +58,8 @@ def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_di
     monkeypatch.setattr(engine, "add_noise", real)
     ledger, got = train(work)
     assert ledger["steps"] == 6 and ledger["batch_sizes"] == ledger_ref["batch_sizes"]
-    for k, v in ref["model"].items():
-        assert torch.equal(v, got["model"][k]), k
+    for k, v in ref.model.items():
+        assert torch.equal(v, got.model[k]), k
 
 
 def test_the_secret_key_is_owner_only_from_its_first_byte_and_kept(tmp_path, monkeypatch):
@@ -99,15 +100,15 @@ def test_sigma_too_small_for_the_target_fails_before_training(data_dir, tmp_path
 def test_low_precision_runs_with_fp32_accounting(data_dir, tmp_path, precision):
     ledger, ckpt = train(project(data_dir, tmp_path), [f"dp.precision={precision}"])
     assert ledger["steps"] == 6 and ledger["nonfinite_examples"] == 0
-    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in ckpt.model.values())
 
 
 def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
     work = project(data_dir, tmp_path)
     ledger, ckpt = train(work, ["dp.nonprivate_baseline=true"])
-    base = torch.load(work / "models/dp/nonprivate.pt", weights_only=False)
-    assert base["model"].keys() == ckpt["model"].keys()
-    assert any(not torch.equal(base["model"][k], ckpt["model"][k]) for k in base["model"])
+    base = checkpoints.load(work / "models/dp/nonprivate.pt")
+    assert base.model.keys() == ckpt.model.keys()
+    assert any(not torch.equal(base.model[k], ckpt.model[k]) for k in base.model)
     assert ledger["steps"] == 6  # the baseline is not charged to the private ledger
 
 
@@ -120,17 +121,17 @@ def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
     ref_ledger, ref = train(one, sets)
     torchrun(two, "dp-train", sets)
-    got = torch.load(two / "models/dp/checkpoint.pt", weights_only=False)
+    got = checkpoints.load(two / "models/dp/checkpoint.pt")
     # At 2 ranks too, the published ledger holds no private statistic; rank 0 keeps them owner-only.
     published = json.loads((two / "models/dp/ledger.json").read_text())
     assert "batch_sizes" not in published and "nonfinite_examples" not in published
     owner = json.loads((two / ".dpfm/owner/runs" / f"{published['run']}.json").read_text())
     assert owner["batch_sizes"] == ref_ledger["batch_sizes"]
-    assert got["optimizer_steps"] == ref["optimizer_steps"] == 6
+    assert got.steps == ref.steps == 6
     start = flat(initial_weights(one, sets))
-    want = flat(ref["model"]) - start
+    want = flat(ref.model) - start
     assert float(want.norm()) > 0
-    assert float((flat(got["model"]) - start - want).norm() / want.norm()) <= 1e-4
+    assert float((flat(got.model) - start - want).norm() / want.norm()) <= 1e-4
 
 
 def test_runs_on_the_same_private_data_compose(data_dir, tmp_path, monkeypatch):
@@ -259,7 +260,7 @@ def test_private_images_of_any_size_and_shape_train(data_dir, tmp_path, objectiv
     stats["private"].update(usable=96, rows=96)
     write_json(work / "data/shards/stats.json", stats)
     ledger, ckpt = train(work, [f"dp.objective={objective_name}", "dp.expected_batch_size=24"])
-    assert ledger["steps"] == 6 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert ledger["steps"] == 6 and all(torch.isfinite(v).all() for v in ckpt.model.values())
 
 
 def test_img2dataset_output_at_64_px_trains_verifies_and_evaluates_with_a_32_px_model(data_dir, tmp_path):

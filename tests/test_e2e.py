@@ -168,7 +168,7 @@ def test_dvc_and_snakemake_run_the_same_dag(tmp_path):
     assert dot_edges(dvc_dot, labels=False) == dot_edges(rule_dot, labels=True)
     from pipeline.stages import STAGES
 
-    producer = {out: s.name for s in STAGES for out in s.all_outputs}
+    producer = {out: s.name for s in STAGES for out in s.outputs + s.metrics}
     table = {(producer[i].replace("-", "_"), s.name.replace("-", "_")) for s in STAGES for i in s.inputs}
     assert dot_edges(dvc_dot, labels=False) == table
 

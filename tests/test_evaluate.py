@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pipeline import checkpoints
 from pipeline.data.transforms import to_tensor
 from pipeline.errors import VerificationFailed
 from pipeline.eval.evalsets import EvalSet, load_eval_set, square
@@ -19,6 +20,7 @@ from pipeline.eval.images import Images
 from pipeline.eval.probe import SOLVERS, extract_features, probe_accuracy
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
 from pipeline.models import build_encoder, build_model
+from pipeline.stages import stage
 from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -454,14 +456,13 @@ def make_project(root, objective="caption", nonprivate=True, steps=3):
            "embed_dim": 32}
     torch.manual_seed(1)
     model = build_model(objective, cfg)
-    ckpt = {"objective": objective, "model_cfg": cfg, "model": model.state_dict(),
-            "encoder": model.encoder.state_dict(), "optimizer_steps": steps}
-    (root / "models/dp").mkdir(parents=True)
-    torch.save(ckpt, root / "models/dp/checkpoint.pt")
+    checkpoints.save(root / "models/dp/checkpoint.pt", model, objective=objective, model_cfg=cfg, steps=steps,
+                     private=True, config={})
     if nonprivate:
-        torch.save(ckpt, root / "models/dp/nonprivate.pt")
-    (root / "models/pretrain").mkdir(parents=True)
-    torch.save({"model_cfg": cfg, "encoder": build_encoder(cfg).state_dict()}, root / "models/pretrain/checkpoint.pt")
+        checkpoints.save(root / "models/dp/nonprivate.pt", model, objective=objective, model_cfg=cfg, steps=steps,
+                         private=False, config={})
+    checkpoints.save(root / "models/pretrain/checkpoint.pt", build_model("mae", cfg), objective="mae", model_cfg=cfg,
+                     steps=0, private=False, config={})
     write_json(root / "results/privacy/verification.json",
                {"passed": True, "checks": [], "epsilon": {"pld": 3.0}, "epsilon_reported": 3.0, "accountant": "pld",
                 "delta": 1e-5, "steps": steps, "sigma": 1.0, "sample_rate": 0.1, "n": 100})
@@ -481,7 +482,7 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_project(tmp_path)
     tracker = RecordingTracker()
-    evaluate.run(eval_params(), SimpleNamespace(tracker=tracker, device="cpu", threads=1))
+    evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=tracker, device="cpu", threads=1))
     metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
     assert metrics["model_order"] == ["dp", "nonprivate", "synthetic", "pixels", "random"]
     digits = metrics["sets"]["digits"]
@@ -515,7 +516,7 @@ def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, mo
     ver = json.loads((tmp_path / "results/privacy/verification.json").read_text())
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "steps": 2}))
     with pytest.raises(VerificationFailed, match="2 verified steps vs 3 applied"):
-        evaluate.run(eval_params(), SimpleNamespace(tracker=RecordingTracker(), device="cpu", threads=1))
+        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu", threads=1))
 
 
 def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, monkeypatch):
@@ -527,7 +528,7 @@ def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, mon
     finetune = {"enabled": True, "shots": [1], "repeats": 1, "epochs": 2, "batch_size": 8, "lr": 1e-3,
                 "weight_decay": 0.0}
     cfg = eval_params(finetune=finetune)["evaluate"]
-    candidates = evaluate.load_candidates(["random"], 0, with_text=True)
+    candidates = evaluate.load_candidates(stage("evaluate"), ["random"], 0, with_text=True)
     tokenizer = Tokenizer("models/tokenizer")
     tokenize = lambda cand: lambda captions: tokenizer.encode(captions, cand.max_len)  # noqa: E731
     streamed = load_eval_set({"name": "digits", "source": "digits"}, 16)

@@ -24,7 +24,7 @@ from stage_runs import run_in_process
 from pipeline.data.shards import ShardDataset
 from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import atomic_dir, read_json
-from pipeline.stages import synthetic as synthetic_stage
+from pipeline.artifacts import artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_kill_9_during_synthetic_generation_resumes_to_the_same_bytes(tmp_path):
     assert len(list(staging.glob("*.json"))) == 3 and not (work / "data/synthetic").exists()
     complete(dpfm(work, args), work)
     assert "resuming" in log_tail(work)
-    out, expected = work / synthetic_stage.OUT_DIR, ref / synthetic_stage.OUT_DIR
+    out, expected = work / artifact("synthetic"), ref / artifact("synthetic")
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
     for p in expected.iterdir():
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name

@@ -11,6 +11,7 @@ import pytest
 import torch
 from stage_runs import project
 
+from pipeline import checkpoints
 from pipeline import cli
 
 
@@ -98,7 +99,7 @@ def test_a_known_noise_key_runs_only_as_a_test_and_is_never_private(data_dir, tm
     monkeypatch.chdir(work)
     assert cli.main(["dp-train", "--set", "dp.noise_seed=5", "--set", "privacy.testing=true", "--set", "dp.steps=2",
                      "--set", "model.size=micro", "--set", "model.img_size=16", "--set", "dp.init=random"]) == 0
-    assert torch.load(work / "models/dp/checkpoint.pt", weights_only=False)["private"] is False
+    assert checkpoints.load(work / "models/dp/checkpoint.pt").private is False
 
 
 @pytest.mark.parametrize("source, explicit, allowed", [

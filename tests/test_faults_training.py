@@ -43,12 +43,12 @@ def pretrained(tmp_path_factory) -> dict:
     """The uninterrupted pretraining run's weights."""
     ref = make_project(tmp_path_factory.mktemp("pretrain-ref"))
     complete(dpfm(ref, pretrain_args()), ref)
-    return saved(ref)["model"]
+    return saved(ref).model
 
 
 def check_same_pretrained(work: Path, expected: dict) -> None:
     for name, value in expected.items():
-        assert torch.equal(value, saved(work)["model"][name]), name
+        assert torch.equal(value, saved(work).model[name]), name
 
 
 def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path, pretrained):

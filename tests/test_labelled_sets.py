@@ -17,7 +17,7 @@ from pipeline.data.labelled_sets import FASHION_CLASSES, FASHION_MNIST
 from pipeline.data.shards import ShardDataset
 from pipeline.eval.evalsets import LIMIT_SEED, load_eval_set
 from pipeline.io import read_json, write_json
-from pipeline.stages import shards as shards_stage
+from pipeline.stages import shards as shards_stage, stage
 
 PER_CLASS = 8
 DEFAULT_DIR = Path(FASHION_MNIST.default_path)
@@ -40,7 +40,7 @@ def write_fashion(root: Path, per_class: int = PER_CLASS) -> np.ndarray:
 def run_shards(*overrides: str) -> dict:
     params = load_params(overrides=["shards.source=fashion-mnist", *overrides])
     tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
-    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(tracker=tracker, threads=1))
+    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
     return read_json("data/shards/stats.json")
 
 

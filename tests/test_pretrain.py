@@ -14,7 +14,8 @@ from pretrain_project import IMAGES, make_project, micro_sets, saved
 from recording import RecordingTracker
 
 from pipeline import train
-from pipeline.stages import pretrain
+from pipeline.artifacts import artifact
+from pipeline.stages import pretrain, stage
 from pipeline.config import load_params, sections_of
 from pipeline.models import ModelConfig, build_model
 
@@ -24,7 +25,7 @@ def stage_params(**pretrain_overrides) -> dict:
 
 
 def run_stage(project: Path, monkeypatch, **pretrain_overrides) -> RecordingTracker:
-    ctx = SimpleNamespace(tracker=RecordingTracker(), threads=1, device="cpu")
+    ctx = SimpleNamespace(stage=stage("pretrain"), tracker=RecordingTracker(), threads=1, device="cpu")
     with monkeypatch.context() as m:
         m.chdir(project)
         pretrain.run(stage_params(**pretrain_overrides), ctx)
@@ -73,7 +74,7 @@ def interrupted_then_resumed(tmp_path, monkeypatch, break_resume=None) -> tuple[
         crash_at(m, 5)  # after the checkpoint of step 4, with step 4 done but not saved
         with pytest.raises(KeyboardInterrupt):
             run_stage(project, m)
-    assert not (project / pretrain.OUT_DIR).exists()
+    assert not (project / artifact("pretrain")).exists()
     [checkpoint] = state_files(project)
     assert torch.load(checkpoint, weights_only=False)["step"] == 4
     with monkeypatch.context() as m:
@@ -90,11 +91,11 @@ def params_equal(a: dict, b: dict) -> bool:
 def test_an_interrupted_run_resumes_bit_for_bit(uninterrupted, tmp_path, monkeypatch):
     ref, ref_tracker = uninterrupted
     project, tracker = interrupted_then_resumed(tmp_path, monkeypatch)
-    assert params_equal(saved(project)["model"], saved(ref)["model"])
-    history, ref_history = (json.loads((p / pretrain.OUT_DIR / "history.json").read_text()) for p in (project, ref))
+    assert params_equal(saved(project).model, saved(ref).model)
+    history, ref_history = (json.loads((p / artifact("pretrain") / "history.json").read_text()) for p in (project, ref))
     assert history["step"] == ref_history["step"] == list(range(6))
     assert [m["loss"] for m in history["metrics"]] == [m["loss"] for m in ref_history["metrics"]]
-    assert json.loads((project / pretrain.OUT_DIR / "summary.json").read_text())["resumed_at"] == 4
+    assert json.loads((project / artifact("pretrain") / "summary.json").read_text())["resumed_at"] == 4
     # The resumed run's MLflow curve is whole: live points from step 4, the earlier ones as a series.
     assert tracker.curve("loss") == ref_tracker.curve("loss") and sorted(tracker.curve("loss")) == list(range(6))
     assert state_files(project) == []  # the spent state is removed once the output is written
@@ -104,7 +105,7 @@ def test_decoding_workers_change_nothing(uninterrupted, tmp_path, monkeypatch):
     ref, _ = uninterrupted
     project = make_project(tmp_path)
     run_stage(project, monkeypatch, data_workers=2)
-    assert params_equal(saved(project)["model"], saved(ref)["model"])
+    assert params_equal(saved(project).model, saved(ref).model)
 
 
 def _lose_optimizer_state(m):
@@ -125,22 +126,22 @@ def _restart_the_data(m):
 def test_the_resume_check_catches_a_broken_resume(uninterrupted, tmp_path, monkeypatch, break_resume):
     ref, _ = uninterrupted
     project, _ = interrupted_then_resumed(tmp_path, monkeypatch, break_resume)
-    assert not params_equal(saved(project)["model"], saved(ref)["model"])
+    assert not params_equal(saved(project).model, saved(ref).model)
 
 
 def test_the_saved_encoder_initialises_every_objective(uninterrupted, monkeypatch):
     ref, _ = uninterrupted
     checkpoint = saved(ref)
-    assert checkpoint["objective"] == "mae" and checkpoint["step"] == 6
+    assert checkpoint.objective == "mae" and checkpoint.steps == 6
     monkeypatch.chdir(ref)
     model_params = stage_params()["model"]
     for objective in ("mae", "caption", "clip"):
         model = build_model(objective, ModelConfig.from_params(model_params, objective, vocab_size=64))
-        model.encoder.load_state_dict(checkpoint["encoder"])  # strict: every key and shape matches
-        assert params_equal(model.encoder.state_dict(), checkpoint["encoder"])
-    mae = build_model("mae", checkpoint["model_cfg"])
-    mae.load_state_dict(checkpoint["model"])
-    assert params_equal(mae.encoder.state_dict(), checkpoint["encoder"])
+        model.encoder.load_state_dict(checkpoint.encoder)  # strict: every key and shape matches
+        assert params_equal(model.encoder.state_dict(), checkpoint.encoder)
+    mae = build_model("mae", checkpoint.model_cfg)
+    mae.load_state_dict(checkpoint.model)
+    assert params_equal(mae.encoder.state_dict(), checkpoint.encoder)
 
 
 def test_loss_lr_and_throughput_reach_mlflow(uninterrupted):
@@ -167,8 +168,8 @@ def test_bf16_autocast_runs_on_cpu(tmp_path, monkeypatch):
     tracker = run_stage(project, monkeypatch, precision="bf16", steps=2)
     assert torch.bfloat16 in dtypes
     assert all(np.isfinite(v) for v in tracker.curve("loss").values())
-    assert json.loads((project / pretrain.OUT_DIR / "summary.json").read_text())["bf16"] is True
-    assert {v.dtype for v in saved(project)["model"].values()} == {torch.float32}  # weights stay fp32
+    assert json.loads((project / artifact("pretrain") / "summary.json").read_text())["bf16"] is True
+    assert {v.dtype for v in saved(project).model.values()} == {torch.float32}  # weights stay fp32
 
     dtypes.clear()
     run_stage(project, monkeypatch, precision="auto", steps=1)  # auto is fp32 on a CPU
@@ -184,7 +185,7 @@ def test_a_checkpoint_from_other_data_is_not_resumed(tmp_path, monkeypatch):
     assert len(state_files(project)) == 1
     make_project(tmp_path / "a", image_seed=1)  # the synthetic images changed, the params did not
     run_stage(project, monkeypatch)
-    assert json.loads((project / pretrain.OUT_DIR / "summary.json").read_text())["resumed_at"] == 0
+    assert json.loads((project / artifact("pretrain") / "summary.json").read_text())["resumed_at"] == 0
 
 
 def test_batches_cover_each_epoch_once_and_depend_only_on_the_step():
@@ -216,8 +217,8 @@ def test_two_gloo_ranks_train_the_one_process_model(uninterrupted, tmp_path):
     proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref, got = saved(uninterrupted[0]), saved(project)
-    for k, v in ref["model"].items():
-        g = got["model"][k]
+    for k, v in ref.model.items():
+        g = got.model[k]
         if k.endswith("qkv.bias"):
             # The key bias cancels in the softmax: its true gradient is 0, and AdamW turns float
             # round-off there into full-size steps. Compare the query and value parts only.

@@ -12,8 +12,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from pipeline.stages import report
-from pipeline.eval.render import TABLE_HEAD_COLOR
+from pipeline.report import accuracy as report_accuracy, curves as report_curves, privacy as report_privacy
+from pipeline.stages import report, stage
+from pipeline.report.render import TABLE_HEAD_COLOR
 from pipeline.io import read_json, write_json
 from pipeline.privacy.plan import Plan
 from recording import RecordingTracker
@@ -86,7 +87,7 @@ def project(tmp_path, monkeypatch):
 def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project):
     root, params = project
     tracker = RecordingTracker()
-    report.run(params, SimpleNamespace(tracker=tracker))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=tracker))
     out = root / "results/report"
     page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
     for text in ("(ε = 7.99, δ = 4.00e-04 = 1/2n)-DP", "2 of 2 checks passed", "PLD ε = 7.990", "RDP ε = 9.600",
@@ -114,7 +115,7 @@ def test_failed_verification_is_the_first_thing_the_report_says(project):
     ver = yaml.safe_load(Path("results/privacy/verification.json").read_text())
     ver["passed"], ver["checks"] = False, [check("sampler_is_poisson", passed=False)]
     write_json("results/privacy/verification.json", ver)
-    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     page = (root / "results/report/report.html").read_text()
     assert "class='verdict bad'" in page and "FAILED" in page and "0 of 1 checks passed" in page
     assert "✘ FAIL" in page
@@ -145,21 +146,21 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
               {"dvc.input.models/dp": "h2", "dpfm.objective": "mae"})
     stage_run("evaluate", "p4", {"dp_linear_probe_acc": 0.99, "epsilon": 1.0}, {"dvc.input.models/dp": "h3"},
               status="FAILED")
-    points, note = report.experiment_points("dpfm", current_model_hash="h2")
+    points, note = report_curves.experiment_points("dpfm", current_model_hash="h2")
     got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"]) for p in points)
     assert got == [(2.0, 0.6, "clip", False), (8.0, 0.75, "mae", True)]
     assert "2 DP model(s)" in note
-    none, note = report.experiment_points("elsewhere", None)
+    none, note = report_curves.experiment_points("elsewhere", None)
     assert none == [] and "not found" in note
 
 
 def test_epsilon_curve_from_verification_or_recomputed():
     given = {"pld": [[1, 2.0], [10, 5.0]]}
-    assert report.epsilon_curves({"epsilon_curve": given}) == {"pld": ([1, 10], [2.0, 5.0])}
-    assert report.epsilon_curves({"epsilon_curve": [{"step": 1, "pld": 2.0}, {"step": 10, "pld": 5.0}]}) == \
+    assert report_privacy.epsilon_curves({"epsilon_curve": given}) == {"pld": ([1, 10], [2.0, 5.0])}
+    assert report_privacy.epsilon_curves({"epsilon_curve": [{"step": 1, "pld": 2.0}, {"step": 10, "pld": 5.0}]}) == \
         {"pld": ([1, 10], [2.0, 5.0])}
     ver = {"steps": 10, "sigma": 1.0, "sample_rate": 0.1, "delta": 1e-5, "epsilon": {"rdp": 0}}
-    steps, eps = report.epsilon_curves(ver)["rdp"]
+    steps, eps = report_privacy.epsilon_curves(ver)["rdp"]
     assert steps[0] == 1 and steps[-1] == 10 and all(a < b for a, b in zip(eps, eps[1:]))
 
 
@@ -196,7 +197,7 @@ def table_head_pixels(image: Image.Image) -> int:
                                              "(apt-get install chromium); the browser check cannot run")
 def test_report_renders_in_headless_chromium_and_the_screenshot_shows_the_table(project, tmp_path):
     root, params = project
-    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     page = (root / "results/report/report.html").read_text()
     console, shot = render(page, tmp_path, "report")
     assert console == []
@@ -214,7 +215,7 @@ def test_report_renders_in_headless_chromium_and_the_screenshot_shows_the_table(
 
 
 def test_data_card_reports_usable_n_and_never_the_exclusion_counts():
-    from pipeline.stages.report import data_card
+    from pipeline.report.privacy import data_card
 
     stats = {"source": "urls", "private": {"usable": 97, "rows": 100,
                                            "excluded": {"corrupt_image": 2, "missing_caption": 1}}}
@@ -227,7 +228,7 @@ def test_data_card_reports_usable_n_and_never_the_exclusion_counts():
 def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
     metrics = metrics_json()
     mechanism = {"n": 1258, "batch": 125.8, "sigma": 0.67, "epsilon": 7.99, "clip": 1.0}
-    text = report.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
+    text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
     assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%)")
     assert "it beats Random init by +32.2 points (95% CI +27.0 to +37.4)" in text
     assert "it is BELOW Not private (DP-Cap without DP, ε = ∞): −7.8 points (95% CI −11.1 to −4.4)" in text
@@ -236,7 +237,7 @@ def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
     assert text.index("Synthetic only") < text.index("Random init") < text.index("Not private")  # warm start first
     assert "did not improve on its synthetic warm start" in text and "n = 1258" in text  # and why, likely
     metrics["sets"]["digits"]["dp_versus"]["synthetic"] = {"diff": 0.05, "ci": [0.02, 0.08]}
-    text = report.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
+    text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
     assert "it beats Synthetic only (Syn-ViP) by +5.0 points" in text and "warm start" not in text
 
 
@@ -250,7 +251,7 @@ def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
     metrics["privacy_utility"] = {"objective": "caption", "set": "digits", "n_probe_test": 270, "seeds": 3,
                                   "points": points}
     write_json("results/eval/metrics.json", metrics)
-    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     out = root / "results/report"
     page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
     assert "| Linear probe | ε = 1 | ε = 8 | ε = ∞ |" in md
@@ -263,13 +264,13 @@ def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
 
 def test_without_a_curve_the_report_has_no_curve_section(project):
     root, params = project
-    report.run(params, SimpleNamespace(tracker=RecordingTracker()))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     md = (root / "results/report/report.md").read_text()
     assert "Privacy–utility curve" not in md and not (root / "results/report/privacy_utility_curve.png").exists()
 
 
 def test_the_curve_caption_says_when_the_non_private_point_has_a_schedule_of_its_own():
-    from pipeline.stages.report import twin_text
+    from pipeline.report.curves import twin_text
 
     recipe = {"steps": 40, "lr": 5e-4, "nonprivate": {"steps": None, "lr": None}}
     assert twin_text(recipe) == "∞ is the same recipe without clipping or noise"
@@ -287,7 +288,7 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     params["dp"]["noise_seed"] = None
     params["curve"]["epsilons"] = [1, 8]
     private = RecordingTracker()
-    report.run(params, SimpleNamespace(tracker=private))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=private))
     final = read_json(root / "results/report/privacy.json")
     assert final["private"] and final["not_private"] == []
     assert private.metrics["epsilon_composed"] == pytest.approx(final["epsilon_composed"])
@@ -297,7 +298,7 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
 
     params["curve"]["epsilons"] = [1, 8, math.inf]
     public = RecordingTracker()
-    report.run(params, SimpleNamespace(tracker=public))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=public))
     final = read_json(root / "results/report/privacy.json")
     assert not final["private"] and final["epsilon_composed"] == "inf"
     assert "the curve's ε = ∞ point trains without DP on the private shards" in final["not_private"]

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from shard_data import SIZE, excluded, good, index, picture, raw_tar, write_set
 
-from pipeline.stages import shards as shards_stage
+from pipeline.stages import shards as shards_stage, stage
 from pipeline.data.index import (INDEX_NAME, MEMBERS, IndexMismatch, _split_hash, build_index, duplicate_mask, key_hash,
                                   read_index, read_usable_table)
 from pipeline.data.index_mmap import MAGIC, TAIL, USABLE_NAME, CorruptIndex, read_footer
@@ -409,7 +409,7 @@ def run_digits(eval_fraction=0.3) -> None:
     params = {"run": {"seed": 0}, "shards": {"source": "digits", "path": None, "limit": None, "image_size": 8,
                                               "eval_fraction": eval_fraction, "samples_per_shard": 300}}
     tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
-    shards_stage.run(params, types.SimpleNamespace(tracker=tracker, threads=1))
+    shards_stage.run(params, types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
 
 
 def test_digits_stage_writes_splits_and_stats(in_tmp):

@@ -20,12 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from pipeline import checkpoints
 from snakemake_project import MICRO, set_params, snakemake_project
 
 pytestmark = pytest.mark.slurm
 BIN = Path(sys.executable).parent
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue")
-# The README's command, with the polling of a test (the plugin waits 40 s before its first check).
+# docs/cluster.md's command (no slurmdbd), with the polling of a test (the plugin waits 40 s before its first check).
 COMMAND = [str(BIN / "snakemake"), "--workflow-profile", "profiles/slurm", "--slurm-status-command", "squeue",
            "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "2"]
 # CPU-only, sized for the test nodes; dp-train's noise key is fixed (a test run) so runs can be compared.
@@ -161,7 +163,7 @@ def submit(work: Path, env: dict, *targets: str, **extra_env) -> str:
 
 
 def weights(work: Path) -> dict:
-    return torch.load(work / "models/dp/checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    return checkpoints.load(work / "models/dp/checkpoint.pt").model
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from shard_data import img2dataset_folder, write_set
 
 from pipeline.config import load_params, sections_of
 from pipeline.data import remote, sources
-from pipeline.stages import shards as shards_stage
+from pipeline.stages import shards as shards_stage, stage
 from pipeline.data.index import build_index
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset, encode_png
@@ -200,7 +200,7 @@ def test_shards_stage_with_a_url_list(in_tmp):
     params = load_params(overrides=["shards.source=urls", f"shards.urls=['{pattern}']",
                                     "shards.eval_fraction=0.25", "shards.workers=1"])
     tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
-    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(tracker=tracker, threads=1))
+    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
     stats = read_json("data/shards/stats.json")
     private, held = ShardDataset("data/shards/private"), ShardDataset("data/shards/eval")
     assert stats["private"]["usable"] == len(private) and stats["eval"]["usable"] == len(held)
@@ -220,7 +220,7 @@ def test_a_web_source_trains_on_all_private_data_unless_an_eval_split_is_asked_f
                                     f"shards.eval_fraction={'null' if fraction is None else fraction}",
                                     "shards.workers=1"])
     tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
-    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(tracker=tracker, threads=1))
+    shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
     stats = read_json("data/shards/stats.json")
     assert stats["eval_from_private"] is held_out
     assert (stats["eval"]["usable"] > 0) is held_out and stats["private"]["usable"] + stats["eval"]["usable"] == 40
@@ -230,4 +230,4 @@ def test_a_web_source_trains_on_all_private_data_unless_an_eval_split_is_asked_f
 def test_digits_need_a_held_out_part(in_tmp):
     params = load_params(overrides=["shards.eval_fraction=0"])
     with pytest.raises(ValueError, match="eval_fraction=0 with source digits"):
-        shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(threads=1))
+        shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(stage=stage("shards"), threads=1))

@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.cli import main
+from pipeline.config import read_resolved
 from pipeline.dvc_export import check_dvc_yaml, render_dvc_yaml
 from pipeline.stages import STAGES, TRACKED, UNTRACKED, Stage, check_table, tracked
 
@@ -31,10 +32,10 @@ def test_export_dvc_check_catches_a_table_change(tmp_path, monkeypatch, capsys):
     assert main(["export-dvc", "--check", "--output", str(path)]) == 0
     import pipeline.dvc_export as dvc_export
 
-    changed = STAGES[:-1] + (Stage("report", "x", "pipeline.stages.report", ("run",), outputs=("results/other/",)),)
+    changed = STAGES[:-1] + (Stage("report", "x", ("run",), outputs=("curve",)),)
     monkeypatch.setattr(dvc_export, "STAGES", changed)
     assert main(["export-dvc", "--check", "--output", str(path)]) == 1
-    assert "results/other" in capsys.readouterr().err
+    assert "+    - results/curve/curve.json" in capsys.readouterr().err
 
 
 def dry_run(tmp_path, *args) -> str:
@@ -57,7 +58,7 @@ def test_every_stage_has_a_generated_rule_calling_its_stage_by_absolute_interpre
         block = out.split(f"\nrule {st.name.replace('-', '_')}:\n")[1].split("\n\n")[0]
         assert f"log: logs/{st.name}.log" in block
         command = out.split(f"{python} -m pipeline.cli {st.name} --threads ")[1].splitlines()[0]
-        assert "--sections-json" in command and f"tee logs/{st.name}.log" in command
+        assert "--resolved .dpfm/params/" in command and f"tee logs/{st.name}.log" in command
         launched = f"{python} -m pipeline.launch --nodes 1 --gpus 0 -- {python} -m pipeline.cli {st.name} " in out
         assert launched == bool(st.resources.gpu), st.name
 
@@ -70,7 +71,9 @@ def test_brace_patterns_and_templates_pass_through_the_dag_unchanged(tmp_path):
                                    "templates": ["a photo of a {c}."]}]
     (tmp_path / "edited.yaml").write_text(yaml.safe_dump(params))
     out = dry_run(tmp_path, "--configfile", "edited.yaml")
-    assert "s3://b/laion/{00000..00099}.tar" in out and "a photo of a {c}." in out
+    resolved = read_resolved(tmp_path / out.split("--resolved ")[1].split()[0])
+    assert resolved["shards"]["urls"] == ["s3://b/laion/{00000..00099}.tar"]
+    assert resolved["evaluate"]["sets"][0]["templates"] == ["a photo of a {c}."]
 
 
 def test_cli_has_a_subcommand_per_stage(capsys):

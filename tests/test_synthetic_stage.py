@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from pipeline.data import synthetic
-from pipeline.stages import synthetic as synthetic_stage
+from pipeline.artifacts import artifact
+from pipeline.stages import stage, synthetic as synthetic_stage
 from pipeline.data.shards import ShardDataset
 from recording import RecordingTracker
 
@@ -27,7 +28,7 @@ SHARDS = 5
 
 def run_stage(workdir: Path, **overrides) -> RecordingTracker:
     """Run the stage in `workdir` (its outputs and .dpfm/state are relative to the working directory)."""
-    ctx = SimpleNamespace(tracker=RecordingTracker(), threads=1, device="cpu")
+    ctx = SimpleNamespace(stage=stage("synthetic"), tracker=RecordingTracker(), threads=1, device="cpu")
     params = {"run": {"seed": 7}, "synthetic": {**CFG, **overrides}}
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workdir)
@@ -36,7 +37,7 @@ def run_stage(workdir: Path, **overrides) -> RecordingTracker:
 
 
 def output_bytes(workdir: Path) -> dict[str, bytes]:
-    out = workdir / synthetic_stage.OUT_DIR
+    out = workdir / artifact("synthetic")
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
@@ -85,7 +86,7 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(reference, tmp_path, monke
         patch_build(m, fail_after=2, exc=KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
             run_stage(crashed)
-    assert not (crashed / synthetic_stage.OUT_DIR).exists()  # nothing half-written is visible
+    assert not (crashed / artifact("synthetic")).exists()  # nothing half-written is visible
     assert staged(crashed) == [synthetic_stage.shard_name(0), synthetic_stage.shard_name(1)]
     other = tmp_path / "other"
     shutil.copytree(crashed, other)
@@ -144,7 +145,7 @@ def test_staging_is_keyed_by_every_generator_module(tmp_path, monkeypatch):
 
 def test_index_manifest_images_and_stats_agree(reference):
     ref, tracker = reference
-    out = ref / synthetic_stage.OUT_DIR
+    out = ref / artifact("synthetic")
     ds = ShardDataset(out)
     items = [(p, f) for p in range(CFG["num_programs"]) for f in range(CFG["frames_per_program"])]
     assert ds.index["key"] == [f"p{p:06d}-f{f:03d}" for p, f in items]
@@ -178,9 +179,9 @@ def test_index_manifest_images_and_stats_agree(reference):
 def test_quality_sample_is_seeded_and_capped(tmp_path, monkeypatch):
     monkeypatch.setattr(synthetic_stage, "STATS_SAMPLE", 10)
     run_stage(tmp_path)
-    stats = json.loads((tmp_path / synthetic_stage.OUT_DIR / "stats.json").read_text())
+    stats = json.loads((tmp_path / artifact("synthetic") / "stats.json").read_text())
     assert stats["quality_sample"] == 10
-    first = synthetic_stage.quality_sample(tmp_path / synthetic_stage.OUT_DIR, 36, 7)
-    again = synthetic_stage.quality_sample(tmp_path / synthetic_stage.OUT_DIR, 36, 7)
+    first = synthetic_stage.quality_sample(tmp_path / artifact("synthetic"), 36, 7)
+    again = synthetic_stage.quality_sample(tmp_path / artifact("synthetic"), 36, 7)
     assert first.shape == (10, 16, 16, 3) and np.array_equal(first, again)
     shutil.rmtree(tmp_path / ".dpfm", ignore_errors=True)

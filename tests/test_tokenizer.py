@@ -22,7 +22,8 @@ from pipeline.data.labelled_sets import DIGITS
 from pipeline.data.transforms import tokenize
 from pipeline.eval.evalsets import load_eval_set
 from pipeline.privacy.training import check_labelled_captions
-from pipeline.stages import tokenizer as tokenizer_stage
+from pipeline.artifacts import artifact
+from pipeline.stages import stage, tokenizer as tokenizer_stage
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from recording import RecordingTracker
 
@@ -43,12 +44,12 @@ def smaller_corpus():
 
 def run_stage(project: Path, monkeypatch, vocab_size=256, model_type="unigram") -> bytes:
     project.mkdir(parents=True, exist_ok=True)
-    ctx = SimpleNamespace(tracker=RecordingTracker(), threads=2, device="cpu")
+    ctx = SimpleNamespace(stage=stage("tokenizer"), tracker=RecordingTracker(), threads=2, device="cpu")
     with monkeypatch.context() as m:
         m.chdir(project)
         tokenizer_stage.run({"run": {"seed": 0}, "tokenizer": {"vocab_size": vocab_size, "model_type": model_type}}, ctx)
     assert ctx.tracker.metrics["vocab_size"] == vocab_size
-    return (project / tok.OUT_DIR / "spm.model").read_bytes()
+    return (project / artifact("tokenizer") / "spm.model").read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def check_public_only(project: Path, clean: bytes, monkeypatch) -> None:
     write_private_captions(project)
     tok.corpus_parts.cache_clear()  # build the corpus again, here, beside the private data
     poisoned = run_stage(project, monkeypatch)
-    pieces = [p.lstrip("▁") for p in tok.Tokenizer(project / tok.OUT_DIR).sp.id_to_piece(list(range(256)))]
+    pieces = [p.lstrip("▁") for p in tok.Tokenizer(project / artifact("tokenizer")).sp.id_to_piece(list(range(256)))]
     assert not [p for p in pieces if len(p) >= 6 and p in POISON], "a piece of the private word is in the vocab"
     assert poisoned == clean, "the vocabulary changed when private captions were present"
 
@@ -94,15 +95,15 @@ def test_the_check_catches_a_corpus_that_reads_the_private_captions(clean_model,
 
 def test_training_is_deterministic(clean_model, tmp_path, monkeypatch):
     assert run_stage(tmp_path, monkeypatch) == clean_model
-    info = json.loads((tmp_path / tok.OUT_DIR / "tokenizer.json").read_text())
+    info = json.loads((tmp_path / artifact("tokenizer") / "tokenizer.json").read_text())
     assert info["vocab_size"] == 256 and info["chars"] > 600_000
-    assert sorted(p.name for p in (tmp_path / tok.OUT_DIR).iterdir()) == ["spm.model", "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / artifact("tokenizer")).iterdir()) == ["spm.model", "tokenizer.json"]
 
 
 def test_the_vocabulary_size_param_is_honoured(tmp_path, monkeypatch):
     for size in (300, 1000):
         run_stage(tmp_path, monkeypatch, vocab_size=size, model_type="bpe")
-        assert tok.Tokenizer(tmp_path / tok.OUT_DIR).vocab_size == size
+        assert tok.Tokenizer(tmp_path / artifact("tokenizer")).vocab_size == size
 
 
 def test_a_vocabulary_size_the_corpus_cannot_give_is_a_clear_error(tmp_path, monkeypatch):
@@ -152,7 +153,7 @@ def default_prompts() -> list[str]:
 
 def test_the_default_caption_length_holds_every_labelled_caption_and_default_prompt(default_project):
     """A labelled set's captions are also its zero-shot prompts (as a source, or as an eval set)."""
-    t, max_len = tok.Tokenizer(default_project / tok.OUT_DIR), PARAMS["model"]["max_caption_len"]
+    t, max_len = tok.Tokenizer(default_project / artifact("tokenizer")), PARAMS["model"]["max_caption_len"]
     texts = [c for s in labelled_sets.SETS.values() for c in s.captions()] + default_prompts()
     longest = max(len(p) for p in t.sp.encode(texts))
     assert longest <= max_len - 2, f"{longest} pieces + BOS/EOS do not fit model.max_caption_len={max_len}"
@@ -166,7 +167,7 @@ def test_the_default_caption_length_holds_every_labelled_caption_and_default_pro
 
 
 def test_tokenizer_json_records_the_corpus_composition(default_project):
-    info = json.loads((default_project / tok.OUT_DIR / "tokenizer.json").read_text())
+    info = json.loads((default_project / artifact("tokenizer") / "tokenizer.json").read_text())
     parts = info["composition"]
     assert set(parts) == {"labelled-captions", "caption-templates", "python-docs"}
     assert sum(p["lines"] for p in parts.values()) == info["lines"]

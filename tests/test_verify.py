@@ -8,14 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import cli
+from pipeline import checkpoints, cli
 from pipeline.config import load_params
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.plan import plan_mechanism
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json, write_json
-from pipeline.privacy import accounting, verify as V
+from pipeline.models import ModelConfig, build_model
+from pipeline.privacy import accounting, run_checks as V
 from pipeline.privacy.ledger import Ledger
+from pipeline.artifacts import artifact
+from pipeline.stages.verify import failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 1257  # usable private examples of the default digits split
@@ -255,8 +258,9 @@ def project(in_tmp, monkeypatch, valid_replace_one):
 
         write_json("models/dp/ledger.json", {**{k: v for k, v in ledger.items() if k != "batch_sizes"}, "run": "r1"})
         owner.write(owner.run_record("r1"), {"batch_sizes": ledger["batch_sizes"], "nonfinite_examples": 0})
-        torch.save({"optimizer_steps": ledger["steps"] if optimizer_steps is None else optimizer_steps},
-                   "models/dp/checkpoint.pt")
+        cfg = ModelConfig.of({"size": "micro"}).to_dict()
+        checkpoints.save("models/dp/checkpoint.pt", build_model("mae", cfg), objective="mae", model_cfg=cfg,
+                         steps=ledger["steps"] if optimizer_steps is None else optimizer_steps, private=True, config={})
     write(valid_replace_one)
     return write
 
@@ -264,11 +268,11 @@ def project(in_tmp, monkeypatch, valid_replace_one):
 def test_stage_writes_verification_with_curves_and_logs_them(project, in_tmp, valid_replace_one):
     valid = valid_replace_one
     assert cli.main(["verify"]) == 0
-    out = read_json(in_tmp / V.OUT)
+    out = read_json(in_tmp / artifact("verification"))
     assert out["passed"] and out["epsilon_reported"] == pytest.approx(valid["epsilon"], rel=1e-3)
     # Replace-one (the default) is accounted by PLD; RDP states the add/remove ε beside it.
     assert set(out["epsilon_curve"]) == {"steps", "pld"} and set(out["epsilon_add_remove"]) == {"pld", "rdp"}
-    assert not (in_tmp / V.FAILED_OUT).exists()
+    assert not (in_tmp / failure_report(artifact("verification"))).exists()
 
     import mlflow
 
@@ -286,7 +290,7 @@ def test_the_batch_size_test_is_owner_only(project, in_tmp, capsys):
     from pipeline.privacy import owner
 
     assert cli.main(["verify"]) == 0
-    printed, published = capsys.readouterr().out, (in_tmp / V.OUT).read_text()
+    printed, published = capsys.readouterr().out, (in_tmp / artifact("verification")).read_text()
     p_values = owner.read("runs/r1-verify")["batch_size_p_values"]
     assert set(p_values) == {"p_mean", "p_dispersion"}
     for p in p_values.values():
@@ -304,22 +308,22 @@ def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, va
                 "ledger_steps_match_optimizer": (valid, valid["steps"] + 1),
                 "batch_sizes_binomial": (_with(valid, batch_sizes=[128] * valid["steps"]), None)}
     for check, (ledger, optimizer_steps) in doctored.items():
-        write_json(in_tmp / V.OUT, {"passed": True, "stale": True})  # a pass from an earlier run
+        write_json(in_tmp / artifact("verification"), {"passed": True, "stale": True})  # a pass from an earlier run
         project(ledger, optimizer_steps)
         assert cli.main(["verify"]) == 3
-        assert not (in_tmp / V.OUT).exists()
+        assert not (in_tmp / artifact("verification")).exists()
         assert check in capsys.readouterr().err
-        assert failed(read_json(in_tmp / V.FAILED_OUT)) == {check}
+        assert failed(read_json(in_tmp / failure_report(artifact("verification")))) == {check}
 
     # The target that counts is params.yaml's, not the ledger's own (which this run meets).
     project(valid)
     assert cli.main(["verify", "--set", f"dp.epsilon={valid['epsilon'] / 2}"]) == 3
-    assert failed(read_json(in_tmp / V.FAILED_OUT)) == {"epsilon_within_target", "ledger_matches_params"}
+    assert failed(read_json(in_tmp / failure_report(artifact("verification")))) == {"epsilon_within_target", "ledger_matches_params"}
 
     torch.save({"model": {}}, "models/dp/checkpoint.pt")
     assert cli.main(["verify"]) == 3
-    assert "has no optimizer_steps" in capsys.readouterr().err
+    assert "has no objective, model_cfg, encoder: it was not written by a dpfm stage" in capsys.readouterr().err
     (in_tmp / "models/dp/checkpoint.pt").unlink()
     assert cli.main(["verify"]) == 3
     assert "checkpoint.pt is missing" in capsys.readouterr().err
-    assert not (in_tmp / V.OUT).exists()
+    assert not (in_tmp / artifact("verification")).exists()

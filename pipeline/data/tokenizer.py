@@ -24,7 +24,6 @@ import torch
 from pipeline.data import labelled_sets
 
 
-OUT_DIR = "models/tokenizer"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 MAX_CORPUS_CHARS = 3_000_000
 MAX_NAMED = 5  # truncated texts named in one warning
@@ -134,7 +133,7 @@ def warn_truncated(texts: list[str], pieces: list[list[int]], max_len: int) -> N
 class Tokenizer:
     """Captions -> fixed-length token ids: BOS, pieces, EOS, then PAD."""
 
-    def __init__(self, directory: str | Path = OUT_DIR):
+    def __init__(self, directory: str | Path):
         self.sp = spm.SentencePieceProcessor(model_file=str(Path(directory) / "spm.model"))
         self.vocab_size = self.sp.get_piece_size()
 

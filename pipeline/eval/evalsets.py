@@ -31,7 +31,6 @@ from pipeline.data import labelled_sets
 from pipeline.data.shards import INDEX_NAME, ShardDataset
 from pipeline.eval.images import Images, concat, fill
 
-HELD_OUT, SHARD_STATS = "data/shards/eval", "data/shards/stats.json"
 LIMIT_SEED = 0  # load_eval_set has no run seed: a fixed public one, so every run scores the same subsample
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp")
 DEFAULT_TEMPLATES = ("a photo of a {c}.",)
@@ -123,8 +122,11 @@ def _labelled(spec: dict, image_size: int) -> EvalSet:
 
     lset = labelled_sets.get(spec["source"])
     shape = (image_size, image_size, 3)
-    if Path(SHARD_STATS).exists() and read_json(SHARD_STATS).get("source") == lset.name:
-        ds = ShardDataset(HELD_OUT)  # the held-out part: the private part was trained on
+    from pipeline.artifacts import artifact
+
+    shards = artifact("shards")
+    if (shards / "stats.json").exists() and read_json(shards / "stats.json").get("source") == lset.name:
+        ds = ShardDataset(shards / "eval")  # the held-out part: the private part was trained on
         labels = np.array([ds.meta(i)["label"] for i in range(len(ds))])
 
         def read(rows: np.ndarray) -> np.ndarray:

@@ -29,9 +29,9 @@ import math
 import numbers
 from typing import Callable, Iterable, List, Optional, Tuple
 
-# The back-ends (accountants.py) import their libraries where they are used: Opacus (rdp, prv) brings
+# The back-ends (accountant_backends.py) import their libraries where they are used: Opacus (rdp, prv) brings
 # torch, dp_accounting (pld) scipy; so `dpfm --help` needs neither and `dpfm calibrate` only one.
-from pipeline.privacy.accountants import (_PLD_SEARCH_INTERVALS, _eps_noise, _pld_eps_at, _pld_epsilon_and_interval,
+from pipeline.privacy.accountant_backends import (_PLD_SEARCH_INTERVALS, _eps_noise, _pld_eps_at, _pld_epsilon_and_interval,
                                           check_adjacency)
 
 __all__ = [

@@ -35,7 +35,7 @@ from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.io import atomic_path
 from pipeline.privacy import accounting
-from pipeline.privacy.accountants import PLD_REL_TOL, PLD_START_INTERVAL
+from pipeline.privacy.accountant_backends import PLD_REL_TOL, PLD_START_INTERVAL
 from pipeline.privacy.plan import Plan
 
 BUDGET_DIR = Path("data/budget")
@@ -151,7 +151,7 @@ def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_re
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    from pipeline.privacy.accountants import _relation
+    from pipeline.privacy.accountant_backends import _relation
 
     event = dp_accounting.ComposedDpEvent([
         dp_accounting.SelfComposedDpEvent(

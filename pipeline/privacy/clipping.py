@@ -87,7 +87,7 @@ class _Record:
         self.module, self.rule, self.activation, self.grad = module, rule, activation, None
 
 
-class _Summing:
+class ClippedSum:
     """What every clipper shares: `sum` (name -> fp32 tensor), reset, the forward under autocast."""
 
     mode = "per_sample"
@@ -105,7 +105,7 @@ class _Summing:
         return 0
 
 
-class BookKeepingClipper(_Summing):
+class BookKeepingClipper(ClippedSum):
     """Σ_i min(1, C/‖∇loss_i‖) ∇loss_i over micro-batches, accumulated into `self.sum`."""
 
     def __init__(self, model, clip_norm, ghost: bool | None = None, **kw):
@@ -200,7 +200,7 @@ class BookKeepingClipper(_Summing):
         return ClipStats(norms.tolist(), int((~finite).sum()))
 
 
-class VmapClipper(_Summing):
+class VmapClipper(ClippedSum):
     """Reference engine: per-example gradients from torch.func (vmap of grad over single examples).
     Exact for any layer but slower and O(B·params) in memory."""
 
@@ -229,7 +229,7 @@ class VmapClipper(_Summing):
         return ClipStats(norms.tolist(), int((~finite).sum()))
 
 
-class PerBatchClipper(_Summing):
+class PerBatchClipper(ClippedSum):
     """For batch-coupled losses (CLIP): the gradient of the logical batch's mean loss, clipped to C
     once. `accumulate` adds this rank's part of ∇Σ_i loss_i (the model all-gathers what couples the
     examples, with gradient, through `gather`), the engine sums the parts over ranks, and `finish`
@@ -265,7 +265,7 @@ class PerBatchClipper(_Summing):
         return int((~finite).sum())
 
 
-class PlainSum(_Summing):
+class PlainSum(ClippedSum):
     """Σ_i ∇loss_i with no clipping: the non-private baseline of a per-example recipe (never DP)."""
 
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:

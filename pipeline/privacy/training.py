@@ -22,6 +22,7 @@ import math
 import numpy as np
 import torch
 
+from pipeline import checkpoints
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 from pipeline.data.loader import BatchLoader
@@ -37,18 +38,18 @@ from pipeline.privacy.engine import check_clipping, dp_step, make_clipper, micro
 from pipeline.privacy.ledger import Ledger
 from pipeline.privacy.plan import plan_mechanism, secret_key
 from pipeline.privacy.sampling import PoissonSampler
-from pipeline.privacy.verify import verify, with_batch_sizes
+from pipeline.privacy.run_checks import verify, with_batch_sizes
+from pipeline.artifacts import artifact
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
                             state_dir, step_generator)
 
-SHARDS, PRETRAIN, TOKENIZER = "data/shards", "models/pretrain", "models/tokenizer"
 HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
 
 
 def split_loader(split: str, mcfg: ModelConfig, tokenizer: Tokenizer | None, workers: int = 0,
                  device: str = "cpu") -> BatchLoader:
     """Model inputs (images at the model's size; caption tokens for caption/clip) of one split, by index."""
-    return BatchLoader(ShardDataset(f"{SHARDS}/{split}"), mcfg.img_size, tokenizer=tokenizer,
+    return BatchLoader(ShardDataset(artifact("shards") / split), mcfg.img_size, tokenizer=tokenizer,
                        max_len=mcfg.max_len if tokenizer else None, workers=workers, device=device)
 
 
@@ -98,13 +99,14 @@ def setup(params: dict, device: str) -> "Trainer":
     """Everything one DP training needs, planned and checked before any image is decoded."""
     dp = params["dp"]
     world = init_world(device)
-    tokenizer = Tokenizer(TOKENIZER) if objective(dp["objective"]).tokens else None
+    tokenizer = Tokenizer(artifact("tokenizer")) if objective(dp["objective"]).tokens else None
     mcfg = ModelConfig.from_params(params["model"], dp["objective"], tokenizer.vocab_size if tokenizer else None)
-    n = len(ShardDataset(f"{SHARDS}/private"))
-    stats = read_json(f"{SHARDS}/stats.json")
+    shards = artifact("shards")
+    n = len(ShardDataset(shards / "private"))
+    stats = read_json(shards / "stats.json")
     stats_n = stats["private"]["usable"]
     if n != stats_n:
-        raise ValueError(f"{SHARDS}/private index has {n} usable examples but stats.json says {stats_n}")
+        raise ValueError(f"{shards}/private index has {n} usable examples but stats.json says {stats_n}")
     release.check_noise_seed(dp, params["privacy"])
     try:
         check_clipping(dp["clipping"], dp["precision"], device)
@@ -129,8 +131,8 @@ RUN_SECTIONS = ("run", "model", "dp")  # what a DP training is: dp-train, the cu
 
 def work_dir(params: dict, trainer: "Trainer"):
     """The run's state directory: its identity for resume and for the privacy budget."""
-    inputs = ([f"{SHARDS}/private"] + ([PRETRAIN] if params["dp"]["init"] == "pretrain" else [])
-              + ([TOKENIZER] if trainer.tokenizer else []))
+    inputs = ([artifact("shards") / "private"] + ([artifact("pretrain")] if params["dp"]["init"] == "pretrain" else [])
+              + ([artifact("tokenizer")] if trainer.tokenizer else []))
     # Keys that change what is reported beside the private run, not the run: toggling them must
     # resume it, not train (and charge) the same private model again.
     dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
@@ -144,7 +146,7 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     world, plan = trainer.world, trainer.plan
     work = work_dir(params, trainer)
     if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
-        data_id, sketch = budget.examples_identity(f"{SHARDS}/private")
+        data_id, sketch = budget.examples_identity(artifact("shards") / "private")
         budget.record(data_id, sketch, work.name, plan)
     key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
     model, counters, history = trainer.train(key, work, ctx, private=True)
@@ -194,11 +196,11 @@ class Trainer:
         torch.manual_seed(self.params["run"]["seed"])
         model = build_model(self.dp["objective"], self.mcfg).to(self.device)
         if self.dp["init"] == "pretrain":
-            ckpt = torch.load(f"{PRETRAIN}/checkpoint.pt", map_location="cpu", weights_only=False)
-            if self.dp["objective"] == ckpt["objective"]:  # MAE: the whole model, its decoder too (ViP)
-                model.load_state_dict(ckpt["model"])
+            warm = checkpoints.load(artifact("pretrain") / "checkpoint.pt")
+            if self.dp["objective"] == warm.objective:  # MAE: the whole model, its decoder too (ViP)
+                model.load_state_dict(warm.model)
             else:  # a captioner or CLIP: the encoder; the text tower starts from random weights
-                model.encoder.load_state_dict(ckpt["encoder"])
+                model.encoder.load_state_dict(warm.encoder)
         return model
 
     def train(self, key: int, work, ctx, private: bool):

@@ -1,13 +1,16 @@
 """The stage table: the single source of truth for the Snakemake rules, dvc.yaml and the CLI.
 
-Each stage is run as `dpfm <name>`; it reads only its `sections` of params.yaml, its `inputs`,
-and writes its `outputs` (directories end with "/"; `metrics` are small JSON files).
+Each stage is run as `dpfm <name>`; it reads only its `sections` of params.yaml and its `inputs`,
+and writes its `outputs` (`metrics` are small JSON files). Inputs and outputs are artifact names;
+pipeline/artifacts.py gives each its path, once, and stages ask for them (`ctx.stage.input("dp")`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from pipeline.artifacts import ARTIFACTS, artifact
 
 @dataclass(frozen=True)
 class Resources:
@@ -21,9 +24,8 @@ class Resources:
 class Stage:
     name: str
     summary: str
-    module: str                       # pipeline.<module>:run(params, ctx) implements it
     sections: tuple[str, ...]
-    inputs: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()      # artifact names (ARTIFACTS)
     outputs: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()     # JSON outputs shown by `dvc metrics show`
     resources: Resources = field(default_factory=Resources)
@@ -33,16 +35,34 @@ class Stage:
         return f"dpfm {self.name}"
 
     @property
+    def module(self) -> str:
+        """The module whose `run(params, ctx)` implements the stage (`runner` imports it)."""
+        return f"pipeline.stages.{self.name.replace('-', '_')}"
+
+    def input(self, name: str) -> Path:
+        """The path of artifact `name`, which the stage must list as an input: what it reads is what
+        Snakemake and DVC know it depends on."""
+        if name not in self.inputs:
+            raise KeyError(f"stage {self.name} reads {name!r}, which the stage table does not list as its input")
+        return artifact(name)
+
+    def output(self, name: str) -> Path:
+        if name not in self.outputs + self.metrics:
+            raise KeyError(f"stage {self.name} writes {name!r}, which the stage table does not list as its output")
+        return artifact(name)
+
+    @property
     def all_outputs(self) -> tuple[str, ...]:
-        return self.outputs + self.metrics
+        """Output paths, directories ending with "/"."""
+        return tuple(ARTIFACTS[n] for n in self.outputs + self.metrics)
 
     @property
     def input_paths(self) -> list[str]:
-        return [p.rstrip("/") for p in self.inputs]
+        return [ARTIFACTS[n].rstrip("/") for n in self.inputs]
 
     @property
     def dir_outputs(self) -> list[str]:
-        return [p.rstrip("/") for p in self.outputs if p.endswith("/")]
+        return [p.rstrip("/") for p in self.all_outputs if p.endswith("/")]
 
     @property
     def file_outputs(self) -> list[str]:
@@ -51,42 +71,37 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("shards", "write private-train and held-out eval webdataset shards with an index",
-          "pipeline.stages.shards", ("run", "shards"),
-          outputs=("data/shards/",), resources=Resources(threads=1, mem_mb=2000)),
+          ("run", "shards"),
+          outputs=("shards",), resources=Resources(threads=1, mem_mb=2000)),
     Stage("synthetic", "render Shaders21k-style procedural images into shards",
-          "pipeline.stages.synthetic", ("run", "synthetic"),
-          outputs=("data/synthetic/",), resources=Resources(threads=2, mem_mb=4000)),
+          ("run", "synthetic"),
+          outputs=("synthetic",), resources=Resources(threads=2, mem_mb=4000)),
     Stage("tokenizer", "train SentencePiece on public text (never the private captions)",
-          "pipeline.stages.tokenizer", ("run", "tokenizer"),
-          outputs=("models/tokenizer/",), resources=Resources(threads=1, mem_mb=2000)),
+          ("run", "tokenizer"),
+          outputs=("tokenizer",), resources=Resources(threads=1, mem_mb=2000)),
     Stage("pretrain", "non-private MAE pretraining on the synthetic images",
-          "pipeline.stages.pretrain", ("run", "model", "pretrain"),
-          inputs=("data/synthetic/",), outputs=("models/pretrain/",),
+          ("run", "model", "pretrain"),
+          inputs=("synthetic",), outputs=("pretrain",),
           resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=720)),
     Stage("dp-train", "DP-SGD on the private shards, warm-started from the pretrained encoder",
-          "pipeline.stages.dp_train", ("run", "model", "dp", "privacy"),
-          inputs=("data/shards/", "models/pretrain/", "models/tokenizer/"), outputs=("models/dp/",),
+          ("run", "model", "dp", "privacy"),
+          inputs=("shards", "pretrain", "tokenizer"), outputs=("dp",),
           resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
     Stage("verify", "recompute ε from the ledger with independent accountants and check the run",
-          "pipeline.stages.verify", ("run", "dp", "privacy", "verify"),
-          inputs=("models/dp/",), metrics=("results/privacy/verification.json",),
+          ("run", "dp", "privacy", "verify"),
+          inputs=("dp",), metrics=("verification",),
           resources=Resources(threads=1, mem_mb=2000)),
     Stage("curve", "privacy-utility curve: the recipe retrained at each ε of curve.epsilons, linear-probed",
-          "pipeline.stages.curve", ("run", "model", "dp", "privacy", "verify", "evaluate", "curve"),
-          inputs=("data/shards/", "models/pretrain/", "models/tokenizer/"),
-          metrics=("results/curve/curve.json",), resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
+          ("run", "model", "dp", "privacy", "verify", "evaluate", "curve"),
+          inputs=("shards", "pretrain", "tokenizer"), metrics=("curve",), resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
     Stage("evaluate", "linear probe, few-shot and zero-shot of the DP encoder beside its baselines",
-          "pipeline.stages.evaluate", ("run", "model", "dp", "privacy", "verify", "evaluate"),
-          inputs=("data/shards/", "models/tokenizer/", "models/pretrain/", "models/dp/",
-                  "results/privacy/verification.json", "results/curve/curve.json"),
-          metrics=("results/eval/metrics.json",), resources=Resources(threads=2, mem_mb=4000)),
+          ("run", "model", "dp", "privacy", "verify", "evaluate"),
+          inputs=("shards", "tokenizer", "pretrain", "dp", "verification", "curve"), metrics=("metrics",), resources=Resources(threads=2, mem_mb=4000)),
     # The report shows every params section of the run (all are upstream of it: no extra re-runs).
     Stage("report", "HTML and Markdown report with plots",
-          "pipeline.stages.report", ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "privacy",
-                              "verify", "curve", "evaluate", "report"),
-          inputs=("data/shards/", "data/synthetic/", "models/pretrain/", "models/dp/",
-                  "results/privacy/verification.json", "results/curve/curve.json", "results/eval/metrics.json"),
-          outputs=("results/report/",), resources=Resources(threads=1, mem_mb=2000)),
+          ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "privacy", "verify", "curve",
+           "evaluate", "report"),
+          inputs=("shards", "synthetic", "pretrain", "dp", "verification", "curve", "metrics"), outputs=("report",), resources=Resources(threads=1, mem_mb=2000)),
 )
 
 STAGE_BY_NAME = {s.name: s for s in STAGES}
@@ -127,10 +142,14 @@ def stage(name: str) -> Stage:
 
 
 def check_table() -> None:
-    """Every input is produced by an earlier stage: the table is a DAG in listed order."""
+    """Every artifact is known, and every input is produced by an earlier stage: the table is a DAG
+    in listed order."""
     produced: set[str] = set()
     for s in STAGES:
+        unknown = [a for a in s.inputs + s.outputs + s.metrics if a not in ARTIFACTS]
+        if unknown:
+            raise ValueError(f"stage {s.name}: {unknown} are not in ARTIFACTS")
         missing = [i for i in s.inputs if i not in produced]
         if missing:
             raise ValueError(f"stage {s.name}: inputs {missing} are not produced by an earlier stage")
-        produced.update(s.all_outputs)
+        produced.update(s.outputs + s.metrics)

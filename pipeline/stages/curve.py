@@ -27,11 +27,11 @@ from pipeline.io import read_json, write_json
 from pipeline.privacy import release
 from pipeline.privacy.training import train_point
 
-OUT = "results/curve/curve.json"
+
 def run(params: dict, ctx) -> None:
     cfg, ev, seed = params["curve"], params["evaluate"], params["run"]["seed"]
     if any(math.isinf(e) for e in cfg["epsilons"]):  # refused before any DP point spends budget
-        release.check_nonprivate(params["privacy"], read_json("data/shards/stats.json").get("source"),
+        release.check_nonprivate(params["privacy"], read_json(ctx.stage.input("shards") / "stats.json").get("source"),
                                  "curve.epsilons' ε = ∞ point")
     points, es, split, is_main = [], None, None, True
     for init in cfg["inits"]:
@@ -57,6 +57,6 @@ def run(params: dict, ctx) -> None:
             ctx.tracker.log_metrics({f"curve.{init}.eps_{epsilon}.linear_probe": point["linear_probe"]})
     if not is_main:
         return
-    write_json(OUT, {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
+    write_json(ctx.stage.output("curve"), {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
                      "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"], "points": points})
-    ctx.tracker.log_artifact(OUT)
+    ctx.tracker.log_artifact(str(ctx.stage.output("curve")))

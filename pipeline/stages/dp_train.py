@@ -7,12 +7,11 @@ model, the published ledger (the mechanism and the steps charged) and the held-o
 
 from __future__ import annotations
 
+from pipeline import checkpoints
 from pipeline.distributed import barrier
 from pipeline.io import atomic_dir, write_json
 from pipeline.privacy.training import nonprivate_params, setup, train_nonprivate, train_private
-from pipeline.train import save_model
 
-OUT_DIR = "models/dp"
 
 
 def run(params: dict, ctx) -> None:
@@ -25,13 +24,14 @@ def run(params: dict, ctx) -> None:
         barrier(world)
         return
     history = record.pop("history")
-    with atomic_dir(OUT_DIR) as out:
+    with atomic_dir(ctx.stage.output("dp")) as out:
         # A test run's noise key is known: its model is not private, and is never registered as such.
-        save_model(out / "checkpoint.pt", dp["objective"], trainer.mcfg.to_dict(), model,
-                   optimizer_steps=counters["applied_updates"], private=not params["privacy"]["testing"])
+        checkpoints.save(out / "checkpoint.pt", model, objective=dp["objective"], model_cfg=trainer.mcfg.to_dict(),
+                         steps=counters["applied_updates"], private=not params["privacy"]["testing"], config=params)
         if baseline is not None:  # NOT private: for the evaluation table only, never to be published
-            save_model(out / "nonprivate.pt", dp["objective"], trainer.mcfg.to_dict(), baseline,
-                       optimizer_steps=nonprivate_params(params)["dp"]["steps"], private=False)
+            twin = nonprivate_params(params)
+            checkpoints.save(out / "nonprivate.pt", baseline, objective=dp["objective"], model_cfg=trainer.mcfg.to_dict(),
+                             steps=twin["dp"]["steps"], private=False, config=twin)
         write_json(out / "ledger.json", record)
         write_json(out / "history.json", history)
     barrier(world)

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeline import checkpoints
 from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
@@ -42,8 +42,6 @@ from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
 from pipeline.models import ModelConfig, build_encoder, build_model
 
-PRETRAIN, DP_DIR, TOKENIZER = "models/pretrain", "models/dp", "models/tokenizer"
-VERIFICATION, CURVE, OUT = "results/privacy/verification.json", "results/curve/curve.json", "results/eval/metrics.json"
 
 
 @dataclass
@@ -60,36 +58,30 @@ class Candidate:
     seed_index: int = 0                         # k-th training seed of this row (evaluate.seeds)
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 def from_checkpoint(name: str, label: str, path: str, with_text: bool) -> Candidate:
-    ckpt = load_checkpoint(path)
-    objective = ckpt["objective"]
-    if with_text and objective in ZERO_SHOT_OBJECTIVES:
-        model = build_model(objective, ckpt["model_cfg"])
-        model.load_state_dict(ckpt["model"])
-        max_len = ModelConfig.of(ckpt["model_cfg"]).max_len
-        return Candidate(name, label, path, model.encoder, model, objective, max_len)
-    encoder = build_encoder(ckpt["model_cfg"])
-    encoder.load_state_dict(ckpt["encoder"])
-    return Candidate(name, label, path, encoder, None, objective)
+    ckpt = checkpoints.load(path)
+    if with_text and ckpt.objective in ZERO_SHOT_OBJECTIVES:
+        model = ckpt.build_model()
+        max_len = ModelConfig.of(ckpt.model_cfg).max_len
+        return Candidate(name, label, path, model.encoder, model, ckpt.objective, max_len)
+    return Candidate(name, label, path, ckpt.build_encoder(), None, ckpt.objective)
 
 
-def load_candidates(baselines: list[str], seed: int, with_text: bool) -> list[Candidate]:
-    """The DP model first, then the baselines that exist (non-private only when dp-train made it)."""
-    dp_ckpt = load_checkpoint(f"{DP_DIR}/checkpoint.pt")
-    objective, mcfg = dp_ckpt["objective"], dp_ckpt["model_cfg"]
+def load_candidates(st, baselines: list[str], seed: int, with_text: bool) -> list[Candidate]:
+    """The DP model first, then the baselines that exist (non-private only when dp-train made it).
+    `st`: the evaluate Stage, whose inputs name the checkpoints."""
+    dp_path, twin_path = st.input("dp") / "checkpoint.pt", st.input("dp") / "nonprivate.pt"
+    dp_ckpt = checkpoints.load(dp_path)
+    objective, mcfg = dp_ckpt.objective, dp_ckpt.model_cfg
     recipe = recipe_name(objective)
-    out = [from_checkpoint("dp", f"DP ({recipe})", f"{DP_DIR}/checkpoint.pt", with_text)]
-    if "nonprivate" in baselines and Path(f"{DP_DIR}/nonprivate.pt").exists():
-        out.append(from_checkpoint("nonprivate", f"Not private ({recipe} without DP, ε = ∞)", f"{DP_DIR}/nonprivate.pt",
-                                   with_text))
+    out = [from_checkpoint("dp", f"DP ({recipe})", str(dp_path), with_text)]
+    if "nonprivate" in baselines and twin_path.exists():
+        out.append(from_checkpoint("nonprivate", f"Not private ({recipe} without DP, ε = ∞)", str(twin_path), with_text))
     if "synthetic" in baselines:
-        encoder = build_encoder(mcfg)
-        encoder.load_state_dict(load_checkpoint(f"{PRETRAIN}/checkpoint.pt")["encoder"])
-        out.append(Candidate("synthetic", "Synthetic only (Syn-ViP)", f"{PRETRAIN}/checkpoint.pt", encoder))
+        warm = st.input("pretrain") / "checkpoint.pt"
+        encoder = build_encoder(mcfg)  # the DP model's config: the warm start's weights must fit it
+        encoder.load_state_dict(checkpoints.load(warm).encoder)
+        out.append(Candidate("synthetic", "Synthetic only (Syn-ViP)", str(warm), encoder))
     if "pixels" in baselines:  # the simplest baseline: a linear probe on the pixels themselves
         out.append(Candidate("pixels", "Raw pixels (no encoder)", "input images", None))
     if "random" in baselines:
@@ -112,7 +104,7 @@ def seed_candidates(params: dict, ctx, first: list[Candidate], with_text: bool) 
     from pipeline.privacy.training import train_point  # dp-train's own training, verified and charged
 
     seed, names = params["run"]["seed"], {c.name: c for c in first}
-    mcfg = load_checkpoint(f"{DP_DIR}/checkpoint.pt")["model_cfg"]
+    mcfg = checkpoints.load(ctx.stage.input("dp") / "checkpoint.pt").model_cfg
     out = []
     for k in range(1, params["evaluate"]["seeds"]):
         p = {**params, "run": {**params["run"], "seed": seed + k}}
@@ -192,18 +184,21 @@ def mlflow_metrics(metrics: dict) -> dict:
 
 def run(params: dict, ctx) -> None:
     cfg, seed = params["evaluate"], params["run"]["seed"]
-    ver = read_json(VERIFICATION)
-    dp_steps = load_checkpoint(f"{DP_DIR}/checkpoint.pt")["optimizer_steps"]
+    st = ctx.stage
+    verification, curve, out = st.input("verification"), st.input("curve"), st.output("metrics")
+    dp_path = st.input("dp") / "checkpoint.pt"
+    ver = read_json(verification)
+    dp_steps = checkpoints.load(dp_path).steps
     if not ver["passed"] or ver["steps"] != dp_steps:
-        raise VerificationFailed(f"{VERIFICATION} does not vouch for {DP_DIR}/checkpoint.pt (passed={ver['passed']}, "
+        raise VerificationFailed(f"{verification} does not vouch for {dp_path} (passed={ver['passed']}, "
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
-    candidates = load_candidates(cfg["baselines"], seed, with_text=cfg["zero_shot"])
+    candidates = load_candidates(st, cfg["baselines"], seed, with_text=cfg["zero_shot"])
     candidates += seed_candidates(params, ctx, candidates, with_text=cfg["zero_shot"])
     tokenizer = None
     if any(c.text_model is not None for c in candidates):
         from pipeline.data.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer(TOKENIZER)
+        tokenizer = Tokenizer(st.input("tokenizer"))
 
     def tokenize(cand: Candidate):
         return lambda captions: tokenizer.encode(captions, cand.max_len, public=True)  # prompts: public text
@@ -222,9 +217,9 @@ def run(params: dict, ctx) -> None:
         "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"]},
         "sets": sets,
         # The privacy-utility curve (stages/curve.py), kept with the accuracies it is read beside.
-        "privacy_utility": read_json(CURVE) if Path(CURVE).exists() else None,
+        "privacy_utility": read_json(curve) if curve.exists() else None,
     }
-    write_json(OUT, metrics)
+    write_json(out, metrics)
     ctx.tracker.log_metrics(mlflow_metrics(metrics))
     ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}"})
-    ctx.tracker.log_artifact(OUT)
+    ctx.tracker.log_artifact(str(out))

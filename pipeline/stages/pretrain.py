@@ -17,15 +17,15 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline import checkpoints
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
 from pipeline.distributed import barrier, init_world
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
-                            save_model, state_dir, step_generator, uses_bf16)
+                            state_dir, step_generator, uses_bf16)
 
-IN_DIR, OUT_DIR = "data/synthetic", "models/pretrain"
 
 
 @functools.lru_cache(maxsize=2)
@@ -69,10 +69,11 @@ def run(params: dict, ctx) -> None:
     cfg, seed, device = params["pretrain"], params["run"]["seed"], ctx.device
     batch = cfg["batch_size"]
     mcfg = ModelConfig.from_params(params["model"], "mae")
-    dataset = ShardDataset(IN_DIR)
+    images = ctx.stage.input("synthetic")
+    dataset = ShardDataset(images)
     n = len(dataset)
     if n == 0:
-        raise ValueError(f"{IN_DIR} has no usable images: run the synthetic stage")
+        raise ValueError(f"{images} has no usable images: run the synthetic stage")
     # Images are centre-cropped/resized to the model's size, should the synthetic resolution differ.
     loader = BatchLoader(dataset, mcfg.img_size, workers=cfg["data_workers"], device=device)
     world = init_world(device)
@@ -85,7 +86,7 @@ def run(params: dict, ctx) -> None:
     trained = model if world.size == 1 else DistributedDataParallel(model)
     mine = slice(world.rank, None, world.size)
     num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
-    work = state_dir("pretrain", params, inputs=[IN_DIR])
+    work = state_dir("pretrain", params, inputs=[images])
     state, batches = TrainState(model, optimizer), None
 
     def step_fn(step: int) -> dict:
@@ -123,8 +124,9 @@ def run(params: dict, ctx) -> None:
                "final_loss": history["metrics"][-1]["loss"] if history["step"] else None,
                "images_per_s": steps_now * batch / max(elapsed, 1e-9) if steps_now else None,
                "bf16": uses_bf16(device, cfg["precision"])}
-    with atomic_dir(OUT_DIR) as out:
-        save_model(out / "checkpoint.pt", "mae", mcfg.to_dict(), model, step=cfg["steps"])
+    with atomic_dir(ctx.stage.output("pretrain")) as out:
+        checkpoints.save(out / "checkpoint.pt", model, objective="mae", model_cfg=mcfg.to_dict(), steps=cfg["steps"],
+                         private=False, config=params)
         write_json(out / "history.json", history)
         write_json(out / "summary.json", summary)
     shutil.rmtree(work, ignore_errors=True)  # the output holds the finished model; the state is spent

@@ -30,7 +30,6 @@ from pipeline.io import atomic_dir, write_json
 from pipeline.privacy import owner
 from pipeline.stages import SCAN_GROUP_SOURCES
 
-OUT_DIR = "data/shards"
 SPLITS = ("private", "eval")
 
 def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +140,8 @@ def run(params: dict, ctx) -> None:
     # A web source's eval split is private data: whatever is computed on it is released unprotected.
     stats = {"source": cfg["source"], "eval_fraction": fraction,
              "eval_from_private": not labelled and fraction > 0}
-    with atomic_dir(OUT_DIR) as out:
+    out_dir = ctx.stage.output("shards")
+    with atomic_dir(out_dir) as out:
         if labelled:
             stats.update(write_labelled({**cfg, "eval_fraction": fraction}, seed, out))
         else:
@@ -160,7 +160,7 @@ def run(params: dict, ctx) -> None:
         write_json(out / "stats.json", public)
     where = owner.write("shards", private)  # per-reason exclusions, download and scan details: owner-only
     ctx.tracker.log_metrics({f"{s}_usable": stats[s]["usable"] for s in SPLITS})
-    print(f"shards: {stats['private']['usable']} private-train and {stats['eval']['usable']} eval samples in {OUT_DIR}/ "
+    print(f"shards: {stats['private']['usable']} private-train and {stats['eval']['usable']} eval samples in {out_dir}/ "
           f"(what was excluded, and why, is kept for the data owner only: {where})")
 
 

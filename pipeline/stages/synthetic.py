@@ -30,7 +30,6 @@ from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
 from pipeline.io import atomic_dir, file_digest, read_json, remove_stale_temps, write_json
 from pipeline.train import state_dir
 
-OUT_DIR = "data/synthetic"
 PREFIX = "synthetic"
 MANIFEST = "manifest.json"   # every shard's size and sha256
 STATS_SAMPLE = 1024          # images the quality figures are computed on (a seeded random sample)
@@ -178,7 +177,7 @@ def run(params: dict, ctx) -> None:
             bar.update(record["images"])
     images_per_s = rendered / max(time.time() - start, 1e-9)
 
-    with atomic_dir(OUT_DIR) as out:
+    with atomic_dir(ctx.stage.output("synthetic")) as out:
         assemble(out, staging, [done[s] for s in range(shards)])
         sample = quality_sample(out, n, seed)
         synthetic.contact_sheet(sample[:SHEET_IMAGES], out / "contact_sheet.png")
@@ -193,8 +192,8 @@ def run(params: dict, ctx) -> None:
                              "near_constant_fraction": stats["near_constant_fraction"],
                              "diversity": stats["diversity"],
                              **({"images_per_s": images_per_s} if rendered else {})})
-    ctx.tracker.log_artifact(f"{OUT_DIR}/contact_sheet.png")
-    ctx.tracker.log_artifact(f"{OUT_DIR}/stats.json")
+    ctx.tracker.log_artifact(str(ctx.stage.output("synthetic") / "contact_sheet.png"))
+    ctx.tracker.log_artifact(str(ctx.stage.output("synthetic") / "stats.json"))
     if stats["near_constant_fraction"] > NEAR_CONSTANT_TARGET:
         print(f"synthetic: WARNING {stats['near_constant_fraction']:.3f} of sampled images are near-constant "
               f"(target ≤ {NEAR_CONSTANT_TARGET})")

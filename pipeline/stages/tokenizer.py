@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from pipeline.data.tokenizer import OUT_DIR, Tokenizer, corpus_composition, public_corpus, train_model
+from pipeline.data.tokenizer import Tokenizer, corpus_composition, public_corpus, train_model
 from pipeline.io import atomic_dir, atomic_path, write_json
 
 
@@ -13,7 +13,7 @@ def run(params: dict, ctx) -> None:
     corpus = public_corpus()
     model = train_model(corpus, cfg["vocab_size"], cfg["model_type"])
     digest = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
-    with atomic_dir(OUT_DIR) as out:
+    with atomic_dir(ctx.stage.output("tokenizer")) as out:
         with atomic_path(out / "spm.model") as tmp:
             tmp.write_bytes(model)
         info = {"corpus": "labelled-captions+caption-templates+python-pydoc-topics+stdlib-docstrings",

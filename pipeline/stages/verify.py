@@ -1,5 +1,5 @@
 """The `verify` stage: recompute ε from the ledger with independent accountants, check the run
-(privacy/verify.py), compose it with the other DP runs on the same data (privacy/budget.py), and
+(privacy/run_checks.py), compose it with the other DP runs on the same data (privacy/budget.py), and
 write verification.json only when every check passed."""
 
 from __future__ import annotations
@@ -9,13 +9,20 @@ from pathlib import Path
 from pipeline.errors import VerificationFailed
 from pipeline.io import write_json
 from pipeline.privacy import budget, owner
-from pipeline.privacy.verify import DP_DIR, FAILED_OUT, OUT, load_run, owner_record, verify
+from pipeline.privacy.run_checks import load_run, owner_record, verify
+
+
+def failure_report(verification: Path) -> Path:
+    """Where a failed check's details go: beside verification.json, which a failure never leaves."""
+    return verification.with_name("verification-failed.json")
 
 
 def run(params: dict, ctx) -> None:
+    out, dp_dir = ctx.stage.output("verification"), ctx.stage.input("dp")
+    failed_out = failure_report(out)
     # A pass from an earlier run must never outlive a failed (or crashed) re-check.
-    Path(OUT).unlink(missing_ok=True)
-    ledger, optimizer_steps = load_run()
+    out.unlink(missing_ok=True)
+    ledger, optimizer_steps = load_run(dp_dir)
     alpha = params["verify"]["batch_size_alpha"]
     result = verify(ledger, optimizer_steps, params["dp"], params["verify"]["accountants"], alpha,
                     params["privacy"]["adjacency"])
@@ -29,12 +36,12 @@ def run(params: dict, ctx) -> None:
         ctx.tracker.log_series(f"epsilon_curve_{a}", curve[a], curve["steps"])
     ctx.tracker.set_tags({"dpfm.verified": str(result["passed"]).lower()})
     if not result["passed"]:
-        write_json(FAILED_OUT, result)
+        write_json(failed_out, result)
         failed = [c["name"] for c in result["checks"] if not c["passed"]]
-        raise VerificationFailed(f"privacy verification failed: {', '.join(failed)} (details in {FAILED_OUT})")
-    Path(FAILED_OUT).unlink(missing_ok=True)
+        raise VerificationFailed(f"privacy verification failed: {', '.join(failed)} (details in {failed_out})")
+    failed_out.unlink(missing_ok=True)
     result["composition"] = budget.composition(ledger, result["delta"])
-    write_json(OUT, result)
+    write_json(out, result)
     print(f"verify: passed; ε = {result['epsilon_reported']:.3f} ({result['accountant']}, "
           f"{result['adjacency'].replace('_', '-')}), " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon"].items())
           + ("" if result["adjacency"] == "add_remove" else
@@ -47,10 +54,10 @@ def run(params: dict, ctx) -> None:
     # seeds' DP trainings: here it would be stale.
     # What was checked goes with the run: the mechanism (not the per-step batch sizes, which depend on
     # the private data), the verdict, and the verified model itself.
-    ctx.tracker.log_artifact(OUT)
+    ctx.tracker.log_artifact(str(out))
     ctx.tracker.log_dict({k: v for k, v in ledger.items() if k != "batch_sizes"}, "mechanism.json")
     if params["privacy"]["testing"]:  # a known noise key: never registered as a private model
         print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
         ctx.tracker.set_tags({"dpfm.private": "false"})
         return
-    ctx.tracker.log_dp_model(f"{DP_DIR}/checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"])
+    ctx.tracker.log_dp_model(dp_dir / "checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"])

@@ -20,7 +20,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from pipeline.privacy import accounting
-from pipeline.privacy.accountants import supports
+from pipeline.privacy.accountant_backends import supports
 
 _ACCOUNTANT_CHOICES = list(accounting.ACCOUNTANTS) + ["all"]
 

@@ -1,5 +1,5 @@
 """`dpfm audit`: the white-box audit of the configured run's DP step (step_audit.py; default), or,
-with --one-run, the one-run canary audit of the engine (audit.py). Exit 1 when the audit flags.
+with --one-run, the one-run canary audit of the engine (canary_audit.py). Exit 1 when the audit flags.
 
 Under torchrun the step audit runs at the training's world size:
     torchrun --nproc_per_node=8 -m pipeline.cli audit
@@ -7,7 +7,7 @@ Under torchrun the step audit runs at the training's world size:
 
 from __future__ import annotations
 
-from pipeline.privacy.tools.audit_settings import AuditConfig
+from pipeline.privacy.tools.canary_settings import AuditConfig
 
 
 def add_audit_command(subparsers) -> None:
@@ -47,8 +47,6 @@ def _run(args) -> int:
 
 
 def _step(args) -> int:
-    from pathlib import Path
-
     from pipeline.config import ParamsError, load_params
     from pipeline.distributed import init_world
     from pipeline.io import read_json, write_json
@@ -57,9 +55,11 @@ def _step(args) -> int:
     params = load_params(args.params, args.set)
     sigma = args.sigma or params["dp"]["sigma"]
     if sigma is None:
-        stats = Path("data/shards/stats.json")
+        from pipeline.artifacts import artifact
+
+        stats = artifact("shards") / "stats.json"
         if not stats.exists():
-            raise ParamsError(["dpfm audit: σ is calibrated from n, and data/shards/stats.json is missing: "
+            raise ParamsError([f"dpfm audit: σ is calibrated from n, and {stats} is missing: "
                                "run `dpfm shards` first or pass --sigma"])
         from pipeline.privacy.plan import plan_mechanism
 
@@ -96,7 +96,7 @@ def _step(args) -> int:
 
 def _one_run(args) -> int:
     from pipeline.io import write_json
-    from pipeline.privacy.tools.audit import run_audit
+    from pipeline.privacy.tools.canary_audit import run_audit
 
     fields = {k: getattr(args, k) for k in ("canaries", "steps", "expected_batch_size", "epsilon", "delta", "clipping",
                                             "confidence", "seed", "clipping_enabled", "noise_scale")}

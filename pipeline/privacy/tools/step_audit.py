@@ -12,7 +12,7 @@ It measures the two numbers the accountant takes on trust, from the step's own o
                Must be ≤ K·C. The loss is multiplied by a large factor so every example (or the
                batch) is clipped: a clipper that lets more than C through shows here.
 A step whose noise is scaled ×0.5 or ×0.7, divided by the world size, or whose examples count W
-times, fails with a message naming the figure that is off. The one-run canary audit (audit.py) is
+times, fails with a message naming the figure that is off. The one-run canary audit (canary_audit.py) is
 the statistical, black-box complement.
 
 Random inputs rarely reach the sensitivity bound: a per-batch clipped mean of 16 random examples

@@ -1,5 +1,5 @@
-"""The `verify` stage: recompute ε from the ledger with independent accountants and check that the
-run is the mechanism that was accounted, and the one params.yaml asked for. Any failed check exits
+"""The checks behind the `verify` stage: recompute ε from the ledger with independent accountants and
+check that the run is the mechanism that was accounted, and the one params.yaml asked for. Any failed check exits
 non-zero and leaves no verification.json, so nothing downstream publishes an unverified model as private.
 
 Each check guards against one way the ledger, the checkpoint or the training code can be wrong, and
@@ -13,16 +13,14 @@ import math
 import numbers
 from pathlib import Path
 
-import torch
 from scipy import stats as sstats
 
+from pipeline import checkpoints
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import accounting, owner
 
-DP_DIR, OUT = "models/dp", "results/privacy/verification.json"
-FAILED_OUT = "results/privacy/verification-failed.json"
 CURVE_POINTS = 40  # ε-against-step points written for the report and MLflow
 
 # What the ledger must hold, and what each value must be, for any check to be meaningful.
@@ -97,7 +95,7 @@ def epsilon_curves(multiplier: float, q: float, steps: int, delta: float, accoun
 
 def supporting(accountants: list[str], adjacency: str) -> list[str]:
     """The accountants that account `adjacency` (replace-one: PLD only)."""
-    from pipeline.privacy.accountants import supports
+    from pipeline.privacy.accountant_backends import supports
 
     return [a for a in accountants if supports(a, adjacency)]
 
@@ -177,7 +175,7 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
           f"training claimed ε={claimed:.4f}, recomputed {main_eps:.4f} ({main})")
     if relation == "replace_one":
         # Replace-one is remove-then-add: never below add/remove, never above its group-privacy bound.
-        from pipeline.privacy.accountants import _rdp_bound
+        from pipeline.privacy.accountant_backends import _rdp_bound
 
         ar, group = accounting.epsilon(multiplier, q, steps, delta), _rdp_bound(multiplier, q, steps, delta, relation)
         check("accountants_agree", ar * (1 - 1e-3) <= main_eps <= group,
@@ -210,14 +208,15 @@ def with_batch_sizes(ledger: dict) -> dict:
     return {**ledger, "batch_sizes": record["batch_sizes"]}
 
 
-def load_run(dp_dir: str | Path = DP_DIR) -> tuple[dict, int]:
+def load_run(dp_dir: str | Path) -> tuple[dict, int]:
     """The ledger (with the owner-only batch sizes) and the optimizer's own count of applied updates
     from the dp-train outputs."""
     dp_dir = Path(dp_dir)
     for name in ("ledger.json", "checkpoint.pt"):
         if not (dp_dir / name).is_file():
             raise VerificationFailed(f"{dp_dir / name} is missing: run dp-train first")
-    ckpt = torch.load(dp_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    if not isinstance(ckpt, dict) or "optimizer_steps" not in ckpt:
-        raise VerificationFailed(f"{dp_dir / 'checkpoint.pt'} has no optimizer_steps: it was not written by dp-train")
-    return with_batch_sizes(read_json(dp_dir / "ledger.json")), ckpt["optimizer_steps"]
+    try:
+        steps = checkpoints.load(dp_dir / "checkpoint.pt").steps
+    except checkpoints.CheckpointError as e:
+        raise VerificationFailed(str(e)) from None
+    return with_batch_sizes(read_json(dp_dir / "ledger.json")), steps

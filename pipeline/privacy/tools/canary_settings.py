@@ -1,4 +1,4 @@
-"""Settings of the one-run canary audit (audit.py), apart from it so the CLI can show their defaults
+"""Settings of the one-run canary audit (canary_audit.py), apart from it so the CLI can show their defaults
 without importing torch."""
 
 from __future__ import annotations

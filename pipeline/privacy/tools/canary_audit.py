@@ -35,7 +35,7 @@ from scipy import stats
 from tqdm import tqdm
 
 from pipeline.privacy.sampling import PoissonSampler
-from pipeline.privacy.tools.audit_settings import AuditConfig
+from pipeline.privacy.tools.canary_settings import AuditConfig
 from pipeline.privacy import accounting
 from pipeline.privacy.engine import CLIPPERS, dp_step, make_clipper
 from pipeline.privacy.plan import Plan

@@ -124,7 +124,7 @@ footer{color:var(--muted);font-size:12px;margin-top:36px;border-top:1px solid va
 
 
 def render_html(r: dict) -> str:
-    """r: the report's content, as gathered by pipeline.report.gather."""
+    """r: the report's content, as built by pipeline.report.content.build."""
     e = html.escape
     ver = r["verification"]
     ok = ver["passed"]

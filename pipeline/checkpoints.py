@@ -1,0 +1,66 @@
+"""Finished models on disk (pretrain's warm start, dp-train's model and its non-private twin): one
+`save`, one `load`, one set of metadata. Resumable training state is train.py's Checkpointer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.io import atomic_path
+
+# What earlier versions called the update count (dp-train, pretrain): read so their models still load.
+LEGACY_STEP_KEYS = ("optimizer_steps", "step")
+
+
+class CheckpointError(ValueError):
+    """A file that is missing, or was not written by `save`."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    objective: str      # mae | caption | clip: which model `model` is the state of
+    model_cfg: dict     # ModelConfig.to_dict(): builds the model again
+    model: dict         # the whole model's state dict
+    encoder: dict       # the encoder's state dict (what evaluation and warm starts read)
+    steps: int          # optimizer updates applied; dp-train's is the optimizer's own count, which verify checks
+    private: bool       # trained with DP under a secret noise key: only such a model is registered as DP
+    config: dict = field(default_factory=dict)  # the params sections it was trained with
+
+    def build_encoder(self) -> torch.nn.Module:
+        from pipeline.models import build_encoder
+
+        encoder = build_encoder(self.model_cfg)
+        encoder.load_state_dict(self.encoder)
+        return encoder
+
+    def build_model(self) -> torch.nn.Module:
+        from pipeline.models import build_model
+
+        model = build_model(self.objective, self.model_cfg)
+        model.load_state_dict(self.model)
+        return model
+
+
+def save(path: str | Path, model: torch.nn.Module, *, objective: str, model_cfg: dict, steps: int, private: bool,
+         config: dict) -> None:
+    """Write atomically: a reader finds the previous file or this one, never half of one."""
+    record = {"objective": objective, "model_cfg": model_cfg, "model": model.state_dict(),
+              "encoder": model.encoder.state_dict(), "steps": int(steps), "private": bool(private), "config": config}
+    # Through a file object: torch.save(path) reports a full disk as an obscure RuntimeError.
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(record, f)
+
+
+def load(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    steps = next((raw[k] for k in ("steps", *LEGACY_STEP_KEYS) if isinstance(raw, dict) and k in raw), None)
+    missing = [k for k in ("objective", "model_cfg", "encoder") if not isinstance(raw, dict) or k not in raw]
+    if missing or steps is None:
+        raise CheckpointError(f"{path} has no {', '.join(missing) or 'step count'}: it was not written by a dpfm stage")
+    return Checkpoint(raw["objective"], raw["model_cfg"], raw.get("model", {}), raw["encoder"], steps,
+                      bool(raw.get("private", False)), raw.get("config", {}))

@@ -1,0 +1,132 @@
+"""The report's content, section by section: what render.py turns into HTML and Markdown. Figures
+are written into the output directory as the sections are built."""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+from pathlib import Path
+
+from pipeline.objectives import recipe_title
+from pipeline.privacy.plan import Plan
+from pipeline.report import plots
+from pipeline.report.accuracy import headline_sentence, points_ci, protocol_legend, signed
+from pipeline.report.curves import curve_section
+from pipeline.report.privacy import adjacency_text, data_card, delta_text, epsilon_curves, noise_text
+from pipeline.report.render import accuracy_table, params_yaml
+
+
+def accuracy_sets(metrics: dict, objective: str, out: Path) -> list[dict]:
+    """One table, figure and legend per eval set."""
+    sets = []
+    for name, s in metrics["sets"].items():
+        columns, rows = accuracy_table(s, metrics["models"], metrics.get("model_order"))
+        fig = out / f"accuracy_{name}.png"
+        plots.plot_accuracy(columns, rows, s["chance"], fig)
+        sets.append({
+            "name": name, "columns": columns, "rows": rows, "figure": fig,
+            "note": (f"{len(s['classes'])} classes; the public held-out set is split into {s['n_probe_train']} "
+                     f"probe-train / {s['n_probe_test']} probe-test images; chance {100 * s['chance']:.1f}%; in "
+                     f"parentheses: 95% bootstrap intervals over those test images"
+                     + ("; raw pixels: the same probe on the input pixels (at most 32 px)." if "pixels" in s["results"]
+                        else ".")),
+            "legend": protocol_legend(metrics["protocol"], columns, objective),
+        })
+    return sets
+
+
+def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dict, versus: dict, primary: str) -> list:
+    """The cards at the top: ε, the data, and each model's linear probe against the DP model's."""
+    cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}",
+              f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
+              f"{ver['steps']} DP steps on n = {ver['n']}")]
+    cards.append(data_card(stats) if stats is not None else ("Data", "n/a", "no shard stats"))
+    for name in lp:
+        diff = (f"linear probe on {primary}" if name == "dp" else
+                f"DP model {points_ci(versus[name]) if name in versus else signed(100 * (lp['dp'] - lp[name])) + ' points'}")
+        cards.append((models[name]["label"], f"{100 * lp[name]:.1f}%", diff))
+    return cards
+
+
+def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple[str, str]]:
+    """The mechanism table: what was run, what ε it has, and what every DP run on the data composes to."""
+    rows = [
+        ("recipe", recipe_title(plan.objective)),
+        ("private examples n", f"{ver['n']}"),
+        ("sampling", f"{plan.sampler}, rate q = {ver['sample_rate']:.5g} "
+                     f"(expected batch {ver['sample_rate'] * ver['n']:.0f})"),
+        ("clipping", f"C = {plan.clip_norm}, sensitivity {plan.sensitivity:g}·C ({plan.clipping.replace('_', ' ')})"),
+        ("noise", noise_text(ver, plan)),
+        ("steps", f"{ver['steps']} (planned {plan.steps})"),
+        ("δ", delta_text(ver["delta"], dp.get("delta"))),
+        ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())
+         + f" (target {plan.target_epsilon})"),
+        ("adjacency", adjacency_text(ver)),
+    ]
+    runs = f"{privacy['runs']} DP run{'s' if privacy['runs'] > 1 else ''} ({', '.join(privacy['objectives'])})"
+    if privacy["private"]:  # several models trained on one dataset release more than any one
+        rows.append(("ε over all DP runs on this data", f"{privacy['epsilon_composed']:.4f} at the same δ, {runs}"))
+    else:
+        rows.append(("ε of this run's outputs", f"∞: NOT PRIVATE as a whole ({'; '.join(privacy['not_private'])}); "
+                     f"its {runs} compose to {privacy['epsilon_dp_runs']:.4f}"))
+    if dp.get("log_private_stats"):
+        rows.append(("released outside ε", "counts of dropped non-finite private examples "
+                     "(dp.log_private_stats: true): not covered by the ε above"))
+    return rows
+
+
+def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_points: tuple[list, str],
+          privacy: dict, histories: tuple[dict, dict], contact_sheet: Path, stats: dict | None) -> dict:
+    """Everything the renderers need: `histories` are pretrain's and dp-train's (held-out loss),
+    `stats` the shards' public stats.json (None when absent)."""
+    primary, models, dp = metrics["primary_set"], metrics["models"], params.get("dp", {})
+    figures = {"losses": out / "losses.png", "epsilon": out / "epsilon.png",
+               "privacy_utility": out / "privacy_utility.png", "contact_sheet": out / "contact_sheet.png"}
+    sets = accuracy_sets(metrics, plan.objective, out)
+    primary_rows = {row["name"]: row for row in next(s for s in sets if s["name"] == primary)["rows"]}
+    lp = {name: row["cells"][0][0] for name, row in primary_rows.items()}
+
+    plots.plot_epsilon(epsilon_curves(ver), plan.target_epsilon, (ver["steps"], ver["epsilon_reported"]),
+                       figures["epsilon"])
+    plots.plot_losses(*histories, figures["losses"])
+    shutil.copyfile(contact_sheet, figures["contact_sheet"])
+    points, source = mlflow_points
+    if not any(p["current"] for p in points):
+        points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": lp["dp"], "objective": plan.objective,
+                            "current": True}]
+    plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
+                                        if n in lp}, figures["privacy_utility"])
+    curve = curve_section(metrics.get("privacy_utility"),
+                          {n: (models[n]["label"], lp[n]) for n in ("synthetic", "random", "pixels") if n in lp},
+                          out / "privacy_utility_curve.png", dp)
+
+    primary_set = metrics["sets"][primary]
+    headline = headline_sentence(primary, primary_set, models, {
+        "n": ver["n"], "batch": ver["sample_rate"] * ver["n"], "sigma": ver["sigma"],
+        "epsilon": ver["epsilon_reported"], "clip": plan.clip_norm})
+    if not privacy["private"]:
+        headline = f"NOT PRIVATE as a whole: {'; '.join(privacy['not_private'])}. " + headline
+    from pipeline.tracking import git_commit
+
+    model = params.get("model", {})
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return {
+        "title": params["report"]["title"], "verification": ver, "curve": curve, "sets": sets, "figures": figures,
+        "subtitle": (f"{recipe_title(plan.objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
+                     f"· generated {when} · commit {git_commit()[:12]}"),
+        "headline": headline + (" " + curve["sentence"] if curve else ""),
+        "cards": summary_cards(ver, dp, stats, lp, models, primary_set.get("dp_versus", {}), primary),
+        "delta_text": delta_text(ver["delta"], dp.get("delta")),
+        "mechanism": mechanism_rows(ver, plan, dp, privacy), "colors": plots.MODEL_COLORS,
+        "params_yaml": params_yaml(params),
+        "pu_caption": (f"Linear-probe accuracy on {primary} against verified ε. {source}. Star: this run. "
+                       f"Baselines from this run: synthetic-only (no private data, ε = 0), non-private (ε = ∞, "
+                       f"when trained) and random init. Each point keeps the eval protocol of its own run."),
+        "eps_caption": (f"ε after each DP step at δ = {ver['delta']:.2e}, per accountant "
+                        f"({ver['accountant'].upper()} is reported; the others are independent upper bounds)."),
+        "loss_caption": ("Left: MAE loss on synthetic images (non-private). Right: the DP model's loss on the public "
+                         "held-out split; the training loss on private data is never shown (it is not DP)."),
+        "sheet_caption": "A sample of the procedural (Shaders21k-style) images the encoder was pretrained on.",
+        "footer": ("dpfm report · inputs: the verification, the evaluation metrics, the DP model's ledger and the "
+                   "training histories · open report.html offline in any browser; report.md has the same content."),
+    }

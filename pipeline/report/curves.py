@@ -1,0 +1,97 @@
+"""The report's privacy–utility sections: this run's curve (the recipe retrained at each ε) and the
+points of every DP model evaluated in the MLflow experiment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.objectives import recipe_title
+from pipeline.report import plots
+
+def experiment_points(experiment: str, current_model_hash: str | None) -> tuple[list[dict], str]:
+    """One point per DP model evaluated in the experiment: its verified ε and DP linear-probe accuracy.
+
+    ε comes from the evaluate run itself (it logs the verified ε it evaluated) or, for runs that
+    predate that, from the finished dp-train run of the same pipeline invocation. A model
+    evaluated several times (same `dvc.input.models/dp` hash) counts once, at its latest run.
+    """
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from pipeline.tracking import tracking_uri
+
+        client = MlflowClient(tracking_uri())
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return [], f"MLflow experiment {experiment!r} not found: only this run is shown"
+
+        def finished(stage: str):
+            return client.search_runs([exp.experiment_id], max_results=5000, order_by=["attributes.start_time DESC"],
+                                      filter_string=f"tags.`dpfm.stage` = '{stage}' and attributes.status = 'FINISHED'")
+
+        dp_by_parent = {r.data.tags["mlflow.parentRunId"]: r for r in reversed(finished("dp-train"))
+                        if r.data.tags.get("mlflow.parentRunId")}
+        evaluate_runs = finished("evaluate")  # newest first
+    except Exception as err:  # the report must still be written when the tracking store is unreachable
+        return [], f"MLflow not readable ({type(err).__name__}): only this run is shown"
+    points, seen = [], set()
+    for run in evaluate_runs:
+        m, tags = run.data.metrics, run.data.tags
+        model = tags.get("dvc.input.models/dp", run.info.run_id)
+        dp_run = dp_by_parent.get(tags.get("mlflow.parentRunId"))
+        eps = m.get("epsilon", dp_run.data.metrics.get("epsilon") if dp_run else None)
+        acc = m.get("dp_linear_probe_acc")
+        if model in seen or eps is None or acc is None:
+            continue
+        seen.add(model)
+        objective = tags.get("dpfm.objective") or (dp_run.data.params.get("dp.objective") if dp_run else None)
+        points.append({"epsilon": eps, "accuracy": acc, "objective": objective, "current": model == current_model_hash})
+    return points, f"{len(points)} DP model(s) evaluated in MLflow experiment {experiment!r}"
+
+
+INIT_LABELS = {"pretrain": "DP from the synthetic warm start", "random": "DP from random init"}
+
+
+def curve_order(epsilon) -> float:
+    return float("inf") if epsilon == "inf" else float(epsilon)
+
+
+def twin_text(dp: dict) -> str:
+    """What the ε = ∞ point is: the DP recipe without clipping or noise, on its own schedule if set."""
+    own = {k: v for k, v in dp.get("nonprivate", {}).items() if v is not None and v != dp.get(k)}
+    if not own:
+        return "∞ is the same recipe without clipping or noise"
+    return ("∞ is the recipe without clipping or noise, on a schedule of its own (dp.nonprivate: "
+            + ", ".join(f"{k} {v:g}" for k, v in own.items()) + f"; the DP points: steps {dp['steps']}, lr {dp['lr']:g})")
+
+
+def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict) -> dict | None:
+    """The privacy–utility curve's figure, table (one row per init, one column per ε) and sentence."""
+    if not curve or not curve.get("points"):
+        return None
+    points = curve["points"]
+    plots.plot_curve(points, baselines, path)
+    epsilons = sorted({p["epsilon"] for p in points}, key=curve_order)
+    by = {(p["init"], p["epsilon"]): p for p in points}
+    rows = [{"label": INIT_LABELS.get(init, init),
+             "cells": [(by[init, e]["linear_probe"], None, by[init, e]["linear_probe_ci"]) if (init, e) in by else None
+                       for e in epsilons]}
+            for init in INIT_LABELS if any(p["init"] == init for p in points)]
+
+    def path_text(init: str) -> str:
+        return " → ".join(f"{100 * by[init, e]['linear_probe']:.1f}% at ε = {'∞' if e == 'inf' else f'{e:g}'}"
+                          for e in epsilons if (init, e) in by)
+
+    sentence = "Privacy–utility curve: " + "; ".join(f"{INIT_LABELS[i].replace('DP from', 'from')}, {path_text(i)}"
+                                                     for i in INIT_LABELS if any(p["init"] == i for p in points))
+    if "synthetic" in baselines:
+        sentence += f" (synthetic only, no DP training: {100 * baselines['synthetic'][1]:.1f}%)"
+    spent = [p["epsilon_spent"] for p in points if p.get("epsilon_spent")]
+    seeds = curve.get("seeds", 1)
+    over = f"over {seeds} training seeds and the test images" if seeds > 1 else "over the test images, one seed"
+    caption = (f"Linear probe on {curve['set']} ({curve['n_probe_test']} probe-test images; band: 95% bootstrap "
+               f"interval {over}) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
+               f"{twin_text(dp)}. {len(spent)} of the points are DP trainings on the "
+               "private data: what all DP runs on it compose to is in the mechanism table.")
+    return {"figure": path, "columns": ["ε = ∞" if e == "inf" else f"ε = {e:g}" for e in epsilons], "rows": rows,
+            "caption": caption, "sentence": sentence + "."}
