@@ -355,6 +355,7 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for obj in sorted({r["objective"] for r in rows}):
@@ -364,6 +365,9 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
         ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3, label=obj)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xscale("log")
+    sizes = sorted({r["n"] for r in rows})  # one labelled tick per size: log-scale minor labels collide
+    ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("private examples n (expected batch B = q·n, q and steps fixed)")
     ax.set_ylabel("linear probe: DP ε=8 − synthetic-only (points)")
     ax.set_title("DP gain over the synthetic warm start against n (95% CI)")
