@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.artifacts import ARTIFACTS, artifact
 
+
 @dataclass(frozen=True)
 class Resources:
     threads: int = 1
@@ -71,37 +72,34 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("shards", "write private-train and held-out eval webdataset shards with an index",
-          ("run", "shards"),
-          outputs=("shards",), resources=Resources(threads=1, mem_mb=2000)),
+          ("run", "shards"), outputs=("shards",), resources=Resources(threads=1, mem_mb=2000)),
     Stage("synthetic", "render Shaders21k-style procedural images into shards",
-          ("run", "synthetic"),
-          outputs=("synthetic",), resources=Resources(threads=2, mem_mb=4000)),
+          ("run", "synthetic"), outputs=("synthetic",), resources=Resources(threads=2, mem_mb=4000)),
     Stage("tokenizer", "train SentencePiece on public text (never the private captions)",
-          ("run", "tokenizer"),
-          outputs=("tokenizer",), resources=Resources(threads=1, mem_mb=2000)),
+          ("run", "tokenizer"), outputs=("tokenizer",), resources=Resources(threads=1, mem_mb=2000)),
     Stage("pretrain", "non-private MAE pretraining on the synthetic images",
-          ("run", "model", "pretrain"),
-          inputs=("synthetic",), outputs=("pretrain",),
+          ("run", "model", "pretrain"), inputs=("synthetic",), outputs=("pretrain",),
           resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=720)),
     Stage("dp-train", "DP-SGD on the private shards, warm-started from the pretrained encoder",
-          ("run", "model", "dp", "privacy"),
-          inputs=("shards", "pretrain", "tokenizer"), outputs=("dp",),
+          ("run", "model", "dp", "privacy"), inputs=("shards", "pretrain", "tokenizer"), outputs=("dp",),
           resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
     Stage("verify", "recompute ε from the ledger with independent accountants and check the run",
-          ("run", "dp", "privacy", "verify"),
-          inputs=("dp",), metrics=("verification",),
+          ("run", "dp", "privacy", "verify"), inputs=("dp",), metrics=("verification",),
           resources=Resources(threads=1, mem_mb=2000)),
     Stage("curve", "privacy-utility curve: the recipe retrained at each ε of curve.epsilons, linear-probed",
           ("run", "model", "dp", "privacy", "verify", "evaluate", "curve"),
-          inputs=("shards", "pretrain", "tokenizer"), metrics=("curve",), resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
+          inputs=("shards", "pretrain", "tokenizer"), metrics=("curve",),
+          resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
     Stage("evaluate", "linear probe, few-shot and zero-shot of the DP encoder beside its baselines",
           ("run", "model", "dp", "privacy", "verify", "evaluate"),
-          inputs=("shards", "tokenizer", "pretrain", "dp", "verification", "curve"), metrics=("metrics",), resources=Resources(threads=2, mem_mb=4000)),
+          inputs=("shards", "tokenizer", "pretrain", "dp", "verification", "curve"), metrics=("metrics",),
+          resources=Resources(threads=2, mem_mb=4000)),
     # The report shows every params section of the run (all are upstream of it: no extra re-runs).
     Stage("report", "HTML and Markdown report with plots",
           ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "privacy", "verify", "curve",
            "evaluate", "report"),
-          inputs=("shards", "synthetic", "pretrain", "dp", "verification", "curve", "metrics"), outputs=("report",), resources=Resources(threads=1, mem_mb=2000)),
+          inputs=("shards", "synthetic", "pretrain", "dp", "verification", "curve", "metrics"), outputs=("report",),
+          resources=Resources(threads=1, mem_mb=2000)),
 )
 
 STAGE_BY_NAME = {s.name: s for s in STAGES}
