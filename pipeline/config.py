@@ -13,7 +13,7 @@ from pipeline.io import atomic_path
 
 SCHEMA_PATH = Path("schemas/params.schema.yaml")
 PARAMS_PATH = Path("params.yaml")
-RESOLVED_DIR = Path(".dpfm/params")  # the validated params of Snakemake runs, one file per config
+RESOLVED_PATH = Path(".dpfm/params/resolved.yaml")  # the validated params of the Snakemake run
 
 
 class ParamsError(ValueError):
@@ -94,11 +94,14 @@ def validate(params: dict, schema: dict | None = None, source: str = "params") -
         raise ParamsError(sorted(set(problems)), source=source)
 
 
-def write_resolved(params: dict, directory: str | Path = RESOLVED_DIR) -> Path:
-    """Validated params as one file the jobs of a Snakemake run read (`dpfm <stage> --resolved`), named
-    by a hash of its text: another config never shares the file, and a job reads what was validated."""
+def write_resolved(params: dict, path: str | Path = RESOLVED_PATH) -> Path:
+    """Validated params as one file the jobs of a Snakemake run read (`dpfm <stage> --resolved`). Its
+    first line holds a digest of the rest, so a job reads exactly what was validated. One path for
+    every config: Snakemake's lock on the directory allows one run, and one config, at a time, and a
+    fixed path keeps the rules' params (the re-run trigger) from changing with every config."""
     text = yaml.safe_dump(params, sort_keys=True)  # YAML, not JSON: it spells ∞ (curve.epsilons)
-    path = Path(directory) / f"{_digest(text)}.yaml"
+    text = f"# sha256: {_digest(text)}\n{text}"
+    path = Path(path)
     if not (path.exists() and path.read_text() == text):  # every cluster job writes it again: the same bytes
         with atomic_path(path) as tmp:
             tmp.write_text(text)
@@ -106,18 +109,18 @@ def write_resolved(params: dict, directory: str | Path = RESOLVED_DIR) -> Path:
 
 
 def read_resolved(path: str | Path) -> dict:
-    """The params `write_resolved` wrote, refused if the file no longer matches its name."""
+    """The params `write_resolved` wrote, refused if the file no longer matches its digest."""
     path = Path(path)
     if not path.exists():
         raise ParamsError([f"{path} does not exist (Snakemake writes it when it reads its config)"], source=str(path))
-    text = path.read_text()
-    if path.stem != _digest(text):
+    first, _, text = path.read_text().partition("\n")
+    if first != f"# sha256: {_digest(text)}":
         raise ParamsError([f"{path} was changed after it was validated; run snakemake again"], source=str(path))
     return yaml.safe_load(text)
 
 
 def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def sections_of(params: dict, sections) -> dict:

@@ -11,9 +11,9 @@ from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 # `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings).
 config.update(merge(config, typed(workflow.config_settings.overwrite_config or {})))
 # Validated once, here, against the schema (errors name the key path and the allowed values, one
-# line each; exit 2 as `dpfm` does). Every job then reads the file written below (`--resolved`)
-# rather than params.yaml again. Its name is a hash of the config, so it is not a rule param: the
-# `tracked` params are what re-runs a stage.
+# line each; exit 2 as `dpfm` does). Every job then reads the file written below (`--resolved`,
+# a rule param whose value never changes) rather than params.yaml again; the `tracked` params are
+# what re-runs a stage.
 try:
     validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
 except ParamsError as e:

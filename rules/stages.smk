@@ -23,6 +23,7 @@ for st in STAGES:
             # Functions: their values are not expanded as wildcards, so braces pass through unchanged
             # (URL brace patterns, "a photo of a {c}." templates).
             tracked=lambda wildcards, name=st.name: stage_params(name),
+            resolved=RESOLVED_PARAMS,  # the same path for every config: not a re-run trigger
             # Bound here: the shell command is evaluated when the job runs, after the loop has moved on.
             command=lambda wildcards, resources, st=st: stage_command(st, resources),
         log:
@@ -35,4 +36,4 @@ for st in STAGES:
         conda:
             STAGE_ENV
         shell:
-            "{params.command} --threads {threads} --resolved {RESOLVED_PARAMS} 2>&1 | (trap '' TERM INT; exec tee {log})"
+            "{params.command} --threads {threads} --resolved {params.resolved} 2>&1 | (trap '' TERM INT; exec tee {log})"
