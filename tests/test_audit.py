@@ -127,10 +127,11 @@ def test_a_bug_in_the_clipper_code_is_flagged(monkeypatch):
     norm 10·C passes unclipped). The audit sees it because canaries go through the real clipper."""
     real = LinearRule.ghost_sq_norm
 
-    def broken(self, m, a, g, force):  # the ghost path, taken for every Linear, 10× short in norm
-        return real(self, m, a, g, True) / 100
+    def broken(self, m, a, g):  # the ghost path, taken for every Linear, 10× short in norm
+        return real(self, m, a, g) / 100
 
     monkeypatch.setattr(LinearRule, "ghost_sq_norm", broken)
+    monkeypatch.setattr(LinearRule, "ghost_is_faster", lambda self, m, a, g: True)
     r = A.run_audit(SMALL, progress=False)
     assert r["verdict"] == "flagged" and r["epsilon_lower"] > r["epsilon_claimed"]
 

@@ -95,6 +95,34 @@ def test_clipped_sum_equals_brute_force(name, engine):
         assert all(p.requires_grad for p in model.parameters())
 
 
+def test_mixed_routes_within_the_memory_budget_are_exact(monkeypatch):
+    """Where instantiating is faster (here: always) the clipper instantiates until the held-memory
+    budget is spent, then takes ghost norms: one layer each way, and the sum is still exact."""
+    from pipeline.privacy import layer_rules
+
+    monkeypatch.setattr(layer_rules, "WRITE_COST", 0.0)  # writes free: ghost norms never the faster route
+    ghost_calls = []
+    real = layer_rules.LinearRule.ghost_sq_norm
+    monkeypatch.setattr(layer_rules.LinearRule, "ghost_sq_norm",
+                        lambda self, m, a, g: ghost_calls.append(m) or real(self, m, a, g))
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+    batch = (torch.randn(6, 4, 32),)
+    loss = lambda x: model(x).pow(2).mean((1, 2))  # noqa: E731
+    wrapped = type("Loss", (nn.Module,), {"forward": lambda self, x: loss(x)})()
+    wrapped.model = model
+    _, norms = brute_force_clipped_sum(wrapped, batch, 1e9)
+    clip_norm = sorted(norms)[3]
+    want, _ = brute_force_clipped_sum(wrapped, batch, clip_norm)
+    # Each layer: inputs + output gradients 6·4·(32+32) floats; instantiating holds 6·(32·32 − 4·64) more.
+    budget = 1.5 * 6 * (32 * 32 - 4 * 64) / (2 * 6 * 4 * 64)  # one layer fits, the second does not
+    got, _ = clipped_sum(BookKeepingClipper, wrapped, batch, clip_norm, held_budget=budget)
+    assert ghost_calls == [model[2]]
+    assert max_rel_error(got, want) <= 1e-5
+    ghost_calls.clear()
+    clipped_sum(BookKeepingClipper, wrapped, batch, clip_norm, held_budget=0.0)
+    assert ghost_calls == [model[0], model[2]]  # no budget: nothing instantiated that holds more
+
+
 class NoClipping(BookKeepingClipper):
     """A broken engine: per-sample clipping switched off."""
 

@@ -30,6 +30,10 @@ from torch.func import functional_call, grad, vmap
 
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
 
+# Per-example gradients instantiated for speed may hold this share of the floats the layers' inputs and
+# output gradients take (and a non-private backward holds too): the memory the 1.1× target leaves.
+HELD_BUDGET = 0.25
+
 
 @dataclass
 class ClipStats:
@@ -108,11 +112,14 @@ class ClippedSum:
 class BookKeepingClipper(ClippedSum):
     """Σ_i min(1, C/‖∇loss_i‖) ∇loss_i over micro-batches, accumulated into `self.sum`."""
 
-    def __init__(self, model, clip_norm, ghost: bool | None = None, **kw):
-        """`ghost`: None picks per layer by cost; True/False force ghost norms on/off (for tests)."""
+    def __init__(self, model, clip_norm, ghost: bool | None = None, held_budget: float = HELD_BUDGET, **kw):
+        """`ghost`: None picks per layer (the faster route, within `held_budget`); True/False force ghost
+        norms on/off (for tests). `held_budget`: the floats instantiated per-example gradients may hold
+        beyond the inputs and output gradients they free, as a share of all layers' inputs and output
+        gradients (which a non-private backward holds too)."""
         reject_unboundable(model, per_example_rules=True)
         super().__init__(model, clip_norm, **kw)
-        self.ghost = ghost
+        self.ghost, self.held_budget = ghost, held_budget
         self._names = {id(p): n for n, p in self.params.items()}
         self._records: list[_Record] = []
         self._capturing = False
@@ -156,6 +163,18 @@ class BookKeepingClipper(ClippedSum):
                 r.activation = r.activation.float()
         return losses.shape[0], records
 
+    def _ghost_route(self, r: _Record, budget: list[float]) -> bool:
+        """Ghost norm or instantiation for a layer called once: the faster one, if memory allows."""
+        if not r.rule.has_ghost or self.ghost is False:
+            return False
+        if self.ghost or r.rule.ghost_is_faster(r.module, r.activation, r.grad):
+            return True
+        held = r.rule.held_if_instantiated(r.module, r.activation, r.grad)
+        if held > budget[0]:
+            return True
+        budget[0] -= max(held, 0)
+        return False
+
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
         batch_size, records = self._backward(batch)
         device = next(iter(self.params.values())).device
@@ -164,20 +183,20 @@ class BookKeepingClipper(ClippedSum):
             for r in records:
                 calls.setdefault(id(r.module), []).append(r)
             sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
-            instantiated = []  # (module, per-example grads) of layers without a cheap ghost norm, or reused
+            budget = [self.held_budget * sum(r.grad.numel() + (0 if r.activation is None else r.activation.numel())
+                                             for r in records)]
+            instantiated = []  # (module, per-example grads) of layers instantiated: cheaper, or reused
             for module_calls in calls.values():
                 first = module_calls[0]
-                if len(module_calls) == 1:
-                    ghost = first.rule.ghost_sq_norm(first.module, first.activation, first.grad, self.ghost)
-                    if ghost is not None:
-                        sq += ghost
-                        continue
+                if len(module_calls) == 1 and self._ghost_route(first, budget):
+                    sq += first.rule.ghost_sq_norm(first.module, first.activation, first.grad)
+                    continue
                 per: dict[str, torch.Tensor] = {}
                 for r in module_calls:  # a reused layer: its calls summed per example first
                     for k, v in r.rule.per_sample(r.module, r.activation, r.grad).items():
                         per[k] = per[k] + v if k in per else v
                     r.activation = r.grad = None  # held in `per` from here
-                sq += sum(v.flatten(1).pow(2).sum(1) for v in per.values())
+                sq += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())  # 3-7x pow().sum()
                 instantiated.append((first.module, per))
             norms = sq.sqrt()
             factors, finite = clip_factors(norms, self.clip_norm)
@@ -222,7 +241,7 @@ class VmapClipper(ClippedSum):
         device = next(iter(params.values())).device
         with fp32_only(device):
             grads = {n: g.float() / self.loss_scale for n, g in grads.items()}
-            norms = sum(g.pow(2).flatten(1).sum(1) for g in grads.values()).sqrt()
+            norms = sum(torch.linalg.vector_norm(g.flatten(1), dim=1).square() for g in grads.values()).sqrt()
             factors, finite = clip_factors(norms, self.clip_norm)
             for n, g in grads.items():
                 self.sum[n] += torch.einsum("b,b...->...", factors, _zero_rows(g, finite))

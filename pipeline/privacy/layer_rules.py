@@ -5,8 +5,8 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
 (B, ..., d), fp32), and gives
 
   per_sample(m, a, g)     {param attr: (B, *shape)}  the instantiated per-example gradients
-  ghost_sq_norm(m, a, g)  (B,) or None               ‖per-example gradient‖² without instantiating
-                                                     it, where that is cheaper (None: instantiate)
+  ghost_sq_norm(m, a, g)  (B,)                       ‖per-example gradient‖² without instantiating
+                                                     it (Linear, Embedding: `has_ghost`)
   clipped_sum(m, a, g)    {param attr: shape}        Σ_i per-example gradient, for g already scaled
                                                      per example by its clip factor
 
@@ -15,9 +15,15 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
   Embedding   E_i = Σ_t onehot(id_it) g_itᵀ
   Broadcast   P_i = g_i                       (cls/mask tokens, CLIP's temperature)
 
-Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s), used for a Linear layer when its
-per-sample gradients (d_in·d_out floats each) are larger than its input and output gradient
-(T·(d_in + d_out)); otherwise they are instantiated, which is faster and then no larger.
+Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s). Both routes are exact; which one a
+Linear layer takes is a question of time and memory only (mixed ghost clipping):
+  ghost         the Gram products, B·T²·(d+p) multiply-adds, then the clipped sum (one weight gradient)
+  instantiate   the per-example gradients, B·T·d·p multiply-adds (one weight gradient's worth) written out
+                as B·d·p floats and held until every layer's norm is known; then a cheap weighted sum
+So instantiating saves the Gram products and costs the writes: it is faster when
+WRITE_COST·d·p < T²·(d+p) (long sequences: 224 px images), and it holds B·d·p floats in place of the
+layer's input and output gradient, B·T·(d+p). The clipper decides with `ghost_is_faster` and its
+memory budget (clipping.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ import torch.nn.functional as F
 
 from pipeline.models.layers import BroadcastParameter
 
+# Multiply-adds that writing (and reading back) one per-example gradient float costs, against the Gram
+# products' multiply-adds: on 2 CPU cores the crossover lies between T²(d+p)/(d·p) = 15 (ghost 30% faster)
+# and 55 (instantiating 20% faster; benchmarks/clipping_routes.py). It moves the choice between two
+# exact routes, never a result.
+WRITE_COST = 30.0
+
 
 def as_3d(x: torch.Tensor) -> torch.Tensor:
     """(B, d) -> (B, 1, d); (B, T1, T2, ..., d) -> (B, T, d)."""
@@ -36,13 +48,21 @@ def as_3d(x: torch.Tensor) -> torch.Tensor:
 
 class LayerRule:
     needs_input = True  # whether the clipper must keep the layer's input
+    has_ghost = False   # whether ghost_sq_norm exists for this layer type
 
     def per_sample(self, m, a, g) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def ghost_sq_norm(self, m, a, g, force: bool | None) -> torch.Tensor | None:
-        """`force`: None picks by cost, True always, False never."""
-        return None
+    def ghost_sq_norm(self, m, a, g) -> torch.Tensor:
+        """(B,) ‖per-example gradient‖² without instantiating it (only where has_ghost)."""
+        raise NotImplementedError
+
+    def ghost_is_faster(self, m, a, g) -> bool:
+        return True
+
+    def held_if_instantiated(self, m, a, g) -> int:
+        """Floats that instantiating keeps beyond the input and output gradient it frees (may be < 0)."""
+        return 0
 
     def clipped_sum(self, m, a, g) -> dict[str, torch.Tensor]:
         return {k: v.sum(0) for k, v in self.per_sample(m, a, g).items()}
@@ -68,6 +88,8 @@ def rule_for(module: nn.Module) -> LayerRule | None:
 
 @register(nn.Linear)
 class LinearRule(LayerRule):
+    has_ghost = True
+
     def per_sample(self, m, a, g):
         g3 = as_3d(g)
         out = {"weight": torch.einsum("bto,bti->boi", g3, as_3d(a))}
@@ -75,19 +97,21 @@ class LinearRule(LayerRule):
             out["bias"] = g3.sum(1)
         return out
 
-    def ghost_sq_norm(self, m, a, g, force):
+    def ghost_sq_norm(self, m, a, g):
         g3, a3 = as_3d(g), as_3d(a)
-        T = g3.shape[1]
-        # Instantiating costs B·d·p floats and one weight gradient; the ghost norm keeps a and g
-        # (B·T·(d+p)) and its Gram products cost B·T²·(d+p) on top of the clipped sum. Where the
-        # per-sample gradients are no larger than a and g, they are cheaper in time and memory both.
-        d, p = m.in_features, m.out_features
-        if force is False or (force is None and d * p <= T * (d + p)):
-            return None
         sq = ((a3 @ a3.transpose(1, 2)) * (g3 @ g3.transpose(1, 2))).sum((1, 2))
         if m.bias is not None:
             sq = sq + g3.sum(1).pow(2).sum(1)
         return sq
+
+    def ghost_is_faster(self, m, a, g):
+        T, d, p = as_3d(g).shape[1], m.in_features, m.out_features
+        return T * T * (d + p) < WRITE_COST * d * p
+
+    def held_if_instantiated(self, m, a, g):
+        g3 = as_3d(g)
+        B, T, d, p = g3.shape[0], g3.shape[1], m.in_features, m.out_features
+        return B * (d * p - T * (d + p))
 
     def clipped_sum(self, m, a, g):
         g3 = as_3d(g)
@@ -118,11 +142,18 @@ class EmbeddingRule(LayerRule):
         per.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, m.embedding_dim), g3)
         return {"weight": per}
 
-    def ghost_sq_norm(self, m, ids, g, force):
+    has_ghost = True
+
+    def ghost_is_faster(self, m, ids, g):
+        T = ids.reshape(g.shape[0], -1).shape[1]
+        return T * T < m.num_embeddings * m.embedding_dim
+
+    def held_if_instantiated(self, m, ids, g):
+        B, T = g.shape[0], ids.reshape(g.shape[0], -1).shape[1]
+        return B * (m.num_embeddings * m.embedding_dim - T * m.embedding_dim)
+
+    def ghost_sq_norm(self, m, ids, g):
         g3, ids = as_3d(g), ids.reshape(g.shape[0], -1)
-        T = ids.shape[1]
-        if force is False or (force is None and T * T >= m.num_embeddings * m.embedding_dim):
-            return None
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g3.dtype)
         return (same * (g3 @ g3.transpose(1, 2))).sum((1, 2))
 
