@@ -210,11 +210,10 @@ class BookKeepingClipper(ClippedSum):
                 if id(r.module) in done:
                     continue
                 grad = r.grad if all_finite else _zero_rows(r.grad, finite)
-                grad = grad * factors.view(-1, *[1] * (r.grad.dim() - 1))
                 activation = r.activation
                 if not all_finite and activation is not None and activation.is_floating_point():
                     activation = _zero_rows(activation, finite)  # 0·NaN would still be NaN
-                for k, v in r.rule.clipped_sum(r.module, activation, grad).items():
+                for k, v in r.rule.clipped_sum(r.module, activation, grad, factors).items():
                     self.sum[self._names[id(getattr(r.module, k))]] += v
         return ClipStats(norms.tolist(), int((~finite).sum()))
 

@@ -1,0 +1,98 @@
+"""The two exact routes to a Linear layer's clipped sum, timed side by side per layer shape, and the
+route the clipper's cost rule picks (pipeline/privacy/layer_rules.py, WRITE_COST).
+
+  ghost        Gram products for the norms, then the clipped sum (one weight gradient)
+  instantiate  the per-example gradients (B, p, d), their norms, then their weighted sum
+
+    python -m benchmarks.clipping_routes [--threads 2] [--rounds 5]
+
+Shapes: the layers of the models dpfm trains (the CPU recipe's captioner at B = 256, the
+dp_overhead sizes at 32 px and ViT-S/16 at 224 px). Ends with one JSON line: per shape the times,
+T²(d+p)/(d·p), the picked route and whether it was the faster one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn as nn
+
+from pipeline.privacy.clipping import clip_factors
+from pipeline.privacy.layer_rules import WRITE_COST, LinearRule
+
+SHAPES = [  # (B, T, d_in, d_out, where)
+    (256, 65, 96, 288, "cpu captioner encoder qkv"),
+    (256, 65, 96, 96, "cpu captioner encoder proj"),
+    (256, 65, 96, 384, "cpu captioner encoder fc1"),
+    (256, 65, 384, 96, "cpu captioner encoder fc2"),
+    (256, 13, 96, 288, "cpu captioner text qkv"),
+    (256, 17, 96, 288, "cpu MAE encoder qkv"),
+    (32, 17, 384, 1536, "tiny MAE encoder fc1, 32 px"),
+    (32, 65, 384, 1152, "tiny captioner qkv, 32 px"),
+    (32, 65, 512, 2048, "MAE decoder fc1, 32 px"),
+    (8, 50, 384, 1536, "ViT-S MAE encoder fc1, 224 px"),
+    (8, 197, 384, 1152, "ViT-S captioner qkv, 224 px"),
+    (8, 197, 384, 1536, "ViT-S captioner fc1, 224 px"),
+]
+
+
+def best_ms(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def routes(B: int, T: int, d: int, p: int):
+    """(ghost, instantiate) closures computing the same clipped sum with the rule's own code."""
+    rule, layer = LinearRule(), nn.Linear(d, p, bias=False)
+    a, g = torch.randn(B, T, d), torch.randn(B, T, p)
+
+    def ghost():
+        factors, _ = clip_factors(rule.ghost_sq_norm(layer, a, g).sqrt(), 1.0)
+        return rule.clipped_sum(layer, a, g, factors)["weight"]
+
+    def instantiate():
+        per = rule.per_sample(layer, a, g)["weight"]
+        factors, _ = clip_factors(torch.linalg.vector_norm(per.flatten(1), dim=1), 1.0)
+        return torch.einsum("b,b...->...", factors, per)
+
+    return ghost, instantiate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"{'layer':<32}{'B':>5}{'T':>5}{'d→p':>11}{'T²(d+p)/dp':>12}{'ghost ms':>10}{'inst ms':>9}"
+          f"{'inst/ghost':>12}  picked")
+    out, right = [], 0
+    for B, T, d, p, where in SHAPES:
+        ghost, instantiate = routes(B, T, d, p)
+        assert torch.allclose(ghost(), instantiate(), rtol=1e-4, atol=1e-5), where  # the same result
+        t_ghost, t_inst = best_ms(ghost, args.rounds), best_ms(instantiate, args.rounds)
+        ratio = T * T * (d + p) / (d * p)
+        picked = "ghost" if ratio < WRITE_COST else "instantiate"
+        faster = "ghost" if t_ghost <= t_inst else "instantiate"
+        right += picked == faster
+        print(f"{where:<32}{B:>5}{T:>5}{f'{d}→{p}':>11}{ratio:>12.0f}{t_ghost:>10.1f}{t_inst:>9.1f}"
+              f"{t_inst / t_ghost:>11.2f}×  {picked}{'' if picked == faster else '  (the other is faster)'}")
+        out.append({"layer": where, "B": B, "T": T, "d": d, "p": p, "gram_ratio": round(ratio, 1),
+                    "ghost_ms": round(t_ghost, 2), "instantiate_ms": round(t_inst, 2), "picked": picked,
+                    "picked_faster": picked == faster})
+    print(f"clipping_routes: WRITE_COST = {WRITE_COST:g}; the rule picked the faster route for {right} of {len(out)}")
+    print(json.dumps({"benchmark": "clipping_routes", "threads": args.threads, "write_cost": WRITE_COST,
+                      "picked_faster": right, "shapes": out}))
+
+
+if __name__ == "__main__":
+    main()
