@@ -219,11 +219,14 @@ def measure(params, args, epsilons, sizes, work: Path, full_dir: Path, rows: Row
     points += [(obj, size, 8.0) for size in reversed(sizes) if size != FULL for obj in args.objectives]
     for obj, size, eps in points:
         name = f"{obj}-n{size}-eps{eps:g}"
-        if rows.get(name) is not None:
-            table[name] = rows.get(name)
-            continue
         p_size = size_params({**params, "dp": {**params["dp"], "objective": obj}}, size, n_full)
         size_dir = work / f"n-{size}"
+        if rows.get(name) is not None:
+            table[name] = rows.get(name)
+            if "noise_per_coordinate" not in table[name]["meta"]:  # a row kept before the column existed
+                prepare(size_dir, p_size, device, None if size == FULL else full_dir)
+                table[name]["meta"].update(read_plan(size_dir, {**p_size, "run": {**p_size["run"], "seed": 0}}, eps))
+            continue
         prepare(size_dir, p_size, device, None if size == FULL else full_dir)
         probe, zero, meta = [], [], []
         for seed in range(args.seeds):
@@ -244,21 +247,31 @@ def measure(params, args, epsilons, sizes, work: Path, full_dir: Path, rows: Row
         print(f"scale_utility: {name:<28} probe {row['probe'].mean():.3f}"
               + (f" zero-shot {row['zero'].mean():.3f}" if row["zero"] is not None else "")
               + f"  n={m['n']} B={m['batch']} T={m['steps']} σ={m['sigma']:.3f} σ/B={m['sigma_over_b']:.2e}"
+              + f" noise/coord={m['noise_per_coordinate']:.2e}"
               + f"  ({m['seconds']:.0f} s, {time.time() - started:.0f} s in all)", flush=True)
     return table, te, chance, scorer.es.name
 
 
 def read_plan(size_dir: Path, p: dict, eps: float) -> dict:
     """The point's schedule and noise: B, T and σ as dp-train plans them (σ = 0 at ε = ∞)."""
-    from pipeline.privacy.plan import plan_mechanism
-
     with inside(size_dir):
         n = read_json("data/shards/stats.json")["private"]["usable"]
+    return schedule(p, n, eps)
+
+
+def schedule(p: dict, n: int, eps: float) -> dict:
+    """B, T, σ and the noise per released coordinate of the point at ε on n private examples."""
+    from pipeline.privacy.plan import plan_mechanism
+
     dp = training.point_params(p, "pretrain", eps)["dp"]
     batch, steps = dp["expected_batch_size"], dp["steps"]
-    sigma = plan_mechanism(dp, n, p["privacy"]["adjacency"]).sigma if math.isfinite(eps) else 0.0
+    plan = plan_mechanism(dp, n, p["privacy"]["adjacency"]) if math.isfinite(eps) else None
+    sigma = plan.sigma if plan else 0.0
+    # What decides utility: the noise std on one coordinate of the released averaged gradient. Per
+    # example σ·C/B, falling with the batch; Dp-CLIP's clipped batch mean carries 2σC whatever B is.
+    noise = plan.noise_std / plan.denominator if plan else 0.0
     return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
-            "epochs": round(batch * steps / n, 2)}
+            "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2)}
 
 
 def scorer_zero_shot(scorer, model, objective, tokenizer, max_len, device) -> np.ndarray:
@@ -313,6 +326,7 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
         if n is not None:
             m = row["meta"]
             r.update(batch=m["batch"], steps=m["steps"], sigma=round(m["sigma"], 4), sigma_over_b=m["sigma_over_b"],
+                     noise_per_coordinate=m["noise_per_coordinate"],
                      epsilon_spent=m["epsilon_spent"], seconds=m["seconds"])
             if name != "synthetic":
                 d = difference_ci(row["probe"], table["synthetic"]["probe"])
@@ -322,12 +336,13 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
                      zero_shot_ci=[round(x, 4) for x in accuracy_ci(row["zero"])])
         out_rows.append(r)
     print(f"\nscale_utility: linear probe on {set_name} ({n_test} test images, {args.seeds} seed(s), {device})")
-    print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8}  {'acc':>6}  95% CI       "
+    print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8} {'noise':>8}  {'acc':>6}  95% CI       "
           "gain over synthetic")
     for r in out_rows:
         eps = "—" if r["epsilon"] is None else ("∞" if r["epsilon"] == "inf" else f"{r['epsilon']:g}")
         sched = (f"{r['n']:>6} {eps:>4} {r['batch']:>5} {r['steps']:>4} {r['sigma']:>6.3f} {r['sigma_over_b']:>8.2e}"
-                 if r["n"] else f"{'':>6} {eps:>4} {'':>5} {'':>4} {'':>6} {'':>8}")
+                 f" {r['noise_per_coordinate']:>8.2e}"
+                 if r["n"] else f"{'':>6} {eps:>4} {'':>5} {'':>4} {'':>6} {'':>8} {'':>8}")
         gain = r.get("gain_over_synthetic")
         print(f"  {(r['objective'] or r['init']):<9} {sched}  {100 * r['acc']:5.1f}%  "
               f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"
@@ -339,7 +354,8 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
         print(f"\nscale_utility: scaling figure ({work / 'scaling.png'}): DP gain over synthetic-only at ε = 8")
         for r in sorted(scaling, key=lambda r: (r["objective"], r["n"])):
             g = r["gain_over_synthetic"]
-            print(f"  {r['objective']:<8} n={r['n']:>6} B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e}  "
+            print(f"  {r['objective']:<8} n={r['n']:>6} B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e} "
+                  f"noise/coord={r['noise_per_coordinate']:.2e}  "
                   f"{100 * g['diff']:+.1f} points (95% CI {100 * g['ci'][0]:+.1f} to {100 * g['ci'][1]:+.1f})")
     print_targets("scale_utility", targets)
     print(f"scale_utility: {seconds:.0f} s this invocation, on {device}")
@@ -350,28 +366,35 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
 
 
 def plot_scaling(rows: list[dict], path: Path) -> None:
-    """The papers' message in one figure: the DP gain over the warm start as n (and B) grow."""
+    """The papers' message in one figure: the DP gain over the warm start as n (and B) grow, beside
+    the noise on the released averaged gradient that explains it (σ·C/B per example; Dp-CLIP's
+    per-batch 2σC does not shrink with B)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (gain_ax, noise_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for obj in sorted({r["objective"] for r in rows}):
         rs = sorted((r for r in rows if r["objective"] == obj), key=lambda r: r["n"])
         n = np.array([r["n"] for r in rs])
         g = np.array([[r["gain_over_synthetic"]["diff"], *r["gain_over_synthetic"]["ci"]] for r in rs]) * 100
-        ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3, label=obj)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xscale("log")
+        gain_ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3, label=obj)
+        noise_ax.plot(n, [r["noise_per_coordinate"] for r in rs], marker="o", label=obj)
+    gain_ax.axhline(0, color="grey", lw=0.8)
     sizes = sorted({r["n"] for r in rows})  # one labelled tick per size: log-scale minor labels collide
-    ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("private examples n (expected batch B = q·n, q and steps fixed)")
-    ax.set_ylabel("linear probe: DP ε=8 − synthetic-only (points)")
-    ax.set_title("DP gain over the synthetic warm start against n (95% CI)")
-    ax.legend()
+    for ax in (gain_ax, noise_ax):
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("private examples n (expected batch B = q·n, q and steps fixed)")
+        ax.legend()
+    gain_ax.set_ylabel("linear probe: DP ε=8 − synthetic-only (points)")
+    gain_ax.set_title("DP gain over the synthetic warm start (95% CI)")
+    noise_ax.set_yscale("log")
+    noise_ax.set_ylabel("noise std per coordinate of the released mean")
+    noise_ax.set_title("per example σC/B falls with n; per batch (clip) 2σC stays")
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
