@@ -213,6 +213,8 @@ class Trainer:
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
+        if dp["compile"]:  # after the clipper's hooks, which the compiled call runs (same numbers)
+            model.compile()
         if not private and plan.sigma:
             raise ValueError("a non-private training takes its plan's without_noise()")
         sampler = PoissonSampler(plan.n, plan.sample_rate, key)
