@@ -7,7 +7,10 @@ Memory: each (model, engine) pair runs in a fresh subprocess, so its peak is its
 resident memory of one step minus the resident memory before it (model built, one warm-up step
 done). Ends with one JSON line of the ratios to non-private.
 
-    python benchmarks/dp_overhead.py [--rounds 5] [--threads 2] [--quick] [--models mae-tiny,...]
+    python benchmarks/dp_overhead.py [--rounds 5] [--threads 2] [--quick] [--models mae-tiny,...] [--compile]
+
+--compile compiles the model of each of our engines as `dp.compile` does (after the clipper's hooks;
+round 0, untimed, compiles); Opacus, which backpropagates twice, is left out.
 
 Rows: the three objectives at 32 px (ViT width 384, patch 4, batch 32), and at 224 px with a
 ViT-S/16 (width 384, 12 blocks, 6 heads: the project's `tiny` size; batch 8 on a CPU). Opacus beside
@@ -50,7 +53,7 @@ def rss_mb() -> float:
     return status_kib(os.getpid(), ("VmRSS",)).get("VmRSS", float("nan")) / 1024
 
 
-def _setup(model_name: str, engines: list[str], threads: int):
+def _setup(model_name: str, engines: list[str], threads: int, compile: bool = False):
     import warnings
 
     import torch
@@ -74,6 +77,8 @@ def _setup(model_name: str, engines: list[str], threads: int):
         model = build_model(objective, cfg)
         clippers[engine] = make_clipper(OBJECTIVES[objective].clipping, model, 1.0,
                                         "plain" if engine == "nonprivate" else engine)
+        if compile:
+            model.compile()
     return clippers, batch
 
 
@@ -82,9 +87,9 @@ def _step(clipper, batch) -> None:
     clipper.accumulate(*batch)
 
 
-def time_engines(model_name: str, engines: list[str], rounds: int, threads: int) -> dict:
+def time_engines(model_name: str, engines: list[str], rounds: int, threads: int, compile: bool = False) -> dict:
     """Runs inside a subprocess: median seconds per step of each engine, interleaved rounds."""
-    clippers, batch = _setup(model_name, engines, threads)
+    clippers, batch = _setup(model_name, engines, threads, compile)
     times = {e: [] for e in engines}
     for r in range(rounds + 1):  # round 0 warms up
         for e, c in clippers.items():
@@ -95,9 +100,9 @@ def time_engines(model_name: str, engines: list[str], rounds: int, threads: int)
     return {e: {"s_per_step": statistics.median(t), "mode": clippers[e].mode} for e, t in times.items()}
 
 
-def peak_memory(model_name: str, engine: str, threads: int) -> dict:
+def peak_memory(model_name: str, engine: str, threads: int, compile: bool = False) -> dict:
     """Runs inside a subprocess: peak resident MB of one step above the resident MB before it."""
-    clippers, batch = _setup(model_name, [engine], threads)
+    clippers, batch = _setup(model_name, [engine], threads, compile)
     _step(clippers[engine], batch)
     base = rss_mb()
     _step(clippers[engine], batch)
@@ -129,6 +134,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="only the MAE row, 2 rounds")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every engine's model (dp.compile)")
     ap.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)}")
     args = ap.parse_args()
     models = ["mae-tiny"] if args.quick else args.models.split(",") if args.models else list(MODELS)
@@ -139,9 +145,10 @@ def main() -> None:
     print(f"{'model':<20}{'engine':<14}{'s/step':>9}{'x time':>8}{'peak MB':>9}{'x mem':>7}")
     ratios = {}
     for m in models:
-        engines = engines_for(m)
-        timed = in_subprocess(f"time_engines({m!r}, {engines!r}, {rounds}, {args.threads})")
-        memory = {e: in_subprocess(f"peak_memory({m!r}, {e!r}, {args.threads})")["peak_mb"] for e in engines}
+        engines = [e for e in engines_for(m) if not (args.compile and e.startswith("opacus"))]  # Opacus
+        # backpropagates twice through a graph, which a compiled backward refuses
+        timed = in_subprocess(f"time_engines({m!r}, {engines!r}, {rounds}, {args.threads}, {args.compile})")
+        memory = {e: in_subprocess(f"peak_memory({m!r}, {e!r}, {args.threads}, {args.compile})")["peak_mb"] for e in engines}
         base_t, base_m = timed["nonprivate"]["s_per_step"], memory["nonprivate"]
         for e in engines:
             tx = timed[e]["s_per_step"] / base_t
@@ -152,7 +159,7 @@ def main() -> None:
             print(f"{m:<20}{e:<14}{timed[e]['s_per_step']:>9.3f}{tx:>8.2f}{memory[e]:>9.0f}{mx:>7.2f}{note}")
             if e != "nonprivate":
                 ratios[f"{m}/{e}"] = {"time": round(tx, 3), "memory": round(mx, 3)}
-    print(json.dumps({"benchmark": "dp_overhead", "threads": args.threads, "rounds": rounds,
+    print(json.dumps({"benchmark": "dp_overhead", "threads": args.threads, "rounds": rounds, "compile": args.compile,
                       "targets": {"bookkeeping_time": TARGET, "bookkeeping_memory": TARGET}, "ratios": ratios}))
 
 
