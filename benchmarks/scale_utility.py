@@ -2,6 +2,7 @@
 
     python -m benchmarks.scale_utility [--dir DIR] [--objectives mae caption clip] [--sizes 2000 6000 20000 full]
                                        [--epsilons 1 8 inf] [--seeds 1] [--validate] [--set SECTION.KEY=VALUE ...]
+    python -m benchmarks.scale_utility --dir DIR --figure-from OUTPUT [OUTPUT ...]
 
 Fashion-MNIST (`make fashion-mnist` first) stands in for the private data: its 60,000-image private
 split (`shards.eval_fraction` 1/7 of each class, by a public seed) is what DP training reads, and
@@ -165,7 +166,12 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true", help="score on a split of probe-train (choosing a recipe)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override the recipe (as `dpfm --set`)")
+    ap.add_argument("--figure-from", nargs="+", metavar="OUTPUT", type=Path,
+                    help="train nothing: draw DIR/scaling.png from the scaling rows of earlier runs' printed "
+                         "output (one objective per recipe: each objective's own schedule in one figure)")
     args = ap.parse_args()
+    if args.figure_from:
+        return combined_figure(args.figure_from, Path(args.dir or tempfile.mkdtemp(prefix="dpfm-scale-")))
     epsilons = sorted(parse_epsilon(e) for e in args.epsilons)
     sizes = [s for s in args.sizes if s != FULL] + [FULL]  # the full split last: it is also the main table
     params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *args.set])
@@ -366,6 +372,22 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
     sys.exit(0 if all(t["passed"] for t in targets.values()) else 1)
 
 
+def combined_figure(outputs: list[Path], work: Path) -> None:
+    """The scaling rows (ε = 8, every n) of each output's JSON line, in one figure."""
+    rows = []
+    for path in outputs:
+        lines = [line for line in path.read_text().splitlines() if line.startswith('{"benchmark": "scale_utility"')]
+        if not lines:
+            raise SystemExit(f"{path}: no scale_utility JSON line (the last line a finished run prints)")
+        found = [r for r in json.loads(lines[-1])["rows"] if r["n"] and r["epsilon"] == 8.0]
+        if any("noise_per_coordinate" not in r for r in found):
+            raise SystemExit(f"{path}: printed before the noise column existed; run its command again (rows are kept)")
+        rows += found
+    work.mkdir(parents=True, exist_ok=True)
+    plot_scaling(rows, work / "scaling.png")
+    print(f"scale_utility: {work / 'scaling.png'} from {len(rows)} rows of {len(outputs)} run(s)")
+
+
 def plot_scaling(rows: list[dict], path: Path) -> None:
     """The papers' message in one figure: the DP gain over the warm start as n (and B) grow, beside
     the noise on the released averaged gradient that explains it (σ·C/B per example; Dp-CLIP's
@@ -381,8 +403,9 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
         rs = sorted((r for r in rows if r["objective"] == obj), key=lambda r: r["n"])
         n = np.array([r["n"] for r in rs])
         g = np.array([[r["gain_over_synthetic"]["diff"], *r["gain_over_synthetic"]["ci"]] for r in rs]) * 100
-        gain_ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3, label=obj)
-        noise_ax.plot(n, [r["noise_per_coordinate"] for r in rs], marker="o", label=obj)
+        label = f"{obj} (B = {rs[-1]['batch']:,} × {rs[-1]['steps']} steps at n = {rs[-1]['n']:,})"
+        gain_ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3, label=label)
+        noise_ax.plot(n, [r["noise_per_coordinate"] for r in rs], marker="o", label=label)
     gain_ax.axhline(0, color="grey", lw=0.8)
     sizes = sorted({r["n"] for r in rows})  # one labelled tick per size: log-scale minor labels collide
     for ax in (gain_ax, noise_ax):
@@ -390,7 +413,7 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
         ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("private examples n (expected batch B = q·n, q and steps fixed)")
-        ax.legend()
+        ax.legend(fontsize=7)
     gain_ax.set_ylabel("linear probe: DP ε=8 − synthetic-only (points)")
     gain_ax.set_title("DP gain over the synthetic warm start (95% CI)")
     noise_ax.set_yscale("log")

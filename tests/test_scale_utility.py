@@ -1,11 +1,13 @@
 """benchmarks/scale_utility.py: its targets can fail, its sizes keep q and T, and its rows resume."""
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from benchmarks.scale_utility import FULL, RECIPE, ROOT, Rows, check_targets, schedule, size_params, validation_split
+from benchmarks.scale_utility import (FULL, RECIPE, ROOT, Rows, check_targets, combined_figure, schedule, size_params,
+                                      validation_split)
 from pipeline.config import load_params
 
 EPSILONS = [1.0, 8.0, math.inf]
@@ -94,3 +96,22 @@ def test_noise_per_coordinate_falls_with_n_per_example_but_not_per_batch(objecti
         assert ratio == pytest.approx(10.0, rel=0.01)
         assert full["noise_per_coordinate"] == pytest.approx(full["sigma"] * params["dp"]["clip_norm"] / 1024)
     assert schedule(params, 60000, math.inf)["noise_per_coordinate"] == 0.0
+
+
+def test_one_figure_from_several_runs(tmp_path):
+    """Each objective's own schedule is its own recipe (its own run); --figure-from draws them together."""
+    def output(obj, noise):
+        rows = [{"objective": None, "init": "synthetic", "epsilon": None, "n": None}]
+        rows += [{"objective": obj, "epsilon": 8.0, "n": n, "batch": n // 60, "steps": 300, "noise_per_coordinate": noise(n),
+                  "gain_over_synthetic": {"diff": 0.01, "ci": [0.0, 0.02]}} for n in (2000, 60000)]
+        rows.append({**rows[-1], "epsilon": "inf"})  # not a scaling row
+        path = tmp_path / f"{obj}.out"
+        path.write_text("progress lines\n" + json.dumps({"benchmark": "scale_utility", "rows": rows}) + "\n")
+        return path
+
+    outputs = [output("mae", lambda n: 60 / n), output("clip", lambda n: 1.2)]
+    combined_figure(outputs, tmp_path / "fig")
+    assert (tmp_path / "fig" / "scaling.png").stat().st_size > 10_000
+    (tmp_path / "empty.out").write_text("killed before the end\n")
+    with pytest.raises(SystemExit, match="empty.out: no scale_utility JSON line"):
+        combined_figure([outputs[0], tmp_path / "empty.out"], tmp_path / "fig")
