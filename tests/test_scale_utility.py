@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.scale_utility import (FULL, RECIPE, ROOT, Rows, check_targets, combined_figure, schedule, size_params,
-                                      validation_split)
+from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, Rows, check_targets, combined_figure, schedule,
+                                      size_params, validation_split)
 from pipeline.config import load_params
 
 EPSILONS = [1.0, 8.0, math.inf]
@@ -85,7 +85,8 @@ def test_rows_are_kept_whole_and_read_back(tmp_path):
 def test_noise_per_coordinate_falls_with_n_per_example_but_not_per_batch(objective):
     """The scaling figure's second panel: at fixed q and T, σ barely moves (δ = 1/2n does), so per-example noise on the
     averaged gradient (σC/B) falls 10x from 6k to 60k; Dp-CLIP's clipped batch mean carries 2σC at every n."""
-    params = load_params(str(ROOT / "params.yaml"), [*RECIPE, f"dp.objective={objective}", "dp.epsilon=8"])
+    params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[objective], f"dp.objective={objective}",
+                                                          "dp.epsilon=8"])
     small, full = (schedule(size_params(params, size, 60000), n, 8.0) for size, n in (("6000", 6000), (FULL, 60000)))
     assert small["sigma"] == pytest.approx(full["sigma"], rel=0.1)  # only δ = 1/2n moves it
     ratio = (small["noise_per_coordinate"] / full["noise_per_coordinate"]) / (small["sigma"] / full["sigma"])
@@ -94,7 +95,7 @@ def test_noise_per_coordinate_falls_with_n_per_example_but_not_per_batch(objecti
         assert full["noise_per_coordinate"] == pytest.approx(2 * full["sigma"] * params["dp"]["clip_norm"])
     else:
         assert ratio == pytest.approx(10.0, rel=0.01)
-        assert full["noise_per_coordinate"] == pytest.approx(full["sigma"] * params["dp"]["clip_norm"] / 1024)
+        assert full["noise_per_coordinate"] == pytest.approx(full["sigma"] * params["dp"]["clip_norm"] / params["dp"]["expected_batch_size"])
     assert schedule(params, 60000, math.inf)["noise_per_coordinate"] == 0.0
 
 
