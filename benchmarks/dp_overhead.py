@@ -2,7 +2,8 @@
 non-private training, our book-keeping engine, and Opacus's hooks and ghost modes.
 
 Time: all engines of a model run in one process on identical copies of the model, in interleaved
-rounds, and the median round counts, so a change of machine load hits every engine alike.
+rounds, and the median round counts, so a change of machine load hits every engine alike; freed
+memory stays in the heap as in training (`pipeline.train.keep_freed_memory`).
 Memory: each (model, engine) pair runs in a fresh subprocess, so its peak is its own: the peak
 resident memory of one step minus the resident memory before it (model built, one warm-up step
 done). Ends with one JSON line of the ratios to non-private.
@@ -88,7 +89,11 @@ def _step(clipper, batch) -> None:
 
 
 def time_engines(model_name: str, engines: list[str], rounds: int, threads: int, compile: bool = False) -> dict:
-    """Runs inside a subprocess: median seconds per step of each engine, interleaved rounds."""
+    """Runs inside a subprocess: median seconds per step of each engine, interleaved rounds, with the
+    heap kept as training keeps it."""
+    from pipeline.train import keep_freed_memory
+
+    keep_freed_memory()
     clippers, batch = _setup(model_name, engines, threads, compile)
     times = {e: [] for e in engines}
     for r in range(rounds + 1):  # round 0 warms up
@@ -101,7 +106,13 @@ def time_engines(model_name: str, engines: list[str], rounds: int, threads: int,
 
 
 def peak_memory(model_name: str, engine: str, threads: int, compile: bool = False) -> dict:
-    """Runs inside a subprocess: peak resident MB of one step above the resident MB before it."""
+    """Runs inside a subprocess: peak resident MB of one step above the resident MB before it. Every
+    block above 64 KB gets its own mapping, returned when freed, so resident memory follows the live
+    tensors (glibc's adaptive defaults made the same figure move by ±30% from run to run, and a heap
+    kept as training keeps it would hold the warm-up step's peak before the step)."""
+    from pipeline.train import heap_policy
+
+    heap_policy(64 << 10, 0)
     clippers, batch = _setup(model_name, [engine], threads, compile)
     _step(clippers[engine], batch)
     base = rss_mb()
@@ -109,8 +120,9 @@ def peak_memory(model_name: str, engine: str, threads: int, compile: bool = Fals
     return {"peak_mb": max(0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base)}
 
 
-def in_subprocess(call: str) -> dict:
-    code = f"import json,sys; sys.path.insert(0, '.'); from benchmarks.dp_overhead import *; print(json.dumps({call}))"
+def in_subprocess(call: str, module: str = "benchmarks.dp_overhead") -> dict:
+    """`call` (Python, a function of `module`) in a fresh interpreter: its JSON-able result."""
+    code = f"import json,sys; sys.path.insert(0, '.'); from {module} import *; print(json.dumps({call}))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"

@@ -4,9 +4,11 @@ and the loop itself. What one step computes is the caller's `step_fn`."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +175,35 @@ class Schedule:
     log_every: int = 10
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+HEAP_LIMIT = 1 << 30  # blocks up to this size are reused from the heap, and this much may stay free on top
+
+
+def heap_policy(mmap_threshold: int, trim_threshold: int) -> bool:
+    """glibc's heap: blocks above `mmap_threshold` bytes get mappings of their own (returned on free),
+    and free memory above `trim_threshold` at the heap's top goes back to the OS. Returns whether glibc
+    took both (elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, ...)
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+def keep_freed_memory() -> bool:
+    """Keep the memory a step frees in this process's heap for the next step (glibc; elsewhere a no-op).
+
+    By default glibc serves blocks above a threshold (at most 32 MB) from fresh mappings and hands the
+    top of its heap back to the OS once twice that lies free, so every step faults its pages in again.
+    A book-keeping step holds each layer's output gradient until the norms are known and swings the
+    heap more: on the CPU recipe's captioner (batch 256) the clipped step ran 7% faster and the
+    non-private one 3%, with peak memory 4% higher (benchmarks/dp_time_breakdown.py). Returns whether
+    it applied. Older glibc refuses thresholds above 32 MB: then 32 MB."""
+    return heap_policy(HEAP_LIMIT, HEAP_LIMIT) or heap_policy(32 << 20, HEAP_LIMIT)
+
+
 def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dict], checkpointer: Checkpointer,
              desc: str, log: Callable[[int, dict], None] | None = None, world: World = World(),
              timed: bool = True) -> TrainState:
@@ -183,6 +214,7 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
     every `log_every` steps go to the history and `log`. A SIGTERM or Ctrl-C ends the run after the
     step in flight, with a checkpoint (`Stopped`).
     """
+    keep_freed_memory()
     saved = checkpointer.load()
     if saved is not None:
         state.restore(saved)

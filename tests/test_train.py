@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,3 +144,33 @@ def test_run_loop_resumes_exactly(tmp_path):
     assert [m["loss"] for m in history["metrics"]] == [m["loss"] for m in straight_history["metrics"]]
     assert [round(m["lr"], 12) for m in history["metrics"]] == [round(train.lr_at(s, 0.01, 2, 10), 12)
                                                                 for s in range(10)]
+
+
+REFAULTS = """
+import resource, sys
+import torch
+from pipeline.train import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "kept" else False
+faults = []
+for _ in range(12):  # a step's worth of memory, freed and asked for again: 16 MB and 64 MB blocks
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(4 << 20), torch.ones(16 << 20)]
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del blocks
+print(applied, min(faults[-4:]))  # the heap settles within a few steps; glibc's default never reuses
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+def test_kept_heap_serves_the_next_step_without_faulting_its_pages_in_again():
+    """What keep_freed_memory buys (benchmarks/dp_time_breakdown.py): glibc's defaults map blocks above
+    32 MB afresh and fault their pages in on every step; with the heap kept, the next step reuses them."""
+    out = {}
+    for heap in ("default", "kept"):
+        proc = subprocess.run([sys.executable, "-c", REFAULTS, heap], capture_output=True, text=True, check=True)
+        applied, faults = proc.stdout.split()
+        out[heap] = (applied == "True", int(faults))
+    pages = (80 << 20) // 4096
+    assert out["kept"][0]
+    assert out["default"][1] > pages // 4  # the 64 MB block faulted in again
+    assert out["kept"][1] < pages // 20

@@ -31,8 +31,9 @@ from torch.func import functional_call, grad, vmap
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
 
 # Per-example gradients instantiated for speed may hold this share of the floats the layers' inputs and
-# output gradients take (and a non-private backward holds too). 0.1 keeps ViT-S/16 at 224 px within
-# 1.0× of non-private memory (0.25 reached 1.2-1.5×: benchmarks/dp_overhead.py).
+# output gradients take (and a non-private backward holds too). On the 224 px captioner (ViT-S/16,
+# batch 8; benchmarks/dp_overhead.py, peak live memory against the non-private step): 0 gives 1.24×,
+# 0.1 gives 1.29×, 1.0 gives 1.44× (and 1.10× time, against 1.19× at 0.1: dp_time_breakdown.py).
 HELD_BUDGET = 0.1
 
 
