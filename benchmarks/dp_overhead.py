@@ -13,8 +13,9 @@ done). Ends with one JSON line of the ratios to non-private.
 --compile compiles the model of each of our engines as `dp.compile` does (after the clipper's hooks;
 round 0, untimed, compiles); Opacus, which backpropagates twice, is left out.
 
-Rows: the three objectives at 32 px (ViT width 384, patch 4, batch 32), and at 224 px with a
-ViT-S/16 (width 384, 12 blocks, 6 heads: the project's `tiny` size; batch 8 on a CPU). Opacus beside
+Rows: the three objectives at 32 px (ViT width 384, patch 4, batch 32), the CPU recipe's captioner
+(width 96, batch 256), and at 224 px with a ViT-S/16 (width 384, 12 blocks, 6 heads: the project's
+`tiny` size; batch 8 on a CPU). Opacus beside
 the MAE at 32 px. Target: every book-keeping ratio <= 1.1, time and memory.
 """
 
@@ -35,6 +36,9 @@ MODELS = {
                                    "text_width": 384, "text_depth": 4, "text_heads": 6, "max_len": 16}, 32),
     "clip-tiny": ("clip", {"size": "tiny", "img_size": 32, "patch_size": 4, "vocab_size": 1000,
                            "text_width": 384, "text_depth": 4, "text_heads": 6, "max_len": 16}, 32),
+    # The CPU recipe's captioner (params.yaml, benchmarks/scale_utility.py) at its physical batch.
+    "captioner-cpu": ("caption", {"size": "cpu", "img_size": 32, "patch_size": 4, "vocab_size": 512,
+                                  "max_len": 14}, 256),
     # ViT-S/16 at 224 px: 196 patches, the papers' resolution.
     "mae-s16-224": ("mae", {"size": "tiny", "img_size": 224, "patch_size": 16}, 8),
     "captioner-s16-224": ("caption", {"size": "tiny", "img_size": 224, "patch_size": 16, "vocab_size": 1000,

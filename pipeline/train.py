@@ -198,9 +198,10 @@ def keep_freed_memory() -> bool:
     By default glibc serves blocks above a threshold (at most 32 MB) from fresh mappings and hands the
     top of its heap back to the OS once twice that lies free, so every step faults its pages in again.
     A book-keeping step holds each layer's output gradient until the norms are known and swings the
-    heap more: on the CPU recipe's captioner (batch 256) the clipped step ran 7% faster and the
-    non-private one 3%, with peak memory 4% higher (benchmarks/dp_time_breakdown.py). Returns whether
-    it applied. Older glibc refuses thresholds above 32 MB: then 32 MB."""
+    heap more, so it lost 2-6% of its time to those page faults (`python -m benchmarks.dp_time_breakdown`
+    shows the step with the default heap and kept). Between steps the process stays near its peak;
+    the peak grew 2.5% (1,293 → 1,325 MB, four clipped steps of the CPU recipe's captioner at batch
+    256). Returns whether it applied. Older glibc refuses thresholds above 32 MB: then 32 MB."""
     return heap_policy(HEAP_LIMIT, HEAP_LIMIT) or heap_policy(32 << 20, HEAP_LIMIT)
 
 
