@@ -6,7 +6,8 @@ rounds, and the median round counts, so a change of machine load hits every engi
 memory stays in the heap as in training (`pipeline.train.keep_freed_memory`).
 Memory: each (model, engine) pair runs in a fresh subprocess, so its peak is its own: the peak
 resident memory of one step minus the resident memory before it (model built, one warm-up step
-done). Ends with one JSON line of the ratios to non-private.
+done), with every block above 64 KB mapped on its own so that resident memory follows the live
+tensors. Ends with one JSON line of the ratios to non-private.
 
     python benchmarks/dp_overhead.py [--rounds 5] [--threads 2] [--quick] [--models mae-tiny,...] [--compile]
 

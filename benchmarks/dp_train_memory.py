@@ -48,15 +48,18 @@ def write_project(directory: Path, n: int) -> Path:
     from pipeline.data.shards import ShardWriter, encode_png
     from pipeline.io import write_json
 
+    # The params and schema are this checkout's on every run: shards reused from an earlier run must not
+    # bring an older params.yaml with them.
+    shutil.rmtree(directory / "schemas", ignore_errors=True)
+    shutil.copytree(ROOT / "schemas", directory / "schemas")
+    shutil.copy(ROOT / "params.yaml", directory / "params.yaml")
     if (directory / "data/shards/stats.json").exists():
-        return directory  # reused from an earlier run
+        return directory  # shards reused from an earlier run
     rng = np.random.default_rng(n)
     for split, count in (("private", n), ("eval", 64)):
         with ShardWriter(directory / "data/shards" / split, prefix=split, samples_per_shard=5000) as w:
             for i in range(count):
                 w.write(f"{split}{i:09d}", encode_png(image(rng)), "a picture", {})
-    shutil.copytree(ROOT / "schemas", directory / "schemas")
-    shutil.copy(ROOT / "params.yaml", directory / "params.yaml")
     write_json(directory / "data/shards/stats.json", {"source": "benchmark", "private": {"usable": n, "rows": n},
                                                       "eval": {"usable": 64, "rows": 64}})
     return directory
