@@ -10,7 +10,8 @@ with glibc's default heap and once with the heap kept as training keeps it (a fr
   non-private   forward + backward to the layers' inputs (weights frozen), and the weight gradients
                 (the rest of the step)
   book-keeping  forward + backward (the hooks keep each layer's input and output gradient; no weight
-                gradients), Gram products (ghost norms), per-example gradients (instantiated layers),
+                gradients), Gram products (ghost norms), per-example gradients (instantiated layers,
+                LayerNorms' inside the backward, counted here),
                 clipped sums (ghost layers: one weight gradient's worth each), and the rest (norms of
                 instantiated gradients, clip factors, their weighted sums)
 
@@ -97,12 +98,12 @@ def breakdown(model_name: str, rounds: int, threads: int, keep_heap: bool) -> di
     backward_of = bk._backward
     bk_backward = []
 
-    def timed_backward(b):
-        t0 = time.perf_counter()
+    def timed_backward(b):  # without the rules' work done inside it (layers reduced as their gradient arrives)
+        t0, in_rules = time.perf_counter(), sum(clock.seconds.values())
         try:
             return backward_of(b)
         finally:
-            bk_backward[-1] = time.perf_counter() - t0
+            bk_backward[-1] = time.perf_counter() - t0 - (sum(clock.seconds.values()) - in_rules)
 
     bk._backward = timed_backward
     samples = {k: [] for k in ("np_step", "np_frozen", "bk_step", "bk_backward", *PHASES)}

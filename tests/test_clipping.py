@@ -12,13 +12,17 @@ from scipy import stats
 from pipeline.models import build_model
 from pipeline.models.layers import ClassToken
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, VmapClipper
+from pipeline.objectives import OBJECTIVES
 from pipeline.privacy.engine import add_noise, make_clipper
+from live_memory import LiveTensorBytes
 
 torch.manual_seed(0)
 
 
 class AllLayers(nn.Module):
-    """Every supported layer type, one Linear used twice, an Embedding with repeated ids."""
+    """Every supported layer type, one Linear and one LayerNorm used twice, an Embedding with repeated
+    ids. With 10 tokens of width 8, `shared` and `head` have per-example gradients no larger than their
+    output gradients: the clipper instantiates them inside the backward wherever it instantiates."""
 
     def __init__(self):
         super().__init__()
@@ -30,7 +34,7 @@ class AllLayers(nn.Module):
 
     def forward(self, ids, x):
         h = torch.cat([self.cls(ids), self.emb(ids)], dim=1) + x
-        h = self.shared(torch.tanh(self.shared(self.norm(h))))
+        h = self.norm(self.shared(torch.tanh(self.shared(self.norm(h)))))
         return self.head(h).pow(2).mean((1, 2))
 
 
@@ -60,7 +64,7 @@ def cases():
     return {
         "mae": (mae, (imgs, torch.rand(6, 16))),
         "caption": (cap, (imgs, tokens)),
-        "all_layers": (AllLayers(), (torch.randint(0, 4, (6, 5)), torch.randn(6, 6, 8))),
+        "all_layers": (AllLayers(), (torch.randint(0, 4, (6, 9)), torch.randn(6, 10, 8))),
     }
 
 
@@ -121,6 +125,33 @@ def test_mixed_routes_within_the_memory_budget_are_exact(monkeypatch):
     ghost_calls.clear()
     clipped_sum(BookKeepingClipper, wrapped, batch, clip_norm, held_budget=0.0)
     assert ghost_calls == [model[0], model[2]]  # no budget: nothing instantiated that holds more
+
+
+def peak_live_bytes(objective: str, method: str) -> int:
+    """Tensor bytes held at the peak of one step of the CPU recipe's model (width 96, 65 tokens)."""
+    torch.manual_seed(0)
+    model = build_model(objective, {"size": "cpu", "vocab_size": 512, "max_len": 14})
+    imgs = torch.randn(16, 3, 32, 32)
+    batch = (imgs, torch.rand(16, 64)) if OBJECTIVES[objective].masks else (imgs, torch.randint(4, 512, (16, 14)))
+    clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, method)
+    clipper.reset()
+    clipper.accumulate(*batch)  # the warm-up step
+    with LiveTensorBytes() as live:
+        clipper.reset()
+        clipper.accumulate(*batch)
+    return live.peak
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_a_clipped_step_holds_at_most_a_tenth_more_memory_than_a_nonprivate_one(objective):
+    assert peak_live_bytes(objective, "bookkeeping") <= 1.1 * peak_live_bytes(objective, "plain")
+
+
+def test_the_memory_check_catches_layer_norms_held_to_the_end_of_the_backward(monkeypatch):
+    """Each LayerNorm's input and output gradient held until every norm is known (as before their
+    per-example gradients were taken inside the backward) is a fifth of the clipped step's memory."""
+    monkeypatch.setattr(BookKeepingClipper, "_reduce_now", lambda self, record: False)
+    assert peak_live_bytes("caption", "bookkeeping") > 1.1 * peak_live_bytes("caption", "plain")
 
 
 class NoClipping(BookKeepingClipper):

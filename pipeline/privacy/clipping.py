@@ -6,7 +6,10 @@ division) is `engine.dp_step`; nothing here adds noise.
   per layer and example, everything its per-example gradient is made of (the rules in
   layer_rules.py). Norms are summed over layers, c_i = min(1, C/‖g_i‖), and Σ_i c_i g_i is formed
   from the same tensors: no second backward. Parameters are held out of autograd (requires_grad
-  off) so the backward computes only what the hooks read.
+  off) so the backward computes only what the hooks read. A layer whose per-example gradients take
+  no more floats than its output gradient (LayerNorm: B·2d against B·T·d) is reduced to them
+  inside the backward, as its output gradient arrives: holding every LayerNorm's input and output
+  gradient to the end took the clipped step from about 1.05× to 1.2-1.3× the non-private memory.
 - `VmapClipper`: the reference, per-example gradients from torch.func (any layer, O(B·params) memory).
 - `PerBatchClipper`: for batch-coupled losses (CLIP); the batch gradient, clipped once after the
   ranks' parts are summed (`finish`).
@@ -31,10 +34,12 @@ from torch.func import functional_call, grad, vmap
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
 
 # Per-example gradients instantiated for speed may hold this share of the floats the layers' inputs and
-# output gradients take (and a non-private backward holds too). On the 224 px captioner (ViT-S/16,
-# batch 8; benchmarks/dp_overhead.py, peak live memory against the non-private step): 0 gives 1.24×,
-# 0.1 gives 1.29×, 1.0 gives 1.44× (and 1.10× time, against 1.19× at 0.1: dp_time_breakdown.py).
-HELD_BUDGET = 0.1
+# output gradients take (and a non-private backward holds too): memory traded for time. Peak live
+# memory against the non-private step (benchmarks/dp_overhead.py), time in brackets, at 0 / 0.04 / 0.1:
+# the CPU recipe's captioner (width 96, batch 256) 1.085 / 1.086 / 1.14 (1.32 / ~1.26 / 1.19); the
+# 224 px captioner (ViT-S/16, batch 8) 1.011 / 1.044 / 1.11 (1.23 / ~1.21 / 1.20). 0.04 is the most
+# that keeps every model within 1.1× memory (tests/test_clipping.py checks the recipe's models).
+HELD_BUDGET = 0.04
 
 
 @dataclass
@@ -77,6 +82,10 @@ def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, t
     finite = torch.isfinite(norms)
     factors = torch.where(finite, (clip_norm / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
     return factors, finite
+
+
+def _floats(r) -> int:
+    return r.grad.numel() + (0 if r.activation is None else r.activation.numel())
 
 
 def fp32_only(device: torch.device):
@@ -124,6 +133,8 @@ class BookKeepingClipper(ClippedSum):
         self.ghost, self.held_budget = ghost, held_budget
         self._names = {id(p): n for n, p in self.params.items()}
         self._records: list[_Record] = []
+        self._reduced: dict[int, tuple[nn.Module, dict[str, torch.Tensor]]] = {}  # module id -> per-example grads
+        self._reduced_floats = 0  # the inputs and output gradients those replaced (for the held budget)
         self._capturing = False
         for m in model.modules():
             if rule_for(m) is not None and any(p.requires_grad for p in m.parameters(recurse=False)):
@@ -135,16 +146,44 @@ class BookKeepingClipper(ClippedSum):
         rule = rule_for(module)
         record = _Record(module, rule, inputs[0].detach() if rule.needs_input else None)
         self._records.append(record)
-        if not output.requires_grad:  # a layer fed only by data/ids: start the graph here
-            output = output.detach().requires_grad_(True)
-        output.register_hook(lambda g: setattr(record, "grad", g.detach()))
+        if not output.requires_grad:  # a layer fed only by data/ids: start the graph here, with a zero
+            # leaf added (the output made a leaf itself would stay alive, with its .grad, to the end)
+            output = output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
+        output.register_hook(lambda g: self._output_grad(record, g.detach()))
         return output
+
+    def _output_grad(self, record: _Record, g: torch.Tensor) -> None:
+        record.grad = g
+        if self._reduce_now(record):
+            self._fp32(record)
+            with fp32_only(g.device):
+                per = self._reduced.setdefault(id(record.module), (record.module, {}))[1]
+                for k, v in record.rule.per_sample(record.module, record.activation, record.grad).items():
+                    per[k] = per[k] + v if k in per else v  # a reused layer: its calls summed per example
+            self._reduced_floats += _floats(record)
+            record.activation = record.grad = None
+
+    def _reduce_now(self, r: _Record) -> bool:
+        """Instantiate inside the backward where that is the layer's route anyway and the per-example
+        gradients are no larger than the output gradient alone: the input may be shared with other
+        layers or saved by autograd, so dropping it need not free anything."""
+        instantiate = not r.rule.has_ghost or self.ghost is False or (
+            self.ghost is None and not r.rule.ghost_is_faster(r.module, r.activation, r.grad))
+        per_example = r.rule.held_if_instantiated(r.module, r.activation, r.grad) + _floats(r)
+        return instantiate and per_example <= r.grad.numel()
+
+    def _fp32(self, r: _Record) -> None:
+        """fp32 from here on (no copy when they already are, and no fp16 loss scale)."""
+        r.grad = r.grad.float() if self.loss_scale == 1 else r.grad.float() / self.loss_scale
+        if r.activation is not None and r.activation.is_floating_point():
+            r.activation = r.activation.float()
 
     @contextlib.contextmanager
     def _capture(self):
         for p in self.params.values():
             p.requires_grad_(False)
         self._records, self._capturing = [], True
+        self._reduced, self._reduced_floats = {}, 0
         try:
             yield
         finally:
@@ -157,12 +196,10 @@ class BookKeepingClipper(ClippedSum):
             with self.autocast():
                 losses = self.model(*batch)
             (losses.float().sum() * self.loss_scale).backward()
-        records = [r for r in self._records if r.grad is not None]  # calls that did not reach the loss: none
+        records = [r for r in self._records if r.grad is not None]  # not reduced, and reached the loss
         self._records = []
-        for r in records:  # fp32 from here on (no copy when they already are, and no fp16 loss scale)
-            r.grad = r.grad.float() if self.loss_scale == 1 else r.grad.float() / self.loss_scale
-            if r.activation is not None and r.activation.is_floating_point():
-                r.activation = r.activation.float()
+        for r in records:
+            self._fp32(r)
         return losses.shape[0], records
 
     def _ghost_route(self, r: _Record, budget: list[float]) -> bool:
@@ -185,21 +222,21 @@ class BookKeepingClipper(ClippedSum):
             for r in records:
                 calls.setdefault(id(r.module), []).append(r)
             sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
-            budget = [self.held_budget * sum(r.grad.numel() + (0 if r.activation is None else r.activation.numel())
-                                             for r in records)]
-            instantiated = []  # (module, per-example grads) of layers instantiated: cheaper, or reused
+            budget = [self.held_budget * (self._reduced_floats + sum(_floats(r) for r in records))]
+            reduced, self._reduced = self._reduced, {}
             for module_calls in calls.values():
                 first = module_calls[0]
-                if len(module_calls) == 1 and self._ghost_route(first, budget):
+                if len(module_calls) == 1 and id(first.module) not in reduced and self._ghost_route(first, budget):
                     sq += first.rule.ghost_sq_norm(first.module, first.activation, first.grad)
                     continue
-                per: dict[str, torch.Tensor] = {}
+                per = reduced.setdefault(id(first.module), (first.module, {}))[1]
                 for r in module_calls:  # a reused layer: its calls summed per example first
                     for k, v in r.rule.per_sample(r.module, r.activation, r.grad).items():
                         per[k] = per[k] + v if k in per else v
                     r.activation = r.grad = None  # held in `per` from here
-                sq += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())  # 3-7x pow().sum()
-                instantiated.append((first.module, per))
+            instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
+            for _, per in instantiated:  # vector_norm: 3-7x pow().sum()
+                sq += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())
             norms = sq.sqrt()
             factors, finite = clip_factors(norms, self.clip_norm)
             all_finite = bool(finite.all())  # the usual case: no row to zero, no copies for it

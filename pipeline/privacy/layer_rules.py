@@ -61,7 +61,8 @@ class LayerRule:
         return True
 
     def held_if_instantiated(self, m, a, g) -> int:
-        """Floats that instantiating keeps beyond the input and output gradient it frees (may be < 0)."""
+        """Floats that instantiating keeps beyond the input and output gradient it frees (may be < 0).
+        At most 0: the clipper instantiates inside the backward (clipping.py)."""
         return 0
 
     def clipped_sum(self, m, a, g, factors) -> dict[str, torch.Tensor]:
@@ -136,6 +137,10 @@ class LayerNormRule(LayerRule):
         if m.bias is not None:
             out["bias"] = per(g)
         return out
+
+    def held_if_instantiated(self, m, a, g):
+        per_example = sum(p.numel() for p in (m.weight, m.bias) if p is not None)
+        return g.shape[0] * per_example - a.numel() - g.numel()
 
 
 @register(nn.Embedding)
