@@ -167,10 +167,16 @@ class BookKeepingClipper(ClippedSum):
         """Instantiate inside the backward where that is the layer's route anyway and the per-example
         gradients are no larger than the output gradient alone: the input may be shared with other
         layers or saved by autograd, so dropping it need not free anything."""
-        instantiate = not r.rule.has_ghost or self.ghost is False or (
-            self.ghost is None and not r.rule.ghost_is_faster(r.module, r.activation, r.grad))
         per_example = r.rule.held_if_instantiated(r.module, r.activation, r.grad) + _floats(r)
-        return instantiate and per_example <= r.grad.numel()
+        return self._ghost_preferred(r) is not True and per_example <= r.grad.numel()
+
+    def _ghost_preferred(self, r: _Record) -> bool | None:
+        """True/False: the route the layer takes whatever the memory; None: instantiating is faster."""
+        if not r.rule.has_ghost or self.ghost is False:
+            return False
+        if self.ghost or r.rule.ghost_is_faster(r.module, r.activation, r.grad):
+            return True
+        return None
 
     def _fp32(self, r: _Record) -> None:
         """fp32 from here on (no copy when they already are, and no fp16 loss scale)."""
@@ -204,10 +210,9 @@ class BookKeepingClipper(ClippedSum):
 
     def _ghost_route(self, r: _Record, budget: list[float]) -> bool:
         """Ghost norm or instantiation for a layer called once: the faster one, if memory allows."""
-        if not r.rule.has_ghost or self.ghost is False:
-            return False
-        if self.ghost or r.rule.ghost_is_faster(r.module, r.activation, r.grad):
-            return True
+        preferred = self._ghost_preferred(r)
+        if preferred is not None:
+            return preferred
         held = r.rule.held_if_instantiated(r.module, r.activation, r.grad)
         if held > budget[0]:
             return True

@@ -61,8 +61,9 @@ class LayerRule:
         return True
 
     def held_if_instantiated(self, m, a, g) -> int:
-        """Floats that instantiating keeps beyond the input and output gradient it frees (may be < 0).
-        At most 0: the clipper instantiates inside the backward (clipping.py)."""
+        """Floats that instantiating keeps beyond the input and output gradient it frees (may be < 0;
+        the clipper instantiates inside the backward when the per-example gradients take no more
+        floats than the output gradient: clipping.py)."""
         return 0
 
     def clipped_sum(self, m, a, g, factors) -> dict[str, torch.Tensor]:
