@@ -4,6 +4,9 @@ route the clipper's cost rule picks (pipeline/privacy/layer_rules.py, WRITE_COST
   ghost        Gram products for the norms, then the clipped sum (one weight gradient)
   instantiate  the per-example gradients (B, p, d), their norms, then their weighted sum
 
+Beside them, the Gram products alone as the clipper forms them (blocks of GRAM_BLOCK tokens, only
+those on and above the diagonal) against one T×T product each: "blocks/one".
+
     python -m benchmarks.clipping_routes [--threads 2] [--rounds 5]
 
 Shapes: the layers of the models dpfm trains (the CPU recipe's captioner at B = 256, the
@@ -21,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from pipeline.privacy.clipping import clip_factors
-from pipeline.privacy.layer_rules import WRITE_COST, LinearRule
+from pipeline.privacy.layer_rules import WRITE_COST, LinearRule, gram_inner
 
 SHAPES = [  # (B, T, d_in, d_out, where)
     (256, 65, 96, 288, "cpu captioner encoder qkv"),
@@ -36,6 +39,8 @@ SHAPES = [  # (B, T, d_in, d_out, where)
     (8, 50, 384, 1536, "ViT-S MAE encoder fc1, 224 px"),
     (8, 197, 384, 1152, "ViT-S captioner qkv, 224 px"),
     (8, 197, 384, 1536, "ViT-S captioner fc1, 224 px"),
+    (8, 197, 768, 2304, "ViT-B captioner qkv, 224 px"),
+    (2, 577, 768, 2304, "ViT-B captioner qkv, 384 px"),
 ]
 
 
@@ -63,7 +68,7 @@ def routes(B: int, T: int, d: int, p: int):
         factors, _ = clip_factors(torch.linalg.vector_norm(per.flatten(1), dim=1), 1.0)
         return torch.einsum("b,b...->...", factors, per)
 
-    return ghost, instantiate
+    return ghost, instantiate, lambda: gram_inner(a, g), lambda: gram_inner(a, g, block=T)
 
 
 def main() -> None:
@@ -74,20 +79,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{'layer':<32}{'B':>5}{'T':>5}{'d→p':>11}{'T²(d+p)/dp':>12}{'ghost ms':>10}{'inst ms':>9}"
-          f"{'inst/ghost':>12}  picked")
+          f"{'inst/ghost':>12}{'Gram blocks/one':>17}  picked")
     out, right = [], 0
     for B, T, d, p, where in SHAPES:
-        ghost, instantiate = routes(B, T, d, p)
+        ghost, instantiate, gram_blocks, gram_one = routes(B, T, d, p)
         assert torch.allclose(ghost(), instantiate(), rtol=1e-4, atol=1e-5), where  # the same result
+        assert torch.allclose(gram_blocks(), gram_one(), rtol=1e-4), where
         t_ghost, t_inst = best_ms(ghost, args.rounds), best_ms(instantiate, args.rounds)
+        t_blocks, t_one = best_ms(gram_blocks, args.rounds), best_ms(gram_one, args.rounds)
         ratio = T * T * (d + p) / (d * p)
         picked = "ghost" if ratio < WRITE_COST else "instantiate"
         faster = "ghost" if t_ghost <= t_inst else "instantiate"
         right += picked == faster
         print(f"{where:<32}{B:>5}{T:>5}{f'{d}→{p}':>11}{ratio:>12.0f}{t_ghost:>10.1f}{t_inst:>9.1f}"
-              f"{t_inst / t_ghost:>11.2f}×  {picked}{'' if picked == faster else '  (the other is faster)'}")
+              f"{t_inst / t_ghost:>11.2f}×{t_blocks / t_one:>16.2f}×  {picked}"
+              f"{'' if picked == faster else '  (the other is faster)'}")
         out.append({"layer": where, "B": B, "T": T, "d": d, "p": p, "gram_ratio": round(ratio, 1),
-                    "ghost_ms": round(t_ghost, 2), "instantiate_ms": round(t_inst, 2), "picked": picked,
+                    "ghost_ms": round(t_ghost, 2), "instantiate_ms": round(t_inst, 2),
+                    "gram_blocks_ms": round(t_blocks, 2), "gram_one_block_ms": round(t_one, 2), "picked": picked,
                     "picked_faster": picked == faster})
     print(f"clipping_routes: WRITE_COST = {WRITE_COST:g}; the rule picked the faster route for {right} of {len(out)}")
     print(json.dumps({"benchmark": "clipping_routes", "threads": args.threads, "write_cost": WRITE_COST,

@@ -14,6 +14,7 @@ from pipeline.models.layers import ClassToken
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, VmapClipper
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy.engine import add_noise, make_clipper
+from pipeline.privacy.layer_rules import GRAM_BLOCK, gram_inner
 from live_memory import LiveTensorBytes
 
 torch.manual_seed(0)
@@ -125,6 +126,36 @@ def test_mixed_routes_within_the_memory_budget_are_exact(monkeypatch):
     ghost_calls.clear()
     clipped_sum(BookKeepingClipper, wrapped, batch, clip_norm, held_budget=0.0)
     assert ghost_calls == [model[0], model[2]]  # no budget: nothing instantiated that holds more
+
+
+@pytest.mark.parametrize("tokens,block", [(10, GRAM_BLOCK), (2 * GRAM_BLOCK, GRAM_BLOCK), (200, GRAM_BLOCK), (200, 16)])
+def test_gram_products_over_token_blocks_give_the_per_example_norm(tokens, block):
+    """From two blocks on, only the Gram blocks on and above the diagonal are formed (the others count
+    twice); the result is still ‖Σ_t g_t a_tᵀ‖² of each example, as its instantiated gradient gives it."""
+    a, g = torch.randn(3, tokens, 5, dtype=torch.float64), torch.randn(3, tokens, 7, dtype=torch.float64)
+    want = torch.einsum("bto,bti->boi", g, a).flatten(1).pow(2).sum(1)
+    assert torch.allclose(gram_inner(a, g, block), want, rtol=1e-10)
+
+
+class MeanSquare(nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x).pow(2).mean((1, 2))
+
+
+def test_ghost_clipping_over_long_sequences_is_exact():
+    """A 224 px ViT's 197 tokens: the clipper's ghost norms take the blocked Gram products."""
+    model = MeanSquare(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    batch = (torch.randn(5, 3 * GRAM_BLOCK + 5, 6),)
+    _, norms = brute_force_clipped_sum(model, batch, 1e9)
+    clip_norm = sorted(norms)[2]
+    want, _ = brute_force_clipped_sum(model, batch, clip_norm)
+    got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=True)
+    assert max_rel_error(got, want) <= 1e-5
+    assert st.norms == pytest.approx(norms, rel=1e-4)
 
 
 def peak_live_bytes(objective: str, method: str) -> int:

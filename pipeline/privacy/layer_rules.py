@@ -17,7 +17,8 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
 
 Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s). Both routes are exact; which one a
 Linear layer takes is a question of time and memory only (mixed ghost clipping):
-  ghost         the Gram products, B·T²·(d+p) multiply-adds, then the clipped sum (one weight gradient)
+  ghost         the Gram products, B·T²·(d+p) multiply-adds (from 128 tokens only the blocks on and above
+                the diagonal: `gram_inner`), then the clipped sum (one weight gradient)
   instantiate   the per-example gradients, B·T·d·p multiply-adds (one weight gradient's worth) written out
                 as B·d·p floats and held until every layer's norm is known; then a cheap weighted sum
 So instantiating saves the Gram products and costs the writes: it is faster when
@@ -39,11 +40,30 @@ from pipeline.models.layers import BroadcastParameter
 # and 55 (instantiating 20% faster; benchmarks/clipping_routes.py). It moves the choice between two
 # exact routes, never a result.
 WRITE_COST = 30.0
+# Tokens per block of the Gram products. Both T×T Gram matrices are symmetric, so over k blocks only the
+# k(k+1)/2 block products on and above the diagonal are formed, the others counting twice. From two
+# blocks (T ≥ 128) that took the Gram products 10-22% less time on 2 CPU cores (T = 129-577:
+# benchmarks/clipping_routes.py); below that the smaller products cost more than they save.
+GRAM_BLOCK = 64
 
 
 def as_3d(x: torch.Tensor) -> torch.Tensor:
     """(B, d) -> (B, 1, d); (B, T1, T2, ..., d) -> (B, T, d)."""
     return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() != 2 else x.unsqueeze(1)
+
+
+def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int = GRAM_BLOCK) -> torch.Tensor:
+    """(B,) Σ_{t,s} (a_t·a_s)(g_t·g_s) = ‖Σ_t g_t a_tᵀ‖² per example, of a (B, T, d) and g (B, T, p)."""
+    T = a.shape[1]
+    cuts = [i * block for i in range(max(1, T // block))] + [T]  # the last block takes the remainder
+    blocks = [(a[:, s:e], g[:, s:e]) for s, e in zip(cuts, cuts[1:])]
+    total = torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
+    for i, (a_i, g_i) in enumerate(blocks):
+        for j in range(i, len(blocks)):
+            a_j, g_j = blocks[j]
+            part = ((a_i @ a_j.transpose(1, 2)) * (g_i @ g_j.transpose(1, 2))).sum((1, 2))
+            total += part if i == j else 2 * part
+    return total
 
 
 class LayerRule:
@@ -100,8 +120,8 @@ class LinearRule(LayerRule):
         return out
 
     def ghost_sq_norm(self, m, a, g):
-        g3, a3 = as_3d(g), as_3d(a)
-        sq = ((a3 @ a3.transpose(1, 2)) * (g3 @ g3.transpose(1, 2))).sum((1, 2))
+        g3 = as_3d(g)
+        sq = gram_inner(as_3d(a), g3)
         if m.bias is not None:
             sq = sq + g3.sum(1).pow(2).sum(1)
         return sq
