@@ -100,6 +100,17 @@ def test_clipped_sum_equals_brute_force(name, engine):
         assert all(p.requires_grad for p in model.parameters())
 
 
+class MeanSquare(nn.Module):
+    """Per-example loss of a stack of layers on (B, T, d) inputs: the mean square of its output."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x).pow(2).mean((1, 2))
+
+
 def test_mixed_routes_within_the_memory_budget_are_exact(monkeypatch):
     """Where instantiating is faster (here: always) the clipper instantiates until the held-memory
     budget is spent, then takes ghost norms: one layer each way, and the sum is still exact."""
@@ -110,11 +121,9 @@ def test_mixed_routes_within_the_memory_budget_are_exact(monkeypatch):
     real = layer_rules.LinearRule.ghost_sq_norm
     monkeypatch.setattr(layer_rules.LinearRule, "ghost_sq_norm",
                         lambda self, m, a, g: ghost_calls.append(m) or real(self, m, a, g))
-    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+    wrapped = MeanSquare(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+    model = wrapped.net
     batch = (torch.randn(6, 4, 32),)
-    loss = lambda x: model(x).pow(2).mean((1, 2))  # noqa: E731
-    wrapped = type("Loss", (nn.Module,), {"forward": lambda self, x: loss(x)})()
-    wrapped.model = model
     _, norms = brute_force_clipped_sum(wrapped, batch, 1e9)
     clip_norm = sorted(norms)[3]
     want, _ = brute_force_clipped_sum(wrapped, batch, clip_norm)
@@ -135,15 +144,6 @@ def test_gram_products_over_token_blocks_give_the_per_example_norm(tokens, block
     a, g = torch.randn(3, tokens, 5, dtype=torch.float64), torch.randn(3, tokens, 7, dtype=torch.float64)
     want = torch.einsum("bto,bti->boi", g, a).flatten(1).pow(2).sum(1)
     assert torch.allclose(gram_inner(a, g, block), want, rtol=1e-10)
-
-
-class MeanSquare(nn.Module):
-    def __init__(self, *layers):
-        super().__init__()
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x):
-        return self.net(x).pow(2).mean((1, 2))
 
 
 def test_ghost_clipping_over_long_sequences_is_exact():
