@@ -94,7 +94,7 @@ def test_paper_size_shapes_on_meta(size):
     assert loss.shape == (2,)
 
 
-@pytest.mark.parametrize("size", ["micro", "cpu"])
+@pytest.mark.parametrize("size", ["micro", "pico", "cpu"])
 def test_small_size_shapes(size):
     torch.manual_seed(0)
     vit = build_encoder({"size": size})  # micro: 16 px, cpu: 32 px, both patch 4
@@ -115,7 +115,7 @@ def test_param_counts_match_published_vits():
     # ViT-B/16 86M and ViT-L/16 304M (Dosovitskiy et al.); no classifier head, fixed pos-embed.
     assert abs(counts["base"] - 86e6) / 86e6 < 0.01, counts["base"]
     assert abs(counts["large"] - 304e6) / 304e6 < 0.01, counts["large"]
-    order = ["micro", "cpu", "nano", "tiny", "small", "base", "large"]
+    order = ["micro", "pico", "cpu", "nano", "tiny", "small", "base", "large"]
     assert all(counts[a] < counts[b] for a, b in zip(order, order[1:])), counts
 
 

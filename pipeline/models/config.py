@@ -19,6 +19,7 @@ SIZE_DEFAULTS = {
     "cpu": dict(img_size=32, patch_size=4, decoder_width=64, decoder_depth=2, decoder_heads=4,
                 text_width=96, text_depth=2, text_heads=3, embed_dim=96),
 }
+SIZE_DEFAULTS["pico"] = SIZE_DEFAULTS["cpu"]  # the CPU size's images and heads, a narrower encoder
 # params.yaml names that differ from the field names
 FROM_PARAMS = {"max_caption_len": "max_len"}
 

@@ -16,9 +16,11 @@ from .layers import Block, ClassToken, init_weights, sincos_pos_embed_2d
 # Encoder shapes.  base/large are ViT-B and ViT-L.  ViP (seed 003) names MAE-Nano/Tiny/Small/
 # Base/Large with widths 192/384/576/768/1024 but its Table 4 (depth/heads) is not in the
 # seed, so nano/tiny/small ASSUME depth 12 and heads = width / 64 (= ViT-Ti/ViT-S for nano/tiny).
-# micro/cpu are not from any paper: micro for unit tests, cpu for 32x32 images / patch 4 on CPU.
+# micro/pico/cpu are not from any paper: micro for unit tests, cpu for 32x32 images / patch 4 on CPU,
+# pico the same at two thirds of the width (a smaller CPU recipe: docs/results.md, "Wall time").
 VIT_SIZES = {
     "micro": dict(width=32, depth=1, heads=2),
+    "pico": dict(width=64, depth=4, heads=2),
     "cpu": dict(width=96, depth=4, heads=3),
     "nano": dict(width=192, depth=12, heads=3),
     "tiny": dict(width=384, depth=12, heads=6),
