@@ -17,7 +17,8 @@ from .layers import Block, ClassToken, init_weights, sincos_pos_embed_2d
 # Base/Large with widths 192/384/576/768/1024 but its Table 4 (depth/heads) is not in the
 # seed, so nano/tiny/small ASSUME depth 12 and heads = width / 64 (= ViT-Ti/ViT-S for nano/tiny).
 # micro/pico/cpu are not from any paper: micro for unit tests, cpu for 32x32 images / patch 4 on CPU,
-# pico the same at two thirds of the width (a smaller CPU recipe: docs/results.md, "Wall time").
+# pico the same at two thirds of the width (tried as a faster CPU recipe and not taken: docs/results.md,
+# "Wall time").
 VIT_SIZES = {
     "micro": dict(width=32, depth=1, heads=2),
     "pico": dict(width=64, depth=4, heads=2),
