@@ -88,7 +88,8 @@ def main() -> None:
         t_ghost, t_inst = best_ms(ghost, args.rounds), best_ms(instantiate, args.rounds)
         t_blocks, t_one = best_ms(gram_blocks, args.rounds), best_ms(gram_one, args.rounds)
         ratio = T * T * (d + p) / (d * p)
-        picked = "ghost" if ratio < WRITE_COST else "instantiate"
+        layer, g = nn.Linear(d, p, device="meta"), torch.empty(B, T, p, device="meta")
+        picked = "ghost" if LinearRule().ghost_is_faster(layer, None, g) else "instantiate"  # the clipper's own rule
         faster = "ghost" if t_ghost <= t_inst else "instantiate"
         right += picked == faster
         print(f"{where:<32}{B:>5}{T:>5}{f'{d}→{p}':>11}{ratio:>12.0f}{t_ghost:>10.1f}{t_inst:>9.1f}"

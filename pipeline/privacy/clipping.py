@@ -89,6 +89,15 @@ def _floats(r) -> int:
     return r.grad.numel() + (0 if r.activation is None else r.activation.numel())
 
 
+def _instantiate(r, per_module: dict) -> None:
+    """Adds the call's per-example gradients into per_module[id(module)] = (module, {attr: (B, ...)})
+    (a reused layer's calls summed per example) and drops its input and output gradient."""
+    per = per_module.setdefault(id(r.module), (r.module, {}))[1]
+    for k, v in r.rule.per_sample(r.module, r.activation, r.grad).items():
+        per[k] = per[k] + v if k in per else v
+    r.activation = r.grad = None  # held in `per` from here
+
+
 def fp32_only(device: torch.device):
     """Autocast off: the privacy arithmetic stays fp32 even inside a caller's autocast region."""
     return torch.autocast(device_type=device.type, enabled=False)
@@ -157,12 +166,9 @@ class BookKeepingClipper(ClippedSum):
         record.grad = g
         if self._reduce_now(record):
             self._fp32(record)
-            with fp32_only(g.device):
-                per = self._reduced.setdefault(id(record.module), (record.module, {}))[1]
-                for k, v in record.rule.per_sample(record.module, record.activation, record.grad).items():
-                    per[k] = per[k] + v if k in per else v  # a reused layer: its calls summed per example
             self._reduced_floats += _floats(record)
-            record.activation = record.grad = None
+            with fp32_only(g.device):
+                _instantiate(record, self._reduced)
 
     def _reduce_now(self, r: _Record) -> bool:
         """Instantiate inside the backward where that is the layer's route anyway and the per-example
@@ -235,11 +241,8 @@ class BookKeepingClipper(ClippedSum):
                 if len(module_calls) == 1 and id(first.module) not in reduced and self._ghost_route(first, budget):
                     sq += first.rule.ghost_sq_norm(first.module, first.activation, first.grad)
                     continue
-                per = reduced.setdefault(id(first.module), (first.module, {}))[1]
-                for r in module_calls:  # a reused layer: its calls summed per example first
-                    for k, v in r.rule.per_sample(r.module, r.activation, r.grad).items():
-                        per[k] = per[k] + v if k in per else v
-                    r.activation = r.grad = None  # held in `per` from here
+                for r in module_calls:
+                    _instantiate(r, reduced)
             instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
             for _, per in instantiated:  # vector_norm: 3-7x pow().sum()
                 sq += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())
