@@ -28,8 +28,9 @@ Targets (paired 95% intervals):
   d  the best encoder's interval reaches the raw-pixel accuracy
   e  DP-Cap's zero-shot at ε = 8 is at least 3× chance (its interval's lower end)
 
---validate scores everything on a split of the probe-train part (2/3 fit, 1/3 scored) and never
-touches the probe-test part: that is where a recipe is chosen. Resumable: every finished row is
+--validate scores everything on the probe-train part by 3-fold cross-fitting (each image scored by a
+probe fit on the other two folds) and never touches the probe-test part: that is where a recipe is
+chosen. Scoring all of probe-train, not a third, narrows the paired intervals a choice rests on. Resumable: every finished row is
 kept under DIR/rows/, every training checkpoints in its state directory, so a killed run started
 again continues where it stopped. Prints one line per row as it goes, the table, the scaling
 figure's numbers (DIR/scaling.png) and ONE JSON line, the last line of stdout, in the format of
@@ -49,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
+from sklearn.model_selection import StratifiedKFold
 
 from benchmarks.utility import Scorer, inside, parse_epsilon, print_targets
 from pipeline import checkpoints
@@ -140,11 +141,15 @@ class Rows:
         return {"probe": probe, "zero": zero, "meta": meta}
 
 
-def validation_split(split: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """2/3 of the probe-train part to fit, 1/3 to score: the probe-test part is never read."""
+VALIDATION_FOLDS = 3
+
+
+def validation_folds(split: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(fit, scored) folds that together score every probe-train image once, each by a probe fit on
+    the other folds: the probe-test part is never read."""
     tr = split[0]
-    fit, val = train_test_split(tr, train_size=2 / 3, stratify=labels[tr], random_state=0)
-    return np.sort(fit), np.sort(val)
+    folds = StratifiedKFold(VALIDATION_FOLDS, shuffle=True, random_state=0).split(tr, labels[tr])
+    return [(np.sort(tr[fit]), np.sort(tr[scored])) for fit, scored in folds]
 
 
 def prepare(work: Path, params: dict, device: str, public: Path | None) -> None:
@@ -171,7 +176,7 @@ def main() -> None:
                     help=f"private-split sizes of the scaling figure ({FULL}: the whole split)")
     ap.add_argument("--epsilons", nargs="+", default=["1", "8", "inf"], help="ε of the full-size rows")
     ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--validate", action="store_true", help="score on a split of probe-train (choosing a recipe)")
+    ap.add_argument("--validate", action="store_true", help="score probe-train by cross-fitting (choosing a recipe)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override the recipe (as `dpfm --set`)")
     ap.add_argument("--figure-from", nargs="+", metavar="OUTPUT", type=Path,
@@ -189,7 +194,7 @@ def main() -> None:
         if params["shards"]["path"] is None:  # the stages run in DIR: the unpacked package stays in this checkout
             params["shards"]["path"] = str(ROOT / "data/public/fashion-mnist")
         device = resolve_device(params["run"]["device"])
-        rows = Rows(work / "rows" / (recipe_id(params) + ("-val" if args.validate else "")))
+        rows = Rows(work / "rows" / (recipe_id(params) + (f"-val{VALIDATION_FOLDS}" if args.validate else "")))
         print(f"scale_utility: {obj}: working in {work} on {device}; rows in {rows.dir}", flush=True)
         full_dir = work / f"n-{FULL}"
         prepare(full_dir, size_params(params, FULL, None), device, None)
@@ -198,7 +203,7 @@ def main() -> None:
                                                         device, started)
         table.update({k: v for k, v in rows_of_obj.items() if k not in table})  # pixels etc.: the first recipe's
     report(table, args, epsilons, sizes, chance, len(te), work, time.time() - started, device,
-           set_name + (" (validation part of probe-train)" if args.validate else ""))
+           set_name + (f" (probe-train, {VALIDATION_FOLDS}-fold cross-fitted)" if args.validate else ""))
 
 
 def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path, rows: Rows, device: str,
@@ -208,16 +213,18 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
     warm = checkpoints.load("models/pretrain/checkpoint.pt")
     scorer = Scorer(params, warm.model_cfg["img_size"])
     tokenizer = Tokenizer("models/tokenizer")
-    if args.validate:
-        scorer.split = validation_split(scorer.split, scorer.es.labels)
-    te = scorer.split[1]
+    folds = validation_folds(scorer.split, scorer.es.labels) if args.validate else [scorer.split]
+    te = np.sort(np.concatenate([scored for _, scored in folds]))  # every scored image, once
     chance = float(np.bincount(scorer.es.labels[te]).max() / len(te))
 
     def score(encoder, seed: int) -> np.ndarray:
         from pipeline.eval.probe import features, linear_probe
 
         x = features(encoder, scorer.es.images, scorer.cfg, device)
-        return linear_probe(x, scorer.es.labels, scorer.split, scorer.cfg, seed, device)
+        correct = np.empty(len(te), bool)
+        for fold in folds:
+            correct[np.searchsorted(te, fold[1])] = linear_probe(x, scorer.es.labels, fold, scorer.cfg, seed, device)
+        return correct
 
     def untrained(name: str, make) -> dict:
         row = rows.get(name)
@@ -255,7 +262,7 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
             plan = read_plan(size_dir, p, eps)
             probe.append(score(model.encoder, seed))
             if obj in ZERO_SHOT_OBJECTIVES:
-                zero.append(scorer_zero_shot(scorer, model, obj, tokenizer, p["model"]["max_caption_len"], device))
+                zero.append(scorer_zero_shot(scorer, te, model, obj, tokenizer, p["model"]["max_caption_len"], device))
             meta.append({"n": n, "seconds": round(time.time() - t0, 1), "epsilon_spent": spent, **plan})
         row = rows.put(name, np.stack(probe), np.stack(zero) if zero else None,
                        {**meta[0], "seconds": sum(m["seconds"] for m in meta)})
@@ -291,10 +298,9 @@ def schedule(p: dict, n: int, eps: float) -> dict:
             "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2)}
 
 
-def scorer_zero_shot(scorer, model, objective, tokenizer, max_len, device) -> np.ndarray:
+def scorer_zero_shot(scorer, te: np.ndarray, model, objective, tokenizer, max_len, device) -> np.ndarray:
     from pipeline.eval.zeroshot import class_scores
 
-    te = scorer.split[1]
     scores = class_scores(model, objective, scorer.es.images.subset(te), scorer.es.prompts(),
                           lambda c: tokenizer.encode(c, max_len, public=True), device)
     return scores.argmax(axis=1) == scorer.es.labels[te]

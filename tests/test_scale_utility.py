@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, Rows, check_targets, combined_figure, schedule,
-                                      size_params, validation_split)
+from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, check_targets,
+                                      combined_figure, schedule, size_params, validation_folds)
 from pipeline.config import load_params
 
 EPSILONS = [1.0, 8.0, math.inf]
@@ -63,12 +63,17 @@ def test_sizes_keep_the_sampling_rate_and_the_steps():
     assert small["shards"]["private_limit"] == 6000
 
 
-def test_validation_never_reads_the_probe_test_part():
+def test_validation_scores_every_probe_train_image_once_and_never_reads_the_probe_test_part():
     labels = np.repeat(np.arange(10), 30)
     tr, te = np.arange(0, 300, 2), np.arange(1, 300, 2)
-    fit, val = validation_split((tr, te), labels)
-    assert set(fit) | set(val) == set(tr) and not set(fit) & set(val) and not (set(fit) | set(val)) & set(te)
-    assert len(val) == pytest.approx(len(tr) / 3, abs=1)
+    folds = validation_folds((tr, te), labels)
+    scored = np.concatenate([val for _, val in folds])
+    assert np.array_equal(np.sort(scored), tr)  # all of probe-train, each image once
+    for fit, val in folds:
+        assert not set(fit) & set(val) and set(fit) | set(val) == set(tr)
+        assert len(val) == pytest.approx(len(tr) / VALIDATION_FOLDS, abs=1)
+        assert np.bincount(labels[val]).min() >= 4  # stratified: every class scored in every fold
+    assert not set(np.concatenate([np.concatenate(f) for f in folds])) & set(te)
 
 
 def test_rows_are_kept_whole_and_read_back(tmp_path):
