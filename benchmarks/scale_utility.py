@@ -30,11 +30,11 @@ Targets (paired 95% intervals):
 
 --validate scores everything on the probe-train part by 3-fold cross-fitting (each image scored by a
 probe fit on the other two folds) and never touches the probe-test part: that is where a recipe is
-chosen. Scoring all of probe-train, not a third, narrows the paired intervals a choice rests on. Resumable: every finished row is
-kept under DIR/rows/, every training checkpoints in its state directory, so a killed run started
-again continues where it stopped. Prints one line per row as it goes, the table, the scaling
-figure's numbers (DIR/scaling.png) and ONE JSON line, the last line of stdout, in the format of
-benchmarks/utility.py with "n" per row.
+chosen. Scoring all of probe-train, not a third, narrows the paired intervals a choice rests on.
+Resumable: every finished row is kept under DIR/rows/, every training checkpoints in its state
+directory, so a killed run started again continues where it stopped. Prints one line per row as it
+goes, the table, the scaling figure's numbers (DIR/scaling.png) and ONE JSON line, the last line of
+stdout, in the format of benchmarks/utility.py with "n" per row.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
             plan = read_plan(size_dir, p, eps)
             probe.append(score(model.encoder, seed))
             if obj in ZERO_SHOT_OBJECTIVES:
-                zero.append(scorer_zero_shot(scorer, te, model, obj, tokenizer, p["model"]["max_caption_len"], device))
+                zero.append(scorer.zero_shot(model, obj, tokenizer, p["model"]["max_caption_len"], te, device))
             meta.append({"n": n, "seconds": round(time.time() - t0, 1), "epsilon_spent": spent, **plan})
         row = rows.put(name, np.stack(probe), np.stack(zero) if zero else None,
                        {**meta[0], "seconds": sum(m["seconds"] for m in meta)})
@@ -296,14 +296,6 @@ def schedule(p: dict, n: int, eps: float) -> dict:
     noise = plan.noise_std / plan.denominator if plan else 0.0
     return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
             "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2)}
-
-
-def scorer_zero_shot(scorer, te: np.ndarray, model, objective, tokenizer, max_len, device) -> np.ndarray:
-    from pipeline.eval.zeroshot import class_scores
-
-    scores = class_scores(model, objective, scorer.es.images.subset(te), scorer.es.prompts(),
-                          lambda c: tokenizer.encode(c, max_len, public=True), device)
-    return scores.argmax(axis=1) == scorer.es.labels[te]
 
 
 def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:

@@ -97,10 +97,12 @@ class Scorer:
         x = features(encoder, self.es.images, self.cfg, "cpu")
         return linear_probe(x, self.es.labels, self.split, self.cfg, seed)
 
-    def zero_shot(self, model, objective: str, tokenizer, max_len: int) -> np.ndarray:
-        te = self.split[1]
+    def zero_shot(self, model, objective: str, tokenizer, max_len: int, te: np.ndarray | None = None,
+                  device: str = "cpu") -> np.ndarray:
+        """Per image of `te` (default: the probe-test part), whether the class zero-shot picks is right."""
+        te = self.split[1] if te is None else te
         scores = class_scores(model, objective, self.es.images.subset(te), self.es.prompts(),
-                              lambda c: tokenizer.encode(c, max_len, public=True))
+                              lambda c: tokenizer.encode(c, max_len, public=True), device)
         return scores.argmax(axis=1) == self.es.labels[te]
 
 
