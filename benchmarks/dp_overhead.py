@@ -66,14 +66,14 @@ def _setup(model_name: str, engines: list[str], threads: int, compile: bool = Fa
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
-    from pipeline.models import build_model
+    from pipeline.models import ModelConfig, build_model
     from pipeline.objectives import OBJECTIVES
     from pipeline.privacy.engine import make_clipper
 
     objective, cfg, batch_size = MODELS[model_name]
     torch.manual_seed(0)
     imgs = torch.randn(batch_size, 3, cfg["img_size"], cfg["img_size"])
-    if OBJECTIVES[objective].masks:
+    if ModelConfig.of(cfg).reads_masks(objective):
         batch = (imgs, torch.rand(batch_size, (cfg["img_size"] // cfg["patch_size"]) ** 2))
     else:
         batch = (imgs, torch.randint(4, cfg["vocab_size"], (batch_size, cfg["max_len"])))

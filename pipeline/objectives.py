@@ -19,7 +19,6 @@ class Objective:
     recipe: str            # the paper's name for the DP recipe
     description: str       # what it trains, in a few words
     tokens: bool           # reads caption tokens (needs the tokenizer)
-    masks: bool            # reads per-example masking noise (so per-example calls mask the same patches)
     clipping: str          # "per_sample" (the loss splits per example) | "per_batch" (batch-coupled loss)
     zero_shot: str | None  # how classes are scored from prompts: None | "caption_loss" | "embedding"
 
@@ -30,9 +29,9 @@ class Objective:
 
 
 OBJECTIVES = {o.name: o for o in (
-    Objective("mae", "ViP", "DP masked autoencoder", tokens=False, masks=True, clipping="per_sample", zero_shot=None),
-    Objective("caption", "DP-Cap", "DP image captioner", tokens=True, masks=False, clipping="per_sample", zero_shot="caption_loss"),
-    Objective("clip", "Dp-CLIP", "DP contrastive, per-batch clipping", tokens=True, masks=False, clipping="per_batch", zero_shot="embedding"),
+    Objective("mae", "ViP", "DP masked autoencoder", tokens=False, clipping="per_sample", zero_shot=None),
+    Objective("caption", "DP-Cap", "DP image captioner", tokens=True, clipping="per_sample", zero_shot="caption_loss"),
+    Objective("clip", "Dp-CLIP", "DP contrastive, per-batch clipping", tokens=True, clipping="per_batch", zero_shot="embedding"),
 )}
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from scipy import stats
 
-from pipeline.models import build_model
+from pipeline.models import ModelConfig, build_model
 from pipeline.models.layers import ClassToken
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, VmapClipper
 from pipeline.objectives import OBJECTIVES
@@ -161,9 +161,10 @@ def test_ghost_clipping_over_long_sequences_is_exact():
 def peak_live_bytes(objective: str, method: str) -> int:
     """Tensor bytes held at the peak of one step of the CPU recipe's model (width 96, 65 tokens)."""
     torch.manual_seed(0)
-    model = build_model(objective, {"size": "cpu", "vocab_size": 512, "max_len": 14})
+    cfg = ModelConfig.of({"size": "cpu", "vocab_size": 512, "max_len": 14})
+    model = build_model(objective, cfg)
     imgs = torch.randn(16, 3, 32, 32)
-    batch = (imgs, torch.rand(16, 64)) if OBJECTIVES[objective].masks else (imgs, torch.randint(4, 512, (16, 14)))
+    batch = (imgs, torch.rand(16, 64)) if cfg.reads_masks(objective) else (imgs, torch.randint(4, 512, (16, 14)))
     clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, method)
     clipper.reset()
     clipper.accumulate(*batch)  # the warm-up step

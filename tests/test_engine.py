@@ -23,7 +23,7 @@ from broken_engine import bug
 from ranks import on_two_ranks
 
 from pipeline.distributed import World, gather_with_grad
-from pipeline.models import build_model
+from pipeline.models import ModelConfig, build_model
 from pipeline import objectives
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import clipping
@@ -56,7 +56,7 @@ def fetcher(name):
 
     def fetch(step, indices, positions):
         rows = indices[positions]
-        return (imgs[rows], noise[rows]) if OBJECTIVES[name].masks else (imgs[rows], tokens[rows])
+        return (imgs[rows], noise[rows]) if ModelConfig.of(CFG).reads_masks(name) else (imgs[rows], tokens[rows])
     return fetch
 
 
@@ -255,7 +255,7 @@ def test_fp16_drops_no_finite_example(name, monkeypatch):
     model = model_for(name)
     clipper = clipper_for(name, model, World(), torch.float16)
     imgs, tokens, noise = data()
-    batch = (imgs[:8] * 30, noise[:8]) if OBJECTIVES[name].masks else (imgs[:8] * 30, tokens[:8])
+    batch = (imgs[:8] * 30, noise[:8]) if ModelConfig.of(CFG).reads_masks(name) else (imgs[:8] * 30, tokens[:8])
     clipper.reset()
     assert clipper.accumulate(*batch).nonfinite == 0
     monkeypatch.setattr(clipping, "fp32_only", autocast_everywhere(torch.float16))

@@ -449,3 +449,26 @@ def test_the_params_model_section_is_checked_against_the_model_config():
     assert ModelConfig.of({"size": "micro"}).decoder_width == 32 and ModelConfig().decoder_width == 512
     with pytest.raises(ValueError, match="unknown model settings \\['depth'\\]"):
         ModelConfig.of({"depth": 3})
+
+
+def test_each_objective_masks_by_its_own_ratio():
+    """`model.mask_ratio` is the MAE's and `model.caption_mask_ratio` the captioner's; CLIP reads whole
+    images whatever they say. The model built drops that share, and takes masks iff it drops any."""
+    from pipeline.models.config import ModelConfig
+    from pipeline.objectives import OBJECTIVES
+
+    section = {"size": "micro", "mask_ratio": 0.6, "caption_mask_ratio": 0.5}
+    ratios = {}
+    for name in OBJECTIVES:
+        cfg = ModelConfig.from_params(section, name, vocab_size=VOCAB)
+        ratios[name] = cfg.training_mask_ratio(name)
+        assert cfg.reads_masks(name) == (ratios[name] > 0)
+        assert getattr(build_model(name, cfg), "mask_ratio", 0.0) == ratios[name]
+    assert ratios == {"mae": 0.6, "caption": 0.5, "clip": 0.0}
+    cap = build_model("caption", ModelConfig.from_params(section, "caption", vocab_size=VOCAB))
+    imgs = images(2)
+    assert cap.encode_image(imgs, mask_noise(2)).shape[1] == 1 + cap.encoder.num_patches // 2  # half the patches
+    whole = ModelConfig.from_params({**section, "caption_mask_ratio": 0.0}, "caption", vocab_size=VOCAB)
+    unmasked = build_model("caption", whole)
+    assert not whole.reads_masks("caption")
+    assert unmasked.encode_image(imgs).shape[1] == 1 + unmasked.encoder.num_patches

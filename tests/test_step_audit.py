@@ -25,20 +25,21 @@ def params(name, *more):
     return load_params(ROOT / "params.yaml", [*MICRO, f"dp.objective={name}", *more])
 
 
-def audited(name, bug_name, world, precision="fp32"):
+def audited(name, bug_name, world, precision="fp32", more=()):
     with bug(bug_name):
-        return audit_step(params(name, f"dp.precision={precision}"), sigma=0.8, world=world)
+        return audit_step(params(name, f"dp.precision={precision}", *more), sigma=0.8, world=world)
 
 
-def _audited(name, bug_name, world):
-    return audited(name, bug_name, world)
+def _audited(name, bug_name, more, world):
+    return audited(name, bug_name, world, more=more)
 
 
-@pytest.mark.parametrize("name", list(OBJECTIVES))
-def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name):
+@pytest.mark.parametrize("name, more", [(name, []) for name in OBJECTIVES] + [("caption", ["model.caption_mask_ratio=0.5"])],
+                         ids=[*OBJECTIVES, "caption-masked"])
+def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
     from pipeline.distributed import World
 
-    for result in (audited(name, None, World()), on_two_ranks(tmp_path, _audited, name, None)):
+    for result in (audited(name, None, World(), more=more), on_two_ranks(tmp_path, _audited, name, None, more)):
         assert result["verdict"] == "consistent", result["problems"]
         assert result["noise_ratio"] == pytest.approx(1.0, abs=0.02)
         # Every example is clipped, so one moves the release by C (per example); per batch, the clipped
@@ -73,7 +74,7 @@ def test_broken_steps_are_flagged(name, bug_name, message):
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_noise_divided_by_the_world_size_is_flagged_at_two_ranks(tmp_path, name):
-    result = on_two_ranks(tmp_path, _audited, name, "noise / W")
+    result = on_two_ranks(tmp_path, _audited, name, "noise / W", [])
     assert result["verdict"] == "flagged"
     assert "1/W = 0.500 at this world size, is the noise divided by the ranks?" in result["problems"][0]
 

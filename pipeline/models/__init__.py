@@ -36,12 +36,12 @@ def build_model(objective: str, cfg: ModelConfig | dict | None = None) -> Masked
     if objective == "mae":
         return MaskedAutoencoder(encoder, decoder_width=cfg.decoder_width, decoder_depth=cfg.decoder_depth,
                                  decoder_heads=cfg.decoder_heads,
-                                 mask_ratio=0.75 if cfg.mask_ratio is None else cfg.mask_ratio,
+                                 mask_ratio=cfg.training_mask_ratio(objective),
                                  norm_pix_loss=cfg.norm_pix_loss)
     text = dict(vocab_size=cfg.vocab_size, max_len=cfg.max_len, pad_id=cfg.pad_id)
     if objective == "caption":
         return Captioner(encoder, width=cfg.text_width, depth=cfg.text_depth, heads=cfg.text_heads,
-                         mask_ratio=cfg.mask_ratio or 0.0, **text)
+                         mask_ratio=cfg.training_mask_ratio(objective), **text)
     return CLIP(encoder, text_width=cfg.text_width, text_depth=cfg.text_depth, text_heads=cfg.text_heads,
                 embed_dim=cfg.embed_dim, pool=cfg.pool, **text)
 

@@ -31,7 +31,9 @@ class ModelConfig:
     patch_size: int = 16
     in_chans: int = 3
     pool: str = "cls"             # cls | mean: the encoder's pooled feature
-    mask_ratio: float | None = None  # None: MAE's 0.75, none for the others (DP-Cap's default)
+    mask_ratio: float | None = None  # patches dropped in training; None: MAE's 0.75, none for the others
+    caption_mask_ratio: float = 0.0  # params.yaml's ratio for the captioner (DP-Cap: none); from_params
+                                     # makes it the captioner's mask_ratio
     norm_pix_loss: bool = False
     decoder_width: int = 512      # MAE decoder
     decoder_depth: int = 4
@@ -62,10 +64,25 @@ class ModelConfig:
     @classmethod
     def from_params(cls, model_params: dict, objective: str, vocab_size: int | None = None) -> "ModelConfig":
         """From params.yaml's `model` section for one objective (and the tokenizer's vocabulary)."""
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {objective!r}; choose from {tuple(OBJECTIVES)}")
         cfg = cls.of({FROM_PARAMS.get(k, k): v for k, v in model_params.items()})
-        if not OBJECTIVES[objective].masks:  # the captioner and CLIP see whole images (DP-Cap's ratio is 0)
-            cfg = replace(cfg, mask_ratio=0.0)
+        # `mask_ratio` is the MAE's; the captioner drops its own share (none unless set); CLIP none
+        ratio = {"mae": cfg.mask_ratio, "caption": cfg.caption_mask_ratio}.get(objective, 0.0)
+        cfg = replace(cfg, mask_ratio=ratio)
         return replace(cfg, vocab_size=vocab_size) if vocab_size is not None else cfg
+
+    def training_mask_ratio(self, objective: str) -> float:
+        """The share of image patches `objective`'s model drops in training (features and zero-shot
+        always read whole images): the MAE 0.75 unless set, the captioner none unless set, CLIP none."""
+        if objective == "mae":
+            return 0.75 if self.mask_ratio is None else self.mask_ratio
+        return (self.mask_ratio or 0.0) if objective == "caption" else 0.0
+
+    def reads_masks(self, objective: str) -> bool:
+        """Whether `objective`'s model takes per-example masking noise as its last input (drawn per
+        logical batch by the caller, so per-example calls and any split of a batch mask alike)."""
+        return self.training_mask_ratio(objective) > 0
 
     def to_dict(self) -> dict:
         return asdict(self)

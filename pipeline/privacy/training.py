@@ -231,7 +231,7 @@ class Trainer:
 
         def fetch(step: int, indices: np.ndarray, positions: np.ndarray) -> tuple:
             batch = stream(step, indices, positions)
-            if obj.masks:  # drawn for the whole logical batch, so they do not depend on how it is split
+            if self.mcfg.reads_masks(obj.name):  # drawn per logical batch: the same masks however it is split
                 if step not in masks:
                     masks.clear()
                     masks[step] = torch.rand(len(indices), self.num_patches, generator=step_generator(key, step, MASKS))
@@ -262,7 +262,7 @@ class Trainer:
     def heldout_loss(self, model) -> float:
         model.eval()
         inputs = tuple(x.to(self.device) for x in self.held)
-        if objective(self.dp["objective"]).masks:
+        if self.mcfg.reads_masks(self.dp["objective"]):
             inputs = inputs + (self.held_noise.to(self.device),)
         loss = model(*inputs).mean().item()
         model.train()

@@ -74,7 +74,7 @@ def public_inputs(params: dict, count: int, seed: int) -> list[torch.Tensor]:
     inputs = [torch.rand(count, 3, m["img_size"], m["img_size"], generator=g) * 2 - 1]
     if obj.tokens:
         inputs.append(torch.randint(4, params["tokenizer"]["vocab_size"], (count, m["max_caption_len"]), generator=g))
-    if obj.masks:
+    if ModelConfig.from_params(m, obj.name).reads_masks(obj.name):
         inputs.append(torch.rand(count, (m["img_size"] // m["patch_size"]) ** 2, generator=g))
     return inputs
 
