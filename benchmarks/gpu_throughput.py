@@ -29,10 +29,12 @@ TEXT = {"vocab_size": 1000, "text_width": 512, "text_depth": 6, "text_heads": 8,
 
 
 def batch_for(objective: str, cfg: dict, n: int, device: str) -> tuple:
-    imgs = torch.randn(n, 3, cfg["img_size"], cfg["img_size"], device=device)
+    batch = (torch.randn(n, 3, cfg["img_size"], cfg["img_size"], device=device),)
+    if OBJECTIVES[objective].tokens:
+        batch += (torch.randint(4, cfg["vocab_size"], (n, cfg["max_len"]), device=device),)
     if ModelConfig.of(cfg).reads_masks(objective):
-        return imgs, torch.rand(n, (cfg["img_size"] // cfg["patch_size"]) ** 2, device=device)
-    return imgs, torch.randint(4, cfg["vocab_size"], (n, cfg["max_len"]), device=device)
+        batch += (torch.rand(n, (cfg["img_size"] // cfg["patch_size"]) ** 2, device=device),)
+    return batch
 
 
 def sync(device: str) -> None:
