@@ -162,7 +162,8 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown models {unknown} (known: {', '.join(MODELS)})")
     rounds = 2 if args.quick else args.rounds
-    print(f"{'model':<22}{'engine':<14}{'s/step':>9}{'x time':>8}{'peak MB':>9}{'x mem':>7}")
+    width = max(map(len, models)) + 2
+    print(f"{'model':<{width}}{'engine':<14}{'s/step':>9}{'x time':>8}{'peak MB':>9}{'x mem':>7}")
     ratios = {}
     for m in models:
         engines = [e for e in engines_for(m) if not (args.compile and e.startswith("opacus"))]  # Opacus
@@ -176,7 +177,7 @@ def main() -> None:
             note = " (per-batch clipping)" if timed[e]["mode"] == "per_batch" else ""
             if e == "bookkeeping":
                 note += "" if tx <= TARGET and mx <= TARGET else f"  MISSED (target <= {TARGET})"
-            print(f"{m:<22}{e:<14}{timed[e]['s_per_step']:>9.3f}{tx:>8.2f}{memory[e]:>9.0f}{mx:>7.2f}{note}")
+            print(f"{m:<{width}}{e:<14}{timed[e]['s_per_step']:>9.3f}{tx:>8.2f}{memory[e]:>9.0f}{mx:>7.2f}{note}")
             if e != "nonprivate":
                 ratios[f"{m}/{e}"] = {"time": round(tx, 3), "memory": round(mx, 3)}
     print(json.dumps({"benchmark": "dp_overhead", "threads": args.threads, "rounds": rounds, "compile": args.compile,
