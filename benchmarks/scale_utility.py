@@ -1,7 +1,8 @@
 """Does DP training on the private data beat its synthetic warm start once n and the batch are large?
 
     python -m benchmarks.scale_utility [--dir DIR] [--objectives mae caption clip] [--sizes 2000 6000 20000 full]
-                                       [--epsilons 1 8 inf] [--seeds 1] [--validate] [--set SECTION.KEY=VALUE ...]
+                                       [--epsilons 1 8 inf] [--seeds 1] [--probe-refits 20] [--validate]
+                                       [--set SECTION.KEY=VALUE ...]
     python -m benchmarks.scale_utility --dir DIR --figure-from OUTPUT [OUTPUT ...]
 
 Fashion-MNIST (`make fashion-mnist` first) stands in for the private data: its 60,000-image private
@@ -18,8 +19,11 @@ Rows, every objective on the same probe-train / probe-test split of the eval set
 raw pixels; random init; synthetic-only (the warm start, untrained on private data); DP from the
 synthetic warm start at each ε on the full private split; and, for the scaling figure, DP at ε = 8
 on private splits of each size in --sizes (the eval set unchanged: `shards.private_limit`).
-Caption and clip rows also get zero-shot accuracy. Intervals are 95% bootstraps over test images
-(and seeds, with --seeds > 1); differences pair example by example (pipeline/eval/stats.py).
+Caption and clip rows also get zero-shot accuracy. Intervals are 95% bootstraps over test images,
+over the probe-train images the probe is fit on (--probe-refits probes refit on resamples of
+probe-train, the same resamples for every row: a probe fit on 5,000 images moves by about a point
+with which ones) and, with --seeds > 1, over training seeds; differences pair example by example and
+resample by resample (pipeline/eval/stats.py).
 
 Targets (paired 95% intervals):
   a  mae and caption: DP at ε = 8 from synthetic is above synthetic-only
@@ -134,15 +138,17 @@ class Rows:
             return None
         with np.load(path) as z:
             return {"probe": z["probe"], "zero": z["zero"] if "zero" in z else None,
-                    "meta": json.loads(str(z["meta"]))}
+                    "refits": z["refits"] if "refits" in z else None, "meta": json.loads(str(z["meta"]))}
 
-    def put(self, name: str, probe: np.ndarray, zero: np.ndarray | None, meta: dict) -> dict:
+    def put(self, name: str, probe: np.ndarray, zero: np.ndarray | None, refits: np.ndarray | None,
+            meta: dict) -> dict:
         arrays = {"probe": probe, "meta": np.array(json.dumps(meta))}
-        if zero is not None:
-            arrays["zero"] = zero
+        for key, value in (("zero", zero), ("refits", refits)):
+            if value is not None:
+                arrays[key] = value
         with atomic_path(self.dir / f"{name}.npz") as tmp, open(tmp, "wb") as fh:  # a killed run leaves no half row
             np.savez(fh, **arrays)
-        return {"probe": probe, "zero": zero, "meta": meta}
+        return {"probe": probe, "zero": zero, "refits": refits, "meta": meta}
 
 
 VALIDATION_FOLDS = 3
@@ -180,6 +186,8 @@ def main() -> None:
                     help=f"private-split sizes of the scaling figure ({FULL}: the whole split)")
     ap.add_argument("--epsilons", nargs="+", default=["1", "8", "inf"], help="ε of the full-size rows")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--probe-refits", type=int, default=20,
+                    help="probes refit on resamples of probe-train per row and seed, for the intervals (0: none)")
     ap.add_argument("--validate", action="store_true", help="score probe-train by cross-fitting (choosing a recipe)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override the recipe (as `dpfm --set`)")
@@ -221,18 +229,36 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
     te = np.sort(np.concatenate([scored for _, scored in folds]))  # every scored image, once
     chance = float(np.bincount(scorer.es.labels[te]).max() / len(te))
 
-    def score(encoder, seed: int) -> np.ndarray:
-        from pipeline.eval.probe import features, linear_probe
+    def score(encoder, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(whether each scored image is right, the same with the probe refit on resamples of its
+        fit part: (fits, images), or None with --probe-refits 0)."""
+        from pipeline.eval.probe import features, linear_probe, refit_correct
 
-        x = features(encoder, scorer.es.images, scorer.cfg, device)
+        x, labels = features(encoder, scorer.es.images, scorer.cfg, device), scorer.es.labels
         correct = np.empty(len(te), bool)
+        refit = np.empty((args.probe_refits, len(te)), bool) if args.probe_refits else None
         for fold in folds:
-            correct[np.searchsorted(te, fold[1])] = linear_probe(x, scorer.es.labels, fold, scorer.cfg, seed, device)
-        return correct
+            at = np.searchsorted(te, fold[1])
+            correct[at] = linear_probe(x, labels, fold, scorer.cfg, seed, device)
+            if refit is not None:
+                refit[:, at] = refit_correct(x, labels, fold, scorer.cfg, args.probe_refits, seed, device)
+        return correct, refit
+
+    def complete(row) -> bool:
+        """A kept row is used as it is unless it lacks the refits asked for (kept before they existed)."""
+        return row is not None and (not args.probe_refits or (
+            row["refits"] is not None and row["refits"].shape[1] == args.probe_refits))
 
     def untrained(name: str, make) -> dict:
         row = rows.get(name)
-        return row or rows.put(name, np.stack([score(make(seed), seed) for seed in range(args.seeds)]), None, {})
+        if complete(row):
+            return row
+        scored = [score(make(seed), seed) for seed in range(args.seeds if row is None else len(row["probe"]))]
+        refits = np.stack([r for _, r in scored]) if args.probe_refits else None
+        if row is not None:  # the kept outcomes stay; only the refits are new
+            same_model(name, np.stack([c for c, _ in scored]), row["probe"])
+            return rows.put(name, row["probe"], row["zero"], refits, row["meta"])
+        return rows.put(name, np.stack([c for c, _ in scored]), None, refits, {})
 
     table = {}
     table["pixels"] = untrained("pixels", lambda seed: None)
@@ -249,26 +275,34 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
         name = f"{obj}-n{size}-eps{eps:g}"
         p_size = size_params({**params, "dp": {**params["dp"], "objective": obj}}, size, n_full)
         size_dir = work / f"n-{size}"
-        if rows.get(name) is not None:
-            table[name] = rows.get(name)
-            if "noise_per_coordinate" not in table[name]["meta"]:  # a row kept before the column existed
+        kept = rows.get(name)
+        if complete(kept):
+            table[name] = kept
+            if "noise_per_coordinate" not in kept["meta"]:  # a row kept before the column existed
                 prepare(size_dir, p_size, device, None if size == FULL else full_dir)
-                table[name]["meta"].update(read_plan(size_dir, {**p_size, "run": {**p_size["run"], "seed": 0}}, eps))
+                kept["meta"].update(read_plan(size_dir, {**p_size, "run": {**p_size["run"], "seed": 0}}, eps))
             continue
         prepare(size_dir, p_size, device, None if size == FULL else full_dir)
-        probe, zero, meta = [], [], []
-        for seed in range(args.seeds):
+        probe, zero, refits, meta = [], [], [], []
+        for seed in range(args.seeds if kept is None else len(kept["probe"])):
             t0 = time.time()
             p = {**p_size, "run": {**p_size["run"], "seed": seed}}
-            with inside(size_dir):
+            with inside(size_dir):  # a finished training resumes at its last step: only the scoring runs
                 model, spent, _ = training.train_point(p, context("curve", device), "pretrain", eps)
                 n = read_json("data/shards/stats.json")["private"]["usable"]
-            plan = read_plan(size_dir, p, eps)
-            probe.append(score(model.encoder, seed))
-            if obj in ZERO_SHOT_OBJECTIVES:
+            correct, refit = score(model.encoder, seed)
+            probe.append(correct)
+            refits.append(refit)
+            if obj in ZERO_SHOT_OBJECTIVES and kept is None:
                 zero.append(scorer.zero_shot(model, obj, tokenizer, p["model"]["max_caption_len"], te, device))
-            meta.append({"n": n, "seconds": round(time.time() - t0, 1), "epsilon_spent": spent, **plan})
-        row = rows.put(name, np.stack(probe), np.stack(zero) if zero else None,
+            meta.append({"n": n, "seconds": round(time.time() - t0, 1), "epsilon_spent": spent,
+                         **read_plan(size_dir, p, eps)})
+        refits = np.stack(refits) if args.probe_refits else None
+        if kept is not None:  # the kept outcomes stay (their training seconds too); only the refits are new
+            same_model(name, np.stack(probe), kept["probe"])
+            table[name] = rows.put(name, kept["probe"], kept["zero"], refits, kept["meta"])
+            continue
+        row = rows.put(name, np.stack(probe), np.stack(zero) if zero else None, refits,
                        {**meta[0], "seconds": sum(m["seconds"] for m in meta)})
         table[name] = row
         m = row["meta"]
@@ -277,7 +311,20 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
               + f"  n={m['n']} B={m['batch']} T={m['steps']} σ={m['sigma']:.3f} σ/B={m['sigma_over_b']:.2e}"
               + f" noise/coord={m['noise_per_coordinate']:.2e}"
               + f"  ({m['seconds']:.0f} s, {time.time() - started:.0f} s in all)", flush=True)
+    if not args.probe_refits:  # intervals over test images (and seeds) alone, whatever the rows keep
+        table = {name: {**row, "refits": None} for name, row in table.items()}
     return table, te, chance, scorer.es.name
+
+
+def same_model(name: str, scored: np.ndarray, kept: np.ndarray) -> None:
+    """Refits added to a kept row must come from the model it scored: its outcomes, scored again,
+    agree but for images on a probe's edge (features summed in another thread order)."""
+    differ = float((scored != kept).mean())
+    if differ > 0.01:
+        raise SystemExit(f"{name}: scored again, {100 * differ:.1f}% of the kept row's probe outcomes change: not "
+                         "the model it scored. Move the row aside to score it afresh")
+    if differ:
+        print(f"scale_utility: {name}: scored again, {100 * differ:.2f}% of its outcomes differ (kept as they were)")
 
 
 def read_plan(size_dir: Path, p: dict, eps: float) -> dict:
@@ -302,11 +349,20 @@ def schedule(p: dict, n: int, eps: float) -> dict:
             "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2)}
 
 
+def probe_ci(row: dict) -> list[float]:
+    return accuracy_ci(row["probe"], refits=row.get("refits"))
+
+
+def gain(row: dict, base: dict) -> dict:
+    """row's probe accuracy minus base's, paired by test image, seed and probe resample."""
+    return difference_ci(row["probe"], base["probe"], refits_a=row.get("refits"), refits_b=base.get("refits"))
+
+
 def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:
     targets = {}
 
     def paired(a: str, b: str) -> dict:
-        return difference_ci(table[a]["probe"], table[b]["probe"])
+        return gain(table[a], table[b])
 
     for obj in objectives:
         full = {eps: f"{obj}-n{FULL}-eps{eps:g}" for eps in epsilons}
@@ -321,7 +377,7 @@ def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:
             targets[f"c_{obj}_eps8_not_below_eps1"] = {"passed": d["ci"][1] >= 0, "diff": d}
     encoders = {k: v for k, v in table.items() if k != "pixels"}
     best = max(encoders, key=lambda k: encoders[k]["probe"].mean())
-    best_ci, pixels = accuracy_ci(encoders[best]["probe"]), float(table["pixels"]["probe"].mean())
+    best_ci, pixels = probe_ci(encoders[best]), float(table["pixels"]["probe"].mean())
     targets["d_best_vs_pixels"] = {"passed": best_ci[1] >= pixels, "best": best, "ci": best_ci, "pixels": pixels}
     cap8 = f"caption-n{FULL}-eps8"
     if cap8 in table:
@@ -341,20 +397,21 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
             init, n, eps = "synthetic", row["meta"]["n"], parse_epsilon(eps_text)
         r = {"objective": obj, "init": init, "epsilon": None if eps is None else ("inf" if eps == math.inf else eps),
              "n": n, "acc": round(float(row["probe"].mean()), 4),
-             "ci": [round(x, 4) for x in accuracy_ci(row["probe"])], "seeds": int(len(row["probe"]))}
+             "ci": [round(x, 4) for x in probe_ci(row)], "seeds": int(len(row["probe"]))}
         if n is not None:
             m = row["meta"]
             r.update(batch=m["batch"], steps=m["steps"], sigma=round(m["sigma"], 4), sigma_over_b=m["sigma_over_b"],
                      noise_per_coordinate=m["noise_per_coordinate"],
                      epsilon_spent=m["epsilon_spent"], seconds=m["seconds"])
             if name != "synthetic":
-                d = difference_ci(row["probe"], table["synthetic"]["probe"])
+                d = gain(row, table["synthetic"])
                 r["gain_over_synthetic"] = {"diff": round(d["diff"], 4), "ci": [round(x, 4) for x in d["ci"]]}
         if row.get("zero") is not None:
             r.update(zero_shot=round(float(row["zero"].mean()), 4),
                      zero_shot_ci=[round(x, 4) for x in accuracy_ci(row["zero"])])
         out_rows.append(r)
-    print(f"\nscale_utility: linear probe on {set_name} ({n_test} test images, {args.seeds} seed(s), {device})")
+    print(f"\nscale_utility: linear probe on {set_name} ({n_test} test images, {args.seeds} seed(s), "
+          f"{args.probe_refits} probe refits, {device})")
     print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8} {'noise':>8}  {'acc':>6}  95% CI       "
           "gain over synthetic")
     for r in out_rows:
@@ -379,7 +436,7 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
     print_targets("scale_utility", targets)
     print(f"scale_utility: {seconds:.0f} s this invocation, on {device}")
     print(json.dumps({"benchmark": "scale_utility", "dataset": set_name, "n_probe_test": n_test, "device": device,
-                      "chance": round(chance, 4), "rows": out_rows,
+                      "chance": round(chance, 4), "probe_refits": args.probe_refits, "rows": out_rows,
                       "targets": {k: bool(t["passed"]) for k, t in targets.items()}, "seconds": round(seconds)}))
     sys.exit(0 if all(t["passed"] for t in targets.values()) else 1)
 

@@ -55,6 +55,30 @@ def test_each_target_fails_when_its_comparison_breaks():
     assert not passed(table(weak, strong, zero_acc=0.25))["e_caption_zero_shot_3x_chance"]  # 2.5x chance
 
 
+def test_a_gain_within_the_probe_fit_spread_fails():
+    """A DP row 3 points above its warm start with the full probe, where probes refit on resamples of
+    probe-train disagree by more than that: over test images alone target (a) passes; with the
+    refits it must not."""
+    weak = np.random.default_rng(5).random(2000) < 0.7
+
+    def moved(points):  # the warm start's outcomes, `points` better (or worse)
+        c = weak.copy()
+        k = round(abs(points) * len(c))
+        c[np.flatnonzero(~c if points > 0 else c)[:k]] = points > 0
+        return c
+
+    strong = moved(0.03)[None]
+    weak_fits = np.stack([weak] * 20)[None]  # the warm start's probe barely moves with its images
+    strong_fits = np.stack([moved(points) for points in np.linspace(-0.04, 0.10, 20)])[None]
+    weak = weak[None]
+    t = {"synthetic": {"probe": weak}, "pixels": {"probe": weak},
+         f"caption-n{FULL}-eps8": {"probe": strong, "zero": strong}}
+    assert check_targets(t, ("caption",), [8.0], 0.1)["a_caption_eps8_above_synthetic"]["passed"]
+    t["synthetic"]["refits"], t[f"caption-n{FULL}-eps8"]["refits"] = weak_fits, strong_fits
+    target = check_targets(t, ("caption",), [8.0], 0.1)["a_caption_eps8_above_synthetic"]
+    assert not target["passed"] and target["diff"]["diff"] == pytest.approx((strong & ~weak).mean())
+
+
 def test_sizes_keep_the_sampling_rate_and_the_steps():
     params = {"shards": {"private_limit": None}, "dp": {"expected_batch_size": 1024, "steps": 100}}
     full, small = size_params(params, FULL, None), size_params(params, "6000", 60000)
@@ -80,10 +104,14 @@ def test_rows_are_kept_whole_and_read_back(tmp_path):
     rows = Rows(tmp_path / "rows")
     assert rows.get("mae-nfull-eps8") is None
     probe, zero = np.array([[True, False, True]]), np.array([[False, True, True]])
-    rows.put("mae-nfull-eps8", probe, zero, {"n": 3, "sigma": 0.5})
+    refits = np.array([[[True, True, False], [False, False, True]]])
+    rows.put("mae-nfull-eps8", probe, zero, refits, {"n": 3, "sigma": 0.5})
     back = rows.get("mae-nfull-eps8")
     assert (back["probe"] == probe).all() and (back["zero"] == zero).all() and back["meta"] == {"n": 3, "sigma": 0.5}
-    assert [p.name for p in (tmp_path / "rows").iterdir()] == ["mae-nfull-eps8.npz"]  # no temporary left
+    assert (back["refits"] == refits).all()
+    rows.put("pixels", probe, None, None, {})  # kept before refits existed, or --probe-refits 0
+    assert rows.get("pixels")["refits"] is None and rows.get("pixels")["zero"] is None
+    assert sorted(p.name for p in (tmp_path / "rows").iterdir()) == ["mae-nfull-eps8.npz", "pixels.npz"]  # no temporary left
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])

@@ -68,3 +68,68 @@ def test_seed_rows_pair_by_seed_and_against_a_single_row():
     assert single["diff"] == pytest.approx(a.mean() - a[0].mean())
     with pytest.raises(ValueError, match="examples"):
         accuracy_ci(np.ones((2, 3, 4), bool))
+
+
+def _probe_draw(rng, w, train_n, test_n):
+    """A two-class problem whose linear probe, fit on only `train_n` images, moves by points with
+    which images those are: features in 20 dims, labels from a noisy linear rule `w`."""
+    x = rng.normal(size=(train_n + test_n, 20)).astype(np.float32)
+    y = (x @ w + rng.normal(scale=1.0, size=len(x)) > 0).astype(int)
+    return x, y
+
+
+def test_refits_make_the_interval_cover_the_probe_fit_spread():
+    """What a reader takes an accuracy to mean is the accuracy of this encoder's probe, whichever
+    probe-train images it happened to be fit on. With 40 of them the fit dominates: an interval over
+    test images alone misses that truth far more often than 5%; one with refits covers it."""
+    from pipeline.eval.probe import linear_probe, refit_correct
+
+    cfg = {"probe_solver": "logreg", "probe_c": 1.0, "probe_train": None}
+    w = np.random.default_rng(0).normal(size=20)
+    truth_rng = np.random.default_rng(1)  # the truth: the mean accuracy over fresh probe-train sets
+    truth = np.mean([linear_probe(*_probe_draw(truth_rng, w, 40, 4000), (np.arange(40), np.arange(40, 4040)),
+                                  cfg, 0).mean() for _ in range(300)])
+    rng = np.random.default_rng(2)
+    plain, with_refits = [], []
+    for trial in range(60):
+        x, y = _probe_draw(rng, w, 40, 2000)
+        split = (np.arange(40), np.arange(40, 2040))
+        correct = linear_probe(x, y, split, cfg, 0)
+        refits = refit_correct(x, y, split, cfg, fits=20)
+        lo, hi = accuracy_ci(correct, seed=trial, resamples=400)
+        plain.append(lo <= truth <= hi)
+        lo, hi = accuracy_ci(correct, seed=trial, resamples=400, refits=refits)
+        assert lo <= correct.mean() <= hi
+        with_refits.append(lo <= truth <= hi)
+    assert np.mean(plain) < 0.7
+    assert np.mean(with_refits) >= 0.85
+
+
+def test_refits_pair_resample_by_resample():
+    """Two encoders refit on the same resamples: the paired interval of a model against itself is
+    [0, 0], and one whose features are a copy pairs identically; the spread only adds to a pair
+    whose probes disagree."""
+    from pipeline.eval.probe import linear_probe, refit_correct
+
+    cfg = {"probe_solver": "logreg", "probe_c": 1.0, "probe_train": None}
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=20)
+    x, y = _probe_draw(rng, w, 200, 1000)
+    split = (np.arange(200), np.arange(200, 1200))
+    a, fa = linear_probe(x, y, split, cfg, 0), refit_correct(x, y, split, cfg, fits=10)
+    assert fa.shape == (10, 1000) and (fa != a).any()  # the refits are fits on other images
+    assert np.array_equal(refit_correct(x.copy(), y, split, cfg, fits=10), fa)
+    assert difference_ci(a, a, refits_a=fa, refits_b=fa) == {"diff": 0.0, "ci": [0.0, 0.0]}
+    noisy = x + rng.normal(scale=0.5, size=x.shape).astype(np.float32)
+    b, fb = linear_probe(noisy, y, split, cfg, 0), refit_correct(noisy, y, split, cfg, fits=10)
+    plain, refit = difference_ci(a, b), difference_ci(a, b, refits_a=fa, refits_b=fb)
+    assert plain["diff"] == refit["diff"]
+    assert refit["ci"][1] - refit["ci"][0] > plain["ci"][1] - plain["ci"][0]
+    with pytest.raises(ValueError, match="both models"):
+        difference_ci(a, b, refits_a=fa)
+    with pytest.raises(ValueError, match="same resamples"):
+        difference_ci(a, b, refits_a=fa, refits_b=fb[:5])
+    with pytest.raises(ValueError, match="refits must be"):
+        accuracy_ci(a, refits=fa[:, :10])
+    with pytest.raises(ValueError, match="probe_c=auto"):
+        refit_correct(x, y, split, {**cfg, "probe_c": "auto"}, fits=2)

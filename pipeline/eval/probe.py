@@ -196,6 +196,23 @@ def linear_probe(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int,
                          train_cfg=cfg["probe_train"], seed=seed, device=device)
 
 
+def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int, seed: int = 0,
+                  device: str = "cpu") -> np.ndarray:
+    """(fits, len(test part)): linear_probe's outcomes with the probe refit on `fits` bootstrap
+    resamples of the probe-train part, what an interval needs to cover which images the probe was
+    fit on (eval/stats.py). Resample r is drawn from r alone, so every encoder is refit on the same
+    images and two encoders' refits pair."""
+    if cfg["probe_solver"] == "logreg" and cfg["probe_c"] == "auto":
+        raise ValueError("evaluate.probe_c=auto: refits would choose C by cross-validating on resamples whose "
+                         "duplicated images sit on both sides of a fold; give a fixed C")
+    tr, te = split
+    out = np.empty((fits, len(te)), bool)
+    for r in range(fits):
+        resample = np.random.default_rng([len(tr), r]).choice(tr, size=len(tr), replace=True)
+        out[r] = linear_probe(x, labels, (resample, te), cfg, seed, device)
+    return out
+
+
 def probe_accuracy(train_x, train_y, test_x, test_y, **kw) -> float:
     """Test accuracy of a linear probe fit on (train_x, train_y) (keywords: probe_correct's)."""
     return float(probe_correct(train_x, train_y, test_x, test_y, **kw).mean())
