@@ -353,7 +353,7 @@ def probe_ci(row: dict) -> list[float]:
     return accuracy_ci(row["probe"], refits=row.get("refits"))
 
 
-def gain(row: dict, base: dict) -> dict:
+def paired_gain(row: dict, base: dict) -> dict:
     """row's probe accuracy minus base's, paired by test image, seed and probe resample."""
     return difference_ci(row["probe"], base["probe"], refits_a=row.get("refits"), refits_b=base.get("refits"))
 
@@ -362,7 +362,7 @@ def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:
     targets = {}
 
     def paired(a: str, b: str) -> dict:
-        return gain(table[a], table[b])
+        return paired_gain(table[a], table[b])
 
     for obj in objectives:
         full = {eps: f"{obj}-n{FULL}-eps{eps:g}" for eps in epsilons}
@@ -404,7 +404,7 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
                      noise_per_coordinate=m["noise_per_coordinate"],
                      epsilon_spent=m["epsilon_spent"], seconds=m["seconds"])
             if name != "synthetic":
-                d = gain(row, table["synthetic"])
+                d = paired_gain(row, table["synthetic"])
                 r["gain_over_synthetic"] = {"diff": round(d["diff"], 4), "ci": [round(x, 4) for x in d["ci"]]}
         if row.get("zero") is not None:
             r.update(zero_shot=round(float(row["zero"].mean()), 4),

@@ -1,5 +1,6 @@
 """benchmarks/scale_utility.py: its targets can fail, its sizes keep q and T, and its rows resume."""
 
+import argparse
 import json
 import math
 
@@ -7,8 +8,9 @@ import numpy as np
 import pytest
 
 from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, check_targets,
-                                      combined_figure, schedule, size_params, validation_folds)
+                                      combined_figure, report, schedule, size_params, validation_folds)
 from pipeline.config import load_params
+from pipeline.eval.stats import difference_ci
 
 EPSILONS = [1.0, 8.0, math.inf]
 
@@ -149,3 +151,28 @@ def test_one_figure_from_several_runs(tmp_path):
     (tmp_path / "empty.out").write_text("killed before the end\n")
     with pytest.raises(SystemExit, match="empty.out: no scale_utility JSON line"):
         combined_figure([outputs[0], tmp_path / "empty.out"], tmp_path / "fig")
+
+
+def test_the_report_prints_the_table_and_one_json_line_with_refit_intervals(tmp_path, capsys):
+    """What a run ends with, from kept rows: the JSON line's intervals are the refit ones, and the
+    exit code says whether every target passed."""
+    weak, strong = outcomes()
+    meta = {"n": 60000, "batch": 1024, "steps": 600, "sigma": 0.7, "sigma_over_b": 6.8e-4,
+            "noise_per_coordinate": 6.8e-4, "epsilon_spent": 7.99, "seconds": 10.0}
+    t = {"pixels": {"probe": weak, "zero": None, "refits": np.stack([weak] * 4, axis=1), "meta": {}},
+         "synthetic": {"probe": weak, "zero": None, "refits": np.stack([weak] * 4, axis=1), "meta": {}},
+         f"caption-n{FULL}-eps8": {"probe": strong, "zero": strong, "meta": meta,
+                                   "refits": np.stack([strong, weak, strong, weak], axis=1)}}
+    args = argparse.Namespace(objectives=["caption"], seeds=1, probe_refits=4)
+    with pytest.raises(SystemExit) as exit_code:
+        report(t, args, [8.0], [FULL], 0.1, 400, tmp_path, 1.0, "cpu", "fashion-mnist")
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row = next(r for r in out["rows"] if r["objective"] == "caption")
+    assert out["probe_refits"] == 4 and row["n"] == 60000 and row["sigma_over_b"] == 6.8e-4
+    refit = difference_ci(strong, weak, refits_a=t[f"caption-n{FULL}-eps8"]["refits"], refits_b=t["synthetic"]["refits"])
+    plain = difference_ci(strong, weak)
+    assert row["gain_over_synthetic"]["ci"] == [round(x, 4) for x in refit["ci"]]
+    assert refit["ci"][1] - refit["ci"][0] > 2 * (plain["ci"][1] - plain["ci"][0])  # half the refits gain nothing
+    assert out["targets"] == {"a_caption_eps8_above_synthetic": True, "d_best_vs_pixels": True,
+                              "e_caption_zero_shot_3x_chance": True} and exit_code.value.code == 0
+    assert (tmp_path / "scaling.png").exists()
