@@ -211,11 +211,24 @@ def stage_run(stage, params: dict, experiment: str):
         _retry(lambda: mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                                           for k, v in flat.items()}))
         yield StageRun(mlflow, run.info.run_id)
+        if system:
+            _retry(lambda: log_system_snapshot(mlflow))
     except BaseException as e:
         status = "KILLED" if isinstance(e, (Stopped, KeyboardInterrupt)) else "FAILED"
         _retry(lambda: mlflow.end_run(status=status))
         raise
     _retry(lambda: mlflow.end_run(status="FINISHED"))
+
+
+def log_system_snapshot(mlflow) -> None:
+    """The machine's memory as a training stage ends, under MLflow's system-metric names: its monitor
+    logs a sample only after a whole SYSTEM_METRICS_EVERY_S, so a stage shorter than that (a resumed
+    or small one) would otherwise record none."""
+    import psutil
+
+    mem = psutil.virtual_memory()
+    mlflow.log_metrics({"system/system_memory_usage_megabytes": (mem.total - mem.available) / 2 ** 20,
+                        "system/system_memory_usage_percentage": mem.percent})
 
 
 def start_parent(experiment: str, params: dict | None = None) -> str:

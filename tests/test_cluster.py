@@ -450,6 +450,22 @@ def test_stage_runs_carry_the_slurm_job_id(local_mlflow, monkeypatch):
     assert client.get_run(run_id).data.tags["slurm.job_id"] == "41234"
 
 
+def test_a_training_stage_shorter_than_the_sampling_interval_records_system_metrics(local_mlflow):
+    """MLflow's monitor logs after a whole sampling interval: a training stage that ends at once (a
+    resumed one) once had no system metrics; a stage that trains nothing (verify) records none."""
+    from pipeline import tracking
+    from pipeline.stages import stage
+
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    for name, expected in (("dp-train", True), ("verify", False)):
+        with tracking.stage_run(stage(name), {"run": {"seed": 0}}, "dpfm") as run:
+            run_id = run.run_id
+        metrics = client.get_run(run_id).data.metrics
+        assert any(k.startswith("system/") for k in metrics) == expected, (name, sorted(metrics))
+        if expected:
+            assert 0 < metrics["system/system_memory_usage_percentage"] <= 100
+
+
 def test_the_parent_is_named_from_this_runs_outputs_only(local_mlflow):
     """A partial target (`snakemake models/dp`) once named its parent from a verification.json that an
     earlier run had left."""
