@@ -21,8 +21,8 @@ synthetic warm start at each ε on the full private split; and, for the scaling 
 on private splits of each size in --sizes (the eval set unchanged: `shards.private_limit`).
 Caption and clip rows also get zero-shot accuracy. Intervals are 95% bootstraps over test images,
 over the probe-train images the probe is fit on (--probe-refits probes refit on resamples of
-probe-train, the same resamples for every row: a probe fit on 5,000 images moves by about a point
-with which ones) and, with --seeds > 1, over training seeds; differences pair example by example and
+probe-train, the same resamples for every row: a probe fit on 5,000 images moves by about half a
+point, one s.d., with which ones) and, with --seeds > 1, over training seeds; differences pair example by example and
 resample by resample (pipeline/eval/stats.py).
 
 Targets (paired 95% intervals):

@@ -9,10 +9,11 @@ Outcomes may be one row per training seed, (seeds, examples): the accuracy is th
 seeds, and the bootstrap resamples the seeds too (a two-level bootstrap), so the interval also
 covers how much a re-run with another seed would move it.
 
-A probe fit on a few thousand images moves by about a point with the images it is fit on. Given
-`refits`, the outcomes of probes refit on bootstrap resamples of the probe-train part (resample r
-the same for every model), each draw also picks one refit, shared by every seed and by both models
-of a pair, so the interval covers that spread too. It is centred on the full fit: a probe fit on a
+A probe fit on a few thousand images moves by about half a point (one s.d.) with the images it is
+fit on, as much as the test images move it. Given `refits`, the outcomes of probes refit on
+bootstrap resamples of the probe-train part (resample r the same for every model), each draw also
+picks one refit, shared by every seed and by both models of a pair, so the interval covers that
+spread too. It is centred on the full fit: a probe fit on a
 resample (about 63% distinct images) is a little weaker, and the shift takes that bias out.
 """
 
