@@ -111,6 +111,8 @@ def recipe_id(params: dict) -> str:
     """Rows are kept per recipe: a changed schedule, model or eval protocol never reuses a row."""
     keys = {s: params[s] for s in ("model", "dp", "privacy", "evaluate", "synthetic", "pretrain", "tokenizer")}
     keys["dp"] = {k: v for k, v in params["dp"].items() if k != "compile"}  # the same numbers, compiled or not
+    # The rows keep refits of their own (--probe-refits), whatever the evaluate stage would run.
+    keys["evaluate"] = {k: v for k, v in params["evaluate"].items() if k != "probe_refits"}
     keys["shards"] = {k: v for k, v in params["shards"].items() if k not in ("path", "workers", "cache_dir")}
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:10]
 

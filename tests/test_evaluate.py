@@ -508,6 +508,33 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
     assert tracker.metrics["epsilon"] == 3.0 and tracker.tags["dpfm.objective"] == "caption"
 
 
+def test_stage_intervals_cover_the_probe_refits_and_keep_the_accuracies(tmp_path, monkeypatch):
+    """evaluate.probe_refits: the same accuracies, intervals that also cover which images the probe
+    was fit on (wider), and the DP model against a copy of itself still exactly [0, 0]."""
+    from pipeline.stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path)
+    runs = {}
+    for refits in (0, 8):
+        evaluate.run(eval_params(probe_refits=refits, probe_c=1.0),  # auto picks a C at which noise images fit alike
+                     SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu", threads=1))
+        runs[refits] = json.loads((tmp_path / "results/eval/metrics.json").read_text())
+    assert runs[8]["protocol"]["probe_refits"] == 8
+    plain, refit = (runs[k]["sets"]["digits"] for k in (0, 8))
+    width = lambda ci: ci[1] - ci[0]  # noqa: E731
+    for name, r in refit["results"].items():
+        assert r["linear_probe"] == plain["results"][name]["linear_probe"]
+        lo, hi = r["linear_probe_ci"]
+        assert lo <= r["linear_probe"] <= hi
+    assert (sum(width(r["linear_probe_ci"]) for r in refit["results"].values())
+            > sum(width(r["linear_probe_ci"]) for r in plain["results"].values()))
+    assert refit["dp_versus"]["nonprivate"] == {"diff": 0.0, "ci": [0.0, 0.0]}  # the same checkpoint
+    pixels = refit["dp_versus"]["pixels"]
+    assert pixels["diff"] == plain["dp_versus"]["pixels"]["diff"]
+    assert width(pixels["ci"]) > width(plain["dp_versus"]["pixels"]["ci"])
+
+
 def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, monkeypatch):
     from pipeline.stages import evaluate
 

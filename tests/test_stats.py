@@ -131,5 +131,21 @@ def test_refits_pair_resample_by_resample():
         difference_ci(a, b, refits_a=fa, refits_b=fb[:5])
     with pytest.raises(ValueError, match="refits must be"):
         accuracy_ci(a, refits=fa[:, :10])
-    with pytest.raises(ValueError, match="probe_c=auto"):
-        refit_correct(x, y, split, {**cfg, "probe_c": "auto"}, fits=2)
+
+
+
+def test_auto_c_refits_keep_the_c_chosen_on_the_whole_probe_train_part():
+    """With probe_c=auto the refits keep the C cross-validation picks on probe-train itself (a
+    resample's duplicates would sit on both sides of its folds and pick too weak a penalty)."""
+    from pipeline.eval.probe import AUTO_CS, chosen_c, refit_correct
+
+    cfg = {"probe_solver": "logreg", "probe_c": "auto", "probe_train": None}
+    rng = np.random.default_rng(6)
+    x, y = _probe_draw(rng, rng.normal(size=20), 150, 300)
+    split = (np.arange(150), np.arange(150, 450))
+    c = chosen_c(x[:150], y[:150])
+    assert c in AUTO_CS and c != 1.0  # not the C a fixed-C fallback would use
+    auto = refit_correct(x, y, split, cfg, fits=4)
+    assert np.array_equal(auto, refit_correct(x, y, split, {**cfg, "probe_c": c}, fits=4))
+    other = next(k for k in AUTO_CS if abs(np.log(k / c)) > 2)  # a C far from the chosen one differs
+    assert not np.array_equal(auto, refit_correct(x, y, split, {**cfg, "probe_c": other}, fits=4))

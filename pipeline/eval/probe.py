@@ -99,6 +99,12 @@ def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
         return probe.fit(train_x, train_y)
 
 
+def chosen_c(train_x, train_y, seed: int = 0) -> float:
+    """The C that `logreg_probe(..., c="auto")` picks on (train_x, train_y)."""
+    model = logreg_probe(train_x, train_y, "auto", seed)[-1]
+    return float(model.C_[0]) if hasattr(model, "C_") else float(model.C)
+
+
 class LARS(torch.optim.Optimizer):
     """Layer-wise adaptive rate scaling (You et al. 2017) as used for MAE/ViP linear probes:
     SGD with momentum whose step for each weight matrix is scaled by trust·‖w‖/‖g + wd·w‖.
@@ -202,10 +208,11 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
     resamples of the probe-train part, what an interval needs to cover which images the probe was
     fit on (eval/stats.py). Resample r is drawn from r alone, so every encoder is refit on the same
     images and two encoders' refits pair."""
-    if cfg["probe_solver"] == "logreg" and cfg["probe_c"] == "auto":
-        raise ValueError("evaluate.probe_c=auto: refits would choose C by cross-validating on resamples whose "
-                         "duplicated images sit on both sides of a fold; give a fixed C")
     tr, te = split
+    if cfg["probe_solver"] == "logreg" and cfg["probe_c"] == "auto":
+        # C is chosen once, on the probe-train part itself: cross-validating on a resample would put
+        # its duplicated images on both sides of a fold and choose too weak a penalty.
+        cfg = {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed)}
     out = np.empty((fits, len(te)), bool)
     for r in range(fits):
         resample = np.random.default_rng([len(tr), r]).choice(tr, size=len(tr), replace=True)

@@ -81,7 +81,8 @@ def accuracy_ci(correct, seed: int = 0, resamples: int = RESAMPLES, level: float
     correct = _as_rows(correct).astype(bool)
     if correct.size == 0:
         raise ValueError("an accuracy needs at least one test example")
-    return _bootstrap(correct, None if refits is None else np.asarray(refits, bool), seed, resamples, level)
+    lo, hi = _bootstrap(correct, None if refits is None else np.asarray(refits, bool), seed, resamples, level)
+    return [max(lo, 0.0), min(hi, 1.0)]  # the shift to the full fit can carry an end past what an accuracy can be
 
 
 def _paired(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -7,8 +7,10 @@ from pipeline.objectives import OBJECTIVES
 
 def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -> str:
     """How each column of the accuracy table was measured (only the columns present)."""
-    seeds = protocol.get("seeds", 1)
+    seeds, refits = protocol.get("seeds", 1), protocol.get("probe_refits", 0)
     parts = ["Accuracy in % on the probe-test split, with its 95% bootstrap interval over the test images"
+             + (f", over {refits} refits of the linear probe on resamples of probe-train (which images it is fit on)"
+                if refits else "")
              + (f" and {seeds} training seeds (the DP, non-private and random-init rows are means over the seeds; "
                 "the synthetic encoder and the pixels are one fixed artifact each)." if seeds > 1 else
                 " (one training seed).")

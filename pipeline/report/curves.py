@@ -89,6 +89,8 @@ def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict) -> 
     spent = [p["epsilon_spent"] for p in points if p.get("epsilon_spent")]
     seeds = curve.get("seeds", 1)
     over = f"over {seeds} training seeds and the test images" if seeds > 1 else "over the test images, one seed"
+    if curve.get("probe_refits"):
+        over += f", and {curve['probe_refits']} refits of the probe on resamples of probe-train"
     caption = (f"Linear probe on {curve['set']} ({curve['n_probe_test']} probe-test images; band: 95% bootstrap "
                f"interval {over}) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
                f"{twin_text(dp)}. {len(spent)} of the points are DP trainings on the "

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from pipeline.eval.evalsets import load_eval_set
-from pipeline.eval.probe import features, linear_probe
+from pipeline.eval.probe import features, linear_probe, refit_correct
 from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
 from pipeline.privacy import release
@@ -36,7 +36,7 @@ def run(params: dict, ctx) -> None:
     points, es, split, is_main = [], None, None, True
     for init in cfg["inits"]:
         for epsilon in sorted(cfg["epsilons"]):
-            rows, spent = [], []
+            rows, refits, spent = [], [], []
             for k in range(cfg["seeds"]):  # training seed seed + k: its own init, masks, key and budget entry
                 p = {**params, "run": {**params["run"], "seed": seed + k}}
                 model, eps, is_main = train_point(p, ctx, init, epsilon)
@@ -45,11 +45,13 @@ def run(params: dict, ctx) -> None:
                     split = es.split(ev["probe_fraction"], seed)
                 x = features(model.encoder, es.images, ev, ctx.device)
                 rows.append(linear_probe(x, es.labels, split, ev, seed + k, ctx.device))
+                if ev["probe_refits"]:  # the interval covers which images the probe is fit on, as evaluate's do
+                    refits.append(refit_correct(x, es.labels, split, ev, ev["probe_refits"], seed + k, ctx.device))
                 spent.append(eps)
             correct = np.stack(rows)  # (seeds, test examples): the interval covers both (eval/stats.py)
             point = {"init": init, "epsilon": epsilon if math.isfinite(epsilon) else "inf",
                      "epsilon_spent": None if spent[0] is None else max(spent), "seeds": cfg["seeds"],
-                     "linear_probe": float(correct.mean()), "linear_probe_ci": accuracy_ci(correct, seed)}
+                     "linear_probe": float(correct.mean()), "linear_probe_ci": accuracy_ci(correct, seed, refits=np.stack(refits) if refits else None)}
             points.append(point)
             lo, hi = point["linear_probe_ci"]
             print(f"curve: {init:<8} ε={epsilon:<5} linear probe {point['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f}"
@@ -58,5 +60,6 @@ def run(params: dict, ctx) -> None:
     if not is_main:
         return
     write_json(ctx.stage.output("curve"), {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
-                     "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"], "points": points})
+                     "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"],
+                     "probe_refits": ev["probe_refits"], "points": points})
     ctx.tracker.log_artifact(str(ctx.stage.output("curve")))

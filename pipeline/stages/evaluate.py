@@ -7,7 +7,10 @@ Protocols: linear probe (ViP), K-shot logistic regression over seeded class-bala
 K-shot full fine-tuning (when enabled), zero-shot with the text tower (captioner/CLIP).
 
 Every linear-probe and zero-shot accuracy carries a 95% bootstrap interval over the test images,
-and the DP model's linear probe is compared with each baseline's on the same images (paired).
+and the DP model's linear probe is compared with each baseline's on the same images (paired). With
+`evaluate.probe_refits` > 0 the linear probe's intervals also cover which images the probe is fit
+on: it is refit on that many bootstrap resamples of probe-train, the same resamples for every model
+(eval/probe.py `refit_correct`, eval/stats.py).
 
 With `evaluate.seeds` k > 1 the trained rows have k training seeds (run.seed, +1, ...): dp-train's
 model is seed run.seed, and the DP recipe (and its non-private twin, when dp-train made one) is
@@ -36,7 +39,7 @@ from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
-from pipeline.eval.probe import features, linear_probe
+from pipeline.eval.probe import features, linear_probe, refit_correct
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
@@ -125,10 +128,13 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
     # Lazy views: every protocol reads its images batch by batch, so no part is ever held whole.
     images_tr, images_te = es.images.subset(tr), es.images.subset(te)
     few, ft = cfg["fewshot"], cfg["finetune"]
-    results, correct, zero = {}, {}, {}
+    results, correct, refits, zero = {}, {}, {}, {}
     for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
         x = features(cand.encoder, es.images, cfg, device)
         correct.setdefault(cand.name, []).append(linear_probe(x, es.labels, (tr, te), cfg, seed, device))
+        if cfg["probe_refits"]:
+            refits.setdefault(cand.name, []).append(refit_correct(x, es.labels, (tr, te), cfg, cfg["probe_refits"],
+                                                                  seed, device))
         if cfg["zero_shot"] and cand.text_model is not None:
             scores = class_scores(cand.text_model, cand.objective, images_te, es.prompts(), tokenize(cand), device)
             zero.setdefault(cand.name, []).append(scores.argmax(axis=1) == y_te)
@@ -145,8 +151,9 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
                                                      cfg["pool"], seed, device)
         results[cand.name] = r
     correct = {name: np.stack(rows) for name, rows in correct.items()}  # (seeds, test examples)
+    refits = {name: np.stack(rows) for name, rows in refits.items()}    # (seeds, fits, test examples)
     for name, r in results.items():
-        r.update(with_interval("linear_probe", correct[name], seed), seeds=len(correct[name]))
+        r.update(with_interval("linear_probe", correct[name], seed, refits.get(name)), seeds=len(correct[name]))
         if name in zero:
             r.update(with_interval("zero_shot", np.stack(zero[name]), seed))
         (lo, hi), seeds = r["linear_probe_ci"], r["seeds"]
@@ -154,14 +161,16 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
               f"{f', {seeds} seeds' if seeds > 1 else ''})"
               + (f", zero-shot {r['zero_shot']:.3f}" if "zero_shot" in r else ""))
     # Paired on the same test images (and seeds): is the DP model's linear probe better than each baseline's?
-    versus = {name: difference_ci(correct["dp"], c, seed) for name, c in correct.items() if name != "dp"}
+    versus = {name: difference_ci(correct["dp"], c, seed, refits_a=refits.get("dp"), refits_b=refits.get(name))
+              for name, c in correct.items() if name != "dp"}
     return {"classes": es.classes, "n_probe_train": int(len(tr)), "n_probe_test": int(len(te)),
             "chance": es.chance, "results": results, "dp_versus": versus if "dp" in correct else {}}
 
 
-def with_interval(protocol: str, correct: np.ndarray, seed: int) -> dict:
-    """The accuracy of per-example outcomes and its 95% bootstrap interval over the test images."""
-    return {protocol: float(correct.mean()), f"{protocol}_ci": accuracy_ci(correct, seed)}
+def with_interval(protocol: str, correct: np.ndarray, seed: int, refits: np.ndarray | None = None) -> dict:
+    """The accuracy of per-example outcomes and its 95% bootstrap interval over the test images (and
+    the probe's refits, when given)."""
+    return {protocol: float(correct.mean()), f"{protocol}_ci": accuracy_ci(correct, seed, refits=refits)}
 
 
 def mlflow_metrics(metrics: dict) -> dict:
@@ -213,7 +222,7 @@ def run(params: dict, ctx) -> None:
         "models": {c.name: {"label": c.label, "source": c.source} for c in candidates if c.seed_index == 0},
         "model_order": [c.name for c in candidates if c.seed_index == 0],  # JSON keys get sorted; tables keep this order
         "protocol": {k: cfg[k] for k in ("pool", "last_k_blocks", "probe_fraction", "probe_solver", "probe_c",
-                                         "fewshot", "finetune", "zero_shot", "seeds")},
+                                         "probe_refits", "fewshot", "finetune", "zero_shot", "seeds")},
         "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"]},
         "sets": sets,
         # The privacy-utility curve (stages/curve.py), kept with the accuracies it is read beside.
