@@ -193,6 +193,10 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true", help="score probe-train by cross-fitting (choosing a recipe)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override the recipe (as `dpfm --set`)")
+    ap.add_argument("--against", nargs="*", metavar="SECTION.KEY=VALUE",
+                    help="set each trained row against the same row of another recipe, kept in DIR (paired: "
+                         "same images, seeds and probe resamples): the benchmark's own with no value, else "
+                         "its recipe with these overrides (as --set)")
     ap.add_argument("--figure-from", nargs="+", metavar="OUTPUT", type=Path,
                     help="train nothing: draw DIR/scaling.png from the scaling rows of earlier runs' printed "
                          "output (one objective per recipe: each objective's own schedule in one figure)")
@@ -202,13 +206,14 @@ def main() -> None:
     epsilons = sorted(parse_epsilon(e) for e in args.epsilons)
     sizes = [s for s in args.sizes if s != FULL] + [FULL]  # the full split last: it is also the main table
     work = Path(args.dir or tempfile.mkdtemp(prefix="dpfm-scale-")).resolve()
-    started, table = time.time(), {}
+    started, table, versus = time.time(), {}, {}
     for obj in args.objectives:  # each objective on its own schedule: its own recipe, its own rows
         params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[obj], *args.set])
         if params["shards"]["path"] is None:  # the stages run in DIR: the unpacked package stays in this checkout
             params["shards"]["path"] = str(ROOT / "data/public/fashion-mnist")
         device = resolve_device(params["run"]["device"])
-        rows = Rows(work / "rows" / (recipe_id(params) + (f"-val{VALIDATION_FOLDS}" if args.validate else "")))
+        part = f"-val{VALIDATION_FOLDS}" if args.validate else ""  # validation rows are kept apart
+        rows = Rows(work / "rows" / (recipe_id(params) + part))
         print(f"scale_utility: {obj}: working in {work} on {device}; rows in {rows.dir}", flush=True)
         full_dir = work / f"n-{FULL}"
         prepare(full_dir, size_params(params, FULL, None), device, None)
@@ -216,8 +221,30 @@ def main() -> None:
             rows_of_obj, te, chance, set_name = measure(params, obj, args, epsilons, sizes, work, full_dir, rows,
                                                         device, started)
         table.update({k: v for k, v in rows_of_obj.items() if k not in table})  # pixels etc.: the first recipe's
+        if args.against is not None:
+            other = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[obj], *args.against])
+            versus.update(against(rows_of_obj, Rows(work / "rows" / (recipe_id(other) + part))))
     report(table, args, epsilons, sizes, chance, len(te), work, time.time() - started, device,
-           set_name + (f" (probe-train, {VALIDATION_FOLDS}-fold cross-fitted)" if args.validate else ""))
+           set_name + (f" (probe-train, {VALIDATION_FOLDS}-fold cross-fitted)" if args.validate else ""), versus)
+
+
+def against(rows: dict, other: "Rows") -> dict:
+    """Each trained row minus the same row of another recipe (its kept rows), paired; refits only
+    where both rows have the same number of them."""
+    out = {}
+    for name, row in rows.items():
+        kept = other.get(name) if "-n" in name else None
+        if kept is None:
+            continue
+        same_refits = row["refits"] is not None and kept["refits"] is not None and \
+            row["refits"].shape[-2] == kept["refits"].shape[-2]
+        a, b = (r if same_refits else {**r, "refits": None} for r in (row, kept))
+        d = paired_gain(a, b)
+        out[name] = {"against": other.dir.name, "diff": round(d["diff"], 4), "ci": [round(x, 4) for x in d["ci"]],
+                     "refits": bool(same_refits)}
+    if not out:
+        print(f"scale_utility: no kept rows in {other.dir} to set these against: run that recipe first")
+    return out
 
 
 def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path, rows: Rows, device: str,
@@ -388,7 +415,8 @@ def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:
     return targets
 
 
-def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: float, device: str, set_name: str):
+def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: float, device: str, set_name: str,
+           versus: dict):
     targets = check_targets(table, args.objectives, epsilons, chance)
     out_rows = []
     for name, row in table.items():
@@ -435,11 +463,17 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
             print(f"  {r['objective']:<8} n={r['n']:>6} B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e} "
                   f"noise/coord={r['noise_per_coordinate']:.2e}  "
                   f"{100 * g['diff']:+.1f} points (95% CI {100 * g['ci'][0]:+.1f} to {100 * g['ci'][1]:+.1f})")
+    if versus:
+        print("\nscale_utility: against another recipe (this row minus the same row there, paired)")
+        for name, d in versus.items():
+            print(f"  {name:<22} − {d['against']}: {100 * d['diff']:+.1f} points "
+                  f"(95% CI {100 * d['ci'][0]:+.1f} to {100 * d['ci'][1]:+.1f}{'' if d['refits'] else ', no refits'})")
     print_targets("scale_utility", targets)
     print(f"scale_utility: {seconds:.0f} s this invocation, on {device}")
     print(json.dumps({"benchmark": "scale_utility", "dataset": set_name, "n_probe_test": n_test, "device": device,
                       "chance": round(chance, 4), "probe_refits": args.probe_refits, "rows": out_rows,
-                      "targets": {k: bool(t["passed"]) for k, t in targets.items()}, "seconds": round(seconds)}))
+                      "targets": {k: bool(t["passed"]) for k, t in targets.items()}, "seconds": round(seconds),
+                      **({"against": versus} if versus else {})}))
     sys.exit(0 if all(t["passed"] for t in targets.values()) else 1)
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, check_targets,
+from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, check_targets,
                                       combined_figure, report, schedule, size_params, validation_folds)
 from pipeline.config import load_params
 from pipeline.eval.stats import difference_ci
@@ -165,7 +165,7 @@ def test_the_report_prints_the_table_and_one_json_line_with_refit_intervals(tmp_
                                    "refits": np.stack([strong, weak, strong, weak], axis=1)}}
     args = argparse.Namespace(objectives=["caption"], seeds=1, probe_refits=4)
     with pytest.raises(SystemExit) as exit_code:
-        report(t, args, [8.0], [FULL], 0.1, 400, tmp_path, 1.0, "cpu", "fashion-mnist")
+        report(t, args, [8.0], [FULL], 0.1, 400, tmp_path, 1.0, "cpu", "fashion-mnist", {})
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     row = next(r for r in out["rows"] if r["objective"] == "caption")
     assert out["probe_refits"] == 4 and row["n"] == 60000 and row["sigma_over_b"] == 6.8e-4
@@ -176,3 +176,25 @@ def test_the_report_prints_the_table_and_one_json_line_with_refit_intervals(tmp_
     assert out["targets"] == {"a_caption_eps8_above_synthetic": True, "d_best_vs_pixels": True,
                               "e_caption_zero_shot_3x_chance": True} and exit_code.value.code == 0
     assert (tmp_path / "scaling.png").exists()
+
+
+def test_rows_set_against_another_recipes_kept_rows_pair_image_by_image(tmp_path):
+    """--against: a trained row minus the same row of another recipe, paired (refits only where both
+    rows have as many); untrained rows and rows the other recipe never ran are left out."""
+    weak, strong = outcomes()
+    other = Rows(tmp_path / "other")
+    name = f"mae-n{FULL}-eps8"
+    other.put(name, weak, None, np.stack([weak] * 3, axis=1), {})
+    other.put("synthetic", weak, None, None, {})
+    rows = {name: {"probe": strong, "refits": np.stack([strong, weak, strong], axis=1)},
+            f"mae-n{FULL}-epsinf": {"probe": strong, "refits": None},
+            "synthetic": {"probe": strong, "refits": None}}
+    out = against(rows, other)
+    assert set(out) == {name}
+    expected = difference_ci(strong, weak, refits_a=rows[name]["refits"], refits_b=np.stack([weak] * 3, axis=1))
+    assert out[name]["diff"] == round(expected["diff"], 4) > 0 and out[name]["refits"]
+    assert out[name]["ci"] == [round(x, 4) for x in expected["ci"]]
+    rows[name]["refits"] = rows[name]["refits"][:, :2]  # another refit count: paired on images and seeds alone
+    plain = against(rows, other)[name]
+    assert not plain["refits"] and plain["ci"] == [round(x, 4) for x in difference_ci(strong, weak)["ci"]]
+    assert against(rows, Rows(tmp_path / "never-run")) == {}
