@@ -108,14 +108,24 @@ def run_stage(name: str, params: dict, device: str) -> None:
     runner(name)(params, context(name, device))
 
 
-def recipe_id(params: dict) -> str:
+RECIPE_SECTIONS = ("model", "dp", "privacy", "evaluate", "synthetic", "pretrain", "tokenizer")
+
+
+def recipe_id(params: dict, sections=RECIPE_SECTIONS) -> str:
     """Rows are kept per recipe: a changed schedule, model or eval protocol never reuses a row."""
-    keys = {s: params[s] for s in ("model", "dp", "privacy", "evaluate", "synthetic", "pretrain", "tokenizer")}
-    keys["dp"] = {k: v for k, v in params["dp"].items() if k != "compile"}  # the same numbers, compiled or not
+    keys = {s: params[s] for s in sections}
+    if "dp" in keys:
+        keys["dp"] = {k: v for k, v in params["dp"].items() if k != "compile"}  # the same numbers, compiled or not
     # The rows keep refits of their own (--probe-refits), whatever the evaluate stage would run.
     keys["evaluate"] = {k: v for k, v in params["evaluate"].items() if k != "probe_refits"}
     keys["shards"] = {k: v for k, v in params["shards"].items() if k not in ("path", "workers", "cache_dir")}
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def untrained_id(params: dict) -> str:
+    """The untrained rows (pixels, random init, the warm start) depend on the model, its warm start and
+    the eval protocol, never on the DP schedule: recipes that differ only there share them."""
+    return "untrained-" + recipe_id(params, ("model", "evaluate", "synthetic", "pretrain", "tokenizer"))
 
 
 def size_params(params: dict, size, n_full: int | None) -> dict:
@@ -220,6 +230,7 @@ def main() -> None:
         prepare(full_dir, size_params(params, FULL, None), device, None)
         with inside(full_dir):  # the eval set reads the full split's held-out shards, relative to here
             rows_of_obj, te, chance, set_name = measure(params, obj, args, epsilons, sizes, work, full_dir, rows,
+                                                        Rows(work / "rows" / (untrained_id(params) + part)),
                                                         device, started)
         table.update({k: v for k, v in rows_of_obj.items() if k not in table})  # pixels etc.: the first recipe's
         if args.against is not None:
@@ -248,9 +259,10 @@ def against(rows: dict, other: "Rows") -> dict:
     return out
 
 
-def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path, rows: Rows, device: str,
-            started: float):
-    """Every row of one objective, each trained, probed and kept as it finishes; finished rows are read back."""
+def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path, rows: Rows, shared: Rows,
+            device: str, started: float):
+    """Every row of one objective, each trained, probed and kept as it finishes (the untrained ones
+    in `shared`, for every recipe on the same model); finished rows are read back."""
     n_full = read_json("data/shards/stats.json")["private"]["usable"]
     warm = checkpoints.load("models/pretrain/checkpoint.pt")
     scorer = Scorer(params, warm.model_cfg["img_size"])
@@ -280,15 +292,15 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
             row["refits"] is not None and row["refits"].shape[1] == args.probe_refits))
 
     def untrained(name: str, make) -> dict:
-        row = rows.get(name)
+        row = shared.get(name) or rows.get(name)  # rows kept before they were shared sit with their recipe
         if complete(row):
-            return row
+            return row if shared.get(name) else shared.put(name, row["probe"], row["zero"], row["refits"], row["meta"])
         scored = [score(make(seed), seed) for seed in range(args.seeds if row is None else len(row["probe"]))]
         refits = np.stack([r for _, r in scored]) if args.probe_refits else None
         if row is not None:  # the kept outcomes stay; only the refits are new
             same_model(name, np.stack([c for c, _ in scored]), row["probe"])
-            return rows.put(name, row["probe"], row["zero"], refits, row["meta"])
-        return rows.put(name, np.stack([c for c, _ in scored]), None, refits, {})
+            return shared.put(name, row["probe"], row["zero"], refits, row["meta"])
+        return shared.put(name, np.stack([c for c, _ in scored]), None, refits, {})
 
     table = {}
     table["pixels"] = untrained("pixels", lambda seed: None)
