@@ -7,7 +7,8 @@ protocol. ε = ∞ is the recipe's non-private twin (same sampling, no clipping 
 recipe's steps and learning rate unless `dp.nonprivate` gives it a schedule of its own).
 
 With `curve.seeds` > 1 each point is trained once per training seed (run.seed + k) and its
-interval covers the seeds as well as the test images. Every private training is a DP training on
+interval covers the seeds as well as the test images (and, as evaluate's do, with
+`evaluate.probe_refits`, which images the probe is fit on). Every private training is a DP training on
 the private data, charged to its budget like dp-train (privacy/budget.py): the report shows what
 all of them compose to. The point that repeats dp-train
 (same ε, same init) is the same run (same state directory) and is not charged twice. Each point's
@@ -49,9 +50,10 @@ def run(params: dict, ctx) -> None:
                     refits.append(refit_correct(x, es.labels, split, ev, ev["probe_refits"], seed + k, ctx.device))
                 spent.append(eps)
             correct = np.stack(rows)  # (seeds, test examples): the interval covers both (eval/stats.py)
+            ci = accuracy_ci(correct, seed, refits=np.stack(refits) if refits else None)
             point = {"init": init, "epsilon": epsilon if math.isfinite(epsilon) else "inf",
                      "epsilon_spent": None if spent[0] is None else max(spent), "seeds": cfg["seeds"],
-                     "linear_probe": float(correct.mean()), "linear_probe_ci": accuracy_ci(correct, seed, refits=np.stack(refits) if refits else None)}
+                     "linear_probe": float(correct.mean()), "linear_probe_ci": ci}
             points.append(point)
             lo, hi = point["linear_probe_ci"]
             print(f"curve: {init:<8} ε={epsilon:<5} linear probe {point['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f}"
