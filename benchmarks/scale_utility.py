@@ -292,9 +292,10 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
             row["refits"] is not None and row["refits"].shape[1] == args.probe_refits))
 
     def untrained(name: str, make) -> dict:
-        row = shared.get(name) or rows.get(name)  # rows kept before they were shared sit with their recipe
+        row = shared_row = shared.get(name)
+        row = row or rows.get(name)  # rows kept before they were shared sit with their recipe
         if complete(row):
-            return row if shared.get(name) else shared.put(name, row["probe"], row["zero"], row["refits"], row["meta"])
+            return row if shared_row else shared.put(name, row["probe"], row["zero"], row["refits"], row["meta"])
         scored = [score(make(seed), seed) for seed in range(args.seeds if row is None else len(row["probe"]))]
         refits = np.stack([r for _, r in scored]) if args.probe_refits else None
         if row is not None:  # the kept outcomes stay; only the refits are new
