@@ -1,32 +1,50 @@
 #!/usr/bin/env bash
-# The GPU figures (docs/results.md: DP overhead, throughput, the scale table), on a machine with
-# CUDA PyTorch and no package registry:
-# bring the wheels (`benchmarks/gpu_wheels.sh`) and Fashion-MNIST (`make fashion-mnist`, then
-# `tar czf .gpu-carry/fashion.tgz data/public/fashion-mnist`) along, then
-#   bash benchmarks/gpu_figures.sh OUT_DIR throughput|validate|table [extra scale_utility args]
-# Writes each benchmark's output, the GPU's utilisation every 0.5 s and the finished rows to OUT_DIR.
+# The GPU figures (docs/results.md: DP overhead, throughput, the loader, the scale table), on a machine
+# with CUDA PyTorch and no package registry. Prepare here:
+#   bash benchmarks/gpu_wheels.sh                        # .gpu-wheels/: the packages it lacks
+#   make fashion-mnist && tar cf - data/public/fashion-mnist | xz -9 > .gpu-carry/fashion.txz
+#   tar czf .gpu-carry/work.tgz -C DIR rows n-full/models  # optional: a scale DIR's rows and warm start
+# (.gpu-carry/ is git-ignored; carrying DIR's warm start keeps its untrained rows valid there), then
+#   bash benchmarks/gpu_figures.sh OUT_DIR PART [args]
+# PART: throughput [gpu_throughput args] | loader [loader args] | table|validate [scale_utility args].
+# Each part runs under LIMIT seconds (default 500) and appends to four files in OUT_DIR (a call brings
+# back 8 at most): figures.txt (every part's output, under a header), util.csv (the GPU's utilisation
+# every 0.5 s, by part: TAG, default PART), scale.log (the scale parts' whole output, a clock time on
+# every line, to place the training in the samples) and work.tgz (rows and training state: carry it
+# to the next call to resume).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1 part=$2
 shift 2
 export PYTHONUNBUFFERED=1
 if ! python3 -c 'import jsonschema, dp_accounting, opacus, webdataset' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 1
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .gpu-wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
-[ -d data/public/fashion-mnist/src ] || tar xzf .gpu-carry/fashion.tgz
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > "$out/gpu_util_$part.csv" &
-sampler=$!
+[ -d data/public/fashion-mnist/src ] || python3 -c 'import tarfile; tarfile.open(".gpu-carry/fashion.txz").extractall()'
 work=${SCALE_DIR:-/tmp/scale}
-[ -f .gpu-carry/rows.tgz ] && mkdir -p "$work" && tar xzf .gpu-carry/rows.tgz -C "$work"  # resume
+if [ ! -d "$work" ] && [ -f .gpu-carry/work.tgz ]; then mkdir -p "$work" && tar xzf .gpu-carry/work.tgz -C "$work"; fi
+tag=${TAG:-$part}
+echo "== $tag: $(date +%T) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader) $*" \
+  | tee -a "$out/figures.txt"
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 \
+  | sed -u "s/^/$tag, /" >> "$out/util.csv" &
+sampler=$!
+stamp() {  # every line (tqdm's \r updates too) with the clock time, to line up with the samples
+  stdbuf -oL tr '\r' '\n' | python3 -uc 'import sys, time
+for line in sys.stdin: print(time.strftime("%H:%M:%S"), line, end="", flush=True)'
+}
 gpu=(--set dp.data_workers=12 --set dp.physical_batch_size=1024 --set pretrain.data_workers=4)
 case $part in
-  throughput) timeout "${LIMIT:-500}" python3 -m benchmarks.gpu_throughput --max-batch 512 "$@" 2>&1 | grep -v absl | tee "$out/throughput.txt" ;;
-  validate) timeout "${LIMIT:-500}" python3 -m benchmarks.scale_utility --dir "$work" --validate --sizes full "${gpu[@]}" "$@" 2>&1 \
-              | grep -v -e absl -e 'step/s' | tee -a "$out/validate.txt" ;;
-  table) timeout "${LIMIT:-500}" python3 -m benchmarks.scale_utility --dir "$work" "${gpu[@]}" "$@" 2>&1 \
-           | grep -v -e absl -e 'step/s' | tee -a "$out/table.txt" ;;
+  throughput) timeout "${LIMIT:-500}" python3 -m benchmarks.gpu_throughput "$@" 2>&1 | grep -v absl | tee -a "$out/figures.txt" ;;
+  loader) timeout "${LIMIT:-500}" python3 benchmarks/loader.py --workers 12 "$@" 2>&1 | tee -a "$out/figures.txt" ;;
+  validate|table)
+    flag=$( [ "$part" = validate ] && echo --validate --sizes full )
+    timeout "${LIMIT:-500}" python3 -m benchmarks.scale_utility --dir "$work" $flag "${gpu[@]}" "$@" 2>&1 | stamp \
+      | tee -a "$out/scale.log" | grep -v -e absl -e 'step/s' -e 'steps$' -e Warning -e worker_number | tee -a "$out/figures.txt"
+    # rows and every training's state (not the shards, which the next call rebuilds)
+    tar czf "$out/work.tgz" -C "$work" --exclude='data/shards' --exclude='data/synthetic' rows $(cd "$work" && ls -d n-*) ;;
 esac
-kill $sampler
-tar czf "$out/rows.tgz" -C "$work" rows $( [ -f "$work/scaling.png" ] && echo scaling.png )
+kill $sampler 2>/dev/null; pkill -f "nvidia-smi --query-gpu=timestamp" 2>/dev/null
+true

@@ -111,11 +111,18 @@ def run_stage(name: str, params: dict, device: str) -> None:
 RECIPE_SECTIONS = ("model", "dp", "privacy", "evaluate", "synthetic", "pretrain", "tokenizer")
 
 
+# How a recipe is computed, not what: decoding processes, the micro-batch (the mechanism samples
+# the logical batch), compilation and checkpoint cadence. A GPU run keeps the CPU run's rows.
+HOW_NOT_WHAT = {"dp": ("compile", "data_workers", "physical_batch_size", "checkpoint_every"),
+                "pretrain": ("data_workers", "checkpoint_every", "log_every")}
+
+
 def recipe_id(params: dict, sections=RECIPE_SECTIONS) -> str:
     """Rows are kept per recipe: a changed schedule, model or eval protocol never reuses a row."""
     keys = {s: params[s] for s in sections}
-    if "dp" in keys:
-        keys["dp"] = {k: v for k, v in params["dp"].items() if k != "compile"}  # the same numbers, compiled or not
+    for section, ignored in HOW_NOT_WHAT.items():
+        if section in keys:
+            keys[section] = {k: v for k, v in keys[section].items() if k not in ignored}
     # The rows keep refits of their own (--probe-refits), whatever the evaluate stage would run.
     keys["evaluate"] = {k: v for k, v in params["evaluate"].items() if k != "probe_refits"}
     keys["shards"] = {k: v for k, v in params["shards"].items() if k not in ("path", "workers", "cache_dir")}

@@ -214,3 +214,6 @@ def test_recipes_that_differ_only_in_the_dp_schedule_share_their_untrained_rows(
     for other in (params("model.size=pico"), params("evaluate.pool=cls"), params("pretrain.steps=10")):
         assert untrained_id(other) != untrained_id(base)
     assert untrained_id(params("evaluate.probe_refits=3")) == untrained_id(base)  # the rows keep their own
+    # How the numbers are computed is not the recipe: a GPU run's workers and micro-batch keep its rows.
+    how = params("dp.data_workers=12", "dp.physical_batch_size=1024", "pretrain.data_workers=4", "dp.compile=true")
+    assert recipe_id(how) == recipe_id(base) and untrained_id(how) == untrained_id(base)

@@ -119,6 +119,9 @@ def test_refits_pair_resample_by_resample():
     a, fa = linear_probe(x, y, split, cfg, 0), refit_correct(x, y, split, cfg, fits=10)
     assert fa.shape == (10, 1000) and (fa != a).any()  # the refits are fits on other images
     assert np.array_equal(refit_correct(x.copy(), y, split, cfg, fits=10), fa)
+    # Refit r is the probe fit on resample r alone, whichever core fits it (they run in parallel).
+    r3 = np.random.default_rng([200, 3]).choice(split[0], size=200, replace=True)
+    assert np.array_equal(fa[3], linear_probe(x, y, (r3, split[1]), cfg, 0))
     assert difference_ci(a, a, refits_a=fa, refits_b=fa) == {"diff": 0.0, "ci": [0.0, 0.0]}
     noisy = x + rng.normal(scale=0.5, size=x.shape).astype(np.float32)
     b, fb = linear_probe(noisy, y, split, cfg, 0), refit_correct(noisy, y, split, cfg, fits=10)

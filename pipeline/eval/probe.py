@@ -13,12 +13,14 @@ optionally concatenated over the last k blocks. Probes:
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from joblib import Parallel, delayed
 from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold
 from sklearn.pipeline import make_pipeline
@@ -213,11 +215,16 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
         # C is chosen once, on the probe-train part itself: cross-validating on a resample would put
         # its duplicated images on both sides of a fold and choose too weak a penalty.
         cfg = {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed)}
-    out = np.empty((fits, len(te)), bool)
-    for r in range(fits):
-        resample = np.random.default_rng([len(tr), r]).choice(tr, size=len(tr), replace=True)
-        out[r] = linear_probe(x, labels, (resample, te), cfg, seed, device)
-    return out
+    # The logistic fits are independent, single-threaded and on the CPU: one per core. (The torch
+    # solvers share one device, so they run in turn.)
+    jobs = min(fits, os.cpu_count() or 1) if cfg["probe_solver"] == "logreg" else 1
+    out = Parallel(n_jobs=jobs)(delayed(_refit)(x, labels, tr, te, cfg, r, seed, device) for r in range(fits))
+    return np.stack(out) if out else np.empty((0, len(te)), bool)
+
+
+def _refit(x, labels, tr, te, cfg, r: int, seed: int, device: str) -> np.ndarray:
+    resample = np.random.default_rng([len(tr), r]).choice(tr, size=len(tr), replace=True)
+    return linear_probe(x, labels, (resample, te), cfg, seed, device)
 
 
 def probe_accuracy(train_x, train_y, test_x, test_y, **kw) -> float:
