@@ -6,7 +6,7 @@
 #   tar czf .gpu-carry/work.tgz -C DIR rows n-full/models  # optional: a scale DIR's rows and warm start
 # (.gpu-carry/ is git-ignored; carrying DIR's warm start keeps its untrained rows valid there), then
 #   bash benchmarks/gpu_figures.sh OUT_DIR PART [args]
-# PART: throughput [gpu_throughput args] | loader [loader args] | table|validate [scale_utility args].
+# PART: throughput [gpu_throughput args; --profile BATCH for a per-op table] | loader [loader args] | table|validate [scale_utility args].
 # Each part runs under LIMIT seconds (default 500) and appends to four files in OUT_DIR (a call brings
 # back 8 at most): figures.txt (every part's output, under a header), util.csv (the GPU's utilisation
 # every 0.5 s, by part: TAG, default PART), scale.log (the scale parts' whole output, a clock time on
@@ -41,8 +41,14 @@ case $part in
   loader) timeout "${LIMIT:-500}" python3 benchmarks/loader.py --workers 12 "$@" 2>&1 | tee -a "$out/figures.txt" ;;
   validate|table)
     flag=$( [ "$part" = validate ] && echo --validate --sizes full )
-    timeout "${LIMIT:-500}" python3 -m benchmarks.scale_utility --dir "$work" $flag "${gpu[@]}" "$@" 2>&1 | stamp \
-      | tee -a "$out/scale.log" | grep -v -e absl -e 'step/s' -e 'steps$' -e Warning -e worker_number | tee -a "$out/figures.txt"
+    # Through a file, not a pipe: the probe's refit workers outlive the benchmark by minutes and would
+    # hold a pipe open; `tail --pid` ends with the benchmark itself.
+    timeout "${LIMIT:-500}" python3 -m benchmarks.scale_utility --dir "$work" $flag "${gpu[@]}" "$@" > "$out/raw" 2>&1 &
+    bench=$!
+    tail -n +1 -f --pid=$bench "$out/raw" | stamp | tee -a "$out/scale.log" \
+      | grep --line-buffered -v -e absl -e 'step/s' -e 'steps$' -e Warning -e worker_number | tee -a "$out/figures.txt"
+    wait $bench
+    rm -f "$out/raw"
     # rows and every training's state (not the shards, which the next call rebuilds)
     tar czf "$out/work.tgz" -C "$work" --exclude='data/shards' --exclude='data/synthetic' rows $(cd "$work" && ls -d n-*) ;;
 esac

@@ -9,6 +9,9 @@ clipping; Dp-CLIP's per-batch clipping), the largest physical batch that fits is
 here is what the clipper does per micro-batch: forward, backward, per-example norms, clipping and the
 sum; the noise, added once per logical step, is timed apart ("noise ms"), drawn on the device.
 Runs on CPU as well (slowly: use --sizes micro --img 32 there). Ends with ONE JSON line.
+
+--profile BATCH: instead, one step of each engine at that batch under torch.profiler, and the ops
+that take the most device time (CPU time without a GPU), side by side: where the clipping's time goes.
 """
 
 from __future__ import annotations
@@ -77,6 +80,31 @@ def measure(objective: str, cfg: dict, engine: str, batch: int, device: str, pre
             "params_m": sum(p.numel() for p in params) / 1e6}
 
 
+def profile(objective: str, cfg: dict, batch: int, device: str, precision: str, top: int = 15) -> None:
+    """The ops of one step that take the most time, plain against book-keeping, after a warm-up step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    for engine in ("plain", "bookkeeping"):
+        torch.manual_seed(0)
+        model = build_model(objective, cfg).to(device)
+        clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine,
+                               autocast=lambda: autocast(device, precision))
+        inputs = batch_for(objective, cfg, batch, device)
+        for warm in (True, False):
+            with torch_profile(activities=activities) as prof:
+                clipper.reset()
+                clipper.accumulate(*inputs)
+                sync(device)
+        print(f"== {objective} {cfg['size']} {engine}, batch {batch}: top {top} ops by self {key.split('_')[1]} time")
+        print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
+        del clipper, model, inputs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def largest_batch(objective, cfg, engine, device, precision, start: int, cap: int) -> int:
     """Doubling until out of memory (or the cap): the largest physical batch that ran a step."""
     best, b = 0, start
@@ -101,8 +129,15 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", type=int, metavar="BATCH", help="profile one step per engine at this batch")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.profile:
+        for size in args.sizes:
+            for objective in args.objectives:
+                cfg = {"size": size, "img_size": args.img, "patch_size": args.patch, **TEXT}
+                profile(objective, cfg, args.profile, device, args.precision)
+        return
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"gpu_throughput on {name}, {args.img} px, patch {args.patch}, {args.precision}")
     print(f"{'size':<6}{'objective':<9}{'engine':<13}{'batch':>6}{'img/s':>9}{'x time':>8}{'peak GiB':>10}"
