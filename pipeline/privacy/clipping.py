@@ -10,6 +10,9 @@ division) is `engine.dp_step`; nothing here adds noise.
   no more floats than its output gradient (LayerNorm: B·2d against B·T·d) is reduced to them
   inside the backward, as its output gradient arrives: holding every LayerNorm's input and output
   gradient to the end took the clipped step from about 1.05× to 1.2-1.3× the non-private memory.
+  Under bf16 autocast the records keep the forward's bf16 and each layer is upcast to fp32 in its
+  turn, then dropped: upcasting them all after the backward held every layer twice over in fp32
+  (1.6× the non-private memory for the captioner).
 - `VmapClipper`: the reference, per-example gradients from torch.func (any layer, O(B·params) memory).
 - `PerBatchClipper`: for batch-coupled losses (CLIP); the batch gradient, clipped once after the
   ranks' parts are summed (`finish`).
@@ -33,8 +36,9 @@ from torch.func import functional_call, grad, vmap
 
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
 
-# Per-example gradients instantiated for speed may hold this share of the floats the layers' inputs and
-# output gradients take (and a non-private backward holds too): memory traded for time. Peak live
+# Per-example gradients instantiated for speed may hold this share of the bytes the layers' inputs and
+# output gradients take (and a non-private backward holds too): memory traded for time. Bytes, not
+# floats: under bf16 autocast an fp32 per-example gradient weighs twice a bf16 output gradient. Peak live
 # memory against the non-private step (benchmarks/dp_overhead.py), time in brackets, at 0 / 0.04 / 0.1:
 # the CPU recipe's captioner (width 96, batch 256) 1.085 / 1.086 / 1.14 (1.32 / ~1.26 / 1.19); the
 # 224 px captioner (ViT-S/16, batch 8) 1.011 / 1.044 / 1.11 (1.23 / ~1.21 / 1.20; the Gram blocks of
@@ -85,8 +89,16 @@ def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, t
     return factors, finite
 
 
-def _floats(r) -> int:
-    return r.grad.numel() + (0 if r.activation is None else r.activation.numel())
+def _bytes(r) -> int:
+    """What the call's input and output gradient take, in the dtype the forward made them."""
+    return sum(t.numel() * t.element_size() for t in (r.grad, r.activation) if t is not None)
+
+
+def _per_example_bytes(r) -> int:
+    """What the call's per-example gradients would take: fp32 floats (the rules count the floats they
+    hold beyond the input and output gradient)."""
+    floats = r.rule.held_if_instantiated(r.module, r.activation, r.grad)
+    return 4 * (floats + sum(t.numel() for t in (r.grad, r.activation) if t is not None))
 
 
 def _instantiate(r, per_module: dict) -> None:
@@ -135,7 +147,7 @@ class BookKeepingClipper(ClippedSum):
 
     def __init__(self, model, clip_norm, ghost: bool | None = None, held_budget: float = HELD_BUDGET, **kw):
         """`ghost`: None picks per layer (the faster route, within `held_budget`); True/False force ghost
-        norms on/off (for tests). `held_budget`: the floats instantiated per-example gradients may hold
+        norms on/off (for tests). `held_budget`: the bytes instantiated per-example gradients may hold
         beyond the inputs and output gradients they free, as a share of all layers' inputs and output
         gradients (which a non-private backward holds too)."""
         reject_unboundable(model, per_example_rules=True)
@@ -144,7 +156,7 @@ class BookKeepingClipper(ClippedSum):
         self._names = {id(p): n for n, p in self.params.items()}
         self._records: list[_Record] = []
         self._reduced: dict[int, tuple[nn.Module, dict[str, torch.Tensor]]] = {}  # module id -> per-example grads
-        self._reduced_floats = 0  # the inputs and output gradients those replaced (for the held budget)
+        self._reduced_bytes = 0  # the inputs and output gradients those replaced (for the held budget)
         self._capturing = False
         for m in model.modules():
             if rule_for(m) is not None and any(p.requires_grad for p in m.parameters(recurse=False)):
@@ -165,17 +177,16 @@ class BookKeepingClipper(ClippedSum):
     def _output_grad(self, record: _Record, g: torch.Tensor) -> None:
         record.grad = g
         if self._reduce_now(record):
-            self._fp32(record)
-            self._reduced_floats += _floats(record)
+            self._reduced_bytes += _bytes(record)
             with fp32_only(g.device):
-                _instantiate(record, self._reduced)
+                self._instantiate(record, self._reduced)
 
     def _reduce_now(self, r: _Record) -> bool:
         """Instantiate inside the backward where that is the layer's route anyway and the per-example
         gradients are no larger than the output gradient alone: the input may be shared with other
         layers or saved by autograd, so dropping it need not free anything."""
-        per_example = r.rule.held_if_instantiated(r.module, r.activation, r.grad) + _floats(r)
-        return self._ghost_preferred(r) is not True and per_example <= r.grad.numel()
+        grad_bytes = r.grad.numel() * r.grad.element_size()  # bytes: bf16 gradients weigh half an fp32 one
+        return self._ghost_preferred(r) is not True and _per_example_bytes(r) <= grad_bytes
 
     def _ghost_preferred(self, r: _Record) -> bool | None:
         """True/False: the route the layer takes whatever the memory; None: instantiating is faster."""
@@ -185,18 +196,25 @@ class BookKeepingClipper(ClippedSum):
             return True
         return None
 
-    def _fp32(self, r: _Record) -> None:
-        """fp32 from here on (no copy when they already are, and no fp16 loss scale)."""
-        r.grad = r.grad.float() if self.loss_scale == 1 else r.grad.float() / self.loss_scale
-        if r.activation is not None and r.activation.is_floating_point():
-            r.activation = r.activation.float()
+    def _fp32(self, r: _Record) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The call's input and output gradient in fp32 (no copy when they already are; no fp16 loss
+        scale), made when a layer's turn comes: the records keep the forward's dtype, so under bf16
+        autocast the clipper never holds every layer in fp32 at once (1.2-1.6x the non-private
+        memory when it did). Upcasting is exact: the norms and sums are the same numbers."""
+        g = r.grad.float() if self.loss_scale == 1 else r.grad.float() / self.loss_scale
+        a = r.activation
+        return (a.float() if a is not None and a.is_floating_point() else a), g
+
+    def _instantiate(self, r: _Record, per_module: dict) -> None:
+        r.activation, r.grad = self._fp32(r)
+        _instantiate(r, per_module)
 
     @contextlib.contextmanager
     def _capture(self):
         for p in self.params.values():
             p.requires_grad_(False)
         self._records, self._capturing = [], True
-        self._reduced, self._reduced_floats = {}, 0
+        self._reduced, self._reduced_bytes = {}, 0
         try:
             yield
         finally:
@@ -211,8 +229,6 @@ class BookKeepingClipper(ClippedSum):
             (losses.float().sum() * self.loss_scale).backward()
         records = [r for r in self._records if r.grad is not None]  # not reduced, and reached the loss
         self._records = []
-        for r in records:
-            self._fp32(r)
         return losses.shape[0], records
 
     def _ghost_route(self, r: _Record, budget: list[float]) -> bool:
@@ -220,7 +236,7 @@ class BookKeepingClipper(ClippedSum):
         preferred = self._ghost_preferred(r)
         if preferred is not None:
             return preferred
-        held = r.rule.held_if_instantiated(r.module, r.activation, r.grad)
+        held = _per_example_bytes(r) - _bytes(r)
         if held > budget[0]:
             return True
         budget[0] -= max(held, 0)
@@ -234,15 +250,15 @@ class BookKeepingClipper(ClippedSum):
             for r in records:
                 calls.setdefault(id(r.module), []).append(r)
             sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
-            budget = [self.held_budget * (self._reduced_floats + sum(_floats(r) for r in records))]
+            budget = [self.held_budget * (self._reduced_bytes + sum(_bytes(r) for r in records))]
             reduced, self._reduced = self._reduced, {}
             for module_calls in calls.values():
                 first = module_calls[0]
                 if len(module_calls) == 1 and id(first.module) not in reduced and self._ghost_route(first, budget):
-                    sq += first.rule.ghost_sq_norm(first.module, first.activation, first.grad)
+                    sq += first.rule.ghost_sq_norm(first.module, *self._fp32(first))
                     continue
                 for r in module_calls:
-                    _instantiate(r, reduced)
+                    self._instantiate(r, reduced)
             instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
             for _, per in instantiated:  # vector_norm: 3-7x pow().sum()
                 sq += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())
@@ -257,10 +273,12 @@ class BookKeepingClipper(ClippedSum):
             for r in records:
                 if id(r.module) in done:
                     continue
-                grad = r.grad if all_finite else _zero_rows(r.grad, finite)
-                activation = r.activation
-                if not all_finite and activation is not None and activation.is_floating_point():
-                    activation = _zero_rows(activation, finite)  # 0·NaN would still be NaN
+                activation, grad = self._fp32(r)
+                r.activation = r.grad = None  # the layer is done: its memory goes as the next one's comes
+                if not all_finite:
+                    grad = _zero_rows(grad, finite)
+                    if activation is not None and activation.is_floating_point():
+                        activation = _zero_rows(activation, finite)  # 0·NaN would still be NaN
                 for k, v in r.rule.clipped_sum(r.module, activation, grad, factors).items():
                     self.sum[self._names[id(getattr(r.module, k))]] += v
         return ClipStats(norms.tolist(), int((~finite).sum()))
