@@ -204,6 +204,9 @@ def linear_probe(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int,
                          train_cfg=cfg["probe_train"], seed=seed, device=device)
 
 
+PARALLEL_REFIT_FLOATS = 250_000
+
+
 def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int, seed: int = 0,
                   device: str = "cpu") -> np.ndarray:
     """(fits, len(test part)): linear_probe's outcomes with the probe refit on `fits` bootstrap
@@ -215,9 +218,11 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
         # C is chosen once, on the probe-train part itself: cross-validating on a resample would put
         # its duplicated images on both sides of a fold and choose too weak a penalty.
         cfg = {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed)}
-    # The logistic fits are independent, single-threaded and on the CPU: one per core. (The torch
-    # solvers share one device, so they run in turn.)
-    jobs = min(fits, os.cpu_count() or 1) if cfg["probe_solver"] == "logreg" else 1
+    # The logistic fits are independent, single-threaded and on the CPU: one per core, where a fit
+    # outweighs starting a worker (a probe on 5,000 images: seconds; on 270 digits: milliseconds).
+    # The torch solvers share one device, so they run in turn.
+    parallel = cfg["probe_solver"] == "logreg" and np.size(x[tr]) >= PARALLEL_REFIT_FLOATS
+    jobs = min(fits, os.cpu_count() or 1) if parallel else 1
     out = Parallel(n_jobs=jobs)(delayed(_refit)(x, labels, tr, te, cfg, r, seed, device) for r in range(fits))
     return np.stack(out) if out else np.empty((0, len(te)), bool)
 
