@@ -56,14 +56,17 @@ def make_shards(directory: str, count: int) -> ShardDataset:
     return ShardDataset(directory)
 
 
-def loader_rate(ds: ShardDataset, res: int, workers: int, images: int, batch: int) -> float:
-    """Images/s through BatchLoader over random index batches (first batch excluded: worker start-up)."""
+def loader_rate(ds: ShardDataset, res: int, workers: int, images: int, batch: int, device: str = "cpu") -> float:
+    """Images/s through BatchLoader over random index batches (first batch excluded: worker start-up),
+    onto `device` as in training: on a GPU the uint8 images are normalised there, not on the host."""
     rng = np.random.default_rng(res)
     batches = [np.sort(rng.choice(len(ds), batch, replace=False)) for _ in range(images // batch + 1)]
-    it = BatchLoader(ds, res, workers=workers, prefetch=4)(batches)
+    it = BatchLoader(ds, res, workers=workers, prefetch=4, device=device)(batches)
     next(it)
     t0 = time.perf_counter()
     n = sum(len(idx) for idx, _ in it)
+    if device == "cuda":
+        torch.cuda.synchronize()  # the last copies and normalisations are asynchronous
     return n / (time.perf_counter() - t0)
 
 
@@ -107,8 +110,8 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ds = make_shards(tmp, 2000)
         for res in (64, 224):
-            parallel = loader_rate(ds, res, args.workers, images, 128)
-            single = loader_rate(ds, res, 0, images // 3, 128)
+            parallel = loader_rate(ds, res, args.workers, images, 128, device)
+            single = loader_rate(ds, res, 0, images // 3, 128, device)
             dp_batch = (32 if res == 64 else 8) * (32 if device == "cuda" else 1)
             consumed = dp_step_rate(res, args.size, dp_batch, steps, device)
             ratio = parallel / consumed
