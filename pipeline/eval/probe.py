@@ -221,7 +221,7 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
     # The logistic fits are independent, single-threaded and on the CPU: one per core, where a fit
     # outweighs starting a worker (a probe on 5,000 images: seconds; on 270 digits: milliseconds).
     # The torch solvers share one device, so they run in turn.
-    parallel = cfg["probe_solver"] == "logreg" and np.size(x[tr]) >= PARALLEL_REFIT_FLOATS
+    parallel = cfg["probe_solver"] == "logreg" and len(tr) * math.prod(x.shape[1:]) >= PARALLEL_REFIT_FLOATS
     jobs = min(fits, os.cpu_count() or 1) if parallel else 1
     out = Parallel(n_jobs=jobs)(delayed(_refit)(x, labels, tr, te, cfg, r, seed, device) for r in range(fits))
     return np.stack(out) if out else np.empty((0, len(te)), bool)
