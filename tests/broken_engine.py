@@ -49,7 +49,14 @@ def clip_bound_doubled(norms, clip_norm):
     return REAL["clip_factors"](norms, 2 * clip_norm)
 
 
+def every_group_bound_c(model, clip_norm, encoder_share):
+    """Clip groups each given the whole C: an example's gradient reaches C·√G, not C."""
+    group_of, bounds = REAL["group_bounds"](model, clip_norm, encoder_share)
+    return group_of, [clip_norm] * len(bounds)
+
+
 REAL = {"rank_share": engine.rank_share, "add_noise": engine.add_noise, "clip_factors": clipping.clip_factors,
+        "group_bounds": clipping.group_bounds,
         "clip_forward": CLIP.forward}
 BUGS = {
     "local negatives only": (CLIP, "forward", local_negatives_only),
@@ -60,6 +67,7 @@ BUGS = {
     "noise from the global stream": (engine, "add_noise", noise_from_the_global_stream),
     "noise x0.5": (engine, "add_noise", noise_scaled(0.5)),
     "clip bound 2C": (clipping, "clip_factors", clip_bound_doubled),
+    "every clip group bound C": (clipping, "group_bounds", every_group_bound_c),
     "per-batch K=1": (objectives.SENSITIVITY, "per_batch", 1.0),  # Dp-CLIP's noise halved, its accounting unchanged
 }
 

@@ -101,6 +101,57 @@ def test_clipped_sum_equals_brute_force(name, engine):
         assert all(p.requires_grad for p in model.parameters())
 
 
+def brute_force_grouped_sum(model, batch, clip_norm, share):
+    """Example by example: the encoder's part of the gradient clipped to C·√s, the rest to C·√(1−s)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    bound = {True: clip_norm * share ** 0.5, False: clip_norm * (1 - share) ** 0.5}
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(len(batch[0])):
+        grads = dict(zip(params, torch.autograd.grad(model(*(x[i:i + 1] for x in batch)).sum(), list(params.values()))))
+        for part in (True, False):
+            names = [n for n in params if n.startswith("encoder.") == part]
+            norm = torch.sqrt(sum(grads[n].pow(2).sum() for n in names)).item()
+            for n in names:
+                total[n] += grads[n] * min(1.0, bound[part] / (norm + 1e-6))
+    return total
+
+
+@pytest.mark.parametrize("name", ["mae", "caption"])
+@pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap"])
+def test_clip_groups_equal_brute_force(name, engine):
+    """dp.encoder_clip_share: each example's encoder part and the rest clipped to their own bounds,
+    which clip some examples and not others in each part."""
+    model, batch = cases()[name]
+    _, norms = brute_force_clipped_sum(model, batch, 1e9)
+    clip_norm, share = sorted(norms)[len(norms) // 2], 0.3
+    want = brute_force_grouped_sum(model, batch, clip_norm, share)
+    if engine == "vmap":
+        got, st = clipped_sum(VmapClipper, model, batch, clip_norm, encoder_share=share)
+    else:
+        ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
+        got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost, encoder_share=share)
+    assert max_rel_error(got, want) <= 1e-5
+    assert st.norms == pytest.approx(norms, rel=1e-4)  # the whole gradient's norm, as without groups
+    one_bound, _ = brute_force_clipped_sum(model, batch, clip_norm)
+    assert max_rel_error(one_bound, want) > 1e-2  # the groups change the sum: the check can tell
+
+
+def test_per_batch_clip_groups_bound_each_part_of_the_batch_gradient():
+    model = build_model("clip", {"size": "micro", "vocab_size": 50, "max_len": 8})
+    batch = (torch.randn(5, 3, 16, 16), torch.randint(4, 50, (5, 8)))
+    clipper = PerBatchClipper(model, 1e-3, encoder_share=0.3)
+    clipper.reset()
+    clipper.accumulate(*batch)
+    assert clipper.finish(5) == 0
+    want = dict(zip(clipper.params, torch.autograd.grad(model(*batch).mean(), list(clipper.params.values()))))
+    for part, bound in ((True, 1e-3 * 0.3 ** 0.5), (False, 1e-3 * 0.7 ** 0.5)):
+        names = [n for n in clipper.params if n.startswith("encoder.") == part]
+        got = torch.cat([clipper.sum[n].flatten() for n in names])
+        mean = torch.cat([want[n].flatten() for n in names])
+        assert got.norm().item() == pytest.approx(bound, rel=1e-3)
+        assert torch.allclose(got, mean * (bound / mean.norm()), rtol=1e-4, atol=1e-10)
+
+
 class MeanSquare(nn.Module):
     """Per-example loss of a stack of layers on (B, T, d) inputs: the mean square of its output."""
 
@@ -211,11 +262,11 @@ class NoClipping(BookKeepingClipper):
     """A broken engine: per-sample clipping switched off."""
 
     def accumulate(self, *batch):
-        real, self.clip_norm = self.clip_norm, float("inf")
+        real, self.bounds = self.bounds, torch.full_like(self.bounds, float("inf"))
         try:
             return super().accumulate(*batch)
         finally:
-            self.clip_norm = real
+            self.bounds = real
 
 
 def test_comparison_catches_an_engine_that_does_not_clip():

@@ -34,8 +34,9 @@ def _audited(name, bug_name, more, world):
     return audited(name, bug_name, world, more=more)
 
 
-@pytest.mark.parametrize("name, more", [(name, []) for name in OBJECTIVES] + [("caption", ["model.caption_mask_ratio=0.5"])],
-                         ids=[*OBJECTIVES, "caption-masked"])
+@pytest.mark.parametrize("name, more", [(name, []) for name in OBJECTIVES] + [("caption", ["model.caption_mask_ratio=0.5"])]
+                         + [(name, ["dp.encoder_clip_share=0.3"]) for name in OBJECTIVES],
+                         ids=[*OBJECTIVES, "caption-masked", *(f"{name}-clip-groups" for name in OBJECTIVES)])
 def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
     from pipeline.distributed import World
 
@@ -132,6 +133,54 @@ def test_worst_case_neighbours_catch_a_wrong_sensitivity(mode, bug_name):
     with bug(bug_name):
         result = worst_case_sensitivity(mode, "bookkeeping", "fp32")
     assert result["ratio"] == pytest.approx(2.0, abs=2e-3) and "2.00× the accounted sensitivity" in result["problems"][0]
+
+
+GROUPED = [(mode, method, precision) for mode, methods in (("per_sample", ("bookkeeping", "vmap")),
+                                                           ("per_batch", ("bookkeeping",)))
+           for method in methods for precision in ("fp32", "bf16", "fp16")]
+
+
+@pytest.mark.parametrize("mode, method, precision", GROUPED)
+def test_worst_case_neighbours_with_clip_groups_reach_c_and_no_further(mode, method, precision):
+    """The encoder's part clipped to C·√s and the rest's to C·√(1−s): one example still moves the
+    release by exactly K·C at worst, both parts of its gradient beyond their bounds."""
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
+
+    for share in (0.3, 0.5):
+        result = worst_case_sensitivity(mode, method, precision, encoder_share=share)
+        assert result["problems"] == [] and result["ratio"] == pytest.approx(1.0, abs=2e-3), result
+
+
+@pytest.mark.parametrize("mode", ["per_sample", "per_batch"])
+def test_worst_case_neighbours_catch_clip_groups_that_each_take_c(mode):
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
+
+    with bug("every clip group bound C"):
+        result = worst_case_sensitivity(mode, "bookkeeping", "fp32", encoder_share=0.5)
+    assert result["ratio"] == pytest.approx(2 ** 0.5, abs=2e-3) and "1.41× the accounted sensitivity" in result["problems"][0]
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_the_real_step_with_clip_groups_that_each_take_c_is_flagged(tmp_path, name):
+    """On each objective's own model, at 1 and 2 ranks: every example is clipped in both groups, so
+    each moves the release by C·√2 (per batch, within the 2C bound on random inputs: the
+    worst-case test above catches that mode)."""
+    from pipeline.distributed import World
+
+    more = ["dp.encoder_clip_share=0.5"]
+    with bug("every clip group bound C"):
+        one = audited(name, None, World(), more=more)
+    two = on_two_ranks(tmp_path, _audited_with_bug, name, "every clip group bound C", more)
+    for result in (one, two):
+        if OBJECTIVES[name].clipping == "per_sample":
+            assert result["verdict"] == "flagged" and result["sensitivity_ratio"] == pytest.approx(2 ** 0.5, abs=1e-3)
+        else:
+            assert result["sensitivity_ratio"] > 0
+
+
+def _audited_with_bug(name, bug_name, more, world):
+    with bug(bug_name):
+        return audited(name, None, world, more=more)
 
 
 def test_random_batches_alone_miss_a_per_batch_sensitivity_of_one():

@@ -18,6 +18,12 @@ division) is `engine.dp_step`; nothing here adds noise.
   ranks' parts are summed (`finish`).
 - `PlainSum`: the unclipped sum, for the non-private baseline only.
 
+Clip groups (`encoder_share`, dp.encoder_clip_share): each example's gradient may be split into the
+image encoder's part and the rest's, clipped to C·√s and C·√(1−s). The contribution's norm is then at
+most √(C²s + C²(1−s)) = C, the sensitivity the accountant is told. It pays where one part dwarfs the
+other: a randomly initialised text decoder takes ~7/8 of the captioner's squared norm at its warm
+start, so under one bound the encoder, whose features the run is for, gets ~C/3 of every example.
+
 Only the model's forward runs under autocast. Norms, clip factors and sums are fp32 with autocast
 switched off, whatever the caller's context: in bf16 a clipped contribution could exceed C, and in
 fp16 the ghost-norm Gram products overflow. fp16 multiplies the loss by a fixed `loss_scale` (not
@@ -83,10 +89,38 @@ def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, torch.zeros_like(x))
 
 
-def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_factors(norms: torch.Tensor, clip_norm: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(1, bound/norm) and whether the norm is finite; `norms` (G, B) against `clip_norm` (G, 1) clips
+    each group of each example to its own bound."""
     finite = torch.isfinite(norms)
     factors = torch.where(finite, (clip_norm / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
     return factors, finite
+
+
+def group_bounds(model: nn.Module, clip_norm: float, encoder_share: float | None) -> tuple[dict[int, int], list[float]]:
+    """({id(parameter): its clip group}, each group's bound). One group of bound C, or with `encoder_share`
+    s the image encoder's parameters (the shallowest module named `encoder`) bound to C·√s and the rest
+    to C·√(1−s): Σ_g bound_g² = C², so a clipped example's whole gradient stays within C."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if encoder_share is None:
+        return {id(p): 0 for p in params}, [clip_norm]
+    if not 0 < encoder_share < 1:
+        raise ValueError(f"encoder_clip_share must lie strictly between 0 and 1, not {encoder_share}")
+    named = [(name, m) for name, m in model.named_modules() if name.split(".")[-1] == "encoder"]
+    if not named:
+        raise ValueError("encoder_clip_share needs a model with an image `encoder` module")
+    encoder = min(named, key=lambda nm: nm[0].count("."))[1]
+    mine = {id(p) for p in encoder.parameters()}
+    return ({id(p): 0 if id(p) in mine else 1 for p in params},
+            [clip_norm * encoder_share ** 0.5, clip_norm * (1 - encoder_share) ** 0.5])
+
+
+def grouped_factors(sq: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From squared norms per group (G, B): the clip factors (G, B), zero for an example whose norm is not
+    finite in any group (it contributes nothing), which examples are finite (B,), and the whole norms (B,)."""
+    factors, finite = clip_factors(sq.sqrt(), bounds.view(-1, 1))
+    finite = finite.all(0)
+    return torch.where(finite, factors, torch.zeros_like(factors)), finite, sq.sum(0).sqrt()
 
 
 def _bytes(r) -> int:
@@ -129,9 +163,13 @@ class ClippedSum:
 
     mode = "per_sample"
 
-    def __init__(self, model: nn.Module, clip_norm: float, autocast=contextlib.nullcontext, loss_scale: float = 1.0):
+    def __init__(self, model: nn.Module, clip_norm: float, autocast=contextlib.nullcontext, loss_scale: float = 1.0,
+                 encoder_share: float | None = None):
         self.model, self.clip_norm, self.autocast, self.loss_scale = model, clip_norm, autocast, loss_scale
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.group_of, bounds = group_bounds(model, clip_norm, encoder_share)
+        device = next(iter(self.params.values())).device if self.params else None
+        self.bounds = torch.tensor(bounds, dtype=torch.float32, device=device)
         self.sum = None
 
     def reset(self) -> None:
@@ -158,9 +196,14 @@ class BookKeepingClipper(ClippedSum):
         self._reduced: dict[int, tuple[nn.Module, dict[str, torch.Tensor]]] = {}  # module id -> per-example grads
         self._reduced_bytes = 0  # the inputs and output gradients those replaced (for the held budget)
         self._capturing = False
+        self._group: dict[int, int] = {}  # module id -> its parameters' clip group
         for m in model.modules():
             if rule_for(m) is not None and any(p.requires_grad for p in m.parameters(recurse=False)):
                 m.register_forward_hook(self._forward_hook)
+                groups = {self.group_of[id(p)] for p in m.parameters(recurse=False) if p.requires_grad}
+                if len(groups) > 1:
+                    raise UnboundableModel(f"{type(m).__name__} has parameters in two clip groups")
+                self._group[id(m)] = groups.pop()
 
     def _forward_hook(self, module, inputs, output):
         if not self._capturing:
@@ -249,26 +292,26 @@ class BookKeepingClipper(ClippedSum):
             calls: dict[int, list[_Record]] = {}
             for r in records:
                 calls.setdefault(id(r.module), []).append(r)
-            sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
+            sq = torch.zeros(len(self.bounds), batch_size, dtype=torch.float32, device=device)  # per clip group
             budget = [self.held_budget * (self._reduced_bytes + sum(_bytes(r) for r in records))]
             reduced, self._reduced = self._reduced, {}
             for module_calls in calls.values():
                 first = module_calls[0]
                 if len(module_calls) == 1 and id(first.module) not in reduced and self._ghost_route(first, budget):
-                    sq += first.rule.ghost_sq_norm(first.module, *self._fp32(first))
+                    sq[self._group[id(first.module)]] += first.rule.ghost_sq_norm(first.module, *self._fp32(first))
                     continue
                 for r in module_calls:
                     self._instantiate(r, reduced)
             instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
-            for _, per in instantiated:  # vector_norm: 3-7x pow().sum()
-                sq += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())
-            norms = sq.sqrt()
-            factors, finite = clip_factors(norms, self.clip_norm)
+            for m, per in instantiated:  # vector_norm: 3-7x pow().sum()
+                sq[self._group[id(m)]] += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square()
+                                              for v in per.values())
+            factors, finite, norms = grouped_factors(sq, self.bounds)
             all_finite = bool(finite.all())  # the usual case: no row to zero, no copies for it
             for m, per in instantiated:
                 for k, v in per.items():
                     v = v if all_finite else _zero_rows(v, finite)
-                    self.sum[self._names[id(getattr(m, k))]] += torch.einsum("b,b...->...", factors, v)
+                    self.sum[self._names[id(getattr(m, k))]] += torch.einsum("b,b...->...", factors[self._group[id(m)]], v)
             done = {id(m) for m, _ in instantiated}
             for r in records:
                 if id(r.module) in done:
@@ -279,7 +322,7 @@ class BookKeepingClipper(ClippedSum):
                     grad = _zero_rows(grad, finite)
                     if activation is not None and activation.is_floating_point():
                         activation = _zero_rows(activation, finite)  # 0·NaN would still be NaN
-                for k, v in r.rule.clipped_sum(r.module, activation, grad, factors).items():
+                for k, v in r.rule.clipped_sum(r.module, activation, grad, factors[self._group[id(r.module)]]).items():
                     self.sum[self._names[id(getattr(r.module, k))]] += v
         return ClipStats(norms.tolist(), int((~finite).sum()))
 
@@ -306,10 +349,13 @@ class VmapClipper(ClippedSum):
         device = next(iter(params.values())).device
         with fp32_only(device):
             grads = {n: g.float() / self.loss_scale for n, g in grads.items()}
-            norms = sum(torch.linalg.vector_norm(g.flatten(1), dim=1).square() for g in grads.values()).sqrt()
-            factors, finite = clip_factors(norms, self.clip_norm)
+            sq = torch.zeros(len(self.bounds), len(batch[0]), dtype=torch.float32, device=device)
             for n, g in grads.items():
-                self.sum[n] += torch.einsum("b,b...->...", factors, _zero_rows(g, finite))
+                sq[self.group_of[id(self.params[n])]] += torch.linalg.vector_norm(g.flatten(1), dim=1).square()
+            factors, finite, norms = grouped_factors(sq, self.bounds)
+            for n, g in grads.items():
+                self.sum[n] += torch.einsum("b,b...->...", factors[self.group_of[id(self.params[n])]],
+                                            _zero_rows(g, finite))
         return ClipStats(norms.tolist(), int((~finite).sum()))
 
 
@@ -342,10 +388,13 @@ class PerBatchClipper(ClippedSum):
             return 0
         device = next(iter(self.sum.values())).device
         with fp32_only(device):
-            norm = torch.sqrt(sum(v.pow(2).sum() for v in self.sum.values())) / batch_size
-            factor, finite = clip_factors(norm, self.clip_norm)
-            for v in self.sum.values():
-                v.copy_(torch.where(finite, v * (factor / batch_size), torch.zeros_like(v)))
+            sq = torch.zeros(len(self.bounds), 1, dtype=torch.float32, device=device)  # the batch mean, per group
+            for n, v in self.sum.items():
+                sq[self.group_of[id(self.params[n])]] += v.pow(2).sum() / batch_size ** 2
+            factors, finite, _ = grouped_factors(sq, self.bounds)
+            for n, v in self.sum.items():
+                scale = factors[self.group_of[id(self.params[n])], 0] / batch_size
+                v.copy_(torch.where(finite[0], v * scale, torch.zeros_like(v)))  # 0·NaN would still be NaN
         return int((~finite).sum())
 
 

@@ -44,9 +44,13 @@ from pipeline.train import NOISE, step_generator
 CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
 
 
-def check_clipping(method: str, precision: str, device: str) -> None:
-    """Refuse a clipper × precision whose clipped sum can exceed C (the accounted sensitivity)."""
+def check_clipping(method: str, precision: str, device: str, encoder_share: float | None = None) -> None:
+    """Refuse a clipper × precision whose clipped sum can exceed C (the accounted sensitivity), and
+    clip groups on a clipper that has one bound."""
     from pipeline.train import uses_bf16
+
+    if encoder_share is not None and method.startswith("opacus-"):
+        raise ValueError(f"dp.clipping={method} has one clip bound: dp.encoder_clip_share needs bookkeeping or vmap")
 
     low = precision == "fp16" or uses_bf16(device, precision)
     if method == "opacus-ghost" and low:
@@ -59,22 +63,27 @@ def check_clipping(method: str, precision: str, device: str) -> None:
 
 
 def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: str = "bookkeeping",
-                 autocast=contextlib.nullcontext, loss_scale: float = 1.0, gather=None):
+                 autocast=contextlib.nullcontext, loss_scale: float = 1.0, gather=None,
+                 encoder_share: float | None = None):
     """The clipper for a clipping mode ("per_sample" or "per_batch") and, per example, a method:
-    bookkeeping | vmap | opacus-hooks | opacus-ghost, or `plain` (no clipping: non-private only)."""
+    bookkeeping | vmap | opacus-hooks | opacus-ghost, or `plain` (no clipping: non-private only).
+    `encoder_share`: clip the image encoder's part of each gradient to C·√s, the rest to C·√(1−s)."""
     kw = {"autocast": autocast, "loss_scale": loss_scale}
     if mode == "per_batch":
-        return PerBatchClipper(model, math.inf if method == "plain" else clip_norm, gather=gather, **kw)
+        return PerBatchClipper(model, math.inf if method == "plain" else clip_norm, gather=gather,
+                               encoder_share=encoder_share, **kw)
     if method == "plain":
         return PlainSum(model, math.inf, **kw)
     if method.startswith("opacus-"):  # baselines; imported only when asked for
+        if encoder_share is not None:
+            raise ValueError(f"dp.clipping={method} has one clip bound: dp.encoder_clip_share needs bookkeeping or vmap")
         from pipeline.privacy.tools.opacus_clipper import OpacusGhostClipper, OpacusHooksClipper
 
         return {"opacus-hooks": OpacusHooksClipper, "opacus-ghost": OpacusGhostClipper}[method](model, clip_norm, **kw)
     if method not in CLIPPERS:
         raise ValueError(f"unknown clipping method {method!r} (allowed: {', '.join(CLIPPERS)}, opacus-hooks, "
                          "opacus-ghost)")
-    return CLIPPERS[method](model, clip_norm, **kw)
+    return CLIPPERS[method](model, clip_norm, encoder_share=encoder_share, **kw)
 
 
 def rank_share(batch_size: int, mode: str, physical_batch_size: int, world: World) -> list[np.ndarray]:

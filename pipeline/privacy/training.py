@@ -109,7 +109,7 @@ def setup(params: dict, device: str) -> "Trainer":
         raise ValueError(f"{shards}/private index has {n} usable examples but stats.json says {stats_n}")
     release.check_noise_seed(dp, params["privacy"])
     try:
-        check_clipping(dp["clipping"], dp["precision"], device)
+        check_clipping(dp["clipping"], dp["precision"], device, dp["encoder_clip_share"])
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
     if dp["nonprivate_baseline"]:
@@ -212,7 +212,8 @@ class Trainer:
                                    dp["encoder_lr_scale"] if dp["init"] == "pretrain" else 1.0)
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
-                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
+                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
+                               encoder_share=dp["encoder_clip_share"])
         if dp["compile"]:  # after the clipper's hooks, which the compiled call runs (same numbers)
             model.compile()
         if not private and plan.sigma:

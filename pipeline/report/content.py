@@ -48,6 +48,14 @@ def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dic
     return cards
 
 
+def clip_groups_text(dp: dict) -> str:
+    share = dp.get("encoder_clip_share")
+    if share is None:
+        return ""
+    return (f"; image encoder's part clipped to C·√{share:g}, the rest to C·√{1 - share:g} "
+            "(the whole within C)")
+
+
 def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple[str, str]]:
     """The mechanism table: what was run, what ε it has, and what every DP run on the data composes to."""
     rows = [
@@ -55,7 +63,8 @@ def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple
         ("private examples n", f"{ver['n']}"),
         ("sampling", f"{plan.sampler}, rate q = {ver['sample_rate']:.5g} "
                      f"(expected batch {ver['sample_rate'] * ver['n']:.0f})"),
-        ("clipping", f"C = {plan.clip_norm}, sensitivity {plan.sensitivity:g}·C ({plan.clipping.replace('_', ' ')})"),
+        ("clipping", f"C = {plan.clip_norm}, sensitivity {plan.sensitivity:g}·C ({plan.clipping.replace('_', ' ')})"
+                     + clip_groups_text(dp)),
         ("noise", noise_text(ver, plan)),
         ("steps", f"{ver['steps']} (planned {plan.steps})"),
         ("δ", delta_text(ver["delta"], dp.get("delta"))),

@@ -94,7 +94,8 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
         model = Amplified(build_model(dp["objective"], mcfg), AMPLIFY).to(device)
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"],
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
-                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
+                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
+                               encoder_share=dp["encoder_clip_share"])
         dp_step(0, sampler=FixedBatch(indices), fetch=lambda s, idx, pos: [x[idx[pos]] for x in inputs],
                 clipper=clipper, plan=plan, key=key, world=world, physical_batch_size=dp["physical_batch_size"])
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
@@ -131,14 +132,17 @@ def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int)
 
 
 class LinearLoss(nn.Module):
-    """loss_i = ⟨θ, v_i⟩: example i's gradient is exactly v_i, so the audit chooses every gradient."""
+    """loss_i = ⟨θ, v_i⟩: example i's gradient is exactly v_i, so the audit chooses every gradient.
+    `grouped`: a second copy of θ named `encoder` (clip groups), whose gradient is v_i too."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, grouped: bool = False):
         super().__init__()
         self.head = nn.Linear(dim, 1, bias=False)
+        self.encoder = nn.Linear(dim, 1, bias=False) if grouped else None
 
     def forward(self, v: torch.Tensor, gather=None) -> torch.Tensor:
-        return self.head(v).squeeze(-1)
+        loss = self.head(v).squeeze(-1)
+        return loss if self.encoder is None else loss + self.encoder(v).squeeze(-1)
 
 
 def worst_case_pair(mode: str, dim: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,19 +156,22 @@ def worst_case_pair(mode: str, dim: int, scale: float) -> tuple[torch.Tensor, to
 
 
 def worst_case_sensitivity(mode: str, method: str, precision: str, clip_norm: float = 1.0, sigma: float = 1.0,
-                           device: str = "cpu", dim: int = 8, world: World = World()) -> dict:
+                           device: str = "cpu", dim: int = 8, world: World = World(),
+                           encoder_share: float | None = None) -> dict:
     """How far one example moves the step's release at its worst, against the accounted K·C, for a
-    clipping mode ("per_sample" | "per_batch"), a clipper method and a precision."""
+    clipping mode ("per_sample" | "per_batch"), a clipper method, a precision and clip groups (with
+    `encoder_share` the joiner's gradient exceeds both groups' bounds)."""
     sensitivity = SENSITIVITY[mode]
     plan = Plan.unaccounted("linear", mode, sigma, clip_norm, n=1)  # divided by 1: the sum itself
     small, large = (x.to(device) for x in worst_case_pair(mode, dim, 2 * clip_norm))
 
     def release(grads: torch.Tensor) -> torch.Tensor:
         torch.manual_seed(0)
-        model = LinearLoss(dim).to(device)
+        model = LinearLoss(dim, grouped=encoder_share is not None).to(device)
         clipper = make_clipper(mode, model, clip_norm, method, autocast=lambda: autocast(device, precision),
                                loss_scale=loss_scale(precision),
-                               gather=gather_with_grad(world) if mode == "per_batch" else None)
+                               gather=gather_with_grad(world) if mode == "per_batch" else None,
+                               encoder_share=encoder_share)
         dp_step(0, sampler=FixedBatch(np.arange(len(grads))), fetch=lambda s, idx, pos: [grads[idx[pos]]],
                 clipper=clipper, plan=plan, key=7, world=world)
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters()])
