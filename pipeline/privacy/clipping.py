@@ -388,14 +388,15 @@ class PerBatchClipper(ClippedSum):
             return 0
         device = next(iter(self.sum.values())).device
         with fp32_only(device):
-            sq = torch.zeros(len(self.bounds), 1, dtype=torch.float32, device=device)  # the batch mean, per group
+            sq = torch.zeros(len(self.bounds), dtype=torch.float32, device=device)  # of the summed gradient, per group
             for n, v in self.sum.items():
-                sq[self.group_of[id(self.params[n])]] += v.pow(2).sum() / batch_size ** 2
-            factors, finite, _ = grouped_factors(sq, self.bounds)
+                sq[self.group_of[id(self.params[n])]] += v.pow(2).sum()
+            factors, finite = clip_factors(sq.sqrt() / batch_size, self.bounds)  # the batch mean's norms
+            finite = finite.all()
             for n, v in self.sum.items():
-                scale = factors[self.group_of[id(self.params[n])], 0] / batch_size
-                v.copy_(torch.where(finite[0], v * scale, torch.zeros_like(v)))  # 0·NaN would still be NaN
-        return int((~finite).sum())
+                scale = factors[self.group_of[id(self.params[n])]] / batch_size
+                v.copy_(torch.where(finite, v * scale, torch.zeros_like(v)))  # 0·NaN would still be NaN
+        return int(~finite)
 
 
 class PlainSum(ClippedSum):
