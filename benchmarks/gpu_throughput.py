@@ -10,6 +10,10 @@ here is what the clipper does per micro-batch: forward, backward, per-example no
 sum; the noise, added once per logical step, is timed apart ("noise ms"), drawn on the device.
 Runs on CPU as well (slowly: use --sizes micro --img 32 there). Ends with ONE JSON line.
 
+`bookkeeping-fp32` is book-keeping with its Linear products upcast to fp32 first
+(layer_rules.LOW_PRECISION_PRODUCTS off), the route before bf16 GEMMs with fp32 results: the same
+numbers up to summation order, so the two rows show what the tensor cores buy.
+
 --profile BATCH: instead, one step of each engine at that batch under torch.profiler, and the ops
 that take the most device time (CPU time without a GPU), side by side: where the clipping's time goes.
 """
@@ -17,6 +21,7 @@ that take the most device time (CPU time without a GPU), side by side: where the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -25,8 +30,21 @@ import torch
 
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import OBJECTIVES
+from pipeline.privacy import layer_rules
 from pipeline.privacy.engine import make_clipper
 from pipeline.train import autocast
+
+ENGINES = ("plain", "bookkeeping", "bookkeeping-fp32")
+
+
+@contextlib.contextmanager
+def products_of(engine: str):
+    """`bookkeeping-fp32`: book-keeping with its products upcast to fp32 first."""
+    layer_rules.LOW_PRECISION_PRODUCTS = not engine.endswith("-fp32")
+    try:
+        yield engine.removesuffix("-fp32")
+    finally:
+        layer_rules.LOW_PRECISION_PRODUCTS = True
 
 TEXT = {"vocab_size": 1000, "text_width": 512, "text_depth": 6, "text_heads": 8, "max_len": 40}
 
@@ -46,6 +64,11 @@ def sync(device: str) -> None:
 
 
 def measure(objective: str, cfg: dict, engine: str, batch: int, device: str, precision: str, steps: int) -> dict:
+    with products_of(engine) as method:
+        return _measure(objective, cfg, method, batch, device, precision, steps)
+
+
+def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, precision: str, steps: int) -> dict:
     torch.manual_seed(0)
     model = build_model(objective, cfg).to(device)
     clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine,
@@ -87,14 +110,14 @@ def profile(objective: str, cfg: dict, batch: int, device: str, precision: str, 
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    for engine in ("plain", "bookkeeping"):
+    for engine in ENGINES:
         torch.manual_seed(0)
         model = build_model(objective, cfg).to(device)
-        clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine,
+        clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine.removesuffix("-fp32"),
                                autocast=lambda: autocast(device, precision))
         inputs = batch_for(objective, cfg, batch, device)
         for _ in range(2):  # the second step is the one kept: the first warms up
-            with torch_profile(activities=activities) as prof:
+            with torch_profile(activities=activities) as prof, products_of(engine):
                 clipper.reset()
                 clipper.accumulate(*inputs)
                 sync(device)
@@ -140,13 +163,13 @@ def main() -> None:
         return
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"gpu_throughput on {name}, {args.img} px, patch {args.patch}, {args.precision}")
-    print(f"{'size':<6}{'objective':<9}{'engine':<13}{'batch':>6}{'img/s':>9}{'x time':>8}{'peak GiB':>10}"
+    print(f"{'size':<6}{'objective':<9}{'engine':<18}{'batch':>6}{'img/s':>9}{'x time':>8}{'peak GiB':>10}"
           f"{'x mem':>7}{'noise ms':>10}")
     rows = []
     for size in args.sizes:
         for objective in args.objectives:
             cfg = {"size": size, "img_size": args.img, "patch_size": args.patch, **TEXT}
-            engines = {"plain": None, "bookkeeping": None}
+            engines = dict.fromkeys(ENGINES if OBJECTIVES[objective].clipping == "per_sample" else ENGINES[:2])
             # Both at the largest batch the DP engine fits, so the ratios compare like with like.
             batch = largest_batch(objective, cfg, "bookkeeping", device, args.precision, 8, args.max_batch)
             for engine in engines:
@@ -154,7 +177,7 @@ def main() -> None:
             base = engines["plain"]
             for engine, r in engines.items():
                 tx, mx = r["s_per_step"] / base["s_per_step"], r["peak_gib"] / base["peak_gib"]
-                print(f"{size:<6}{objective:<9}{engine:<13}{batch:>6}{r['images_per_s']:>9.0f}{tx:>8.2f}"
+                print(f"{size:<6}{objective:<9}{engine:<18}{batch:>6}{r['images_per_s']:>9.0f}{tx:>8.2f}"
                       f"{r['peak_gib']:>10.2f}{mx:>7.2f}{r['noise_ms']:>10.2f}", flush=True)
                 rows.append({"size": size, "objective": objective, "engine": engine, **r,
                              "time_ratio": round(tx, 3), "memory_ratio": round(mx, 3)})

@@ -16,6 +16,7 @@ from pipeline.objectives import OBJECTIVES
 from pipeline.privacy.engine import add_noise, make_clipper
 from pipeline.privacy.layer_rules import GRAM_BLOCK, gram_inner
 from pipeline.train import autocast
+import low_precision_products
 from live_memory import LiveTensorBytes
 
 torch.manual_seed(0)
@@ -354,3 +355,64 @@ def test_noise_std_is_sigma_times_sensitivity_times_c(sigma, sensitivity, clip_n
     assert noise_matches(noise_std_of(std), std)
     assert not noise_matches(noise_std_of(std, scale=0.1), std)  # noise scaled down 10x is caught
     assert not noise_matches(noise_std_of(std, scale=0.97), std)  # even 3% too little is caught
+
+
+# --- bf16 products with fp32 results (the GPU route of layer_rules.mm32), emulated on the CPU ---
+
+def test_split_bf16_parts_sum_to_the_fp32_value_exactly():
+    from pipeline.privacy.layer_rules import split_bf16
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-60, 60, (100_000,), generator=g).float())
+    parts = split_bf16(x)
+    assert all(p.dtype == torch.bfloat16 for p in parts)
+    assert torch.equal(sum(p.double() for p in parts), x.double())
+    assert not torch.equal(parts[0].double(), x.double())  # one bf16 alone is not enough
+
+
+def bf16_step(objective, ghost):
+    torch.manual_seed(0)
+    cfg = ModelConfig.of({"size": "micro", "vocab_size": 50, "max_len": 10})
+    model = build_model(objective, cfg)
+    imgs = torch.randn(6, 3, 16, 16)
+    batch = (imgs, torch.rand(6, 16)) if cfg.reads_masks(objective) else (imgs, torch.randint(4, 50, (6, 10)))
+    clipper = BookKeepingClipper(model, 0.05, ghost=ghost, autocast=lambda: autocast("cpu", "bf16"))
+    clipper.reset()
+    stats_ = clipper.accumulate(*batch)
+    return clipper.sum, stats_.norms
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption"])
+@pytest.mark.parametrize("ghost", [None, True, False])
+def test_bf16_products_give_the_sums_of_fp32_products(monkeypatch, objective, ghost):
+    """The Linear rules fed the forward's bf16 (Gram products, per-example gradients, the clipped sum
+    over the three exact bf16 parts of the scaled side) agree with upcasting first, up to summation
+    order; the test's C clips every example."""
+    want, want_norms = bf16_step(objective, ghost)
+    calls = []
+    low_precision_products.enable(monkeypatch.setattr, calls)
+    got, norms = bf16_step(objective, ghost)
+    assert calls  # the low-precision route ran
+    assert max_rel_error(got, want) <= 1e-5
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+
+
+def test_bf16_products_check_catches_a_scaled_side_rounded_to_bf16(monkeypatch):
+    """Rounding c_i·g to one bf16 value (8 significand bits) instead of splitting it moves the sums by
+    ~1e-3: the comparison above sees it."""
+    from pipeline.privacy import layer_rules
+
+    want, _ = bf16_step("caption", None)
+    low_precision_products.enable(monkeypatch.setattr)
+    monkeypatch.setattr(layer_rules, "split_bf16", lambda x: (x.bfloat16(),))
+    got, _ = bf16_step("caption", None)
+    assert max_rel_error(got, want) > 1e-5
+
+
+def test_bf16_products_keep_worst_case_neighbours_within_c(monkeypatch):
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
+
+    calls = []
+    low_precision_products.enable(monkeypatch.setattr, calls)
+    result = worst_case_sensitivity("per_sample", "bookkeeping", "bf16")
+    assert calls and result["problems"] == [] and result["ratio"] == pytest.approx(1.0, abs=2e-3), result

@@ -183,6 +183,30 @@ def _audited_with_bug(name, bug_name, more, world):
         return audited(name, None, world, more=more)
 
 
+def _audited_with_bf16_products(name, world):
+    import low_precision_products
+
+    low_precision_products.enable()  # this process only (a spawned rank, or undone by the caller)
+    return audited(name, None, world, "bf16")
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_the_real_step_with_bf16_products_is_consistent_at_one_and_two_ranks(tmp_path, monkeypatch, name):
+    """The Linear rules' bf16 GEMMs with fp32 results (a GPU's route, emulated): every objective's real
+    step still moves by exactly C per example (per batch: within 2C), with the noise it is told."""
+    from pipeline.distributed import World
+    from pipeline.privacy import layer_rules
+
+    for attr in ("low_gemm_applies", "low_gemm"):
+        monkeypatch.setattr(layer_rules, attr, getattr(layer_rules, attr))  # undone after the test
+    one = _audited_with_bf16_products(name, World())
+    two = on_two_ranks(tmp_path, _audited_with_bf16_products, name)
+    for result in (one, two):
+        assert result["verdict"] == "consistent", result["problems"]
+        if OBJECTIVES[name].clipping == "per_sample":
+            assert result["sensitivity_ratio"] == pytest.approx(1.0, abs=1e-3)
+
+
 def test_random_batches_alone_miss_a_per_batch_sensitivity_of_one():
     """Why the worst case is needed: the audit on random inputs passes the broken accounting."""
     from pipeline.distributed import World

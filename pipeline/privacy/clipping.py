@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
+from pipeline.privacy import layer_rules
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
 
 # Per-example gradients instantiated for speed may hold this share of the bytes the layers' inputs and
@@ -243,7 +244,11 @@ class BookKeepingClipper(ClippedSum):
         """The call's input and output gradient in fp32 (no copy when they already are; no fp16 loss
         scale), made when a layer's turn comes: the records keep the forward's dtype, so under bf16
         autocast the clipper never holds every layer in fp32 at once (1.2-1.6x the non-private
-        memory when it did). Upcasting is exact: the norms and sums are the same numbers."""
+        memory when it did). Upcasting is exact: the norms and sums are the same numbers. A Linear
+        layer's bf16 records on a GPU are handed over as they are: its rule's products are bf16 GEMMs
+        with fp32 results, exact products summed in fp32 (layer_rules.mm32), the same numbers again."""
+        if r.rule.takes_low_precision and self.loss_scale == 1 and layer_rules.low_gemm_applies(r.grad, r.grad):
+            return r.activation, r.grad
         g = r.grad.float() if self.loss_scale == 1 else r.grad.float() / self.loss_scale
         a = r.activation
         return (a.float() if a is not None and a.is_floating_point() else a), g

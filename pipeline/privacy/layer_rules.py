@@ -2,7 +2,7 @@
 grad_sample registry. The registry is the one list of layers the DP engine supports.
 
 A rule reads one call of its layer: the layer's input `a` and the gradient `g` of its output (both
-(B, ..., d), fp32), and gives
+(B, ..., d), fp32; a Linear rule also takes them in the forward's bf16, `takes_low_precision`), and gives
 
   per_sample(m, a, g)     {param attr: (B, *shape)}  the instantiated per-example gradients
   ghost_sq_norm(m, a, g)  (B,)                       ‖per-example gradient‖² without instantiating
@@ -47,6 +47,56 @@ WRITE_COST = 30.0
 GRAM_BLOCK = 64
 
 
+# Products in fp32 from bf16 operands. The product of two bf16 values is exact in fp32, so a bf16 GEMM
+# with fp32 accumulation and output (CUDA's out_dtype overload: tensor cores) computes the same sums
+# as upcasting both sides and multiplying in fp32 (without TF32), up to the order of summation. The
+# side that carries the clip factors is fp32 (c_i·g is not a bf16 value): it is split exactly into
+# three bf16 parts, hi + mid + lo (8 significand bits each, 24 in all), one GEMM each. On a GPU the
+# fp32 products were the clipped step's suspected cost (3-3.8x the non-private bf16 step on an H200,
+# docs/results.md); not measured on a GPU yet. LOW_PRECISION_PRODUCTS = False times the old route.
+LOW_PRECISION_PRODUCTS = True
+
+
+def low_gemm_applies(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether x @ y may run as a bf16 GEMM with fp32 output: both bf16 and on CUDA (no CPU kernel)."""
+    return LOW_PRECISION_PRODUCTS and x.dtype == y.dtype == torch.bfloat16 and x.is_cuda
+
+
+def low_gemm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """bf16 (batched) matrix product, fp32 accumulation and output."""
+    return (torch.bmm if x.dim() == 3 else torch.mm)(x, y, out_dtype=torch.float32)
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x upcast to fp32 if it is narrower (bf16, fp16); fp32 and fp64 as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def mm32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y (2-D or batched 3-D) in fp32 (or wider) from the values x and y hold."""
+    if low_gemm_applies(x, y):
+        return low_gemm(x, y)
+    return torch.matmul(wide(x), wide(y))
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three bf16 tensors whose sum is the fp32 `x` exactly: each takes the next 8 significand bits
+    (rounded to nearest, so the rest is exact in fp32), and fp32 has 24."""
+    hi = x.bfloat16()
+    rest = x - hi.float()
+    mid = rest.bfloat16()
+    return hi, mid, (rest - mid.float()).bfloat16()
+
+
+def scaled_mm32(scaled: torch.Tensor, x: torch.Tensor, scaled_first: bool) -> torch.Tensor:
+    """scaled @ x (or x @ scaled) in fp32, `scaled` fp32 (it carries the clip factors), `x` as held:
+    with bf16 `x` on CUDA, three bf16 GEMMs on the exact parts of `scaled`."""
+    if not low_gemm_applies(x, x):
+        return mm32(scaled, x) if scaled_first else mm32(x, scaled)
+    parts = [(part, x) if scaled_first else (x, part) for part in split_bf16(scaled)]
+    return sum(low_gemm(*pair) for pair in parts)
+
+
 def as_3d(x: torch.Tensor) -> torch.Tensor:
     """(B, d) -> (B, 1, d); (B, T1, T2, ..., d) -> (B, T, d)."""
     return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() != 2 else x.unsqueeze(1)
@@ -57,18 +107,19 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int = GRAM_BLOCK) -> tor
     T = a.shape[1]
     cuts = [i * block for i in range(max(1, T // block))] + [T]  # the last block takes the remainder
     blocks = [(a[:, s:e], g[:, s:e]) for s, e in zip(cuts, cuts[1:])]
-    total = torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
+    total = 0
     for i, (a_i, g_i) in enumerate(blocks):
         for j in range(i, len(blocks)):
             a_j, g_j = blocks[j]
-            part = ((a_i @ a_j.transpose(1, 2)) * (g_i @ g_j.transpose(1, 2))).sum((1, 2))
-            total += part if i == j else 2 * part
+            part = (mm32(a_i, a_j.transpose(1, 2)) * mm32(g_i, g_j.transpose(1, 2))).sum((1, 2))
+            total = total + (part if i == j else 2 * part)
     return total
 
 
 class LayerRule:
     needs_input = True  # whether the clipper must keep the layer's input
     has_ghost = False   # whether ghost_sq_norm exists for this layer type
+    takes_low_precision = False  # whether a and g may come in the forward's bf16 (else fp32)
 
     def per_sample(self, m, a, g) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -111,19 +162,20 @@ def rule_for(module: nn.Module) -> LayerRule | None:
 @register(nn.Linear)
 class LinearRule(LayerRule):
     has_ghost = True
+    takes_low_precision = True  # its products go through mm32 / scaled_mm32; everything else is upcast
 
     def per_sample(self, m, a, g):
         g3 = as_3d(g)
-        out = {"weight": torch.einsum("bto,bti->boi", g3, as_3d(a))}
+        out = {"weight": mm32(g3.transpose(1, 2), as_3d(a))}
         if m.bias is not None:
-            out["bias"] = g3.sum(1)
+            out["bias"] = wide(g3).sum(1)
         return out
 
     def ghost_sq_norm(self, m, a, g):
         g3 = as_3d(g)
         sq = gram_inner(as_3d(a), g3)
         if m.bias is not None:
-            sq = sq + g3.sum(1).pow(2).sum(1)
+            sq = sq + wide(g3).sum(1).pow(2).sum(1)
         return sq
 
     def ghost_is_faster(self, m, a, g):
@@ -138,12 +190,14 @@ class LinearRule(LayerRule):
     def clipped_sum(self, m, a, g, factors):
         g3, a3 = as_3d(g), as_3d(a)
         scale = factors.view(-1, 1, 1)
+        g2, a2 = g3.reshape(-1, g3.shape[-1]), a3.reshape(-1, a3.shape[-1])  # (B·T, p), (B·T, d)
         if a3.shape[-1] < g3.shape[-1]:  # Σ_i c_i g_iᵀa_i: the narrower side carries c_i (fc1: 4x fewer products)
-            out = {"weight": torch.einsum("bto,bti->oi", g3, a3 * scale)}
+            weight = scaled_mm32((a3 * scale).reshape(a2.shape), g2.t(), scaled_first=False)
         else:
-            out = {"weight": torch.einsum("bto,bti->oi", g3 * scale, a3)}
+            weight = scaled_mm32((g3 * scale).reshape(g2.shape).t(), a2, scaled_first=True)
+        out = {"weight": weight}
         if m.bias is not None:
-            out["bias"] = factors @ g3.sum(1)
+            out["bias"] = factors @ wide(g3).sum(1)
         return out
 
 
