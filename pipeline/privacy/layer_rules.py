@@ -29,6 +29,8 @@ memory budget (clipping.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -57,9 +59,19 @@ GRAM_BLOCK = 64
 LOW_PRECISION_PRODUCTS = True
 
 
+@functools.cache
+def cuda_has_low_gemm() -> bool:
+    """Whether this torch has CUDA's bf16 GEMM with fp32 output (PyTorch 2.8 on)."""
+    one = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+    try:
+        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
 def low_gemm_applies(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether x @ y may run as a bf16 GEMM with fp32 output: both bf16 and on CUDA (no CPU kernel)."""
-    return LOW_PRECISION_PRODUCTS and x.dtype == y.dtype == torch.bfloat16 and x.is_cuda
+    return LOW_PRECISION_PRODUCTS and x.dtype == y.dtype == torch.bfloat16 and x.is_cuda and cuda_has_low_gemm()
 
 
 def low_gemm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
