@@ -117,12 +117,20 @@ HOW_NOT_WHAT = {"dp": ("compile", "data_workers", "physical_batch_size", "checkp
                 "pretrain": ("data_workers", "checkpoint_every", "log_every")}
 
 
+# Knobs added after rows were kept, at the value that does what the recipe did before them: left out
+# of the id at that value, so adding a knob does not orphan every kept row.
+ADDED_LATER = {"dp": {"encoder_clip_share": None}}
+
+
 def recipe_id(params: dict, sections=RECIPE_SECTIONS) -> str:
     """Rows are kept per recipe: a changed schedule, model or eval protocol never reuses a row."""
     keys = {s: params[s] for s in sections}
     for section, ignored in HOW_NOT_WHAT.items():
         if section in keys:
             keys[section] = {k: v for k, v in keys[section].items() if k not in ignored}
+    for section, neutral in ADDED_LATER.items():
+        if section in keys:
+            keys[section] = {k: v for k, v in keys[section].items() if k not in neutral or v != neutral[k]}
     # The rows keep refits of their own (--probe-refits), whatever the evaluate stage would run.
     keys["evaluate"] = {k: v for k, v in params["evaluate"].items() if k != "probe_refits"}
     keys["shards"] = {k: v for k, v in params["shards"].items() if k not in ("path", "workers", "cache_dir")}

@@ -217,3 +217,18 @@ def test_recipes_that_differ_only_in_the_dp_schedule_share_their_untrained_rows(
     # How the numbers are computed is not the recipe: a GPU run's workers and micro-batch keep its rows.
     how = params("dp.data_workers=12", "dp.physical_batch_size=1024", "pretrain.data_workers=4", "dp.compile=true")
     assert recipe_id(how) == recipe_id(base) and untrained_id(how) == untrained_id(base)
+
+
+def test_a_knob_added_later_keeps_the_rows_at_its_neutral_value_only():
+    """Adding dp.encoder_clip_share (null: one bound, as before it existed) left every recipe id as it
+    was; setting it is another recipe."""
+    import copy
+
+    from benchmarks.scale_utility import recipe_id
+
+    base = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"]])
+    before = copy.deepcopy(base)
+    del before["dp"]["encoder_clip_share"]  # the params as they were before the knob
+    assert recipe_id(base) == recipe_id(before)
+    grouped = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], "dp.encoder_clip_share=0.5"])
+    assert recipe_id(grouped) != recipe_id(base)
