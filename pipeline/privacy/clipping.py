@@ -21,8 +21,9 @@ division) is `engine.dp_step`; nothing here adds noise.
 Clip groups (`encoder_share`, dp.encoder_clip_share): each example's gradient may be split into the
 image encoder's part and the rest's, clipped to C·√s and C·√(1−s). The contribution's norm is then at
 most √(C²s + C²(1−s)) = C, the sensitivity the accountant is told. It pays where one part dwarfs the
-other: a randomly initialised text decoder takes ~7/8 of the captioner's squared norm at its warm
-start, so under one bound the encoder, whose features the run is for, gets ~C/3 of every example.
+other: a randomly initialised text decoder takes over 9/10 of the captioner's squared norm at its warm
+start (benchmarks/gradient_norms.py), so under one bound the encoder, whose features the run is for,
+gets ~C/4 of every example.
 
 Only the model's forward runs under autocast. Norms, clip factors and sums are fp32 with autocast
 switched off, whatever the caller's context: in bf16 a clipped contribution could exceed C, and in
