@@ -25,12 +25,11 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from pipeline import checkpoints
 from pipeline.config import load_params
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
-from pipeline.privacy.training import split_loader
+from pipeline.privacy.training import split_loader, warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -40,11 +39,7 @@ def warm_model(obj: str, params: dict, tokenizer: Tokenizer | None) -> tuple[tor
     mcfg = ModelConfig.from_params(params["model"], obj, tokenizer.vocab_size if tokenizer else None)
     torch.manual_seed(params["run"]["seed"])
     model = build_model(obj, mcfg)
-    warm = checkpoints.load("models/pretrain/checkpoint.pt")
-    if obj == warm.objective:
-        model.load_state_dict(warm.model)
-    else:
-        model.encoder.load_state_dict(warm.encoder)
+    warm_start(model, obj)  # as dp-train starts it
     return model, mcfg
 
 

@@ -179,6 +179,15 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
     return twin.train(params["run"]["seed"], work_dir(p, trainer) / "nonprivate", ctx, private=False)[0]
 
 
+def warm_start(model, objective_name: str) -> None:
+    """Loads the synthetic warm start (the pretrain artifact) into a freshly built model."""
+    warm = checkpoints.load(artifact("pretrain") / "checkpoint.pt")
+    if objective_name == warm.objective:  # MAE: the whole model, its decoder too (ViP)
+        model.load_state_dict(warm.model)
+    else:  # a captioner or CLIP: the encoder; the text tower starts from random weights
+        model.encoder.load_state_dict(warm.encoder)
+
+
 class Trainer:
     """Builds the model and runs the DP (or, for the baseline, the plain) training loop."""
 
@@ -196,11 +205,7 @@ class Trainer:
         torch.manual_seed(self.params["run"]["seed"])
         model = build_model(self.dp["objective"], self.mcfg).to(self.device)
         if self.dp["init"] == "pretrain":
-            warm = checkpoints.load(artifact("pretrain") / "checkpoint.pt")
-            if self.dp["objective"] == warm.objective:  # MAE: the whole model, its decoder too (ViP)
-                model.load_state_dict(warm.model)
-            else:  # a captioner or CLIP: the encoder; the text tower starts from random weights
-                model.encoder.load_state_dict(warm.encoder)
+            warm_start(model, self.dp["objective"])
         return model
 
     def train(self, key: int, work, ctx, private: bool):
