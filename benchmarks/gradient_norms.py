@@ -1,6 +1,7 @@
-"""Per-example gradient norms at the warm start, on PUBLIC images: where to put C and the clip groups.
+"""Per-example gradient norms at the warm start, on PUBLIC images: where to put C, the clip groups, and
+how far one step's signal stands above its noise.
 
-    python -m benchmarks.gradient_norms [--dir DIR] [--objectives mae caption] [--examples 256]
+    python -m benchmarks.gradient_norms [--dir DIR] [--objectives mae caption] [--examples 1024] [--scale-schedule]
 
 For each objective, the model as dp-train starts it (the synthetic warm start; a new text tower for
 the captioner), per-example gradients by torch.func on examples of the eval split (public, never
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -25,10 +27,13 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
+from benchmarks import scale_utility
 from pipeline.config import load_params
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
+from pipeline.io import read_json
+from pipeline.privacy.plan import plan_mechanism
 from pipeline.privacy.training import split_loader, warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,16 +48,44 @@ def warm_model(obj: str, params: dict, tokenizer: Tokenizer | None) -> tuple[tor
     return model, mcfg
 
 
-def squared_norms(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whole, encoder part) squared norms of each example's gradient."""
+def per_example_grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """Each example's gradient, {name: (B, *shape)}."""
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
     def loss_one(ps, *sample):
         return functional_call(model, ps, tuple(x.unsqueeze(0) for x in sample))[0]
 
-    grads = vmap(grad(loss_one), in_dims=(None,) + (0,) * len(batch))(params, *batch)
+    return vmap(grad(loss_one), in_dims=(None,) + (0,) * len(batch))(params, *batch)
+
+
+def squared_norms(grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whole, encoder part) squared norms of each example's gradient."""
     sq = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
     return sum(sq.values()), sum(v for n, v in sq.items() if n.startswith("encoder."))
+
+
+class ClippedMean:
+    """‖E clip_C(g)‖² for the whole gradient and the encoder's part, without the bias of a finite sample:
+    ‖Σ c_i‖² − Σ ‖c_i‖² over N(N − 1) keeps only the cross terms c_i·c_j (i ≠ j), each an unbiased
+    estimate of ‖E c‖² for independent examples."""
+
+    def __init__(self, clip_norm: float):
+        self.clip_norm, self.total, self.own, self.count = clip_norm, {}, {"whole": 0.0, "encoder": 0.0}, 0
+
+    def add(self, grads: dict[str, torch.Tensor], whole_sq: torch.Tensor) -> None:
+        factor = (self.clip_norm / whole_sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
+        for name, g in grads.items():
+            clipped = (g * factor.view(-1, *[1] * (g.dim() - 1))).double()  # the difference below cancels
+            self.total[name] = self.total.get(name, 0) + clipped.sum(0)
+            own = float(clipped.flatten(1).pow(2).sum())
+            self.own["whole"] += own
+            self.own["encoder"] += own if name.startswith("encoder.") else 0.0
+        self.count += len(whole_sq)
+
+    def squared_norm(self, part: str) -> float:
+        names = [n for n in self.total if part == "whole" or n.startswith("encoder.")]
+        cross = sum(float(self.total[n].pow(2).sum()) for n in names) - self.own[part]
+        return cross / (self.count * (self.count - 1))
 
 
 def measure(obj: str, params: dict, examples: int, chunk: int = 32) -> dict:
@@ -62,17 +95,31 @@ def measure(obj: str, params: dict, examples: int, chunk: int = 32) -> dict:
     ids = np.sort(np.random.default_rng(0).choice(len(loader.dataset), min(examples, len(loader.dataset)),
                                                   replace=False))
     whole, encoder = [], []
+    mean = ClippedMean(params["dp"]["clip_norm"])
     for start in range(0, len(ids), chunk):
         batch = tuple(loader.load(ids[start:start + chunk]))
         if mcfg.reads_masks(obj):  # masks as dp-train draws them: uniform noise per patch
             g = torch.Generator().manual_seed(start)
             batch += (torch.rand(len(batch[0]), (mcfg.img_size // mcfg.patch_size) ** 2, generator=g),)
-        w, e = squared_norms(model, batch)
+        grads = per_example_grads(model, batch)
+        w, e = squared_norms(grads)
+        mean.add(grads, w)
         whole.append(w)
         encoder.append(e)
     whole, encoder = torch.cat(whole), torch.cat(encoder)
     q = torch.tensor(QUANTILES, dtype=whole.dtype)
-    return {"objective": obj, "examples": len(ids),
+    n = read_json("data/shards/stats.json")["private"]["usable"]  # the plan's n, published with the mechanism
+    plan = plan_mechanism({**params["dp"], "objective": obj}, n, params["privacy"]["adjacency"])
+    sizes = {"whole": sum(p.numel() for p in model.parameters() if p.requires_grad),
+             "encoder": sum(p.numel() for p in model.encoder.parameters() if p.requires_grad)}
+    signal = {}
+    for part, d in sizes.items():
+        noise = plan.noise_std * math.sqrt(d) / plan.denominator
+        signal[part] = {"parameters": d, "clipped_mean_norm": round(math.sqrt(max(mean.squared_norm(part), 0.0)), 4),
+                        "noise_norm": round(noise, 4),
+                        "signal_over_noise": round(math.sqrt(max(mean.squared_norm(part), 0.0)) / noise, 3)}
+    return {"objective": obj, "examples": len(ids), "batch": params["dp"]["expected_batch_size"],
+            "steps": params["dp"]["steps"], "sigma": round(plan.sigma, 4), "step_signal": signal,
             "norm_quantiles": [round(v, 4) for v in whole.sqrt().quantile(q).tolist()],
             "encoder_norm_quantiles": [round(v, 4) for v in encoder.sqrt().quantile(q).tolist()],
             "encoder_share_of_sq_norm_median": round(float((encoder / whole).median()), 4)}
@@ -82,16 +129,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=".", help="where dp-train's inputs are (data/shards, models/): default here")
     ap.add_argument("--objectives", nargs="+", default=["mae", "caption"], choices=["mae", "caption", "clip"])
-    ap.add_argument("--examples", type=int, default=256)
+    ap.add_argument("--examples", type=int, default=1024)
+    ap.add_argument("--scale-schedule", action="store_true",
+                    help="each objective on benchmarks/scale_utility's recipe and schedule (before any --set)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as `dpfm --set`")
     args = ap.parse_args()
-    params = load_params(str(ROOT / "params.yaml"), args.set, schema_path=ROOT / "schemas/params.schema.yaml")
+
+    def params_of(obj: str) -> dict:
+        recipe = [*scale_utility.RECIPE, *scale_utility.SCHEDULES[obj]] if args.scale_schedule else []
+        return load_params(str(ROOT / "params.yaml"), [*recipe, *args.set], schema_path=ROOT / "schemas/params.schema.yaml")
+
+    params = {obj: params_of(obj) for obj in args.objectives}  # read before leaving the project's directory
     os.chdir(args.dir)
-    rows = [measure(obj, params, args.examples) for obj in args.objectives]
+    rows = [measure(obj, params[obj], args.examples) for obj in args.objectives]
     print(f"{'objective':<9} {'norm at quantiles ' + str(QUANTILES):<44} {'encoder part':<36} encoder's share of norm²")
     for r in rows:
         print(f"{r['objective']:<9} {str(r['norm_quantiles']):<44} {str(r['encoder_norm_quantiles']):<36} "
               f"{r['encoder_share_of_sq_norm_median']:.3f} (median)")
+    print(f"\none step of B examples at σ: ‖E clip_C(g)‖ against the noise's norm σ·C·√d/B")
+    for r in rows:
+        for part, v in r["step_signal"].items():
+            print(f"{r['objective']:<9} {part:<8} B={r['batch']} T={r['steps']} σ={r['sigma']:.3f} d={v['parameters']:,}: "
+                  f"{v['clipped_mean_norm']:.4f} against {v['noise_norm']:.4f}, signal/noise {v['signal_over_noise']:.3f}")
     print(json.dumps({"benchmark": "gradient_norms", "rows": rows}))
 
 

@@ -8,6 +8,7 @@ as a mismatch.  Runtime is ~1 minute on 2 cores; speed is not asserted.
 import argparse
 import functools
 import json
+import math
 
 import dp_accounting
 import pytest
@@ -452,6 +453,25 @@ def test_cli_plan_schedules_reach_epsilon_and_larger_batches_cut_the_noise(capsy
     with pytest.raises(SystemExit):
         main(["plan", "--n", "100", "--epsilon", "4", "--batch-sizes", "500"])
     assert "must lie in 1..n=100" in capsys.readouterr().err
+
+
+def test_cli_plan_noise_over_the_run_is_set_by_n_once_sigma_is_large(capsys):
+    """sigma/(B*sqrt(T)) is the noise on the mean of all T steps' gradients. Past sigma ~1.5 it hardly
+    moves with B or T, where sigma/B moves several-fold; ten times the data cuts it about ten times."""
+    def plan(n, batches):
+        main(["plan", "--n", str(n), "--epsilon", "8", "--epochs", "27.3", "--batch-sizes", *map(str, batches), "--json"])
+        return json.loads(capsys.readouterr().out)["schedules"]
+
+    small_n = plan(60_000, [2048, 4096, 8192])
+    for r in small_n:
+        assert r["noise_over_run"] == pytest.approx(r["sigma"] / r["batch"] / math.sqrt(r["steps"]))
+    assert min(r["sigma"] for r in small_n) > 1.1
+    over_run = [r["noise_over_run"] for r in small_n]
+    per_step = [r["noise_per_coordinate"] for r in small_n]
+    assert max(over_run) / min(over_run) < 1.05
+    assert max(per_step) / min(per_step) > 2
+    large_n = plan(600_000, [20480, 40960, 81920])
+    assert 8 < min(over_run) / max(r["noise_over_run"] for r in large_n) < 11
 
 
 # --------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from benchmarks.gradient_norms import squared_norms
+from benchmarks.gradient_norms import ClippedMean, per_example_grads, squared_norms
 from pipeline.models import build_model
 
 
@@ -15,7 +15,7 @@ def test_squared_norms_are_each_examples_own(name):
     else:
         model = build_model("caption", {"size": "micro", "vocab_size": 50, "max_len": 10})
         batch = (torch.randn(4, 3, 16, 16), torch.randint(4, 50, (4, 10)))
-    whole, encoder = squared_norms(model, batch)
+    whole, encoder = squared_norms(per_example_grads(model, batch))
     params = dict(model.named_parameters())
     for i in range(4):
         grads = dict(zip(params, torch.autograd.grad(model(*(x[i:i + 1] for x in batch)).sum(), list(params.values()))))
@@ -23,3 +23,24 @@ def test_squared_norms_are_each_examples_own(name):
         want = sum(g.pow(2).sum().item() for n, g in grads.items() if n.startswith("encoder."))
         assert encoder[i].item() == pytest.approx(want, rel=1e-4)
         assert 0 < encoder[i].item() < whole[i].item()
+
+
+def test_the_clipped_means_norm_is_the_mean_of_the_cross_products_of_clipped_examples():
+    """‖E clip(g)‖² estimated from the pairs i != j only: no ‖c_i‖² term, whose mean is not ‖E c‖²."""
+    torch.manual_seed(0)
+    grads = {"encoder.w": torch.randn(6, 3, 2), "decoder.b": torch.randn(6, 4)}
+    whole_sq, _ = squared_norms(grads)
+    est = ClippedMean(clip_norm=1.5)
+    est.add({k: v[:4] for k, v in grads.items()}, whole_sq[:4])  # in two chunks, as measure() feeds it
+    est.add({k: v[4:] for k, v in grads.items()}, whole_sq[4:])
+    factor = (1.5 / whole_sq.sqrt()).clamp(max=1.0)
+    flat = {k: (v * factor.view(-1, *[1] * (v.dim() - 1))).flatten(1) for k, v in grads.items()}
+    for part, names in (("whole", ["encoder.w", "decoder.b"]), ("encoder", ["encoder.w"])):
+        c = torch.cat([flat[k] for k in names], dim=1)
+        pairs = [float(c[i] @ c[j]) for i in range(6) for j in range(6) if i != j]
+        assert est.squared_norm(part) == pytest.approx(sum(pairs) / len(pairs), rel=1e-5)
+    # every example the same unclipped gradient: the estimate is its squared norm, not less
+    same = ClippedMean(clip_norm=10.0)
+    g = {"encoder.w": torch.full((5, 2), 0.5)}
+    same.add(g, squared_norms(g)[0])
+    assert same.squared_norm("whole") == pytest.approx(0.5)

@@ -228,7 +228,11 @@ def _run_calibrate(args) -> int:
 def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float], batch_sizes: Sequence[int],
                    sensitivity: float = 1.0, accountant: str = "pld",
                    adjacency: str = "replace_one") -> List[Dict[str, float]]:
-    """Every (B, epochs) schedule: T = ceil(epochs * n / B) steps, its calibrated sigma and sigma/B."""
+    """Every (B, epochs) schedule: T = ceil(epochs * n / B) steps, its calibrated sigma, sigma/B (the noise on
+    one step's averaged gradient) and sigma/(B*sqrt(T)) (the noise left on the mean of all T steps' gradients:
+    what a signal that holds its direction for the run is weighed against). Once sigma is past ~1.5 the
+    last barely moves with B or T: it tends to a constant over n*epsilon, so at a fixed n only epsilon
+    and the signal itself raise what the run can learn; compute buys the optimizer's steps, not less noise."""
     rows = []
     for batch in batch_sizes:
         for e in epochs:
@@ -236,7 +240,8 @@ def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float]
             q = batch / n
             sigma = accounting.calibrate_sigma(epsilon, q, steps, delta, accountant=accountant, adjacency=adjacency)
             rows.append({"batch": batch, "sample_rate": q, "epochs": e, "steps": steps, "sigma": sigma,
-                         "noise_per_coordinate": sigma * sensitivity / batch})
+                         "noise_per_coordinate": sigma * sensitivity / batch,
+                         "noise_over_run": sigma * sensitivity / batch / math.sqrt(steps)})
     return rows
 
 
@@ -264,12 +269,14 @@ def _run_plan(args) -> int:
         if args.examples_per_s:
             r["hours"] = r["epochs"] * args.n / args.examples_per_s / 3600
     lines = [f"n={args.n}  epsilon={args.epsilon:g}  delta={delta:.3g}  sensitivity={args.sensitivity:g}  "
-             f"({args.accountant}, {args.adjacency}); noise per averaged coordinate = sigma*sensitivity/B, in units of C",
-             f"{'B':>9} {'q':>9} {'epochs':>7} {'steps':>7} {'sigma':>8} {'sigma/B':>10}"
+             f"({args.accountant}, {args.adjacency}); noise per averaged coordinate = sigma*sensitivity/B, in units of C;",
+             "over the run = sigma*sensitivity/(B*sqrt(steps)), the noise on the mean of every step's gradient: "
+             "the figure to compare schedules by",
+             f"{'B':>9} {'q':>9} {'epochs':>7} {'steps':>7} {'sigma':>8} {'sigma/B':>10} {'over run':>10}"
              + (f" {'hours':>8}" if args.examples_per_s else "")]
     for r in rows:
         lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {r['sigma']:>8.3f} "
-                     f"{r['noise_per_coordinate']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s else ""))
+                     f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s else ""))
     _emit(args, {"command": "plan", "n": args.n, "epsilon": args.epsilon, "delta": delta,
                  "sensitivity": args.sensitivity, "schedules": rows}, lines)
     return 0
