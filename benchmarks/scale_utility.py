@@ -461,6 +461,7 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
             m = row["meta"]
             r.update(batch=m["batch"], steps=m["steps"], sigma=round(m["sigma"], 4), sigma_over_b=m["sigma_over_b"],
                      noise_per_coordinate=m["noise_per_coordinate"],
+                     noise_over_run=m["noise_per_coordinate"] / math.sqrt(m["steps"]),
                      epsilon_spent=m["epsilon_spent"], seconds=m["seconds"])
             if name != "synthetic":
                 d = paired_gain(row, table["synthetic"])
@@ -471,13 +472,13 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
         out_rows.append(r)
     print(f"\nscale_utility: linear probe on {set_name} ({n_test} test images, {args.seeds} seed(s), "
           f"{args.probe_refits} probe refits, {device})")
-    print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8} {'noise':>8}  {'acc':>6}  95% CI       "
+    print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8} {'noise':>8} {'/√T':>8}  {'acc':>6}  95% CI       "
           "gain over synthetic")
     for r in out_rows:
         eps = "—" if r["epsilon"] is None else ("∞" if r["epsilon"] == "inf" else f"{r['epsilon']:g}")
         sched = (f"{r['n']:>6} {eps:>4} {r['batch']:>5} {r['steps']:>4} {r['sigma']:>6.3f} {r['sigma_over_b']:>8.2e}"
-                 f" {r['noise_per_coordinate']:>8.2e}"
-                 if r["n"] else f"{'':>6} {eps:>4} {'':>5} {'':>4} {'':>6} {'':>8} {'':>8}")
+                 f" {r['noise_per_coordinate']:>8.2e} {r['noise_over_run']:>8.2e}"
+                 if r["n"] else f"{'':>6} {eps:>4} {'':>5} {'':>4} {'':>6} {'':>8} {'':>8} {'':>8}")
         gain = r.get("gain_over_synthetic")
         print(f"  {(r['objective'] or r['init']):<9} {sched}  {100 * r['acc']:5.1f}%  "
               f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"

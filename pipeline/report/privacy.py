@@ -44,13 +44,16 @@ def _curves_from(given) -> dict:
 def noise_text(ver: dict, plan: Plan) -> str:
     """σ, the noise std, and what decides utility: the noise on one coordinate of the averaged gradient.
     Per example it is std/B and falls as the batch grows; per batch (Dp-CLIP) the released clipped
-    mean carries the whole std whatever the batch."""
+    mean carries the whole std whatever the batch. Beside it, the noise on the mean of all T steps'
+    gradients (÷√T): what compares schedules, since past σ ~1.5 only n and ε move it."""
     std = plan.noise_std
     batch = ver["sample_rate"] * ver["n"]
     if plan.clipping == "per_batch":
-        per = f"on the clipped batch mean {std:.3g}, whatever the batch"
+        per = (f"on the clipped batch mean {std:.3g}, whatever the batch; over its {plan.steps} steps "
+               f"std/√T = {std / math.sqrt(plan.steps):.3g}")
     else:
-        per = f"per averaged coordinate std/B = {std / batch:.3g} (σ/B = {ver['sigma'] / batch:.3g})"
+        per = (f"per averaged coordinate std/B = {std / batch:.3g} (σ/B = {ver['sigma'] / batch:.3g}); "
+               f"over its {plan.steps} steps std/(B·√T) = {std / batch / math.sqrt(plan.steps):.3g}")
     return f"σ = {ver['sigma']:.4f} (std {std:.4f}); {per}"
 
 
