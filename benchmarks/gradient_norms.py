@@ -64,27 +64,40 @@ def squared_norms(grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return sum(sq.values()), sum(v for n, v in sq.items() if n.startswith("encoder."))
 
 
+# The parts of the model whose step signal is read: the whole, the encoder, and the encoder's kinds of
+# parameter (a part that carried the signal above the rest could be trained alone).
+PARTS = {
+    "whole": lambda name: True,
+    "encoder": lambda name: name.startswith("encoder."),
+    "encoder norms": lambda name: name.startswith("encoder.") and "norm" in name,
+    "encoder biases": lambda name: name.startswith("encoder.") and "norm" not in name and name.endswith(".bias"),
+    "encoder weights": lambda name: name.startswith("encoder.") and "norm" not in name and not name.endswith(".bias"),
+}
+
+
 class ClippedMean:
-    """‖E clip_C(g)‖² for the whole gradient and the encoder's part, without the bias of a finite sample:
+    """‖E clip_C(g)‖² over any part of the parameters, without the bias of a finite sample:
     ‖Σ c_i‖² − Σ ‖c_i‖² over N(N − 1) keeps only the cross terms c_i·c_j (i ≠ j), each an unbiased
     estimate of ‖E c‖² for independent examples."""
 
     def __init__(self, clip_norm: float):
-        self.clip_norm, self.total, self.own, self.count = clip_norm, {}, {"whole": 0.0, "encoder": 0.0}, 0
+        self.clip_norm, self.total, self.own, self.count = clip_norm, {}, {}, 0
 
     def add(self, grads: dict[str, torch.Tensor], whole_sq: torch.Tensor) -> None:
         factor = (self.clip_norm / whole_sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
         for name, g in grads.items():
             clipped = (g * factor.view(-1, *[1] * (g.dim() - 1))).double()  # the difference below cancels
             self.total[name] = self.total.get(name, 0) + clipped.sum(0)
-            own = float(clipped.flatten(1).pow(2).sum())
-            self.own["whole"] += own
-            self.own["encoder"] += own if name.startswith("encoder.") else 0.0
+            self.own[name] = self.own.get(name, 0.0) + float(clipped.pow(2).sum())
         self.count += len(whole_sq)
 
-    def squared_norm(self, part: str) -> float:
-        names = [n for n in self.total if part == "whole" or n.startswith("encoder.")]
-        cross = sum(float(self.total[n].pow(2).sum()) for n in names) - self.own[part]
+    def parameters(self, part) -> int:
+        return sum(self.total[n].numel() for n in self.total if part(n))
+
+    def squared_norm(self, part) -> float:
+        """For the parameters whose names `part` accepts."""
+        names = [n for n in self.total if part(n)]
+        cross = sum(float(self.total[n].pow(2).sum()) - self.own[n] for n in names)
         return cross / (self.count * (self.count - 1))
 
 
@@ -110,14 +123,12 @@ def measure(obj: str, params: dict, examples: int, chunk: int = 32) -> dict:
     q = torch.tensor(QUANTILES, dtype=whole.dtype)
     n = read_json("data/shards/stats.json")["private"]["usable"]  # the plan's n, published with the mechanism
     plan = plan_mechanism({**params["dp"], "objective": obj}, n, params["privacy"]["adjacency"])
-    sizes = {"whole": sum(p.numel() for p in model.parameters() if p.requires_grad),
-             "encoder": sum(p.numel() for p in model.encoder.parameters() if p.requires_grad)}
     signal = {}
-    for part, d in sizes.items():
+    for part, accepts in PARTS.items():
+        d, norm = mean.parameters(accepts), math.sqrt(max(mean.squared_norm(accepts), 0.0))
         noise = plan.noise_std * math.sqrt(d) / plan.denominator
-        signal[part] = {"parameters": d, "clipped_mean_norm": round(math.sqrt(max(mean.squared_norm(part), 0.0)), 4),
-                        "noise_norm": round(noise, 4),
-                        "signal_over_noise": round(math.sqrt(max(mean.squared_norm(part), 0.0)) / noise, 3)}
+        signal[part] = {"parameters": d, "clipped_mean_norm": round(norm, 4), "noise_norm": round(noise, 4),
+                        "signal_over_noise": round(norm / noise, 3)}
     return {"objective": obj, "examples": len(ids), "batch": params["dp"]["expected_batch_size"],
             "steps": params["dp"]["steps"], "sigma": round(plan.sigma, 4), "step_signal": signal,
             "norm_quantiles": [round(v, 4) for v in whole.sqrt().quantile(q).tolist()],
@@ -149,7 +160,7 @@ def main() -> None:
     print(f"\none step of B examples at σ: ‖E clip_C(g)‖ against the noise's norm σ·C·√d/B")
     for r in rows:
         for part, v in r["step_signal"].items():
-            print(f"{r['objective']:<9} {part:<8} B={r['batch']} T={r['steps']} σ={r['sigma']:.3f} d={v['parameters']:,}: "
+            print(f"{r['objective']:<9} {part:<15} B={r['batch']} T={r['steps']} σ={r['sigma']:.3f} d={v['parameters']:,}: "
                   f"{v['clipped_mean_norm']:.4f} against {v['noise_norm']:.4f}, signal/noise {v['signal_over_noise']:.3f}")
     print(json.dumps({"benchmark": "gradient_norms", "rows": rows}))
 

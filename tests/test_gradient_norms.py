@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from benchmarks.gradient_norms import ClippedMean, per_example_grads, squared_norms
+from benchmarks.gradient_norms import PARTS, ClippedMean, per_example_grads, squared_norms
 from pipeline.models import build_model
 
 
@@ -38,9 +38,19 @@ def test_the_clipped_means_norm_is_the_mean_of_the_cross_products_of_clipped_exa
     for part, names in (("whole", ["encoder.w", "decoder.b"]), ("encoder", ["encoder.w"])):
         c = torch.cat([flat[k] for k in names], dim=1)
         pairs = [float(c[i] @ c[j]) for i in range(6) for j in range(6) if i != j]
-        assert est.squared_norm(part) == pytest.approx(sum(pairs) / len(pairs), rel=1e-5)
+        assert est.squared_norm(PARTS[part]) == pytest.approx(sum(pairs) / len(pairs), rel=1e-5)
+        assert est.parameters(PARTS[part]) == c.shape[1]
     # every example the same unclipped gradient: the estimate is its squared norm, not less
     same = ClippedMean(clip_norm=10.0)
     g = {"encoder.w": torch.full((5, 2), 0.5)}
     same.add(g, squared_norms(g)[0])
-    assert same.squared_norm("whole") == pytest.approx(0.5)
+    assert same.squared_norm(PARTS["whole"]) == pytest.approx(0.5)
+
+
+def test_the_encoders_kinds_of_parameter_split_it_without_overlap():
+    names = [n for n, _ in build_model("mae", {"size": "micro"}).named_parameters()]
+    kinds = [k for k in PARTS if k.startswith("encoder ")]
+    for name in names:
+        owners = [k for k in kinds if PARTS[k](name)]
+        assert len(owners) == (1 if PARTS["encoder"](name) else 0), (name, owners)
+    assert all(any(PARTS[k](n) for n in names) for k in kinds)
