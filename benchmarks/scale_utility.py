@@ -87,12 +87,12 @@ RECIPE = [
 ]
 # Each objective's schedule on the full split (chosen on the validation part: docs/results.md). MAE
 # gains from the larger batch at fixed compute and from more steps (800 against 400 at B = 2,048:
-# +0.8 points on validation; level on the test part); the captioner's new text decoder needs the steps, and
-# dropping half its image patches won on validation (+1.7 points, paired; level on the test part) at
-# 1.7x the steps per second, as did twice the lr (+2.6 against +2.1 over synthetic-only, zero-shot 77%
-# against 69%; on the test part +1.2, zero-shot 78%); CLIP's per-batch noise (2σC on the clipped mean) does not fall with B,
-# so a quarter of the batch keeps its result at a quarter of the cost, and 300 steps lift its
-# non-private twin.
+# +0.8 points on validation; level on the test part). The captioner's new text decoder needs the
+# steps; dropping half its image patches won on validation (+1.7 points, paired; level on the test
+# part) at 1.7x the steps per second, and so did twice the lr (+2.6 against +2.1 over synthetic-only,
+# zero-shot 77% against 69%; on the test part +1.2, zero-shot 78%). CLIP's per-batch noise (2σC on
+# the clipped mean) does not fall with B, so a quarter of the batch keeps its result at a quarter of
+# the cost, and 300 steps lift its non-private twin.
 SCHEDULES = {
     "mae": ["dp.expected_batch_size=2048", "dp.steps=800", "dp.warmup_steps=40", "dp.eval_every=400"],
     "caption": ["dp.expected_batch_size=1024", "dp.steps=600", "dp.warmup_steps=30", "dp.eval_every=300",
