@@ -2,15 +2,18 @@
 how far one step's signal stands above its noise.
 
     python -m benchmarks.gradient_norms [--dir DIR] [--objectives mae caption] [--examples 1024] [--scale-schedule]
+                                        [--views K]
 
 For each objective, the model as dp-train starts it (the synthetic warm start; a new text tower for
 the captioner), per-example gradients by torch.func on examples of the eval split (public, never
 trained on), and prints the quantiles of the whole gradient's norm and of the image encoder's part,
-and the encoder's share of the squared norm. Two choices read off it:
+and the encoder's share of the squared norm. Three choices read off it:
   - C: where most norms lie above C, every example is clipped and the noise σC is spent on signal
     of norm C; where most lie below, the noise is sized for signal the examples do not have;
   - dp.encoder_clip_share: where the encoder's share is small, one bound gives the encoder little
-    of C (docs/privacy.md, "Clip groups").
+    of C (docs/privacy.md, "Clip groups");
+  - dp.mask_views: `--views K` averages each example's gradient over K masks before clipping; where
+    the masking's noise is much of the gradient, the clipped mean's norm (the step's signal) grows.
 Run it in a scale_utility --dir's n-full directory, or a project that has run dp-train's inputs.
 Read on public images only: these norms on the private split would be a statistic of it.
 """
@@ -33,6 +36,7 @@ from pipeline.data.tokenizer import Tokenizer
 from pipeline.io import read_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
+from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.plan import plan_mechanism
 from pipeline.privacy.training import split_loader, warm_start
 
@@ -48,14 +52,16 @@ def warm_model(obj: str, params: dict, tokenizer: Tokenizer | None) -> tuple[tor
     return model, mcfg
 
 
-def per_example_grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
-    """Each example's gradient, {name: (B, *shape)}."""
+def per_example_grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], views: int = 1) -> dict[str, torch.Tensor]:
+    """Each example's gradient, {name: (B, *shape)}; with `views`, the mean over its rows
+    (clipping.view_rows: K consecutive rows per example), as dp-train clips it."""
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
-    def loss_one(ps, *sample):
-        return functional_call(model, ps, tuple(x.unsqueeze(0) for x in sample))[0]
+    def loss_one(ps, *rows):
+        return functional_call(model, ps, rows).mean()
 
-    return vmap(grad(loss_one), in_dims=(None,) + (0,) * len(batch))(params, *batch)
+    per_example = tuple(x.reshape(-1, views, *x.shape[1:]) for x in batch)
+    return vmap(grad(loss_one), in_dims=(None,) + (0,) * len(batch))(params, *per_example)
 
 
 def squared_norms(grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +107,7 @@ class ClippedMean:
         return cross / (self.count * (self.count - 1))
 
 
-def measure(obj: str, params: dict, examples: int, chunk: int = 32) -> dict:
+def measure(obj: str, params: dict, examples: int, chunk: int = 32, views: int = 1) -> dict:
     tokenizer = Tokenizer("models/tokenizer") if objective(obj).tokens else None
     model, mcfg = warm_model(obj, params, tokenizer)
     loader = split_loader("eval", mcfg, tokenizer)
@@ -110,11 +116,11 @@ def measure(obj: str, params: dict, examples: int, chunk: int = 32) -> dict:
     whole, encoder = [], []
     mean = ClippedMean(params["dp"]["clip_norm"])
     for start in range(0, len(ids), chunk):
-        batch = tuple(loader.load(ids[start:start + chunk]))
-        if mcfg.reads_masks(obj):  # masks as dp-train draws them: uniform noise per patch
+        batch, masks = tuple(loader.load(ids[start:start + chunk])), None
+        if mcfg.reads_masks(obj):  # masks as dp-train draws them: uniform noise per patch, `views` per example
             g = torch.Generator().manual_seed(start)
-            batch += (torch.rand(len(batch[0]), (mcfg.img_size // mcfg.patch_size) ** 2, generator=g),)
-        grads = per_example_grads(model, batch)
+            masks = torch.rand(len(batch[0]), views, (mcfg.img_size // mcfg.patch_size) ** 2, generator=g)
+        grads = per_example_grads(model, view_rows(batch, masks, views), views)
         w, e = squared_norms(grads)
         mean.add(grads, w)
         whole.append(w)
@@ -142,6 +148,8 @@ def main() -> None:
     # CLIP clips per batch: its loss couples the examples, so it has no per-example gradient to read.
     ap.add_argument("--objectives", nargs="+", default=["mae", "caption"], choices=["mae", "caption"])
     ap.add_argument("--examples", type=int, default=1024)
+    ap.add_argument("--views", type=int, default=1, help="masks per example, their gradients averaged before "
+                    "clipping (dp.mask_views)")
     ap.add_argument("--scale-schedule", action="store_true",
                     help="each objective on benchmarks/scale_utility's recipe and schedule (before any --set)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as `dpfm --set`")
@@ -153,7 +161,7 @@ def main() -> None:
 
     params = {obj: params_of(obj) for obj in args.objectives}  # read before leaving the project's directory
     os.chdir(args.dir)
-    rows = [measure(obj, params[obj], args.examples) for obj in args.objectives]
+    rows = [measure(obj, params[obj], args.examples, views=args.views) for obj in args.objectives]
     print(f"{'objective':<9} {'norm at quantiles ' + str(QUANTILES):<44} {'encoder part':<36} encoder's share of norm²")
     for r in rows:
         print(f"{r['objective']:<9} {str(r['norm_quantiles']):<44} {str(r['encoder_norm_quantiles']):<36} "

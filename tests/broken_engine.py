@@ -55,9 +55,14 @@ def every_group_bound_c(model, clip_norm, encoder_share):
     return group_of, [clip_norm] * len(bounds)
 
 
+def views_clipped_apart(self, model, clip_norm, views=1, **kw):
+    """dp.mask_views' rows taken for examples: each view clipped to C, so one example moves the sum by up to K·C."""
+    REAL["clipped_sum_init"](self, model, clip_norm, **kw)
+
+
 REAL = {"rank_share": engine.rank_share, "add_noise": engine.add_noise, "clip_factors": clipping.clip_factors,
         "group_bounds": clipping.group_bounds,
-        "clip_forward": CLIP.forward}
+        "clip_forward": CLIP.forward, "clipped_sum_init": clipping.ClippedSum.__init__}
 BUGS = {
     "local negatives only": (CLIP, "forward", local_negatives_only),
     "whole batch per rank": (engine, "rank_share", every_rank_takes_the_whole_batch),
@@ -68,6 +73,7 @@ BUGS = {
     "noise x0.5": (engine, "add_noise", noise_scaled(0.5)),
     "clip bound 2C": (clipping, "clip_factors", clip_bound_doubled),
     "every clip group bound C": (clipping, "group_bounds", every_group_bound_c),
+    "mask views clipped apart": (clipping.ClippedSum, "__init__", views_clipped_apart),
     "per-batch K=1": (objectives.SENSITIVITY, "per_batch", 1.0),  # Dp-CLIP's noise halved, its accounting unchanged
 }
 

@@ -137,6 +137,77 @@ def test_clip_groups_equal_brute_force(name, engine):
     assert max_rel_error(one_bound, want) > 1e-2  # the groups change the sum: the check can tell
 
 
+VIEWS = 3
+
+
+def view_cases():
+    """Each case's 6 examples as 3 rows each (dp.mask_views): images and captions repeated, masks drawn
+    per row; AllLayers with rows that differ in every input."""
+    cap = build_model("caption", {"size": "micro", "vocab_size": 50, "max_len": 10, "mask_ratio": 0.5})
+    (mae, (imgs, _)), (_, (_, tokens)) = cases()["mae"], cases()["caption"]
+    imgs, tokens = imgs.repeat_interleave(VIEWS, 0), tokens.repeat_interleave(VIEWS, 0)
+    return {
+        "mae": (mae, (imgs, torch.rand(6 * VIEWS, 16))),
+        "caption": (cap, (imgs, tokens, torch.rand(6 * VIEWS, 16))),
+        "all_layers": (AllLayers(), (torch.randint(0, 4, (6 * VIEWS, 9)), torch.randn(6 * VIEWS, 10, 8))),
+    }
+
+
+def brute_force_view_sum(model, batch, clip_norm, views):
+    """Example by example: the mean loss over its `views` rows, its gradient clipped to C."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    norms = []
+    for i in range(0, len(batch[0]), views):
+        grads = torch.autograd.grad(model(*(x[i:i + views] for x in batch)).mean(), list(params.values()))
+        norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads)).item())
+        for n, g in zip(params, grads):
+            total[n] += g * min(1.0, clip_norm / (norms[-1] + 1e-6))
+    return total, norms
+
+
+@pytest.mark.parametrize("name", ["mae", "caption", "all_layers"])
+@pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap"])
+def test_mask_views_equal_brute_force(name, engine):
+    """dp.mask_views: each example's rows make one gradient (their mean), clipped once, through every
+    route and layer type (reused layers, embeddings, broadcast tokens)."""
+    model, batch = view_cases()[name]
+    _, norms = brute_force_view_sum(model, batch, 1e9, VIEWS)
+    clip_norm = sorted(norms)[len(norms) // 2]
+    assert min(norms) < clip_norm < max(norms)
+    want, _ = brute_force_view_sum(model, batch, clip_norm, VIEWS)
+    if engine == "vmap":
+        got, st = clipped_sum(VmapClipper, model, batch, clip_norm, views=VIEWS)
+    else:
+        ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
+        got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost, views=VIEWS)
+    assert max_rel_error(got, want) <= 1e-5
+    assert st.norms == pytest.approx(norms, rel=1e-4)
+    rows, _ = brute_force_clipped_sum(model, batch, clip_norm / VIEWS)  # each row clipped apart, as 1/K of C
+    assert max_rel_error(rows, want) > 1e-2  # the check can tell the grouping from clipping rows
+
+
+def test_mask_views_leave_the_nonprivate_sum_the_mean_gradient():
+    from pipeline.privacy.clipping import PlainSum
+
+    model, batch = view_cases()["mae"]
+    got, _ = clipped_sum(PlainSum, model, batch, math.inf, views=VIEWS)
+    want = torch.autograd.grad(model(*batch).sum() / VIEWS, [p for p in model.parameters()])
+    assert max_rel_error(got, dict(zip(got, want))) <= 1e-5
+
+
+def test_mask_views_are_refused_where_rows_cannot_be_grouped():
+    from pipeline.privacy.engine import check_clipping
+
+    with pytest.raises(ValueError, match="per-batch clipping has no per-example gradient"):
+        PerBatchClipper(build_model("clip", {"size": "micro", "vocab_size": 50, "max_len": 8}), 1.0, views=2)
+    with pytest.raises(ValueError, match="dp.mask_views needs bookkeeping or vmap"):
+        check_clipping("opacus-ghost", "fp32", "cpu", views=2)
+    model, batch = view_cases()["mae"]
+    with pytest.raises(ValueError, match="17 rows are not whole examples of 3 views"):
+        clipped_sum(BookKeepingClipper, model, tuple(x[:17] for x in batch), 1.0, views=VIEWS)
+
+
 def test_per_batch_clip_groups_bound_each_part_of_the_batch_gradient():
     model = build_model("clip", {"size": "micro", "vocab_size": 50, "max_len": 8})
     batch = (torch.randn(5, 3, 16, 16), torch.randint(4, 50, (5, 8)))

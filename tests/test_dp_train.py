@@ -113,12 +113,15 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("name, more", [("mae", []), ("caption", []), ("caption", ["model.caption_mask_ratio=0.5"]),
-                                        ("clip", [])], ids=["mae", "caption", "caption-masked", "clip"])
+                                        ("clip", []), ("mae", ["dp.mask_views=3"]),
+                                        ("caption", ["model.caption_mask_ratio=0.5", "dp.mask_views=3"])],
+                         ids=["mae", "caption", "caption-masked", "clip", "mae-mask-views", "caption-mask-views"])
 def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name, more):
     """The real stage under torchrun with the same secret key: each example enters the sum once and
     the noise is added once, so the update (weights after - before) is one process's. Plain SGD keeps
     the update linear in the gradient; σ is small enough that the noise does not drown the signal.
-    A captioner that drops patches masks each example alike on 1 and 2 ranks (masks per logical batch)."""
+    A captioner that drops patches masks each example alike on 1 and 2 ranks (masks per logical batch),
+    and so do dp.mask_views' K masks per example."""
     sets = [f"dp.objective={name}", "dp.sigma=0.3", "dp.epsilon=100", "dp.optimizer=sgd", "dp.lr=0.05", *more]
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
     ref_ledger, ref = train(one, sets)

@@ -78,6 +78,27 @@ def test_a_full_disk_under_plain_torch_save_would_be_unreadable():
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["dp.objective=clip"], "the clip model masks nothing"),
+    (["dp.objective=caption"], "the caption model masks nothing"),
+    (["dp.clipping=opacus-ghost", "dp.precision=fp32"], "opacus-ghost clips every row apart"),
+])
+def test_mask_views_where_nothing_masks_or_rows_are_clipped_apart_stop_dpfm_before_any_work(
+        data_dir, tmp_path, monkeypatch, capsys, no_tracking, overrides, message):
+    """dp.mask_views on CLIP or a captioner that masks nothing would train on copies; Opacus would clip
+    each view as an example (up to K·C per example)."""
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    decoded = []
+    monkeypatch.setattr("pipeline.privacy.training.split_loader", lambda *a, **k: decoded.append(a))
+    sets = sum((["--set", o] for o in [*overrides, "dp.mask_views=2", "dp.noise_seed=null"]), [])
+    assert cli.main(["dp-train", *sets]) == 2
+    err = capsys.readouterr().err
+    assert "dpfm: dp params is invalid:\n  - " in err and message in err
+    assert "Traceback" not in err and not decoded
+    assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
     (["dp.noise_seed=5", "privacy.testing=false"], "dp.noise_seed fixes the noise key"),
     (["dp.nonprivate_baseline=true", "privacy.nonprivate_on_private_data=false"],
      "dp.nonprivate_baseline trains WITHOUT differential privacy"),

@@ -307,3 +307,11 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     assert "NOT PRIVATE as a whole: the curve's ε = ∞ point" in md and "ε of this run's outputs | ∞" in md
     assert "epsilon_composed" not in public.metrics and public.tags["dpfm.private"] == "false"
     assert public.tags["model.private"] == "false" and public.tags["model.epsilon"] == "inf"
+
+
+def test_the_clipping_row_names_clip_groups_and_mask_views_only_when_set():
+    from pipeline.report.content import clipping_options_text
+
+    assert clipping_options_text({"encoder_clip_share": None, "mask_views": 1}) == ""
+    text = clipping_options_text({"encoder_clip_share": 0.3, "mask_views": 4})
+    assert "clipped to C·√0.3, the rest to C·√0.7" in text and "the mean over 4 masked views, clipped once" in text

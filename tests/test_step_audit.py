@@ -34,9 +34,14 @@ def _audited(name, bug_name, more, world):
     return audited(name, bug_name, world, more=more)
 
 
+MASKED = {"mae": [], "caption": ["model.caption_mask_ratio=0.5"]}  # the objectives whose models mask (dp.mask_views)
+
+
 @pytest.mark.parametrize("name, more", [(name, []) for name in OBJECTIVES] + [("caption", ["model.caption_mask_ratio=0.5"])]
-                         + [(name, ["dp.encoder_clip_share=0.3"]) for name in OBJECTIVES],
-                         ids=[*OBJECTIVES, "caption-masked", *(f"{name}-clip-groups" for name in OBJECTIVES)])
+                         + [(name, ["dp.encoder_clip_share=0.3"]) for name in OBJECTIVES]
+                         + [(name, [*more, "dp.mask_views=3"]) for name, more in MASKED.items()],
+                         ids=[*OBJECTIVES, "caption-masked", *(f"{name}-clip-groups" for name in OBJECTIVES),
+                              *(f"{name}-mask-views" for name in MASKED)])
 def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
     from pipeline.distributed import World
 
@@ -176,6 +181,44 @@ def test_the_real_step_with_clip_groups_that_each_take_c_is_flagged(tmp_path, na
             assert result["verdict"] == "flagged" and result["sensitivity_ratio"] == pytest.approx(2 ** 0.5, abs=1e-3)
         else:
             assert result["sensitivity_ratio"] > 0
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_the_real_step_with_mask_views_clipped_apart_is_flagged(tmp_path, name):
+    """Each example's 3 masked views clipped as 3 examples: at 1 and 2 ranks one example moves the
+    release by nearly 3C (its views' gradients point almost the same way). CLIP masks nothing, and
+    dp-train refuses mask views for it (tests/test_dp_train.py)."""
+    from pipeline.distributed import World
+
+    more = [*MASKED[name], "dp.mask_views=3"]
+    with bug("mask views clipped apart"):
+        one = audited(name, None, World(), more=more)
+    two = on_two_ranks(tmp_path, _audited_with_bug, name, "mask views clipped apart", more)
+    for result in (one, two):
+        assert result["verdict"] == "flagged" and result["sensitivity_ratio"] > 2.5, result
+
+
+VIEWED = [(method, precision) for method in ("bookkeeping", "vmap") for precision in ("fp32", "bf16", "fp16")]
+
+
+@pytest.mark.parametrize("method, precision", VIEWED)
+def test_worst_case_neighbours_with_mask_views_reach_c_and_no_further(method, precision):
+    """A joiner whose 3 views all carry its large gradient: grouped, it moves the release by C."""
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
+
+    if not accepted(method, precision):
+        pytest.skip(f"{method} under {precision} is refused by dp-train")
+    result = worst_case_sensitivity("per_sample", method, precision, views=3)
+    assert result["problems"] == [] and result["ratio"] == pytest.approx(1.0, abs=2e-3), result
+
+
+@pytest.mark.parametrize("method", ["bookkeeping", "vmap"])
+def test_worst_case_neighbours_catch_mask_views_clipped_apart(method):
+    from pipeline.privacy.tools.step_audit import worst_case_sensitivity
+
+    with bug("mask views clipped apart"):
+        result = worst_case_sensitivity("per_sample", method, "fp32", views=3)
+    assert result["ratio"] == pytest.approx(3.0, abs=2e-3) and "3.00× the accounted sensitivity" in result["problems"][0]
 
 
 def _audited_with_bug(name, bug_name, more, world):

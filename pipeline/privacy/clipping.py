@@ -25,6 +25,12 @@ other: a randomly initialised text decoder takes over 9/10 of the captioner's sq
 start (benchmarks/gradient_norms.py), so under one bound the encoder, whose features the run is for,
 gets ~C/4 of every example.
 
+Mask views (`views`, dp.mask_views): each example comes as K consecutive rows of the batch, one per
+mask drawn for it, and its gradient is the mean over its rows, clipped once. It is a function of the
+one example (and of masks drawn from the secret key), so one example still moves the sum by at most
+C: the same ε. Averaging K masks removes the masking's own noise from each example's gradient, so
+the clipped mean carries more signal against the same σC (benchmarks/gradient_norms.py --views).
+
 Only the model's forward runs under autocast. Norms, clip factors and sums are fp32 with autocast
 switched off, whatever the caller's context: in bf16 a clipped contribution could exceed C, and in
 fp16 the ghost-norm Gram products overflow. fp16 multiplies the loss by a fixed `loss_scale` (not
@@ -85,6 +91,13 @@ def reject_unboundable(model: nn.Module, per_example_rules: bool) -> None:
         problems += [f"one parameter is tied to {', '.join(names)}" for names in owners.values() if len(names) > 1]
     if problems:
         raise UnboundableModel("DP training cannot bound this model's per-example influence: " + "; ".join(problems))
+
+
+def view_rows(batch: tuple[torch.Tensor, ...], masks: torch.Tensor | None, views: int) -> tuple[torch.Tensor, ...]:
+    """The model's inputs for `views` masks per example: each input repeated K times in a row, so rows
+    i·K … i·K + K − 1 are example i's (as the clippers group them), and the masks (b, K, P) as (b·K, P)."""
+    rows = tuple(x.repeat_interleave(views, dim=0) for x in batch) if views > 1 else tuple(batch)
+    return rows if masks is None else rows + (masks.reshape(-1, masks.shape[-1]),)
 
 
 def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -160,14 +173,24 @@ class _Record:
         self.module, self.rule, self.activation, self.grad = module, rule, activation, None
 
 
+def examples(batch: tuple[torch.Tensor, ...], views: int) -> int:
+    """How many examples the rows of `batch` are, `views` rows each."""
+    if len(batch[0]) % views:
+        raise ValueError(f"{len(batch[0])} rows are not whole examples of {views} views each")
+    return len(batch[0]) // views
+
+
 class ClippedSum:
     """What every clipper shares: `sum` (name -> fp32 tensor), reset, the forward under autocast."""
 
     mode = "per_sample"
 
     def __init__(self, model: nn.Module, clip_norm: float, autocast=contextlib.nullcontext, loss_scale: float = 1.0,
-                 encoder_share: float | None = None):
+                 encoder_share: float | None = None, views: int = 1):
         self.model, self.clip_norm, self.autocast, self.loss_scale = model, clip_norm, autocast, loss_scale
+        if views < 1:
+            raise ValueError(f"views must be at least 1, not {views}")
+        self.views = views  # consecutive rows per example; its gradient is their mean
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.group_of, bounds = group_bounds(model, clip_norm, encoder_share)
         device = next(iter(self.params.values())).device if self.params else None
@@ -221,6 +244,8 @@ class BookKeepingClipper(ClippedSum):
 
     def _output_grad(self, record: _Record, g: torch.Tensor) -> None:
         record.grad = g
+        if self.views > 1:  # from here on the record holds examples, not rows (views: reshapes, no copies)
+            record.activation, record.grad = record.rule.group_views(record.module, record.activation, g, self.views)
         if self._reduce_now(record):
             self._reduced_bytes += _bytes(record)
             with fp32_only(g.device):
@@ -272,13 +297,14 @@ class BookKeepingClipper(ClippedSum):
                 p.requires_grad_(True)
 
     def _backward(self, batch) -> tuple[int, list[_Record]]:
+        count = examples(batch, self.views)
         with self._capture():
             with self.autocast():
                 losses = self.model(*batch)
-            (losses.float().sum() * self.loss_scale).backward()
+            (losses.float().sum() * (self.loss_scale / self.views)).backward()
         records = [r for r in self._records if r.grad is not None]  # not reduced, and reached the loss
         self._records = []
-        return losses.shape[0], records
+        return count, records
 
     def _ghost_route(self, r: _Record, budget: list[float]) -> bool:
         """Ghost norm or instantiation for a layer called once: the faster one, if memory allows."""
@@ -341,21 +367,22 @@ class VmapClipper(ClippedSum):
         reject_unboundable(model, per_example_rules=False)
         super().__init__(model, clip_norm, **kw)
 
-        def loss_one(params, buffers, *sample):
+        def loss_one(params, buffers, *rows):  # one example's rows: its views
             with self.autocast():
-                loss = functional_call(model, (params, buffers), tuple(x.unsqueeze(0) for x in sample))[0]
+                loss = functional_call(model, (params, buffers), rows).mean()
             return loss.float() * self.loss_scale
 
         self._grad_one = grad(loss_one)
 
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
         params = {n: p.detach() for n, p in self.params.items()}
+        per_example = tuple(x.reshape(examples(batch, self.views), self.views, *x.shape[1:]) for x in batch)
         grads = vmap(self._grad_one, in_dims=(None, None) + (0,) * len(batch))(
-            params, dict(self.model.named_buffers()), *batch)
+            params, dict(self.model.named_buffers()), *per_example)
         device = next(iter(params.values())).device
         with fp32_only(device):
             grads = {n: g.float() / self.loss_scale for n, g in grads.items()}
-            sq = torch.zeros(len(self.bounds), len(batch[0]), dtype=torch.float32, device=device)
+            sq = torch.zeros(len(self.bounds), len(per_example[0]), dtype=torch.float32, device=device)
             for n, g in grads.items():
                 sq[self.group_of[id(self.params[n])]] += torch.linalg.vector_norm(g.flatten(1), dim=1).square()
             factors, finite, norms = grouped_factors(sq, self.bounds)
@@ -376,6 +403,8 @@ class PerBatchClipper(ClippedSum):
     def __init__(self, model: nn.Module, clip_norm: float, gather=None, **kw):
         reject_unboundable(model, per_example_rules=False)
         super().__init__(model, clip_norm, **kw)
+        if self.views > 1:
+            raise ValueError("per-batch clipping has no per-example gradient to average mask views in")
         self.gather = gather
 
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
@@ -409,9 +438,10 @@ class PlainSum(ClippedSum):
     """Σ_i ∇loss_i with no clipping: the non-private baseline of a per-example recipe (never DP)."""
 
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
+        examples(batch, self.views)
         with self.autocast():
             losses = self.model(*batch)
-        grads = torch.autograd.grad(losses.float().sum() * self.loss_scale, list(self.params.values()),
+        grads = torch.autograd.grad(losses.float().sum() * (self.loss_scale / self.views), list(self.params.values()),
                                     allow_unused=True)
         for n, g in zip(self.params, grads):
             if g is not None:

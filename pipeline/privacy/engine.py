@@ -44,13 +44,16 @@ from pipeline.train import NOISE, step_generator
 CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
 
 
-def check_clipping(method: str, precision: str, device: str, encoder_share: float | None = None) -> None:
+def check_clipping(method: str, precision: str, device: str, encoder_share: float | None = None,
+                   views: int = 1) -> None:
     """Refuse a clipper × precision whose clipped sum can exceed C (the accounted sensitivity), and
-    clip groups on a clipper that has one bound."""
+    clip groups or mask views on a clipper that has one bound per row."""
     from pipeline.train import uses_bf16
 
     if encoder_share is not None and method.startswith("opacus-"):
         raise ValueError(f"dp.clipping={method} has one clip bound: dp.encoder_clip_share needs bookkeeping or vmap")
+    if views > 1 and method.startswith("opacus-"):
+        raise ValueError(f"dp.clipping={method} clips every row apart: dp.mask_views needs bookkeeping or vmap")
 
     low = precision == "fp16" or uses_bf16(device, precision)
     if method == "opacus-ghost" and low:
@@ -64,17 +67,20 @@ def check_clipping(method: str, precision: str, device: str, encoder_share: floa
 
 def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: str = "bookkeeping",
                  autocast=contextlib.nullcontext, loss_scale: float = 1.0, gather=None,
-                 encoder_share: float | None = None):
+                 encoder_share: float | None = None, views: int = 1):
     """The clipper for a clipping mode ("per_sample" or "per_batch") and, per example, a method:
     bookkeeping | vmap | opacus-hooks | opacus-ghost, or `plain` (no clipping: non-private only).
-    `encoder_share`: clip the image encoder's part of each gradient to C·√s, the rest to C·√(1−s)."""
+    `encoder_share`: clip the image encoder's part of each gradient to C·√s, the rest to C·√(1−s).
+    `views`: each example comes as that many consecutive rows (its masked views, clipping.view_rows)."""
     kw = {"autocast": autocast, "loss_scale": loss_scale}
     if mode == "per_batch":
         return PerBatchClipper(model, math.inf if method == "plain" else clip_norm, gather=gather,
-                               encoder_share=encoder_share, **kw)
+                               encoder_share=encoder_share, views=views, **kw)
     if method == "plain":
-        return PlainSum(model, math.inf, **kw)
+        return PlainSum(model, math.inf, views=views, **kw)
     if method.startswith("opacus-"):  # baselines; imported only when asked for
+        if views > 1:
+            raise ValueError(f"dp.clipping={method} clips every row apart: dp.mask_views needs bookkeeping or vmap")
         if encoder_share is not None:
             raise ValueError(f"dp.clipping={method} has one clip bound: dp.encoder_clip_share needs bookkeeping or vmap")
         from pipeline.privacy.tools.opacus_clipper import OpacusGhostClipper, OpacusHooksClipper
@@ -83,7 +89,7 @@ def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: st
     if method not in CLIPPERS:
         raise ValueError(f"unknown clipping method {method!r} (allowed: {', '.join(CLIPPERS)}, opacus-hooks, "
                          "opacus-ghost)")
-    return CLIPPERS[method](model, clip_norm, encoder_share=encoder_share, **kw)
+    return CLIPPERS[method](model, clip_norm, encoder_share=encoder_share, views=views, **kw)
 
 
 def rank_share(batch_size: int, mode: str, physical_batch_size: int, world: World) -> list[np.ndarray]:

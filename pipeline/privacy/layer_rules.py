@@ -9,6 +9,8 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
                                                      it (Linear, Embedding: `has_ghost`)
   clipped_sum(m, a, g, c) {param attr: shape}        Σ_i c_i · per-example gradient i (c: the clip
                                                      factors, (B,))
+  group_views(m, a, g, K) (a, g) of B examples       from B·K rows, K consecutive rows per example
+                                                     (dp.mask_views: its K masked views)
 
   Linear      G_i = Σ_t g_it a_itᵀ           (+ bias Σ_t g_it)
   LayerNorm   γ_i = Σ_t g_it ⊙ x̂_it,  β_i = Σ_t g_it
@@ -152,6 +154,12 @@ class LayerRule:
     def clipped_sum(self, m, a, g, factors) -> dict[str, torch.Tensor]:
         return {k: torch.einsum("b,b...->...", factors, v) for k, v in self.per_sample(m, a, g).items()}
 
+    def group_views(self, m, a, g, views: int):
+        """(a, g) with each example's `views` rows (consecutive) made one example: its per-example
+        gradient is then the sum over its views. The views' tokens become one longer sequence."""
+        tokens = lambda x: x.reshape(x.shape[0] // views, -1, x.shape[-1])  # noqa: E731
+        return (tokens(a) if a is not None else None), tokens(g)
+
 
 RULES: dict[type, LayerRule] = {}
 
@@ -253,6 +261,9 @@ class EmbeddingRule(LayerRule):
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g3.dtype)
         return (same * (g3 @ g3.transpose(1, 2))).sum((1, 2))
 
+    def group_views(self, m, ids, g, views):
+        return ids.reshape(ids.shape[0] // views, -1), g.reshape(g.shape[0] // views, -1, g.shape[-1])
+
     def clipped_sum(self, m, ids, g, factors):
         out = torch.zeros(m.num_embeddings, m.embedding_dim, dtype=g.dtype, device=g.device)
         out.index_add_(0, ids.reshape(-1), (as_3d(g) * factors.view(-1, 1, 1)).reshape(-1, m.embedding_dim))
@@ -265,6 +276,9 @@ class BroadcastRule(LayerRule):
 
     def per_sample(self, m, a, g):
         return {"weight": g}
+
+    def group_views(self, m, a, g, views):
+        return None, g.reshape(g.shape[0] // views, views, *g.shape[1:]).sum(1)
 
 
 SUPPORTED_LAYERS = tuple(RULES)

@@ -34,6 +34,7 @@ from pipeline.io import read_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
+from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.engine import check_clipping, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
 from pipeline.privacy.plan import plan_mechanism, secret_key
@@ -109,9 +110,13 @@ def setup(params: dict, device: str) -> "Trainer":
         raise ValueError(f"{shards}/private index has {n} usable examples but stats.json says {stats_n}")
     release.check_noise_seed(dp, params["privacy"])
     try:
-        check_clipping(dp["clipping"], dp["precision"], device, dp["encoder_clip_share"])
+        check_clipping(dp["clipping"], dp["precision"], device, dp["encoder_clip_share"], dp["mask_views"])
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
+    if dp["mask_views"] > 1 and not mcfg.reads_masks(dp["objective"]):
+        raise ParamsError([f"dp.mask_views={dp['mask_views']} averages masked views, but the {dp['objective']} model "
+                           "masks nothing (mae; caption with model.caption_mask_ratio > 0): its views would be "
+                           "copies"], source="dp params")
     if dp["nonprivate_baseline"]:
         release.check_nonprivate(params["privacy"], stats.get("source"), "dp.nonprivate_baseline")
     try:  # contradictions in the params stop the run here, before any image is decoded or state written
@@ -218,7 +223,7 @@ class Trainer:
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
-                               encoder_share=dp["encoder_clip_share"])
+                               encoder_share=dp["encoder_clip_share"], views=dp["mask_views"])
         if dp["compile"]:  # after the clipper's hooks, which the compiled call runs (same numbers)
             model.compile()
         if not private and plan.sigma:
@@ -231,22 +236,24 @@ class Trainer:
         state = TrainState(model, optimizer, counters={"applied_updates": 0, "nonfinite": 0})
         counters = state.counters
         optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
-        masks = {}
+        masks, views = {}, dp["mask_views"]
+        physical = max(1, dp["physical_batch_size"] // views)  # examples per micro-batch: its rows are what memory holds
         loader = split_loader("private", self.mcfg, self.tokenizer, dp["data_workers"], device)
-        stream = StreamedBatches(loader, sampler, obj.clipping, dp["physical_batch_size"], world, plan.steps)
+        stream = StreamedBatches(loader, sampler, obj.clipping, physical, world, plan.steps)
 
         def fetch(step: int, indices: np.ndarray, positions: np.ndarray) -> tuple:
-            batch = stream(step, indices, positions)
+            batch, mine = stream(step, indices, positions), None
             if self.mcfg.reads_masks(obj.name):  # drawn per logical batch: the same masks however it is split
                 if step not in masks:
                     masks.clear()
-                    masks[step] = torch.rand(len(indices), self.num_patches, generator=step_generator(key, step, MASKS))
-                batch += (masks[step][positions],)
-            return tuple(x.to(device) for x in batch)
+                    masks[step] = torch.rand(len(indices), views, self.num_patches,
+                                             generator=step_generator(key, step, MASKS))
+                mine = masks[step][positions]
+            return tuple(x.to(device) for x in view_rows(batch, mine, views))
 
         def step_fn(step: int) -> dict:
             result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
-                             physical_batch_size=dp["physical_batch_size"], ledger=ledger)
+                             physical_batch_size=physical, ledger=ledger)
             counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
             optimizer.step()
             metrics = {}

@@ -48,12 +48,12 @@ def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dic
     return cards
 
 
-def clip_groups_text(dp: dict) -> str:
-    share = dp.get("encoder_clip_share")
-    if share is None:
-        return ""
-    return (f"; image encoder's part clipped to C·√{share:g}, the rest to C·√{1 - share:g} "
-            "(the whole within C)")
+def clipping_options_text(dp: dict) -> str:
+    """What the clipping row adds for clip groups and mask views (nothing at their defaults)."""
+    share, views = dp.get("encoder_clip_share"), dp.get("mask_views", 1)
+    text = "" if share is None else (f"; image encoder's part clipped to C·√{share:g}, the rest to "
+                                     f"C·√{1 - share:g} (the whole within C)")
+    return text + (f"; each example's gradient the mean over {views} masked views, clipped once" if views > 1 else "")
 
 
 def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple[str, str]]:
@@ -64,7 +64,7 @@ def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple
         ("sampling", f"{plan.sampler}, rate q = {ver['sample_rate']:.5g} "
                      f"(expected batch {ver['sample_rate'] * ver['n']:.0f})"),
         ("clipping", f"C = {plan.clip_norm}, sensitivity {plan.sensitivity:g}·C ({plan.clipping.replace('_', ' ')})"
-                     + clip_groups_text(dp)),
+                     + clipping_options_text(dp)),
         ("noise", noise_text(ver, plan)),
         ("steps", f"{ver['steps']} (planned {plan.steps})"),
         ("δ", delta_text(ver["delta"], dp.get("delta"))),

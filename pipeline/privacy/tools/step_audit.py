@@ -38,6 +38,7 @@ from pipeline.distributed import World, gather_with_grad
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.objectives import SENSITIVITY
+from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.engine import dp_step, make_clipper
 from pipeline.privacy.plan import Plan
 from pipeline.train import autocast, loss_scale
@@ -67,16 +68,18 @@ class FixedBatch:
         return self.indices
 
 
-def public_inputs(params: dict, count: int, seed: int) -> list[torch.Tensor]:
-    """Random images (and caption tokens, and masks) of the configured shapes: no private data."""
+def public_inputs(params: dict, count: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Random images (and caption tokens) of the configured shapes, and each example's masks
+    (count, dp.mask_views, patches) where the model reads them: no private data."""
     obj, m = objective(params["dp"]["objective"]), params["model"]
     g = torch.Generator().manual_seed(seed)
     inputs = [torch.rand(count, 3, m["img_size"], m["img_size"], generator=g) * 2 - 1]
     if obj.tokens:
         inputs.append(torch.randint(4, params["tokenizer"]["vocab_size"], (count, m["max_caption_len"]), generator=g))
+    masks = None
     if ModelConfig.from_params(m, obj.name).reads_masks(obj.name):
-        inputs.append(torch.rand(count, (m["img_size"] // m["patch_size"]) ** 2, generator=g))
-    return inputs
+        masks = torch.rand(count, params["dp"]["mask_views"], (m["img_size"] // m["patch_size"]) ** 2, generator=g)
+    return inputs, masks
 
 
 def audit_step(params: dict, sigma: float, world: World = World(), device: str = "cpu", batch_size: int = 16,
@@ -87,7 +90,12 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
     mcfg = ModelConfig.from_params(params["model"], dp["objective"], vocab)
     # One step over a fixed batch, divided as dp-train divides (by the expected batch size per example).
     plan = Plan.unaccounted(dp["objective"], obj.clipping, sigma, dp["clip_norm"], n=dp["expected_batch_size"])
-    inputs = [x.to(device) for x in public_inputs(params, batch_size, seed)]
+    inputs, masks = public_inputs(params, batch_size, seed)
+    views = dp["mask_views"]
+
+    def fetch(step: int, idx: np.ndarray, pos: np.ndarray) -> tuple:  # as dp-train's: examples as their views' rows
+        mine = masks[idx[pos]] if masks is not None else None
+        return tuple(x.to(device) for x in view_rows([x[idx[pos]] for x in inputs], mine, views))
 
     def release(indices: np.ndarray, key: int) -> torch.Tensor:
         torch.manual_seed(seed)
@@ -95,9 +103,9 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"],
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
-                               encoder_share=dp["encoder_clip_share"])
-        dp_step(0, sampler=FixedBatch(indices), fetch=lambda s, idx, pos: [x[idx[pos]] for x in inputs],
-                clipper=clipper, plan=plan, key=key, world=world, physical_batch_size=dp["physical_batch_size"])
+                               encoder_share=dp["encoder_clip_share"], views=views)
+        dp_step(0, sampler=FixedBatch(indices), fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
+                physical_batch_size=max(1, dp["physical_batch_size"] // views))
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
 
     batch = np.arange(batch_size)
@@ -157,10 +165,12 @@ def worst_case_pair(mode: str, dim: int, scale: float) -> tuple[torch.Tensor, to
 
 def worst_case_sensitivity(mode: str, method: str, precision: str, clip_norm: float = 1.0, sigma: float = 1.0,
                            device: str = "cpu", dim: int = 8, world: World = World(),
-                           encoder_share: float | None = None) -> dict:
+                           encoder_share: float | None = None, views: int = 1) -> dict:
     """How far one example moves the step's release at its worst, against the accounted K·C, for a
     clipping mode ("per_sample" | "per_batch"), a clipper method, a precision and clip groups (with
-    `encoder_share` the joiner's gradient exceeds both groups' bounds)."""
+    `encoder_share` the joiner's gradient exceeds both groups' bounds). With `views` each example
+    comes as that many rows, all with its gradient: a clipper that clipped rows, not examples, would
+    let the joiner move the release by views·C."""
     sensitivity = SENSITIVITY[mode]
     plan = Plan.unaccounted("linear", mode, sigma, clip_norm, n=1)  # divided by 1: the sum itself
     small, large = (x.to(device) for x in worst_case_pair(mode, dim, 2 * clip_norm))
@@ -171,8 +181,8 @@ def worst_case_sensitivity(mode: str, method: str, precision: str, clip_norm: fl
         clipper = make_clipper(mode, model, clip_norm, method, autocast=lambda: autocast(device, precision),
                                loss_scale=loss_scale(precision),
                                gather=gather_with_grad(world) if mode == "per_batch" else None,
-                               encoder_share=encoder_share)
-        dp_step(0, sampler=FixedBatch(np.arange(len(grads))), fetch=lambda s, idx, pos: [grads[idx[pos]]],
+                               encoder_share=encoder_share, views=views)
+        dp_step(0, sampler=FixedBatch(np.arange(len(grads))), fetch=lambda s, idx, pos: view_rows([grads[idx[pos]]], None, views),
                 clipper=clipper, plan=plan, key=7, world=world)
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters()])
 
