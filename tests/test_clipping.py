@@ -41,12 +41,13 @@ class AllLayers(nn.Module):
         return self.head(h).pow(2).mean((1, 2))
 
 
-def brute_force_clipped_sum(model, batch, clip_norm):
+def brute_force_clipped_sum(model, batch, clip_norm, views=1):
+    """Example by example (with `views`, the mean loss over its rows): its gradient clipped to C."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     norms = []
-    for i in range(len(batch[0])):
-        grads = torch.autograd.grad(model(*(x[i:i + 1] for x in batch)).sum(), list(params.values()))
+    for i in range(0, len(batch[0]), views):
+        grads = torch.autograd.grad(model(*(x[i:i + views] for x in batch)).mean(), list(params.values()))
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         norms.append(norm.item())
         for (n, _), g in zip(params.items(), grads):
@@ -78,6 +79,15 @@ def clipped_sum(clipper_cls, model, batch, clip_norm, **kw):
     return clipper.sum, stats_
 
 
+def engine_sum(engine, model, batch, clip_norm, **kw):
+    """clipped_sum through one of our engines: vmap, or book-keeping with its routes chosen
+    (ghost-auto), all ghost norms (ghost-always) or all instantiated (instantiate)."""
+    if engine == "vmap":
+        return clipped_sum(VmapClipper, model, batch, clip_norm, **kw)
+    ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
+    return clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost, **kw)
+
+
 @pytest.mark.parametrize("name", ["mae", "caption", "all_layers"])
 @pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap", "opacus-hooks", "opacus-ghost"])
 def test_clipped_sum_equals_brute_force(name, engine):
@@ -86,15 +96,12 @@ def test_clipped_sum_equals_brute_force(name, engine):
     clip_norm = sorted(norms)[len(norms) // 2]  # half the examples are clipped, half are not
     assert min(norms) < clip_norm < max(norms)
     want, _ = brute_force_clipped_sum(model, batch, clip_norm)
-    if engine == "vmap":
-        got, st = clipped_sum(VmapClipper, model, batch, clip_norm)
-    elif engine.startswith("opacus"):
+    if engine.startswith("opacus"):
         if name != "mae":
             pytest.skip("Opacus supports neither LayerNorm without bias (captioner) nor tied layers with ghost clipping")
         got, st = clipped_sum(lambda m, c: make_clipper("per_sample", m, c, engine), model, batch, clip_norm)
     else:
-        ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
-        got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost)
+        got, st = engine_sum(engine, model, batch, clip_norm)
     assert max_rel_error(got, want) <= 1e-5
     assert st.norms == pytest.approx(norms, rel=1e-4)
     if not engine.startswith("opacus"):  # Opacus baselines hide the broadcast tokens from Opacus
@@ -126,11 +133,7 @@ def test_clip_groups_equal_brute_force(name, engine):
     _, norms = brute_force_clipped_sum(model, batch, 1e9)
     clip_norm, share = sorted(norms)[len(norms) // 2], 0.3
     want = brute_force_grouped_sum(model, batch, clip_norm, share)
-    if engine == "vmap":
-        got, st = clipped_sum(VmapClipper, model, batch, clip_norm, encoder_share=share)
-    else:
-        ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
-        got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost, encoder_share=share)
+    got, st = engine_sum(engine, model, batch, clip_norm, encoder_share=share)
     assert max_rel_error(got, want) <= 1e-5
     assert st.norms == pytest.approx(norms, rel=1e-4)  # the whole gradient's norm, as without groups
     one_bound, _ = brute_force_clipped_sum(model, batch, clip_norm)
@@ -153,34 +156,17 @@ def view_cases():
     }
 
 
-def brute_force_view_sum(model, batch, clip_norm, views):
-    """Example by example: the mean loss over its `views` rows, its gradient clipped to C."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
-    norms = []
-    for i in range(0, len(batch[0]), views):
-        grads = torch.autograd.grad(model(*(x[i:i + views] for x in batch)).mean(), list(params.values()))
-        norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads)).item())
-        for n, g in zip(params, grads):
-            total[n] += g * min(1.0, clip_norm / (norms[-1] + 1e-6))
-    return total, norms
-
-
 @pytest.mark.parametrize("name", ["mae", "caption", "all_layers"])
 @pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap"])
 def test_mask_views_equal_brute_force(name, engine):
     """dp.mask_views: each example's rows make one gradient (their mean), clipped once, through every
     route and layer type (reused layers, embeddings, broadcast tokens)."""
     model, batch = view_cases()[name]
-    _, norms = brute_force_view_sum(model, batch, 1e9, VIEWS)
+    _, norms = brute_force_clipped_sum(model, batch, 1e9, VIEWS)
     clip_norm = sorted(norms)[len(norms) // 2]
     assert min(norms) < clip_norm < max(norms)
-    want, _ = brute_force_view_sum(model, batch, clip_norm, VIEWS)
-    if engine == "vmap":
-        got, st = clipped_sum(VmapClipper, model, batch, clip_norm, views=VIEWS)
-    else:
-        ghost = {"ghost-auto": None, "ghost-always": True, "instantiate": False}[engine]
-        got, st = clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost, views=VIEWS)
+    want, _ = brute_force_clipped_sum(model, batch, clip_norm, VIEWS)
+    got, st = engine_sum(engine, model, batch, clip_norm, views=VIEWS)
     assert max_rel_error(got, want) <= 1e-5
     assert st.norms == pytest.approx(norms, rel=1e-4)
     rows, _ = brute_force_clipped_sum(model, batch, clip_norm / VIEWS)  # each row clipped apart, as 1/K of C
