@@ -119,6 +119,38 @@ def step_generator(key: int, step: int, stream: int, device: str | torch.device 
 MASKS, NOISE = 1, 2  # streams of step_generator: MAE masks, DP noise
 
 
+class WeightAverage:
+    """An exponential moving average of a model's weights over its updates, `w ← w + (1 − decay)(θ − w)`,
+    starting at the weights it is given. Under DP it averages the noisy iterates, which the accountant
+    already counts as released: post-processing, the same ε. The noise a step adds to the weights is a
+    random walk; an average over the last ~1/(1 − decay) updates cancels part of it."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"an average's decay must lie in (0, 1), not {decay}")
+        self.model, self.decay = model, decay
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, value in self.model.state_dict().items():
+            if value.is_floating_point():
+                self.weights[name].lerp_(value, 1.0 - self.decay)
+            else:  # counters and other integer buffers are not averaged
+                self.weights[name].copy_(value)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "weights": self.weights}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved["decay"] != self.decay:
+            raise ValueError(f"the checkpoint's average has decay {saved['decay']}, this run {self.decay}")
+        self.weights = {k: v.to(self.weights[k].device) for k, v in saved["weights"].items()}
+
+    def copy_to(self, model: torch.nn.Module) -> None:
+        model.load_state_dict(self.weights)
+
+
 class Checkpointer:
     def __init__(self, directory: Path, write: bool = True):
         """`write=False` for non-main torchrun ranks: they resume from the shared checkpoint, rank 0 saves it."""
@@ -148,12 +180,14 @@ class TrainState:
     step: int = 0                                  # the next step to run
     resumed_at: int = 0                            # the step this process started at
     history: dict = field(default_factory=lambda: {"step": [], "metrics": []})
+    average: WeightAverage | None = None           # the weights' moving average, where the run keeps one
 
     def save(self, checkpointer: "Checkpointer") -> None:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         checkpointer.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                            "step": self.step, "rng": torch.get_rng_state(), "cuda_rng": cuda_rng,
-                           "history": self.history, "extra": self.counters})
+                           "history": self.history, "extra": self.counters,
+                           "average": self.average.state_dict() if self.average else None})
 
     def restore(self, saved: dict) -> None:
         self.model.load_state_dict(saved["model"])
@@ -164,6 +198,10 @@ class TrainState:
         self.step = self.resumed_at = saved["step"]
         self.history = saved["history"]
         self.counters.update(saved.get("extra", {}))
+        if self.average is not None:
+            if saved.get("average") is None:
+                raise ValueError("the checkpoint keeps no weight average, and this run averages its weights")
+            self.average.load_state_dict(saved["average"])
 
 
 @dataclass(frozen=True)

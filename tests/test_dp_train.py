@@ -39,8 +39,10 @@ class Crash(RuntimeError):
     pass
 
 
-def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_dir, tmp_path, monkeypatch):
-    ledger_ref, ref = train(project(data_dir, tmp_path / "a"))
+@pytest.mark.parametrize("more", [[], ["dp.ema_decay=0.6"]], ids=["last-iterate", "weight-average"])
+def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_dir, tmp_path, monkeypatch, more):
+    """The resumed run restores the weights' moving average too (dp.ema_decay), from the step-4 checkpoint."""
+    ledger_ref, ref = train(project(data_dir, tmp_path / "a"), more)
     real, calls = engine.add_noise, []
 
     def crashing(*args, **kw):  # dies between the ledger record and the update of the 6th step
@@ -52,11 +54,11 @@ def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_di
     work = project(data_dir, tmp_path / "b")
     monkeypatch.setattr(engine, "add_noise", crashing)
     with pytest.raises(Crash):
-        train(work)
+        train(work, more)
     charged = next((work / ".dpfm/state").glob("dp-train-*")) / "ledger.jsonl"
     assert len(charged.read_text().splitlines()) == 1 + 6  # header + every step begun, the crashed one too
     monkeypatch.setattr(engine, "add_noise", real)
-    ledger, got = train(work)
+    ledger, got = train(work, more)
     assert ledger["steps"] == 6 and ledger["batch_sizes"] == ledger_ref["batch_sizes"]
     for k, v in ref.model.items():
         assert torch.equal(v, got.model[k]), k
@@ -114,14 +116,18 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
 
 @pytest.mark.parametrize("name, more", [("mae", []), ("caption", []), ("caption", ["model.caption_mask_ratio=0.5"]),
                                         ("clip", []), ("mae", ["dp.mask_views=3"]),
-                                        ("caption", ["model.caption_mask_ratio=0.5", "dp.mask_views=3"])],
-                         ids=["mae", "caption", "caption-masked", "clip", "mae-mask-views", "caption-mask-views"])
+                                        ("caption", ["model.caption_mask_ratio=0.5", "dp.mask_views=3"]),
+                                        ("mae", ["dp.ema_decay=0.6"]), ("caption", ["dp.ema_decay=0.6"]),
+                                        ("clip", ["dp.ema_decay=0.6"])],
+                         ids=["mae", "caption", "caption-masked", "clip", "mae-mask-views", "caption-mask-views",
+                              "mae-weight-average", "caption-weight-average", "clip-weight-average"])
 def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name, more):
     """The real stage under torchrun with the same secret key: each example enters the sum once and
     the noise is added once, so the update (weights after - before) is one process's. Plain SGD keeps
     the update linear in the gradient; σ is small enough that the noise does not drown the signal.
     A captioner that drops patches masks each example alike on 1 and 2 ranks (masks per logical batch),
-    and so do dp.mask_views' K masks per example."""
+    and so do dp.mask_views' K masks per example. The iterates' moving average (dp.ema_decay) is
+    linear in the updates too, and every rank keeps the same one."""
     sets = [f"dp.objective={name}", "dp.sigma=0.3", "dp.epsilon=100", "dp.optimizer=sgd", "dp.lr=0.05", *more]
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
     ref_ledger, ref = train(one, sets)
@@ -137,6 +143,35 @@ def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name
     want = flat(ref.model) - start
     assert float(want.norm()) > 0
     assert float((flat(got.model) - start - want).norm() / want.norm()) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["mae", "caption", "clip"])
+def test_the_released_average_is_computed_from_the_accounted_iterates_alone(data_dir, tmp_path, monkeypatch, name):
+    """dp.ema_decay releases a moving average of the weights. ε covers the iterates (each step's weights
+    after its noisy update), so the release must be a function of them alone: recompute it from the
+    iterates each step left behind, and it is the released model to rounding. An average fed anything
+    else (the weights before the noise, a gradient, a stale copy), or not released, does not match."""
+    real, iterates = training.run_loop, []
+
+    def recording(state, schedule, step_fn, *args, **kw):
+        def step(s):
+            metrics = step_fn(s)
+            iterates.append({k: v.detach().clone() for k, v in state.model.state_dict().items()})
+            return metrics
+        return real(state, schedule, step, *args, **kw)
+
+    monkeypatch.setattr(training, "run_loop", recording)
+    sets, decay = [f"dp.objective={name}", "dp.ema_decay=0.6"], 0.6
+    work = project(data_dir, tmp_path)
+    _, got = train(work, sets)
+    want = start = initial_weights(work, sets)
+    assert len(iterates) == got.steps == 6
+    for weights in iterates:
+        want = {k: w + (1 - decay) * (weights[k] - w) if w.is_floating_point() else weights[k] for k, w in want.items()}
+    assert float((flat(got.model) - flat(want)).norm()) <= 1e-5 * float(flat(want).norm())
+    # the release is the average, not the last iterate: it lags the run's path by a good part of its length
+    lag, path = (float((flat(got.model) - flat(iterates[-1])).norm()), float((flat(iterates[-1]) - flat(start)).norm()))
+    assert lag > 0.1 * path
 
 
 def test_runs_on_the_same_private_data_compose(data_dir, tmp_path, monkeypatch):

@@ -41,8 +41,8 @@ from pipeline.privacy.plan import plan_mechanism, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
 from pipeline.artifacts import artifact
-from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
-                            state_dir, step_generator)
+from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, WeightAverage, autocast, loss_scale,
+                            make_optimizer, run_loop, state_dir, step_generator)
 
 HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
 
@@ -236,6 +236,9 @@ class Trainer:
         state = TrainState(model, optimizer, counters={"applied_updates": 0, "nonfinite": 0})
         counters = state.counters
         optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
+        if dp["ema_decay"]:  # the average of the noisy iterates is released: post-processing, the same ε
+            state.average = WeightAverage(model, dp["ema_decay"])
+            optimizer.register_step_post_hook(lambda *_: state.average.update())
         masks, views = {}, dp["mask_views"]
         physical = max(1, dp["physical_batch_size"] // views)  # examples per micro-batch: its rows are what memory holds
         loader = split_loader("private", self.mcfg, self.tokenizer, dp["data_workers"], device)
@@ -269,6 +272,8 @@ class Trainer:
                      timed=False)  # on private data, a step's time tracks its realised batch size
         finally:
             stream.close()
+        if state.average is not None:
+            state.average.copy_to(model)
         return model, counters, state.history
 
     @torch.no_grad()

@@ -56,6 +56,12 @@ def clipping_options_text(dp: dict) -> str:
     return text + (f"; each example's gradient the mean over {views} masked views, clipped once" if views > 1 else "")
 
 
+def released_weights_text(dp: dict) -> str:
+    """What the steps row adds when the released model is the iterates' moving average (nothing otherwise)."""
+    decay = dp.get("ema_decay", 0.0)
+    return f"; the model released is the moving average of the iterates (decay {decay:g}), the same ε" if decay else ""
+
+
 def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple[str, str]]:
     """The mechanism table: what was run, what ε it has, and what every DP run on the data composes to."""
     rows = [
@@ -66,7 +72,7 @@ def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple
         ("clipping", f"C = {plan.clip_norm}, sensitivity {plan.sensitivity:g}·C ({plan.clipping.replace('_', ' ')})"
                      + clipping_options_text(dp)),
         ("noise", noise_text(ver, plan)),
-        ("steps", f"{ver['steps']} (planned {plan.steps})"),
+        ("steps", f"{ver['steps']} (planned {plan.steps})" + released_weights_text(dp)),
         ("δ", delta_text(ver["delta"], dp.get("delta"))),
         ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())
          + f" (target {plan.target_epsilon})"),
