@@ -219,16 +219,17 @@ def test_recipes_that_differ_only_in_the_dp_schedule_share_their_untrained_rows(
     assert recipe_id(how) == recipe_id(base) and untrained_id(how) == untrained_id(base)
 
 
-def test_a_knob_added_later_keeps_the_rows_at_its_neutral_value_only():
-    """Adding dp.encoder_clip_share (null: one bound, as before it existed) left every recipe id as it
-    was; setting it is another recipe."""
+@pytest.mark.parametrize("knob, value", [("encoder_clip_share", "0.5"), ("mask_views", "2"), ("ema_decay", "0.995")])
+def test_a_knob_added_later_keeps_the_rows_at_its_neutral_value_only(knob, value):
+    """Adding a dp knob (at its neutral value: what the recipe did before it existed) left every
+    recipe id as it was; setting it is another recipe."""
     import copy
 
     from benchmarks.scale_utility import recipe_id
 
     base = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"]])
     before = copy.deepcopy(base)
-    del before["dp"]["encoder_clip_share"]  # the params as they were before the knob
+    del before["dp"][knob]  # the params as they were before the knob
     assert recipe_id(base) == recipe_id(before)
-    grouped = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], "dp.encoder_clip_share=0.5"])
-    assert recipe_id(grouped) != recipe_id(base)
+    changed = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], f"dp.{knob}={value}"])
+    assert recipe_id(changed) != recipe_id(base)
