@@ -335,15 +335,19 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
         p_size = size_params({**params, "dp": {**params["dp"], "objective": obj}}, size, n_full)
         size_dir = work / f"n-{size}"
         kept = rows.get(name)
-        if complete(kept):
+        seeds = range(args.seeds if kept is None else len(kept["probe"]))
+        extend = complete(kept) and args.seeds > len(kept["probe"])  # more seeds asked for: train the missing ones
+        if complete(kept) and not extend:
             table[name] = kept
             if "noise_per_coordinate" not in kept["meta"]:  # a row kept before the column existed
                 prepare(size_dir, p_size, device, None if size == FULL else full_dir)
                 kept["meta"].update(read_plan(size_dir, {**p_size, "run": {**p_size["run"], "seed": 0}}, eps))
             continue
+        if extend:
+            seeds = range(len(kept["probe"]), args.seeds)
         prepare(size_dir, p_size, device, None if size == FULL else full_dir)
         probe, zero, refits, meta = [], [], [], []
-        for seed in range(args.seeds if kept is None else len(kept["probe"])):
+        for seed in seeds:
             t0 = time.time()
             p = {**p_size, "run": {**p_size["run"], "seed": seed}}
             with inside(size_dir):  # a finished training resumes at its last step: only the scoring runs
@@ -352,11 +356,17 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
             correct, refit = score(model.encoder, seed)
             probe.append(correct)
             refits.append(refit)
-            if obj in ZERO_SHOT_OBJECTIVES and kept is None:
+            if obj in ZERO_SHOT_OBJECTIVES and (kept is None or extend):
                 zero.append(scorer.zero_shot(model, obj, tokenizer, p["model"]["max_caption_len"], te, device))
             meta.append({"n": n, "seconds": round(time.time() - t0, 1), "epsilon_spent": spent,
                          **read_plan(size_dir, p, eps)})
         refits = np.stack(refits) if args.probe_refits else None
+        if extend:  # the kept seeds stay as they were; the new ones follow them
+            table[name] = rows.put(name, *with_seeds(kept, np.stack(probe), np.stack(zero) if zero else None, refits,
+                                                     sum(m["seconds"] for m in meta)))
+            print(f"scale_utility: {name:<28} seeds {len(kept['probe'])}..{args.seeds - 1} added: probe "
+                  f"{table[name]['probe'].mean():.3f} over {args.seeds} seeds", flush=True)
+            continue
         if kept is not None:  # the kept outcomes stay (their training seconds too); only the refits are new
             same_model(name, np.stack(probe), kept["probe"])
             table[name] = rows.put(name, kept["probe"], kept["zero"], refits, kept["meta"])
@@ -373,6 +383,20 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
     if not args.probe_refits:  # intervals over test images (and seeds) alone, whatever the rows keep
         table = {name: {**row, "refits": None} for name, row in table.items()}
     return table, te, chance, scorer.es.name
+
+
+def with_seeds(kept: dict, probe: np.ndarray, zero: np.ndarray | None, refits: np.ndarray | None,
+               seconds: float) -> tuple:
+    """Rows.put's arguments for a kept row with more seeds after its own: outcomes, zero-shot and refits
+    stacked seed after seed (the kept ones first, unchanged), the training seconds added."""
+    def stacked(old, new, what):
+        if (old is None) != (new is None):
+            raise SystemExit(f"the kept row has {what} for {'no' if old is None else 'its'} seeds and the new seeds "
+                             f"{'have' if old is None else 'lack'} them: run with the kept row's options")
+        return None if old is None else np.concatenate([old, new])
+
+    return (stacked(kept["probe"], probe, "outcomes"), stacked(kept["zero"], zero, "zero-shot"),
+            stacked(kept["refits"], refits, "refits"), {**kept["meta"], "seconds": kept["meta"]["seconds"] + seconds})
 
 
 def same_model(name: str, scored: np.ndarray, kept: np.ndarray) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, check_targets,
-                                      combined_figure, report, schedule, size_params, validation_folds)
+                                      combined_figure, report, schedule, size_params, validation_folds, with_seeds)
 from pipeline.config import load_params
 from pipeline.eval.stats import difference_ci
 
@@ -114,6 +114,23 @@ def test_rows_are_kept_whole_and_read_back(tmp_path):
     rows.put("pixels", probe, None, None, {})  # kept before refits existed, or --probe-refits 0
     assert rows.get("pixels")["refits"] is None and rows.get("pixels")["zero"] is None
     assert sorted(p.name for p in (tmp_path / "rows").iterdir()) == ["mae-nfull-eps8.npz", "pixels.npz"]  # no temporary left
+
+
+def test_a_kept_row_takes_more_seeds_after_its_own(tmp_path):
+    """--seeds 3 on a kept one-seed row trains seeds 1 and 2 only: the kept seed's outcomes stay as
+    they were, first, and a row whose parts do not match (refits on one side only) is refused."""
+    rng = np.random.default_rng(0)
+    rows = Rows(tmp_path)
+    kept = rows.put("caption-nfull-eps8", rng.random((1, 50)) < 0.8, rng.random((1, 50)) < 0.7,
+                    rng.random((1, 4, 50)) < 0.8, {"n": 60000, "seconds": 100.0})
+    probe, zero, refits = rng.random((2, 50)) < 0.8, rng.random((2, 50)) < 0.7, rng.random((2, 4, 50)) < 0.8
+    row = rows.put("caption-nfull-eps8", *with_seeds(kept, probe, zero, refits, 250.0))
+    back = rows.get("caption-nfull-eps8")
+    assert back["probe"].shape == (3, 50) and back["zero"].shape == (3, 50) and back["refits"].shape == (3, 4, 50)
+    assert np.array_equal(back["probe"][0], kept["probe"][0]) and np.array_equal(back["probe"][1:], probe)
+    assert np.array_equal(back["refits"][1:], refits) and back["meta"]["seconds"] == row["meta"]["seconds"] == 350.0
+    with pytest.raises(SystemExit, match="refits"):
+        with_seeds(kept, probe, zero, None, 250.0)
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
