@@ -12,6 +12,8 @@ and the encoder's share of the squared norm. Three choices read off it:
     of norm C; where most lie below, the noise is sized for signal the examples do not have;
   - dp.encoder_clip_share: where the encoder's share is small, one bound gives the encoder little
     of C (docs/privacy.md, "Clip groups");
+  - which parts to train: the step's signal against its noise is read for the encoder's kinds of
+    parameter and for each of its blocks;
   - dp.mask_views: `--views K` averages each example's gradient over K masks before clipping; where
     the masking's noise is much of the gradient, the clipped mean's norm (the step's signal) grows.
 Run it in a scale_utility --dir's n-full directory, or a project that has run dp-train's inputs.
@@ -24,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +84,17 @@ PARTS = {
 }
 
 
+def depth_parts(names) -> dict:
+    """The image encoder split by depth, one part each: its stem (patch embedding, tokens, positions),
+    every block, its last norm. Where the step's signal stands above its noise in the top blocks only,
+    the lower ones take a random walk from their warm start for little signal."""
+    blocks = sorted({int(m.group(1)) for n in names if (m := re.match(r"encoder\.blocks\.(\d+)\.", n))})
+    parts = {"encoder stem": lambda n: n.startswith("encoder.") and not n.startswith(("encoder.blocks.", "encoder.norm."))}
+    parts.update({f"encoder block {b}": (lambda n, b=b: n.startswith(f"encoder.blocks.{b}.")) for b in blocks})
+    parts["encoder last norm"] = lambda n: n.startswith("encoder.norm.")
+    return parts
+
+
 class ClippedMean:
     """‖E clip_C(g)‖² over any part of the parameters, without the bias of a finite sample:
     ‖Σ c_i‖² − Σ ‖c_i‖² over N(N − 1) keeps only the cross terms c_i·c_j (i ≠ j), each an unbiased
@@ -130,7 +144,7 @@ def measure(obj: str, params: dict, examples: int, chunk: int = 32, views: int =
     n = read_json("data/shards/stats.json")["private"]["usable"]  # the plan's n, published with the mechanism
     plan = plan_mechanism({**params["dp"], "objective": obj}, n, params["privacy"]["adjacency"])
     signal = {}
-    for part, accepts in PARTS.items():
+    for part, accepts in {**PARTS, **depth_parts(mean.total)}.items():
         d, norm = mean.parameters(accepts), math.sqrt(max(mean.squared_norm(accepts), 0.0))
         noise = plan.noise_std * math.sqrt(d) / plan.denominator
         signal[part] = {"parameters": d, "clipped_mean_norm": round(norm, 4), "noise_norm": round(noise, 4),
@@ -169,7 +183,7 @@ def main() -> None:
     print(f"\none step of B examples at σ: ‖E clip_C(g)‖ against the noise's norm σ·C·√d/B")
     for r in rows:
         for part, v in r["step_signal"].items():
-            print(f"{r['objective']:<9} {part:<15} B={r['batch']} T={r['steps']} σ={r['sigma']:.3f} d={v['parameters']:,}: "
+            print(f"{r['objective']:<9} {part:<18} B={r['batch']} T={r['steps']} σ={r['sigma']:.3f} d={v['parameters']:,}: "
                   f"{v['clipped_mean_norm']:.4f} against {v['noise_norm']:.4f}, signal/noise {v['signal_over_noise']:.3f}")
     print(json.dumps({"benchmark": "gradient_norms", "rows": rows}))
 

@@ -120,7 +120,7 @@ HOW_NOT_WHAT = {"dp": ("compile", "data_workers", "physical_batch_size", "checkp
 
 # Knobs added after rows were kept, at the value that does what the recipe did before them: left out
 # of the id at that value, so adding a knob does not orphan every kept row.
-ADDED_LATER = {"dp": {"encoder_clip_share": None, "mask_views": 1, "ema_decay": 0.0}}
+ADDED_LATER = {"dp": {"encoder_clip_share": None, "mask_views": 1, "ema_decay": 0.0, "frozen": []}}
 
 
 def recipe_id(params: dict, sections=RECIPE_SECTIONS) -> str:

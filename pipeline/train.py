@@ -45,6 +45,24 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: f
     raise ValueError(f"unknown optimizer {name!r} (allowed: adamw, sgd)")
 
 
+def freeze(model: torch.nn.Module, names: list[str]) -> None:
+    """Keeps the named modules (everything under each) at the weights they start from: out of the
+    optimizer, the clipping and the noise. Those are the warm start's public weights (or a seeded
+    random init), released as they were: a function of no private example, so they cost no ε. Where a
+    block's step is nearly all noise (benchmarks/gradient_norms.py reads it per block), training it
+    walks its weights from the warm start for little signal."""
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in modules or not n]
+    if unknown:
+        tops = ", ".join(n for n, _ in model.named_children())
+        raise ValueError(f"dp.frozen names {unknown}, which are not modules of the {type(model).__name__} "
+                         f"(module names as in named_modules(), e.g. encoder.blocks.0; its top level: {tops})")
+    for name in names:
+        modules[name].requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"dp.frozen {names} freezes every parameter of the {type(model).__name__}: nothing would train")
+
+
 def lr_at(step: int, base_lr: float, warmup: int, total: int) -> float:
     """Linear warm-up, then cosine decay to zero (`step` counts from 0)."""
     if step < warmup:

@@ -85,13 +85,18 @@ def torchrun(workdir, name, overrides=()):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def initial_weights(workdir, overrides):
-    """The weights dp-train starts from (dp.init=random: the model built after seeding run.seed)."""
+def initial_model(workdir, overrides):
+    """The model dp-train starts from (dp.init=random: built after seeding run.seed)."""
     params = load_params(workdir / "params.yaml", overrides)
     name = params["dp"]["objective"]
     vocab = Tokenizer(workdir / "models/tokenizer").vocab_size if objective(name).tokens else None
     torch.manual_seed(params["run"]["seed"])
-    return build_model(name, ModelConfig.from_params(params["model"], name, vocab)).state_dict()
+    return build_model(name, ModelConfig.from_params(params["model"], name, vocab))
+
+
+def initial_weights(workdir, overrides):
+    """The weights dp-train starts from."""
+    return initial_model(workdir, overrides).state_dict()
 
 
 def flat(state):

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from stage_runs import flat, initial_weights, inside, project, run_in_process, torchrun, train
+from stage_runs import flat, initial_model, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline import checkpoints
 from pipeline.privacy import training
@@ -114,20 +114,26 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
     assert ledger["steps"] == 6  # the baseline is not charged to the private ledger
 
 
+FROZEN = "dp.frozen=[encoder.blocks.0]"  # the micro encoder's one block
+
+
 @pytest.mark.parametrize("name, more", [("mae", []), ("caption", []), ("caption", ["model.caption_mask_ratio=0.5"]),
                                         ("clip", []), ("mae", ["dp.mask_views=3"]),
                                         ("caption", ["model.caption_mask_ratio=0.5", "dp.mask_views=3"]),
                                         ("mae", ["dp.ema_decay=0.6"]), ("caption", ["dp.ema_decay=0.6"]),
-                                        ("clip", ["dp.ema_decay=0.6"])],
+                                        ("clip", ["dp.ema_decay=0.6"]), ("mae", [FROZEN]), ("caption", [FROZEN]),
+                                        ("clip", [FROZEN])],
                          ids=["mae", "caption", "caption-masked", "clip", "mae-mask-views", "caption-mask-views",
-                              "mae-weight-average", "caption-weight-average", "clip-weight-average"])
+                              "mae-weight-average", "caption-weight-average", "clip-weight-average", "mae-frozen",
+                              "caption-frozen", "clip-frozen"])
 def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name, more):
     """The real stage under torchrun with the same secret key: each example enters the sum once and
     the noise is added once, so the update (weights after - before) is one process's. Plain SGD keeps
     the update linear in the gradient; σ is small enough that the noise does not drown the signal.
     A captioner that drops patches masks each example alike on 1 and 2 ranks (masks per logical batch),
     and so do dp.mask_views' K masks per example. The iterates' moving average (dp.ema_decay) is
-    linear in the updates too, and every rank keeps the same one."""
+    linear in the updates too, and every rank keeps the same one. Frozen modules (dp.frozen) stay out of
+    every rank's clipping and noise alike."""
     sets = [f"dp.objective={name}", "dp.sigma=0.3", "dp.epsilon=100", "dp.optimizer=sgd", "dp.lr=0.05", *more]
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
     ref_ledger, ref = train(one, sets)
@@ -172,6 +178,23 @@ def test_the_released_average_is_computed_from_the_accounted_iterates_alone(data
     # the release is the average, not the last iterate: it lags the run's path by a good part of its length
     lag, path = (float((flat(got.model) - flat(iterates[-1])).norm()), float((flat(iterates[-1]) - flat(start)).norm()))
     assert lag > 0.1 * path
+
+
+@pytest.mark.parametrize("name", ["mae", "caption", "clip"])
+def test_frozen_modules_are_released_as_they_started_and_every_other_parameter_trains(data_dir, tmp_path, name):
+    """dp.frozen keeps modules at the weights they start from (public: the warm start, here a seeded
+    init), released bit for bit as they were, so they are a function of no private example; every
+    other parameter takes the DP updates (their noise moves each one). Frozen weights that took an
+    update, or trainable ones left out of it, fail."""
+    sets = [f"dp.objective={name}", FROZEN]
+    work = project(data_dir, tmp_path)
+    _, got = train(work, sets)
+    start = initial_model(work, sets)
+    names = {k for k, _ in start.named_parameters()}
+    frozen = {k for k in names if k.startswith("encoder.blocks.0.")}
+    weights = start.state_dict()
+    assert frozen and all(torch.equal(got.model[k], weights[k]) for k in frozen)
+    assert {k for k in names if not torch.equal(got.model[k], weights[k])} == names - frozen
 
 
 def test_runs_on_the_same_private_data_compose(data_dir, tmp_path, monkeypatch):

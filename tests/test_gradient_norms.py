@@ -54,3 +54,16 @@ def test_the_encoders_kinds_of_parameter_split_it_without_overlap():
         owners = [k for k in kinds if PARTS[k](name)]
         assert len(owners) == (1 if PARTS["encoder"](name) else 0), (name, owners)
     assert all(any(PARTS[k](n) for n in names) for k in kinds)
+
+
+def test_the_encoders_depth_parts_split_it_without_overlap():
+    from benchmarks.gradient_norms import depth_parts
+    from pipeline.models import ModelConfig, build_model
+
+    names = [n for n, _ in build_model("mae", ModelConfig.of({"size": "pico"})).named_parameters()]
+    parts = depth_parts(names)
+    assert [k for k in parts if "block" in k] == [f"encoder block {b}" for b in range(4)]
+    for name in names:
+        owners = [k for k, accepts in parts.items() if accepts(name)]
+        assert len(owners) == (1 if PARTS["encoder"](name) else 0), (name, owners)
+    assert all(any(accepts(n) for n in names) for accepts in parts.values())

@@ -317,8 +317,11 @@ def test_the_clipping_row_names_clip_groups_and_mask_views_only_when_set():
     assert "clipped to C·√0.3, the rest to C·√0.7" in text and "the mean over 4 masked views, clipped once" in text
 
 
-def test_the_steps_row_names_the_weight_average_only_when_set():
+def test_the_steps_row_names_the_weight_average_and_frozen_modules_only_when_set():
     from pipeline.report.content import released_weights_text
 
     assert released_weights_text({"ema_decay": 0.0}) == "" and released_weights_text({}) == ""
     assert "moving average of the iterates (decay 0.995)" in released_weights_text({"ema_decay": 0.995})
+    frozen = released_weights_text({"ema_decay": 0.0, "frozen": ["encoder.blocks.2", "encoder.blocks.3"]})
+    assert frozen == "; not trained, released as they started (no ε): encoder.blocks.2, encoder.blocks.3"
+    assert released_weights_text({"frozen": []}) == ""

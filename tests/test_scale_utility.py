@@ -236,7 +236,8 @@ def test_recipes_that_differ_only_in_the_dp_schedule_share_their_untrained_rows(
     assert recipe_id(how) == recipe_id(base) and untrained_id(how) == untrained_id(base)
 
 
-@pytest.mark.parametrize("knob, value", [("encoder_clip_share", "0.5"), ("mask_views", "2"), ("ema_decay", "0.995")])
+@pytest.mark.parametrize("knob, value", [("encoder_clip_share", "0.5"), ("mask_views", "2"), ("ema_decay", "0.995"),
+                                         ("frozen", "[encoder.blocks.3]")])
 def test_a_knob_added_later_keeps_the_rows_at_its_neutral_value_only(knob, value):
     """Adding a dp knob (at its neutral value: what the recipe did before it existed) left every
     recipe id as it was; setting it is another recipe."""

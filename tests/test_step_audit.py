@@ -39,9 +39,10 @@ MASKED = {"mae": [], "caption": ["model.caption_mask_ratio=0.5"]}  # the objecti
 
 @pytest.mark.parametrize("name, more", [(name, []) for name in OBJECTIVES] + [("caption", ["model.caption_mask_ratio=0.5"])]
                          + [(name, ["dp.encoder_clip_share=0.3"]) for name in OBJECTIVES]
-                         + [(name, [*more, "dp.mask_views=3"]) for name, more in MASKED.items()],
+                         + [(name, [*more, "dp.mask_views=3"]) for name, more in MASKED.items()]
+                         + [(name, ["dp.frozen=[encoder.blocks.0]"]) for name in OBJECTIVES],
                          ids=[*OBJECTIVES, "caption-masked", *(f"{name}-clip-groups" for name in OBJECTIVES),
-                              *(f"{name}-mask-views" for name in MASKED)])
+                              *(f"{name}-mask-views" for name in MASKED), *(f"{name}-frozen" for name in OBJECTIVES)])
 def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
     from pipeline.distributed import World
 

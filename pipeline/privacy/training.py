@@ -41,7 +41,7 @@ from pipeline.privacy.plan import plan_mechanism, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
 from pipeline.artifacts import artifact
-from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, WeightAverage, autocast, loss_scale,
+from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, WeightAverage, autocast, freeze, loss_scale,
                             make_optimizer, run_loop, state_dir, step_generator)
 
 HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
@@ -117,6 +117,11 @@ def setup(params: dict, device: str) -> "Trainer":
         raise ParamsError([f"dp.mask_views={dp['mask_views']} averages masked views, but the {dp['objective']} model "
                            "masks nothing (mae; caption with model.caption_mask_ratio > 0): its views would be "
                            "copies"], source="dp params")
+    try:  # on the meta device: names checked without building a single weight
+        with torch.device("meta"):
+            freeze(build_model(dp["objective"], mcfg), dp["frozen"])
+    except ValueError as e:
+        raise ParamsError([str(e)], source="dp params") from None
     if dp["nonprivate_baseline"]:
         release.check_nonprivate(params["privacy"], stats.get("source"), "dp.nonprivate_baseline")
     try:  # contradictions in the params stop the run here, before any image is decoded or state written
@@ -211,6 +216,7 @@ class Trainer:
         model = build_model(self.dp["objective"], self.mcfg).to(self.device)
         if self.dp["init"] == "pretrain":
             warm_start(model, self.dp["objective"])
+        freeze(model, self.dp["frozen"])
         return model
 
     def train(self, key: int, work, ctx, private: bool):

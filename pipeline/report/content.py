@@ -57,9 +57,11 @@ def clipping_options_text(dp: dict) -> str:
 
 
 def released_weights_text(dp: dict) -> str:
-    """What the steps row adds when the released model is the iterates' moving average (nothing otherwise)."""
-    decay = dp.get("ema_decay", 0.0)
-    return f"; the model released is the moving average of the iterates (decay {decay:g}), the same ε" if decay else ""
+    """What the steps row adds when the released model is the iterates' moving average, or keeps modules
+    at their starting weights (nothing otherwise)."""
+    decay, frozen = dp.get("ema_decay", 0.0), dp.get("frozen", [])
+    text = f"; the model released is the moving average of the iterates (decay {decay:g}), the same ε" if decay else ""
+    return text + (f"; not trained, released as they started (no ε): {', '.join(frozen)}" if frozen else "")
 
 
 def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple[str, str]]:

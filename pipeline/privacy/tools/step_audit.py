@@ -41,7 +41,7 @@ from pipeline.objectives import SENSITIVITY
 from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.engine import dp_step, make_clipper
 from pipeline.privacy.plan import Plan
-from pipeline.train import autocast, loss_scale
+from pipeline.train import autocast, freeze, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
 SENSITIVITY_TOL = 1e-4  # fp32 round-off allowed above K·C
@@ -99,7 +99,9 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
 
     def release(indices: np.ndarray, key: int) -> torch.Tensor:
         torch.manual_seed(seed)
-        model = Amplified(build_model(dp["objective"], mcfg), AMPLIFY).to(device)
+        built = build_model(dp["objective"], mcfg)
+        freeze(built, dp["frozen"])  # as dp-train keeps them: out of the clipping and the noise
+        model = Amplified(built, AMPLIFY).to(device)
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"],
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
