@@ -133,7 +133,7 @@ def gflops(macs: float, seconds: float) -> float:
 def print_layers(rows: list[dict], np_step: float) -> None:
     """The per-layer table, as shares of the non-private step, and the rate of the Gram products against
     the clipped sums' (a weight gradient's GEMM) over the ghost layers."""
-    print(f"  {'layers':<34}{'route':<13}{'T':>5}{'d -> p':>13}   Gram products   clipped sums   per-example")
+    print(f"  {'layers':<40}{'route':<13}{'T':>5}{'d -> p':>13}   Gram products   clipped sums   per-example")
     for r in rows:
         shape = f"{r['d']} -> {r['p']}" if "d" in r else ""
         cells = []
@@ -142,8 +142,8 @@ def print_layers(rows: list[dict], np_step: float) -> None:
             sec = r["seconds"][meth]
             rate = f" {gflops(macs, sec):>4.0f}G" if macs and sec else "      "
             cells.append(f"{sec / np_step:>7.2%}{rate}" if sec else f"{'':>7}      ")
-        label = f"{r['layer'][:28]} x{r['count']}"
-        print(f"  {label:<34}{r['route']:<13}{r.get('tokens', ''):>5}{shape:>13}   " + "  ".join(cells))
+        label = f"{r['layer']} x{r['count']}"
+        print(f"  {label:<40}{r['route']:<13}{r.get('tokens', ''):>5}{shape:>13}   " + "  ".join(cells))
     ghost = [r for r in rows if r["route"] == "ghost" and r["gram_macs"]]
     gram_s, sum_s = (sum(r["seconds"][m] for r in ghost) for m in ("ghost_sq_norm", "clipped_sum"))
     print(f"  ghost layers: Gram products {gflops(sum(r['gram_macs'] for r in ghost), gram_s):.0f} GFLOP/s, "
