@@ -86,8 +86,8 @@ PARTS = {
 
 def depth_parts(names) -> dict:
     """The image encoder split by depth, one part each: its stem (patch embedding, tokens, positions),
-    every block, its last norm. Where the step's signal stands above its noise in the top blocks only,
-    the lower ones take a random walk from their warm start for little signal."""
+    every block, its last norm. A block whose step is nearly all noise takes a random walk from its warm
+    start under DP-Adam for little signal (dp.frozen keeps it there)."""
     blocks = sorted({int(m.group(1)) for n in names if (m := re.match(r"encoder\.blocks\.(\d+)\.", n))})
     parts = {"encoder stem": lambda n: n.startswith("encoder.") and not n.startswith(("encoder.blocks.", "encoder.norm."))}
     parts.update({f"encoder block {b}": (lambda n, b=b: n.startswith(f"encoder.blocks.{b}.")) for b in blocks})
