@@ -59,7 +59,7 @@ from sklearn.model_selection import StratifiedKFold
 from benchmarks.utility import Scorer, inside, parse_epsilon, print_targets
 from pipeline import checkpoints
 from pipeline.cli import StageContext, resolve_device, runner
-from pipeline.config import load_params
+from pipeline.config import ADDED_KNOBS, load_params
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES
@@ -118,9 +118,18 @@ HOW_NOT_WHAT = {"dp": ("compile", "data_workers", "physical_batch_size", "checkp
                 "pretrain": ("data_workers", "checkpoint_every", "log_every")}
 
 
-# Knobs added after rows were kept, at the value that does what the recipe did before them: left out
-# of the id at that value, so adding a knob does not orphan every kept row.
-ADDED_LATER = {"dp": {"encoder_clip_share": None, "mask_views": 1, "ema_decay": 0.0, "frozen": []}}
+# Knobs added after rows were first kept (pipeline.config.ADDED_KNOBS from dp.encoder_clip_share on),
+# at the value that does what the recipe did before them: left out of the id at that value, so adding
+# a knob does not orphan every kept row.
+def added_since(first: tuple[str, str]) -> dict[str, dict]:
+    """ADDED_KNOBS from `first` on, by section: {section: {key: neutral value}}."""
+    out: dict[str, dict] = {}
+    for section, key, neutral in ADDED_KNOBS[[knob[:2] for knob in ADDED_KNOBS].index(first):]:
+        out.setdefault(section, {})[key] = neutral
+    return out
+
+
+ADDED_LATER = added_since(("dp", "encoder_clip_share"))
 
 
 def recipe_id(params: dict, sections=RECIPE_SECTIONS) -> str:

@@ -16,6 +16,36 @@ PARAMS_PATH = Path("params.yaml")
 RESOLVED_PATH = Path(".dpfm/params/resolved.yaml")  # the validated params of the Snakemake run
 
 
+# Knobs added to params.yaml after runs were made with it, oldest first, each with the value that does
+# what dpfm did before the knob existed. Resumable state is keyed by the params (pipeline/train.py:
+# state_dir), so without this list the upgrade that adds a knob would orphan every finished or
+# stopped run: dp-train would train it again, with a fresh noise key, and charge it to the data's
+# budget a second time. Append here whenever a knob is added; never reorder.
+ADDED_KNOBS = (
+    ("dp", "compile", False),               # 2026-11-24
+    ("model", "caption_mask_ratio", 0.0),   # 2026-11-25
+    ("dp", "encoder_clip_share", None),     # 2026-11-26
+    ("dp", "mask_views", 1),
+    ("dp", "ema_decay", 0.0),
+    ("dp", "frozen", []),
+)
+
+
+def earlier_forms(params: dict) -> list[dict]:
+    """`params` as earlier versions of dpfm wrote the same run, newest first: the added knobs taken
+    out one by one, newest first, while each is at its neutral value (a knob set otherwise did not
+    exist before, so no earlier run can match). Sections the params do not hold are passed over."""
+    forms, form = [], params
+    for section, key, neutral in reversed(ADDED_KNOBS):
+        if key not in form.get(section, {}):
+            continue
+        if form[section][key] != neutral:
+            break
+        form = {**form, section: {k: v for k, v in form[section].items() if k != key}}
+        forms.append(form)
+    return forms
+
+
 class ParamsError(ValueError):
     """Invalid parameters; `problems` holds one readable line per violation."""
 

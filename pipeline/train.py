@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeline.config import earlier_forms
 from pipeline.data.index_mmap import USABLE_NAME
 from pipeline.distributed import World
 from pipeline.io import atomic_path, remove_stale_temps
@@ -79,8 +80,17 @@ def state_dir(stage: str, params: dict, inputs=()) -> Path:
 
     kept = {s: {k: v for k, v in value.items() if k not in UNTRACKED[s]} if s in UNTRACKED else value
             for s, value in params.items()}
-    key = json.dumps({"params": kept, "inputs": [input_digest(p) for p in inputs]}, sort_keys=True)
-    return STATE_ROOT / f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    digests = [input_digest(p) for p in inputs]
+
+    def keyed(form: dict) -> Path:
+        key = json.dumps({"params": form, "inputs": digests}, sort_keys=True)
+        return STATE_ROOT / f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+    current = keyed(kept)
+    if current.is_dir():
+        return current
+    # A run made before a knob was added is this same run when the knob sits at its neutral value.
+    return next((path for path in map(keyed, earlier_forms(kept)) if path.is_dir()), current)
 
 
 SMALL_FILE = 1 << 20

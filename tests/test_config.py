@@ -135,3 +135,34 @@ def test_a_key_that_is_not_a_string_is_named_not_a_crash(in_tmp):
         open("params.yaml", "w").write(text)
         with pytest.raises(ParamsError, match="unknown key"):
             load_params("params.yaml")
+
+
+# The keys of the sections that key a training's resumable state (pipeline/train.py: state_dir) as
+# they were before the first knob of ADDED_KNOBS: any key added since must be registered there.
+KEYED_BEFORE_ADDED_KNOBS = {
+    "run": {"device", "experiment", "seed", "threads"},
+    "model": {"decoder_depth", "decoder_heads", "decoder_width", "img_size", "mask_ratio", "max_caption_len",
+              "norm_pix_loss", "patch_size", "size", "text_depth", "text_heads", "text_width"},
+    "dp": {"accountant", "checkpoint_every", "clip_norm", "clipping", "data_workers", "delta", "encoder_lr_scale",
+           "epsilon", "eval_every", "expected_batch_size", "init", "log_private_stats", "lr", "noise_seed",
+           "nonprivate", "nonprivate_baseline", "objective", "optimizer", "physical_batch_size", "precision",
+           "sigma", "steps", "warmup_steps", "weight_decay"},
+    "pretrain": {"batch_size", "checkpoint_every", "data_workers", "grad_clip", "log_every", "lr", "precision",
+                 "steps", "warmup_steps", "weight_decay"},
+}
+
+
+def test_every_knob_added_since_runs_were_keyed_is_registered_with_a_neutral_value_the_schema_takes(in_tmp):
+    """Without its entry in ADDED_KNOBS, the upgrade that adds a knob makes every finished run train
+    again and be charged to the data's budget twice."""
+    import json
+
+    from pipeline.config import ADDED_KNOBS
+
+    params = load_params()
+    for section, before in KEYED_BEFORE_ADDED_KNOBS.items():
+        added = set(params[section]) - before
+        assert added == {k for s, k, _ in ADDED_KNOBS if s == section}, f"register {section}: {sorted(added)}"
+    assert len({(s, k) for s, k, _ in ADDED_KNOBS}) == len(ADDED_KNOBS)
+    for section, key, neutral in ADDED_KNOBS:
+        load_params(overrides=[f"{section}.{key}={json.dumps(neutral)}"])

@@ -98,20 +98,24 @@ def test_mask_views_where_nothing_masks_or_rows_are_clipped_apart_stop_dpfm_befo
     assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()
 
 
-@pytest.mark.parametrize("frozen, message", [
-    ("[encoder.block.0]", "dp.frozen names ['encoder.block.0'], which are not modules of the MaskedAutoencoder"),
-    ("[encoder, decoder_embed, mask_token, decoder_blocks, decoder_norm, decoder_pred]",
+@pytest.mark.parametrize("frozen, more, message", [
+    ("[encoder.block.0]", [], "dp.frozen names ['encoder.block.0'], which are not modules of the MaskedAutoencoder"),
+    ("[encoder, decoder_embed, mask_token, decoder_blocks, decoder_norm, decoder_pred]", [],
      "freezes every parameter of the MaskedAutoencoder: nothing would train"),
+    ("[encoder]", ["--set", "dp.encoder_clip_share=0.5"],
+     "encoder_clip_share=0.5 gives the image encoder its own share of C, but none of its parameters trains"),
+    ("[decoder_embed, mask_token, decoder_blocks, decoder_norm, decoder_pred]", ["--set", "dp.encoder_clip_share=0.5"],
+     "encoder_clip_share=0.5 gives the rest of the model its own share of C, but none of its parameters trains"),
 ])
-def test_frozen_modules_that_do_not_exist_or_leave_nothing_to_train_stop_dpfm_before_any_work(
-        data_dir, tmp_path, monkeypatch, capsys, no_tracking, frozen, message):
+def test_frozen_modules_that_do_not_exist_or_leave_nothing_to_train_or_to_a_clip_group_stop_dpfm_before_any_work(
+        data_dir, tmp_path, monkeypatch, capsys, no_tracking, frozen, more, message):
     """Checked before anything is charged to the data's budget or decoded: a misspelt name would
     otherwise train every module, or stop a run that had already charged its ε."""
     work = project(data_dir, tmp_path)
     monkeypatch.chdir(work)
     decoded = []
     monkeypatch.setattr("pipeline.privacy.training.split_loader", lambda *a, **k: decoded.append(a))
-    assert cli.main(["dp-train", "--set", f"dp.frozen={frozen}", "--set", "dp.noise_seed=null"]) == 2
+    assert cli.main(["dp-train", "--set", f"dp.frozen={frozen}", *more, "--set", "dp.noise_seed=null"]) == 2
     err = capsys.readouterr().err
     assert "dpfm: dp params is invalid:\n  - " in err and message in err
     assert "Traceback" not in err and not decoded

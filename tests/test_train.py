@@ -70,6 +70,25 @@ def test_state_dir_is_keyed_by_params():
     assert train.state_dir("dp-train", {"run": run}) != train.state_dir("dp-train", {"run": {**run, "seed": 1}})
 
 
+def test_a_run_keyed_before_a_knob_existed_is_found_while_the_knob_is_neutral(tmp_path, monkeypatch):
+    from pipeline.config import ADDED_KNOBS
+
+    monkeypatch.setattr(train, "STATE_ROOT", tmp_path)
+    (s1, k1, n1), (s2, k2, n2) = ADDED_KNOBS[-2:]  # the two newest knobs, at their neutral values
+    now = {"dp": {"lr": 0.1, k1: n1, k2: n2}, "model": {"size": "cpu"}}
+    before_both = {**now, "dp": {"lr": 0.1}}
+    fresh = train.state_dir("dp-train", now)
+    assert not fresh.exists()  # nothing there yet: the current key
+    older = train.state_dir("dp-train", before_both)
+    older.mkdir()
+    assert train.state_dir("dp-train", now) == older  # the run from before both knobs is this run
+    assert train.state_dir("dp-train", {**now, "dp": {**now["dp"], "lr": 0.2}}) != older  # another run
+    assert train.state_dir("dp-train", {**now, "dp": {**now["dp"], k1: "set"}}) != older  # the knob set
+    assert train.state_dir("pretrain", now) != older  # another stage
+    fresh.mkdir()
+    assert train.state_dir("dp-train", now) == fresh  # the current key wins where both exist
+
+
 def test_state_is_keyed_by_the_index_not_the_usable_file_derived_from_it(tmp_path):
     (tmp_path / "index.parquet").write_bytes(b"rows")
     before = train.input_digest(tmp_path)

@@ -126,8 +126,12 @@ def group_bounds(model: nn.Module, clip_norm: float, encoder_share: float | None
         raise ValueError("encoder_clip_share needs a model with an image `encoder` module")
     encoder = min(named, key=lambda nm: nm[0].count("."))[1]
     mine = {id(p) for p in encoder.parameters()}
-    return ({id(p): 0 if id(p) in mine else 1 for p in params},
-            [clip_norm * encoder_share ** 0.5, clip_norm * (1 - encoder_share) ** 0.5])
+    group_of = {id(p): 0 if id(p) in mine else 1 for p in params}
+    for group, part in enumerate(("the image encoder", "the rest of the model")):
+        if group not in group_of.values():  # its share of C would bound no gradient: wasted, not unsafe
+            raise ValueError(f"encoder_clip_share={encoder_share} gives {part} its own share of C, but none of "
+                             "its parameters trains (dp.frozen): set encoder_clip_share to null")
+    return group_of, [clip_norm * encoder_share ** 0.5, clip_norm * (1 - encoder_share) ** 0.5]
 
 
 def grouped_factors(sq: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

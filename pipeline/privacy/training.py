@@ -34,7 +34,7 @@ from pipeline.io import read_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
-from pipeline.privacy.clipping import view_rows
+from pipeline.privacy.clipping import group_bounds, view_rows
 from pipeline.privacy.engine import check_clipping, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
 from pipeline.privacy.plan import plan_mechanism, secret_key
@@ -117,9 +117,11 @@ def setup(params: dict, device: str) -> "Trainer":
         raise ParamsError([f"dp.mask_views={dp['mask_views']} averages masked views, but the {dp['objective']} model "
                            "masks nothing (mae; caption with model.caption_mask_ratio > 0): its views would be "
                            "copies"], source="dp params")
-    try:  # on the meta device: names checked without building a single weight
+    try:  # on the meta device: names and clip groups checked without building a single weight
         with torch.device("meta"):
-            freeze(build_model(dp["objective"], mcfg), dp["frozen"])
+            model = build_model(dp["objective"], mcfg)
+            freeze(model, dp["frozen"])
+            group_bounds(model, dp["clip_norm"], dp["encoder_clip_share"])
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
     if dp["nonprivate_baseline"]:
