@@ -247,10 +247,13 @@ def test_mixed_routes_within_the_memory_budget_are_exact(monkeypatch):
     assert ghost_calls == [model[0], model[2]]  # no budget: nothing instantiated that holds more
 
 
-@pytest.mark.parametrize("tokens,block", [(10, GRAM_BLOCK), (2 * GRAM_BLOCK, GRAM_BLOCK), (200, GRAM_BLOCK), (200, 16)])
+@pytest.mark.parametrize("tokens,block", [(10, GRAM_BLOCK), (16, GRAM_BLOCK), (17, GRAM_BLOCK), (33, GRAM_BLOCK),
+                                          (65, GRAM_BLOCK), (127, GRAM_BLOCK), (2 * GRAM_BLOCK, GRAM_BLOCK),
+                                          (200, GRAM_BLOCK), (200, 16)])
 def test_gram_products_over_token_blocks_give_the_per_example_norm(tokens, block):
     """From two blocks on, only the Gram blocks on and above the diagonal are formed (the others count
-    twice); the result is still ‖Σ_t g_t a_tᵀ‖² of each example, as its instantiated gradient gives it."""
+    twice); in one block, only the columns up to a multiple of GRAM_ALIGN and the corner past it. The
+    result is still ‖Σ_t g_t a_tᵀ‖² of each example, as its instantiated gradient gives it."""
     a, g = torch.randn(3, tokens, 5, dtype=torch.float64), torch.randn(3, tokens, 7, dtype=torch.float64)
     want = torch.einsum("bto,bti->boi", g, a).flatten(1).pow(2).sum(1)
     assert torch.allclose(gram_inner(a, g, block), want, rtol=1e-10)

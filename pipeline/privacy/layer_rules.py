@@ -20,7 +20,8 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
 Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s). Both routes are exact; which one a
 Linear layer takes is a question of time and memory only (mixed ghost clipping):
   ghost         the Gram products, B·T²·(d+p) multiply-adds (from 128 tokens only the blocks on and above
-                the diagonal: `gram_inner`), then the clipped sum (one weight gradient)
+                the diagonal, below it aligned columns and a corner: `gram_inner`), then the clipped sum
+                (one weight gradient)
   instantiate   the per-example gradients, B·T·d·p multiply-adds (one weight gradient's worth) written out
                 as B·d·p floats and held until every layer's norm is known; then a cheap weighted sum
 So instantiating saves the Gram products and costs the writes: it is faster when
@@ -49,6 +50,11 @@ WRITE_COST = 30.0
 # blocks (T ≥ 128) that took the Gram products 10-22% less time on 2 CPU cores (T = 129-577:
 # benchmarks/clipping_routes.py); below that the smaller products cost more than they save.
 GRAM_BLOCK = 64
+# Columns of a one-block Gram product come in multiples of this. On 2 CPU cores (AVX-512) a batch of
+# T×T products with T = 17, 33 or 65 (a multiple of 16 plus the class token) took 1.2-1.8× the time
+# of 16, 32 or 64, while a T × (T − 1) product costs what (T − 1)² does: so the product is formed with
+# its columns rounded down to the multiple, and symmetry gives the rest (`gram_inner`).
+GRAM_ALIGN = 16
 
 
 # Products in fp32 from bf16 operands. The product of two bf16 values is exact in fp32, so a bf16 GEMM
@@ -119,6 +125,8 @@ def as_3d(x: torch.Tensor) -> torch.Tensor:
 def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int = GRAM_BLOCK) -> torch.Tensor:
     """(B,) Σ_{t,s} (a_t·a_s)(g_t·g_s) = ‖Σ_t g_t a_tᵀ‖² per example, of a (B, T, d) and g (B, T, p)."""
     T = a.shape[1]
+    if T < 2 * block:
+        return gram_inner_one_block(a, g)
     cuts = [i * block for i in range(max(1, T // block))] + [T]  # the last block takes the remainder
     blocks = [(a[:, s:e], g[:, s:e]) for s, e in zip(cuts, cuts[1:])]
     total = 0
@@ -128,6 +136,19 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int = GRAM_BLOCK) -> tor
             part = (mm32(a_i, a_j.transpose(1, 2)) * mm32(g_i, g_j.transpose(1, 2))).sum((1, 2))
             total = total + (part if i == j else 2 * part)
     return total
+
+
+def gram_inner_one_block(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """gram_inner with every token in one block. P = a·aᵀ and Q = g·gᵀ are symmetric, so Σ P⊙Q over
+    the first m columns (every row), plus the same over rows m.. (the columns m.. above the corner,
+    transposed), plus the r×r corner's, is the whole sum; m is T rounded down to GRAM_ALIGN."""
+    m = a.shape[1] - a.shape[1] % GRAM_ALIGN
+    if m in (0, a.shape[1]):
+        return (mm32(a, a.transpose(1, 2)) * mm32(g, g.transpose(1, 2))).sum((1, 2))
+    cols = mm32(a, a[:, :m].transpose(1, 2)) * mm32(g, g[:, :m].transpose(1, 2))
+    a_r, g_r = a[:, m:], g[:, m:]
+    corner = mm32(a_r, a_r.transpose(1, 2)) * mm32(g_r, g_r.transpose(1, 2))
+    return cols.sum((1, 2)) + cols[:, m:].sum((1, 2)) + corner.sum((1, 2))
 
 
 class LayerRule:
