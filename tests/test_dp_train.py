@@ -356,12 +356,14 @@ def test_img2dataset_output_at_64_px_trains_verifies_and_evaluates_with_a_32_px_
     assert 0.0 <= digits["results"]["dp"]["linear_probe"] <= 1.0
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
 def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_charged_once(
-        data_dir, tmp_path, monkeypatch, objective_name):
+        data_dir, tmp_path, monkeypatch, objective_name, ranks):
     """An upgrade adds a knob to params.yaml (here dp.frozen, the newest): the finished run, keyed by
     the params without it, is the same run while the knob is at its neutral value. It must not train
-    again (a fresh noise key) nor be charged twice; set otherwise, it is another mechanism, charged anew."""
+    again (a fresh noise key) nor be charged twice; set otherwise, it is another mechanism, charged anew.
+    The upgraded dpfm runs on `ranks` processes."""
     from stage_runs import charged_runs
 
     from pipeline import train as train_module
@@ -377,11 +379,19 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
         old_ledger, old = train(work, [obj])
     real, noised = engine.add_noise, []
     monkeypatch.setattr(engine, "add_noise", lambda *a, **kw: noised.append(1) or real(*a, **kw))
-    ledger, got = train(work, [obj])  # the upgraded dpfm, dp.frozen at its neutral value []
-    assert noised == [] and ledger["run"] == old_ledger["run"]  # resumed the finished run: no step taken
-    assert all(torch.equal(v, got.model[k]) for k, v in old.model.items())
+
+    def upgraded(sets):  # (published ledger, checkpoint) of dp-train on `ranks` processes
+        if ranks == 1:
+            return train(work, sets)
+        torchrun(work, "dp-train", sets)
+        return (json.loads((work / "models/dp/ledger.json").read_text()),
+                checkpoints.load(work / "models/dp/checkpoint.pt"))
+
+    ledger, got = upgraded([obj])  # dp.frozen at its neutral value []
+    assert noised == [] and ledger["run"] == old_ledger["run"]  # resumed the finished run
+    assert all(torch.equal(v, got.model[k]) for k, v in old.model.items())  # no step taken, no fresh noise
     assert [r["run"] for r in charged_runs(work)] == [old_ledger["run"]]
     frozen = {"mae": "decoder_pred", "caption": "head", "clip": "text"}[objective_name]
-    other, _ = train(work, [obj, f"dp.frozen=[{frozen}]"])  # another mechanism: trained and charged
-    assert len(noised) == other["steps"] and other["run"] != old_ledger["run"]
+    other, moved = upgraded([obj, f"dp.frozen=[{frozen}]"])  # another mechanism: trained and charged
+    assert other["run"] != old_ledger["run"] and not all(torch.equal(v, moved.model[k]) for k, v in old.model.items())
     assert [r["run"] for r in charged_runs(work)] == [old_ledger["run"], other["run"]]
