@@ -131,10 +131,9 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int = GRAM_BLOCK) -> tor
     blocks = [(a[:, s:e], g[:, s:e]) for s, e in zip(cuts, cuts[1:])]
     total = 0
     for i, (a_i, g_i) in enumerate(blocks):
-        for j in range(i, len(blocks)):
-            a_j, g_j = blocks[j]
-            part = (mm32(a_i, a_j.transpose(1, 2)) * mm32(g_i, g_j.transpose(1, 2))).sum((1, 2))
-            total = total + (part if i == j else 2 * part)
+        total = total + gram_inner_one_block(a_i, g_i)
+        for a_j, g_j in blocks[i + 1:]:  # the later (perhaps longer) block as rows: the columns stay aligned
+            total = total + 2 * (mm32(a_j, a_i.transpose(1, 2)) * mm32(g_j, g_i.transpose(1, 2))).sum((1, 2))
     return total
 
 
