@@ -50,10 +50,10 @@ WRITE_COST = 30.0
 # blocks (T ≥ 128) that took the Gram products 10-22% less time on 2 CPU cores (T = 129-577:
 # benchmarks/clipping_routes.py); below that the smaller products cost more than they save.
 GRAM_BLOCK = 64
-# Columns of a one-block Gram product come in multiples of this. On 2 CPU cores (AVX-512) a batch of
-# T×T products with T = 17, 33 or 65 (a multiple of 16 plus the class token) took 1.2-1.8× the time
-# of 16, 32 or 64, while a T × (T − 1) product costs what (T − 1)² does: so the product is formed with
-# its columns rounded down to the multiple, and symmetry gives the rest (`gram_inner`).
+# Columns of a one-block Gram product come in multiples of this. On this CPU (AVX-512, one thread) a
+# batch of T×T products with T = 17, 33 or 65 (a multiple of 16 plus the class token) took 1.2-1.8×
+# the time of 16, 32 or 64, while a T × (T − 1) product costs what (T − 1)² does: so the product is
+# formed with its columns rounded down to the multiple, and symmetry gives the rest (`gram_inner`).
 GRAM_ALIGN = 16
 
 
