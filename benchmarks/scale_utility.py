@@ -119,17 +119,16 @@ HOW_NOT_WHAT = {"dp": ("compile", "data_workers", "physical_batch_size", "checkp
                 "pretrain": ("data_workers", "checkpoint_every", "log_every")}
 
 
-# Knobs added after rows were first kept (pipeline.config.ADDED_KNOBS from dp.encoder_clip_share on),
-# at the value that does what the recipe did before them: left out of the id at that value, so adding
-# a knob does not orphan every kept row.
 def added_since(first: tuple[str, str]) -> dict[str, dict]:
-    """ADDED_KNOBS from `first` on, by section: {section: {key: neutral value}}."""
+    """pipeline.config.ADDED_KNOBS from `first` on, by section: {section: {key: neutral value}}."""
     out: dict[str, dict] = {}
     for section, key, neutral in ADDED_KNOBS[[knob[:2] for knob in ADDED_KNOBS].index(first):]:
         out.setdefault(section, {})[key] = neutral
     return out
 
 
+# Knobs added after rows were first kept, at the value that does what the recipe did before them:
+# left out of the id at that value, so adding a knob does not orphan every kept row.
 ADDED_LATER = added_since(("dp", "encoder_clip_share"))
 
 
