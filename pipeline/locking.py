@@ -1,6 +1,7 @@
-"""One process per stage and workdir. Snakemake locks a workdir against a second `snakemake`, but
-not against `dpfm <stage>` run by hand beside it; two processes on one stage would interleave one
-ledger and checkpoint and delete each other's temporary files."""
+"""One process per stage and workdir, and one per training's state directory. Snakemake locks a
+workdir against a second `snakemake`, but not against `dpfm <stage>` run by hand beside it, nor a
+benchmark started twice on one directory; two processes on one training would interleave one ledger
+and checkpoint and delete each other's temporary files."""
 
 from __future__ import annotations
 
@@ -20,18 +21,29 @@ LOCK_DIR = Path(".dpfm/locks")
 def stage_lock(stage: str):
     """Hold `.dpfm/locks/<stage>.lock` while the stage runs. The kernel drops the lock when the
     holder dies, even by kill -9, so a crash never leaves a stale lock behind."""
-    LOCK_DIR.mkdir(parents=True, exist_ok=True)
-    path = LOCK_DIR / f"{stage}.lock"
+    with exclusive(LOCK_DIR / f"{stage}.lock", f"{stage} is already running in this directory"):
+        yield
+
+
+def training_lock(state: Path, name: str):
+    """Held by the one process that trains in the state directory `state` (the main rank), as
+    `.dpfm/locks/<name>.lock`."""
+    return exclusive(LOCK_DIR / f"{name}.lock", f"a training in {state} is already running")
+
+
+@contextmanager
+def exclusive(path: Path, busy: str):
+    """Hold the lock file `path`, or raise StageBusy(`busy` and who holds it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "another process"
-            raise StageBusy(f"{stage} is already running in this directory ({holder}, {path}): "
-                            "wait for it to end, or stop it, then re-run") from None
+            raise StageBusy(f"{busy} ({holder}, {path}): wait for it to end, or stop it, then re-run") from None
         except OSError as e:  # a file system without locks (Lustre mounted without -o flock): go on
-            print(f"dpfm: WARNING cannot lock {path} ({e.strerror}); not guarded against a second {stage}",
+            print(f"dpfm: WARNING cannot lock {path} ({e.strerror}); not guarded against a second holder",
                   file=sys.stderr)
             yield
             return

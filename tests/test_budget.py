@@ -114,12 +114,44 @@ def entry(run, p):
             "delta": p.delta, "n": p.n}
 
 
-def test_a_torn_last_line_is_ignored(in_tmp):
+def test_a_torn_last_line_is_ignored_and_the_next_run_is_charged(in_tmp):
     d = shard(in_tmp / "d", examples(10))
     charge(*d, "r")
-    with open(budget.BUDGET_DIR / "runs.jsonl", "a") as f:
+    with open(budget.BUDGET_DIR / "runs.jsonl", "a") as f:  # a kill in the middle of a charge
         f.write('{"run": "half')
     assert [e["run"] for e in budget.runs(d[0])] == ["r"]
+    charge(*d, "next")  # not glued onto the torn line, where it would be dropped too
+    assert [e["run"] for e in budget.runs(d[0])] == ["r", "next"]
+
+
+def test_one_run_charged_by_two_processes_at_once_is_charged_once(in_tmp, monkeypatch):
+    """Processes charge side by side (a run started twice): the check for a run and its line are one step.
+    Each charge, once it has read the record, waits for the other to have read it too: without the
+    lock both then append; with it the other is still waiting for the lock, and the wait times out."""
+    import multiprocessing
+    import threading
+
+    d = shard(in_tmp / "d", examples(10))
+    ctx = multiprocessing.get_context("fork")
+    both_read, parse = ctx.Barrier(2), budget._parse
+
+    def parse_then_meet(text):
+        entries = parse(text)
+        try:
+            both_read.wait(timeout=3)
+        except threading.BrokenBarrierError:
+            pass
+        return entries
+
+    monkeypatch.setattr(budget, "_parse", parse_then_meet)
+    charges = [ctx.Process(target=charge, args=(*d, "run")) for _ in range(2)]
+    for c in charges:
+        c.start()
+    for c in charges:
+        c.join(60)
+    monkeypatch.setattr(budget, "_parse", parse)
+    assert [c.exitcode for c in charges] == [0, 0]
+    assert [e["run"] for e in budget.runs(d[0])] == ["run"]
 
 
 def test_an_index_without_content_digests_is_refused_by_name(in_tmp):

@@ -395,3 +395,28 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
     other, moved = upgraded([obj, f"dp.frozen=[{frozen}]"])  # another mechanism: trained and charged
     assert other["run"] != old_ledger["run"] and not all(torch.equal(v, moved.model[k]) for k, v in old.model.items())
     assert [r["run"] for r in charged_runs(work)] == [old_ledger["run"], other["run"]]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_a_run_another_process_is_training_is_refused_before_it_touches_the_run(data_dir, tmp_path, objective_name,
+                                                                                  ranks):
+    """Two processes on one run (the same benchmark started twice, a re-run beside a run still stopping)
+    would interleave its ledger and checkpoints. While another process holds the run, dp-train on
+    `ranks` processes stops with the holder named and leaves the run's state as it was."""
+    from pipeline.errors import StageBusy
+    from pipeline.locking import training_lock
+
+    work, obj = project(data_dir, tmp_path), f"dp.objective={objective_name}"
+    ledger, _ = train(work, [obj])
+    state = work / ".dpfm/state" / ledger["run"]
+    before = {f.name: f.read_bytes() for f in state.iterdir() if f.is_file()}
+    with inside(work), training_lock(state.relative_to(work), ledger["run"]):
+        if ranks == 1:
+            with pytest.raises(StageBusy, match=f"a training in .*{ledger['run']} is already running .pid {os.getpid()}"):
+                run_in_process("dp-train", [obj])
+        else:
+            proc = torchrun(work, "dp-train", [obj], check=False)
+            assert proc.returncode != 0 and f"a training in .dpfm/state/{ledger['run']} is already running" in proc.stderr
+    assert {f.name: f.read_bytes() for f in state.iterdir() if f.is_file()} == before
+    assert train(work, [obj])[0]["run"] == ledger["run"]  # released: the run resumes (finished, no step taken)

@@ -21,6 +21,7 @@ composed ε computed from it is published.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -97,25 +98,35 @@ def _load_sketch(identity: str) -> np.ndarray | None:
 def record(identity: str, sketch: np.ndarray, run: str, plan: Plan) -> None:
     """Charge run `run`'s planned mechanism to the examples `identity` (once; fsynced before training)."""
     _save_sketch(identity, sketch)
-    if any(entry["run"] == run for entry in _entries()):
-        return
     entry = {"run": run, "set": identity, "objective": plan.objective, "sigma": plan.sigma,
              "sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta, "n": plan.n,
              "adjacency": plan.adjacency, "recorded": time.time()}
     BUDGET_DIR.mkdir(parents=True, exist_ok=True)
-    with open(BUDGET_DIR / "runs.jsonl", "a") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
+    with open(BUDGET_DIR / "runs.jsonl", "a+") as f:
+        try:  # the check and the append as one: a run started twice at once is charged once
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: a race can then only charge a run twice, never miss it
+            pass
+        f.seek(0)
+        text = f.read()
+        if any(e["run"] == run for e in _parse(text)):
+            return
+        torn = text and not text.endswith("\n")  # a charge cut by a kill: this one must not be glued to it
+        f.write(("\n" if torn else "") + json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
 def _entries() -> list[dict]:
-    """Every charged run (a line torn by a kill is dropped: its run had not started)."""
+    """Every charged run."""
     path = BUDGET_DIR / "runs.jsonl"
-    if not path.exists():
-        return []
+    return _parse(path.read_text()) if path.exists() else []
+
+
+def _parse(text: str) -> list[dict]:
+    """The entries of runs.jsonl (a line torn by a kill is dropped: its run had not started)."""
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:

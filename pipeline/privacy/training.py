@@ -18,6 +18,7 @@ owner-only zone (owner.py); no rate is logged (it tracks the realised batch size
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from pipeline.data.tokenizer import Tokenizer
 from pipeline.distributed import broadcast_int, gather_with_grad, init_world
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json
+from pipeline.locking import training_lock
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
@@ -41,8 +43,8 @@ from pipeline.privacy.plan import plan_mechanism, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
 from pipeline.artifacts import artifact
-from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, WeightAverage, autocast, freeze, loss_scale,
-                            make_optimizer, run_loop, state_dir, step_generator)
+from pipeline.train import (MASKS, STATE_ROOT, Checkpointer, Schedule, TrainState, WeightAverage, autocast, freeze,
+                            loss_scale, make_optimizer, run_loop, state_dir, step_generator)
 
 HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
 
@@ -222,6 +224,13 @@ class Trainer:
         return model
 
     def train(self, key: int, work, ctx, private: bool):
+        """(model, counters, history) of the run whose state lives in `work`, resumed from it."""
+        # One process per run (the main rank): the lock is named by the run's path below the state root.
+        name = "-".join(work.relative_to(STATE_ROOT).parts)  # <run>, or <run>-nonprivate for its ε = ∞ twin
+        with training_lock(work, name) if self.world.is_main else nullcontext():
+            return self._train(key, work, ctx, private)
+
+    def _train(self, key: int, work, ctx, private: bool):
         dp, plan, world, device = self.dp, self.plan, self.world, self.device
         obj = objective(dp["objective"])
         model = self.build()
