@@ -2,7 +2,7 @@
 how far one step's signal stands above its noise.
 
     python -m benchmarks.gradient_norms [--dir DIR] [--objectives mae caption] [--examples 1024] [--scale-schedule]
-                                        [--views K]
+                                        [--views K] [--decoder-from CHECKPOINT]
 
 For each objective, the model as dp-train starts it (the synthetic warm start; a new text tower for
 the captioner), per-example gradients by torch.func on examples of the eval split (public, never
@@ -16,6 +16,9 @@ and the encoder's share of the squared norm. Three choices read off it:
     parameter and for each of its blocks;
   - dp.mask_views: `--views K` averages each example's gradient over K masks before clipping; where
     the masking's noise is much of the gradient, the clipped mean's norm (the step's signal) grows.
+`--decoder-from` puts everything but the image encoder of a trained model of the same objective (a
+dp-train checkpoint: models/dp/checkpoint.pt or a state directory's) around the warm-start encoder: how
+much signal the encoder gets once its decoder has learnt, against the random text tower it starts under.
 Run it in a scale_utility --dir's n-full directory, or a project that has run dp-train's inputs.
 Read on public images only: these norms on the private split would be a statistic of it.
 """
@@ -121,9 +124,25 @@ class ClippedMean:
         return cross / (self.count * (self.count - 1))
 
 
-def measure(obj: str, params: dict, examples: int, chunk: int = 32, views: int = 1) -> dict:
+def with_decoder_from(model: torch.nn.Module, path: str) -> None:
+    """Everything but the image encoder from the trained model in checkpoint `path`; the encoder stays."""
+    trained = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    try:
+        missing, unexpected = model.load_state_dict({k: v for k, v in trained.items() if not k.startswith("encoder.")},
+                                                    strict=False)
+    except RuntimeError as e:  # shapes that differ
+        raise SystemExit(f"{path} is not a trained {type(model).__name__} of this size: {e}") from None
+    if unexpected or any(not k.startswith("encoder.") for k in missing):
+        raise SystemExit(f"{path} is not a trained {type(model).__name__} of this size: "
+                         f"missing {[k for k in missing if not k.startswith('encoder.')]}, unexpected {unexpected}")
+
+
+def measure(obj: str, params: dict, examples: int, chunk: int = 32, views: int = 1,
+            decoder_from: str | None = None) -> dict:
     tokenizer = Tokenizer("models/tokenizer") if objective(obj).tokens else None
     model, mcfg = warm_model(obj, params, tokenizer)
+    if decoder_from:
+        with_decoder_from(model, decoder_from)
     loader = split_loader("eval", mcfg, tokenizer)
     ids = np.sort(np.random.default_rng(0).choice(len(loader.dataset), min(examples, len(loader.dataset)),
                                                   replace=False))
@@ -166,16 +185,22 @@ def main() -> None:
                     "clipping (dp.mask_views)")
     ap.add_argument("--scale-schedule", action="store_true",
                     help="each objective on benchmarks/scale_utility's recipe and schedule (before any --set)")
+    ap.add_argument("--decoder-from", metavar="CHECKPOINT", help="all but the encoder from this trained model "
+                    "(a dp-train checkpoint of one objective), the encoder at its warm start")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as `dpfm --set`")
     args = ap.parse_args()
+    if args.decoder_from and len(args.objectives) > 1:
+        raise SystemExit("--decoder-from: name the checkpoint's one objective with --objectives")
 
     def params_of(obj: str) -> dict:
         recipe = [*scale_utility.RECIPE, *scale_utility.SCHEDULES[obj]] if args.scale_schedule else []
         return load_params(str(ROOT / "params.yaml"), [*recipe, *args.set], schema_path=ROOT / "schemas/params.schema.yaml")
 
     params = {obj: params_of(obj) for obj in args.objectives}  # read before leaving the project's directory
+    decoder_from = os.path.abspath(args.decoder_from) if args.decoder_from else None
     os.chdir(args.dir)
-    rows = [measure(obj, params[obj], args.examples, views=args.views) for obj in args.objectives]
+    rows = [measure(obj, params[obj], args.examples, views=args.views, decoder_from=decoder_from)
+            for obj in args.objectives]
     print(f"{'objective':<9} {'norm at quantiles ' + str(QUANTILES):<44} {'encoder part':<36} encoder's share of norm²")
     for r in rows:
         print(f"{r['objective']:<9} {str(r['norm_quantiles']):<44} {str(r['encoder_norm_quantiles']):<36} "

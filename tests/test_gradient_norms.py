@@ -67,3 +67,20 @@ def test_the_encoders_depth_parts_split_it_without_overlap():
         owners = [k for k, accepts in parts.items() if accepts(name)]
         assert len(owners) == (1 if PARTS["encoder"](name) else 0), (name, owners)
     assert all(any(accepts(n) for n in names) for accepts in parts.values())
+
+
+def test_a_decoder_from_a_trained_model_leaves_the_encoder_at_its_warm_start(tmp_path):
+    from benchmarks.gradient_norms import with_decoder_from
+
+    cfg = {"size": "micro", "vocab_size": 50, "max_len": 10}
+    torch.manual_seed(0)
+    warm, trained = build_model("caption", cfg), build_model("caption", cfg)
+    encoder_before = {k: v.clone() for k, v in warm.encoder.state_dict().items()}
+    torch.save({"model": trained.state_dict(), "step": 3}, tmp_path / "checkpoint.pt")  # a state directory's form
+    with_decoder_from(warm, str(tmp_path / "checkpoint.pt"))
+    for k, v in warm.state_dict().items():
+        expected = encoder_before[k[len("encoder."):]] if k.startswith("encoder.") else trained.state_dict()[k]
+        assert torch.equal(v, expected), k
+    torch.save({"model": build_model("caption", {**cfg, "vocab_size": 60}).state_dict()}, tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match="not a trained"):
+        with_decoder_from(warm, str(tmp_path / "other.pt"))
