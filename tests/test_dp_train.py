@@ -399,24 +399,31 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
-def test_a_run_another_process_is_training_is_refused_before_it_touches_the_run(data_dir, tmp_path, objective_name,
-                                                                                  ranks):
-    """Two processes on one run (the same benchmark started twice, a re-run beside a run still stopping)
+def test_a_run_another_process_holds_is_refused_before_it_is_charged_or_touched(data_dir, tmp_path, objective_name,
+                                                                                 ranks):
+    """Two processes on one run (the same command started twice, a re-run beside a run still stopping)
     would interleave its ledger and checkpoints. While another process holds the run, dp-train on
-    `ranks` processes stops with the holder named and leaves the run's state as it was."""
+    `ranks` processes stops with the holder named, before it charges the budget or writes the run's
+    state; once released, the run trains and is charged once."""
+    from stage_runs import charged_runs
+
+    from pipeline.config import sections_of
     from pipeline.errors import StageBusy
     from pipeline.locking import training_lock
+    from pipeline.stages import stage
 
-    work, obj = project(data_dir, tmp_path), f"dp.objective={objective_name}"
-    ledger, _ = train(work, [obj])
-    state = work / ".dpfm/state" / ledger["run"]
-    before = {f.name: f.read_bytes() for f in state.iterdir() if f.is_file()}
-    with inside(work), training_lock(state.relative_to(work), ledger["run"]):
+    work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}"]
+    with inside(work):  # the run's state directory, as dp-train will name it
+        p = sections_of(load_params("params.yaml", sets), stage("dp-train").sections)
+        state = training.work_dir(p, training.setup(p, "cpu"))
+    with inside(work), training_lock(state, state.name):
         if ranks == 1:
-            with pytest.raises(StageBusy, match=f"a training in .*{ledger['run']} is already running .pid {os.getpid()}"):
-                run_in_process("dp-train", [obj])
+            with pytest.raises(StageBusy, match=f"a training in {state} is already running .pid {os.getpid()}"):
+                run_in_process("dp-train", sets)
         else:
-            proc = torchrun(work, "dp-train", [obj], check=False)
-            assert proc.returncode != 0 and f"a training in .dpfm/state/{ledger['run']} is already running" in proc.stderr
-    assert {f.name: f.read_bytes() for f in state.iterdir() if f.is_file()} == before
-    assert train(work, [obj])[0]["run"] == ledger["run"]  # released: the run resumes (finished, no step taken)
+            proc = torchrun(work, "dp-train", sets, check=False)
+            assert proc.returncode != 0 and f"a training in {state} is already running" in proc.stderr
+    assert not (work / state).exists() or not any((work / state).iterdir())
+    assert charged_runs(work) == []
+    ledger, _ = train(work, sets)
+    assert ledger["run"] == state.name and [r["run"] for r in charged_runs(work)] == [state.name]

@@ -155,15 +155,25 @@ def work_dir(params: dict, trainer: "Trainer"):
     return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": dp}, inputs)
 
 
+def one_process(work, world):
+    """Held by the main rank around all a run does in its state directory (its charge, its key, its
+    training): a second process on the run (the same command started twice, a re-run beside a run
+    still stopping) stops at once instead of interleaving the run's ledger and checkpoints."""
+    if not world.is_main:
+        return nullcontext()
+    return training_lock(work, "-".join(work.relative_to(STATE_ROOT).parts))  # <run>, <run>-nonprivate
+
+
 def train_private(params: dict, trainer: "Trainer", ctx):
     """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
     world, plan = trainer.world, trainer.plan
     work = work_dir(params, trainer)
-    if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
-        data_id, sketch = budget.examples_identity(artifact("shards") / "private")
-        budget.record(data_id, sketch, work.name, plan)
-    key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
-    model, counters, history = trainer.train(key, work, ctx, private=True)
+    with one_process(work, world):
+        if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
+            data_id, sketch = budget.examples_identity(artifact("shards") / "private")
+            budget.record(data_id, sketch, work.name, plan)
+        key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
+        model, counters, history = trainer.train(key, work, ctx, private=True)
     record = None
     if world.is_main:
         record = trainer.ledger.public()
@@ -190,7 +200,9 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
     p = nonprivate_params(params)
     twin = Trainer(p, trainer.mcfg, trainer.tokenizer, trainer.held, trainer.plan.without_noise(p["dp"]["steps"]),
                    trainer.world, trainer.device, trainer.source)
-    return twin.train(params["run"]["seed"], work_dir(p, trainer) / "nonprivate", ctx, private=False)[0]
+    work = work_dir(p, trainer) / "nonprivate"
+    with one_process(work, trainer.world):
+        return twin.train(params["run"]["seed"], work, ctx, private=False)[0]
 
 
 def warm_start(model, objective_name: str) -> None:
@@ -224,13 +236,6 @@ class Trainer:
         return model
 
     def train(self, key: int, work, ctx, private: bool):
-        """(model, counters, history) of the run whose state lives in `work`, resumed from it."""
-        # One process per run (the main rank): the lock is named by the run's path below the state root.
-        name = "-".join(work.relative_to(STATE_ROOT).parts)  # <run>, or <run>-nonprivate for its ε = ∞ twin
-        with training_lock(work, name) if self.world.is_main else nullcontext():
-            return self._train(key, work, ctx, private)
-
-    def _train(self, key: int, work, ctx, private: bool):
         dp, plan, world, device = self.dp, self.plan, self.world, self.device
         obj = objective(dp["objective"])
         model = self.build()
