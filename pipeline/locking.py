@@ -25,15 +25,17 @@ def stage_lock(stage: str):
         yield
 
 
-def training_lock(state: Path, name: str):
+def training_lock(state: Path, name: str, wait: bool):
     """Held by the one process that trains in the state directory `state` (the main rank), as
-    `.dpfm/locks/<name>.lock`."""
-    return exclusive(LOCK_DIR / f"{name}.lock", f"a training in {state} is already running")
+    `.dpfm/locks/<name>.lock`; with `wait`, a second process waits for the first to end (then it finds
+    the run where the first left it) instead of stopping."""
+    return exclusive(LOCK_DIR / f"{name}.lock", f"a training in {state} is already running", wait)
 
 
 @contextmanager
-def exclusive(path: Path, busy: str):
-    """Hold the lock file `path`, or raise StageBusy(`busy` and who holds it)."""
+def exclusive(path: Path, busy: str, wait: bool = False):
+    """Hold the lock file `path`; if another process holds it, wait for it (saying so) or raise
+    StageBusy(`busy` and who holds it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         try:
@@ -41,7 +43,10 @@ def exclusive(path: Path, busy: str):
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "another process"
-            raise StageBusy(f"{busy} ({holder}, {path}): wait for it to end, or stop it, then re-run") from None
+            if not wait:
+                raise StageBusy(f"{busy} ({holder}, {path}): wait for it to end, or stop it, then re-run") from None
+            print(f"dpfm: {busy} ({holder}, {path}): waiting for it to end", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
         except OSError as e:  # a file system without locks (Lustre mounted without -o flock): go on
             print(f"dpfm: WARNING cannot lock {path} ({e.strerror}); not guarded against a second holder",
                   file=sys.stderr)

@@ -399,16 +399,18 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
-def test_a_run_another_process_holds_is_refused_before_it_is_charged_or_touched(data_dir, tmp_path, objective_name,
-                                                                                 ranks):
-    """Two processes on one run (the same command started twice, a re-run beside a run still stopping)
-    would interleave its ledger and checkpoints. While another process holds the run, dp-train on
-    `ranks` processes stops with the holder named, before it charges the budget or writes the run's
-    state; once released, the run trains and is charged once."""
+def test_a_run_another_process_holds_is_not_charged_or_touched_until_it_is_released(data_dir, tmp_path, objective_name,
+                                                                                     ranks):
+    """Two processes on one run (the curve's point that repeats dp-train, started beside it; a command
+    started twice) would interleave its ledger and checkpoints. While another process holds the run,
+    dp-train neither charges the budget nor writes the run's state: one process waits, saying so, and
+    trains once the run is released (charged once); under torchrun it stops at once, naming the holder."""
+    import subprocess
+    import sys
+
     from stage_runs import charged_runs
 
     from pipeline.config import sections_of
-    from pipeline.errors import StageBusy
     from pipeline.locking import training_lock
     from pipeline.stages import stage
 
@@ -416,14 +418,28 @@ def test_a_run_another_process_holds_is_refused_before_it_is_charged_or_touched(
     with inside(work):  # the run's state directory, as dp-train will name it
         p = sections_of(load_params("params.yaml", sets), stage("dp-train").sections)
         state = training.work_dir(p, training.setup(p, "cpu"))
-    with inside(work), training_lock(state, state.name):
-        if ranks == 1:
-            with pytest.raises(StageBusy, match=f"a training in {state} is already running .pid {os.getpid()}"):
-                run_in_process("dp-train", sets)
-        else:
+
+    def untouched():
+        assert not (work / state).exists() or not any((work / state).iterdir())
+        assert charged_runs(work) == []
+
+    busy = f"a training in {state} is already running (pid {os.getpid()} on "
+    with inside(work), training_lock(state, state.name, wait=False):
+        if ranks == 2:
             proc = torchrun(work, "dp-train", sets, check=False)
-            assert proc.returncode != 0 and f"a training in {state} is already running" in proc.stderr
-    assert not (work / state).exists() or not any((work / state).iterdir())
-    assert charged_runs(work) == []
-    ledger, _ = train(work, sets)
+            assert proc.returncode != 0 and busy in proc.stderr
+            untouched()
+            return
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "pipeline.cli", "dp-train", "--threads", "1",
+               *sum((["--set", o] for o in [*sets, "run.device=cpu"]), [])]
+        waiter = subprocess.Popen(cmd, cwd=work, env=env, stderr=subprocess.PIPE, text=True)
+        for line in waiter.stderr:  # up to the line it prints before it blocks on the lock
+            if "waiting for it to end" in line:
+                break
+        assert busy in line
+        untouched()
+    _, err = waiter.communicate(timeout=300)  # released: it trains
+    assert waiter.returncode == 0, err[-3000:]
+    ledger = json.loads((work / "models/dp/ledger.json").read_text())
     assert ledger["run"] == state.name and [r["run"] for r in charged_runs(work)] == [state.name]

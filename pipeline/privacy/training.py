@@ -157,11 +157,15 @@ def work_dir(params: dict, trainer: "Trainer"):
 
 def one_process(work, world):
     """Held by the main rank around all a run does in its state directory (its charge, its key, its
-    training): a second process on the run (the same command started twice, a re-run beside a run
-    still stopping) stops at once instead of interleaving the run's ledger and checkpoints."""
+    training), so that two processes on one run never interleave its ledger and checkpoints. The curve
+    point that repeats dp-train is dp-train's own run, and Snakemake may start both at once (on SLURM,
+    or with cores to spare): a single process waits for the holder and then resumes the run where it
+    was left (finished: no step). Under torchrun the other ranks would wait in a collective, which
+    times out, so there the second stops at once (StageBusy)."""
     if not world.is_main:
         return nullcontext()
-    return training_lock(work, "-".join(work.relative_to(STATE_ROOT).parts))  # <run>, <run>-nonprivate
+    # Named by the run's path below the state root: <run>, or <run>-nonprivate for its ε = ∞ twin.
+    return training_lock(work, "-".join(work.relative_to(STATE_ROOT).parts), wait=world.size == 1)
 
 
 def train_private(params: dict, trainer: "Trainer", ctx):
