@@ -56,4 +56,7 @@ def exclusive(path: Path, busy: str, wait: bool = False):
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}")
         f.flush()
-        yield
+        try:
+            yield
+        finally:  # released now, even if a forked worker still holds a copy of the descriptor
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -169,3 +169,26 @@ def test_a_file_system_without_locks_warns_and_runs(tmp_path, monkeypatch, capsy
     with stage_lock("dp-train"):
         ran.append(1)
     assert ran and "WARNING cannot lock .dpfm/locks/dp-train.lock (Function not implemented)" in capsys.readouterr().err
+
+
+def test_a_lock_is_released_when_its_holder_is_done_even_if_a_forked_child_keeps_the_descriptor(tmp_path, monkeypatch):
+    """Training forks decoding workers while it holds its run's lock; the lock must end with the run."""
+    import multiprocessing
+
+    from pipeline.errors import StageBusy
+    from pipeline.locking import exclusive
+
+    monkeypatch.chdir(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Event()
+    with exclusive(tmp_path / "run.lock", "busy"):
+        child = ctx.Process(target=done.wait)  # holds a copy of the lock's descriptor until told to end
+        child.start()
+    try:
+        with exclusive(tmp_path / "run.lock", "busy"):  # would raise StageBusy while the child's copy held it
+            pass
+    except StageBusy:
+        pytest.fail("the lock outlived its holder's with-block")
+    finally:
+        done.set()
+        child.join(60)
