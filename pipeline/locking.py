@@ -1,7 +1,7 @@
 """One process per stage and workdir, and one per training's state directory. Snakemake locks a
-workdir against a second `snakemake`, but not against `dpfm <stage>` run by hand beside it, nor a
-benchmark started twice on one directory; two processes on one training would interleave one ledger
-and checkpoint and delete each other's temporary files."""
+workdir against a second `snakemake`, but not against `dpfm <stage>` run by hand beside it, nor the
+curve's point that repeats dp-train against dp-train (one run, two stages); two processes on one
+training would interleave one ledger and checkpoint and delete each other's temporary files."""
 
 from __future__ import annotations
 
