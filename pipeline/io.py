@@ -54,6 +54,17 @@ def remove_stale_temps(directory: str | Path, name: str = "*") -> None:
             stale.unlink(missing_ok=True)
 
 
+def drop_torn_tail(path: str | Path) -> None:
+    """An append-only record (one JSON line per entry, each fsynced before it counts) killed inside
+    an append can end in a line without its newline. That entry never counted; cut it, or the next
+    append would be glued to it and both be lost to a reader."""
+    data = Path(path).read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            os.fsync(f.fileno())
+
+
 def write_json(path: str | Path, obj, mode: int | None = None) -> None:
     with atomic_path(path, mode) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
-from pipeline.io import atomic_path
+from pipeline.io import atomic_path, drop_torn_tail
 from pipeline.privacy import accounting
 from pipeline.privacy.accountant_backends import PLD_REL_TOL, PLD_START_INTERVAL
 from pipeline.privacy.plan import Plan
@@ -107,12 +107,11 @@ def record(identity: str, sketch: np.ndarray, run: str, plan: Plan) -> None:
             fcntl.flock(f, fcntl.LOCK_EX)
         except OSError:  # a file system without locks: a race can then only charge a run twice, never miss it
             pass
+        drop_torn_tail(BUDGET_DIR / "runs.jsonl")  # a charge cut by a kill: its run had not started
         f.seek(0)
-        text = f.read()
-        if any(e["run"] == run for e in _parse(text)):
+        if any(e["run"] == run for e in _parse(f.read())):
             return
-        torn = text and not text.endswith("\n")  # a charge cut by a kill: this one must not be glued to it
-        f.write(("\n" if torn else "") + json.dumps(entry, sort_keys=True) + "\n")
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
 

@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from pipeline.io import drop_torn_tail
 from pipeline.privacy.plan import Plan
 
 
@@ -28,7 +29,9 @@ class Ledger:
         self.batch_sizes: dict[int, int] = {}
         lines = []
         if self.path.exists():
-            self._drop_torn_tail()
+            # Its fsync never returned, so that step's update was never applied: it is charged again
+            # when re-run (and kept, it would make the ledger unreadable, the run unresumable).
+            drop_torn_tail(self.path)
             lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         if not lines:  # new, or killed while its header was being written
             self._append({"header": header})
@@ -36,16 +39,6 @@ class Ledger:
             raise LedgerError(f"{self.path} was written for a different mechanism; refusing to mix ledgers")
         for rec in lines[1:]:
             self.batch_sizes[rec["step"]] = rec["batch_size"]
-
-    def _drop_torn_tail(self) -> None:
-        """A kill -9 inside `_append` can leave a last line without its newline. Its fsync never
-        returned, so its update was never applied: dropping it is safe, and the step is charged
-        again when it is re-run. (Keeping it would make the ledger unreadable, the run unresumable.)"""
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with open(self.path, "r+b") as f:
-                f.truncate(data.rfind(b"\n") + 1)
-                os.fsync(f.fileno())
 
     def _append(self, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
