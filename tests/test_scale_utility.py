@@ -219,14 +219,15 @@ def test_rows_set_against_another_recipes_kept_rows_pair_image_by_image(tmp_path
 
 def test_recipes_that_differ_only_in_the_dp_schedule_share_their_untrained_rows():
     """pixels, random init and the warm start do not depend on the DP schedule: one copy serves
-    every such recipe, while another model or another eval protocol gets its own."""
+    every such recipe (MAE's and the captioner's), while another model or another eval protocol gets its own."""
     from benchmarks.scale_utility import recipe_id, untrained_id
 
     def params(*extra):
         return load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], *extra])
 
     base = params()
-    for dp_only in (params("dp.steps=100"), params("dp.expected_batch_size=512"), params("dp.epsilon=1")):
+    for dp_only in (params("dp.steps=100"), params("dp.expected_batch_size=512"), params("dp.epsilon=1"),
+                    params("model.caption_mask_ratio=0.5")):  # a knob of the captioner's training alone
         assert untrained_id(dp_only) == untrained_id(base) and recipe_id(dp_only) != recipe_id(base)
     for other in (params("model.size=pico"), params("evaluate.pool=cls"), params("pretrain.steps=10")):
         assert untrained_id(other) != untrained_id(base)

@@ -152,3 +152,22 @@ def test_auto_c_refits_keep_the_c_chosen_on_the_whole_probe_train_part():
     assert np.array_equal(auto, refit_correct(x, y, split, {**cfg, "probe_c": c}, fits=4))
     other = next(k for k in AUTO_CS if abs(np.log(k / c)) > 2)  # a C far from the chosen one differs
     assert not np.array_equal(auto, refit_correct(x, y, split, {**cfg, "probe_c": other}, fits=4))
+
+
+def test_auto_c_is_chosen_once_for_a_probe_and_its_refits(monkeypatch):
+    """Choosing C costs about ten fits (minutes on 3,072 pixel features): it is chosen once per encoder,
+    and the probe and its refits take the same C."""
+    from pipeline.eval import probe
+
+    cfg = {"probe_solver": "logreg", "probe_c": "auto", "probe_train": None}
+    rng = np.random.default_rng(6)
+    x, y = _probe_draw(rng, rng.normal(size=20), 150, 300)
+    tr = np.arange(150)
+    calls = []
+    real = probe.chosen_c
+    monkeypatch.setattr(probe, "chosen_c", lambda *a, **k: calls.append(1) or real(*a, **k))
+    resolved = probe.with_chosen_c(x, y, tr, cfg)
+    assert resolved["probe_c"] == real(x[tr], y[tr]) and cfg["probe_c"] == "auto" and len(calls) == 1
+    probe.refit_correct(x, y, (tr, np.arange(150, 450)), resolved, fits=2)
+    assert len(calls) == 1  # the refits took the chosen C as it was
+    assert probe.with_chosen_c(x, y, tr, {**cfg, "probe_c": 0.5}) == {**cfg, "probe_c": 0.5}  # a fixed C stays

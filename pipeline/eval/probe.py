@@ -79,7 +79,10 @@ def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", la
     return out
 
 
-AUTO_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)  # `auto`'s grid of inverse L2 strengths
+# `auto`'s grid of inverse L2 strengths. It reaches 0.001: raw pixels of Fashion-MNIST (3,072 features, 5,000
+# probe-train images) cross-validate best at 0.003 (84.3%, against 84.1% at 0.01, the old grid's edge, and
+# 79.7% at 1); trained encoders' features best at 0.3-1.
+AUTO_CS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 AUTO_FOLDS = 3
 
 
@@ -204,6 +207,14 @@ def linear_probe(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int,
                          train_cfg=cfg["probe_train"], seed=seed, device=device)
 
 
+def with_chosen_c(x: np.ndarray, labels: np.ndarray, tr: np.ndarray, cfg: dict, seed: int = 0) -> dict:
+    """The protocol `cfg` with `auto`'s C chosen on the probe-train part `tr`, so that a probe and its
+    refits (refit_correct) share one choice: it costs about ten fits (on 3,072 pixel features, minutes)."""
+    if cfg["probe_solver"] == "logreg" and cfg["probe_c"] == "auto":
+        return {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed)}
+    return cfg
+
+
 PARALLEL_REFIT_FLOATS = 250_000
 
 
@@ -214,10 +225,9 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
     fit on (eval/stats.py). Resample r is drawn from r alone, so every encoder is refit on the same
     images and two encoders' refits pair."""
     tr, te = split
-    if cfg["probe_solver"] == "logreg" and cfg["probe_c"] == "auto":
-        # C is chosen once, on the probe-train part itself: cross-validating on a resample would put
-        # its duplicated images on both sides of a fold and choose too weak a penalty.
-        cfg = {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed)}
+    # C is chosen once, on the probe-train part itself: cross-validating on a resample would put its
+    # duplicated images on both sides of a fold and choose too weak a penalty.
+    cfg = with_chosen_c(x, labels, tr, cfg, seed)
     # The logistic fits are independent, single-threaded and on the CPU: one per core, where a fit
     # outweighs starting a worker (a probe on 5,000 images: seconds; on 270 digits: milliseconds).
     # The torch solvers share one device, so they run in turn.
