@@ -1,10 +1,14 @@
 """Bootstrap intervals of pipeline/eval/stats.py: they cover the truth at their level, and a paired
 difference sees what two overlapping intervals cannot."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from pipeline.eval.stats import accuracy_ci, difference_ci
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_accuracy_interval_covers_the_true_accuracy_about_95_percent_of_the_time():
@@ -154,20 +158,31 @@ def test_auto_c_refits_keep_the_c_chosen_on_the_whole_probe_train_part():
     assert not np.array_equal(auto, refit_correct(x, y, split, {**cfg, "probe_c": other}, fits=4))
 
 
-def test_auto_c_is_chosen_once_for_a_probe_and_its_refits(monkeypatch):
-    """Choosing C costs about ten fits (minutes on 3,072 pixel features): it is chosen once per encoder,
-    and the probe and its refits take the same C."""
-    from pipeline.eval import probe
+def test_auto_c_is_chosen_once_per_encoder_for_its_probe_and_its_refits(monkeypatch):
+    """Choosing C costs about ten fits (minutes on 3,072 pixel features): the evaluate stage
+    cross-validates once per encoder and hands the probe and its refits the C it chose."""
+    import yaml
+    from sklearn.linear_model import LogisticRegressionCV
 
-    cfg = {"probe_solver": "logreg", "probe_c": "auto", "probe_train": None}
+    from pipeline.eval import probe
+    from pipeline.eval.evalsets import EvalSet
+    from pipeline.stages.evaluate import Candidate, evaluate_set
+
+    searches = []
+
+    class Counted(LogisticRegressionCV):
+        def fit(self, *a, **k):
+            searches.append(1)
+            return super().fit(*a, **k)
+
+    monkeypatch.setattr(probe, "LogisticRegressionCV", Counted)
     rng = np.random.default_rng(6)
-    x, y = _probe_draw(rng, rng.normal(size=20), 150, 300)
-    tr = np.arange(150)
-    calls = []
-    real = probe.chosen_c
-    monkeypatch.setattr(probe, "chosen_c", lambda *a, **k: calls.append(1) or real(*a, **k))
-    resolved = probe.with_chosen_c(x, y, tr, cfg)
-    assert resolved["probe_c"] == real(x[tr], y[tr]) and cfg["probe_c"] == "auto" and len(calls) == 1
-    probe.refit_correct(x, y, (tr, np.arange(150, 450)), resolved, fits=2)
-    assert len(calls) == 1  # the refits took the chosen C as it was
-    assert probe.with_chosen_c(x, y, tr, {**cfg, "probe_c": 0.5}) == {**cfg, "probe_c": 0.5}  # a fixed C stays
+    labels = np.repeat(np.arange(3), 20)
+    images = (rng.random((60, 8, 8, 3)) * 60 + labels[:, None, None, None] * 60).astype(np.uint8)
+    es = EvalSet("toy", images, labels, ["a", "b", "c"], ("{c}",))
+    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["evaluate"]
+    cfg.update(probe_c="auto", probe_refits=3, fewshot={"shots": [], "repeats": 1}, zero_shot=False,
+               finetune={**cfg["finetune"], "enabled": False})
+    evaluate_set(es, [Candidate("dp", "raw pixels", "-", None), Candidate("pixels", "raw pixels", "-", None)],
+                 cfg, 0, "cpu", None)
+    assert len(searches) == 2  # one choice per encoder, none in the refits
