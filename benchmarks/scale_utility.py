@@ -19,11 +19,13 @@ Rows, every objective on the same probe-train / probe-test split of the eval set
 raw pixels; random init; synthetic-only (the warm start, untrained on private data); DP from the
 synthetic warm start at each ε on the full private split; and, for the scaling figure, DP at ε = 8
 on private splits of each size in --sizes (the eval set unchanged: `shards.private_limit`).
-Caption and clip rows also get zero-shot accuracy. Intervals are 95% bootstraps over test images,
-over the probe-train images the probe is fit on (--probe-refits probes refit on resamples of
-probe-train, the same resamples for every row: a probe fit on 5,000 images moves by about half a
-point, one s.d., with which ones) and, with --seeds > 1, over training seeds; differences pair example by example and
-resample by resample (pipeline/eval/stats.py).
+Every probe is the evaluate stage's, its C cross-validated on probe-train for each row (a fixed C
+favours some rows: C = 1 read the pixels 4 points low). Caption and clip rows also get zero-shot
+accuracy. Intervals are 95% bootstraps over test images, over the probe-train images the probe is
+fit on (--probe-refits probes refit on resamples of probe-train, the same resamples for every row: a
+probe fit on 5,000 images moves by about half a point, one s.d., with which ones) and, with more
+than one --seeds, over training seeds; differences pair example by example and resample by resample
+(pipeline/eval/stats.py).
 
 Targets (paired 95% intervals):
   a  mae and caption: DP at ε = 8 from synthetic is above synthetic-only
