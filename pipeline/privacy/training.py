@@ -240,6 +240,8 @@ class Trainer:
         return model
 
     def train(self, key: int, work, ctx, private: bool):
+        """(model, counters, history) of the run whose state lives in `work`, resumed from it; the caller
+        holds the run's lock (`one_process`)."""
         dp, plan, world, device = self.dp, self.plan, self.world, self.device
         obj = objective(dp["objective"])
         model = self.build()
