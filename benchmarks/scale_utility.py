@@ -37,7 +37,7 @@ Targets (paired 95% intervals):
 --validate scores everything on the probe-train part by 3-fold cross-fitting (each image scored by a
 probe fit on the other two folds) and never touches the probe-test part: that is where a recipe is
 chosen. Scoring all of probe-train, not a third, narrows the paired intervals a choice rests on.
-Resumable: every finished row is kept under DIR/rows/, every training checkpoints in its state
+Resumable: every finished row is kept under DIR/rows/ (or --rows), every training checkpoints in its state
 directory, so a killed run started again continues where it stopped. Prints one line per row as it
 goes, the table, the scaling figure's numbers (DIR/scaling.png) and ONE JSON line, the last line of
 stdout, in the format of benchmarks/utility.py with "n" per row.
@@ -195,7 +195,7 @@ class Rows:
             if value is not None:
                 arrays[key] = value
         with atomic_path(self.dir / f"{name}.npz") as tmp, open(tmp, "wb") as fh:  # a killed run leaves no half row
-            np.savez(fh, **arrays)
+            np.savez_compressed(fh, **arrays)  # 0/1 outcomes: ~8x smaller, small enough to commit
         return {"probe": probe, "zero": zero, "refits": refits, "meta": meta}
 
 
@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["2000", "6000", "20000", FULL],
                     help=f"private-split sizes of the scaling figure ({FULL}: the whole split)")
     ap.add_argument("--epsilons", nargs="+", default=["1", "8", "inf"], help="ε of the full-size rows")
+    ap.add_argument("--rows", type=Path, help="where finished rows are kept (default DIR/rows): point it at "
+                    "committed rows (benchmarks/scale_rows) to reuse them, or to keep new ones past this machine")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--probe-refits", type=int, default=20,
                     help="probes refit on resamples of probe-train per row and seed, for the intervals (0: none)")
@@ -252,6 +254,7 @@ def main() -> None:
     epsilons = sorted(parse_epsilon(e) for e in args.epsilons)
     sizes = [s for s in args.sizes if s != FULL] + [FULL]  # the full split last: it is also the main table
     work = Path(args.dir or tempfile.mkdtemp(prefix="dpfm-scale-")).resolve()
+    kept_rows = (args.rows or work / "rows").resolve()
     started, table, versus = time.time(), {}, {}
     for obj in args.objectives:  # each objective on its own schedule: its own recipe, its own rows
         params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[obj], *args.set])
@@ -259,18 +262,18 @@ def main() -> None:
             params["shards"]["path"] = str(ROOT / "data/public/fashion-mnist")
         device = resolve_device(params["run"]["device"])
         part = f"-val{VALIDATION_FOLDS}" if args.validate else ""  # validation rows are kept apart
-        rows = Rows(work / "rows" / (recipe_id(params) + part))
+        rows = Rows(kept_rows / (recipe_id(params) + part))
         print(f"scale_utility: {obj}: working in {work} on {device}; rows in {rows.dir}", flush=True)
         full_dir = work / f"n-{FULL}"
         prepare(full_dir, size_params(params, FULL, None), device, None)
         with inside(full_dir):  # the eval set reads the full split's held-out shards, relative to here
             rows_of_obj, te, chance, set_name = measure(params, obj, args, epsilons, sizes, work, full_dir, rows,
-                                                        Rows(work / "rows" / (untrained_id(params) + part)),
+                                                        Rows(kept_rows / (untrained_id(params) + part)),
                                                         device, started)
         table.update({k: v for k, v in rows_of_obj.items() if k not in table})  # pixels etc.: the first recipe's
         if args.against is not None:
             other = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[obj], *args.against])
-            versus.update(against(rows_of_obj, Rows(work / "rows" / (recipe_id(other) + part))))
+            versus.update(against(rows_of_obj, Rows(kept_rows / (recipe_id(other) + part))))
     report(table, args, epsilons, sizes, chance, len(te), work, time.time() - started, device,
            set_name + (f" (probe-train, {VALIDATION_FOLDS}-fold cross-fitted)" if args.validate else ""), versus)
 

@@ -116,6 +116,14 @@ def test_rows_are_kept_whole_and_read_back(tmp_path):
     assert sorted(p.name for p in (tmp_path / "rows").iterdir()) == ["mae-nfull-eps8.npz", "pixels.npz"]  # no temporary left
 
 
+def test_rows_are_compressed_to_be_kept_in_the_repository(tmp_path):
+    """A row of the full table (5,000 test images, 20 refits) is committed under benchmarks/scale_rows
+    so the next machine resumes from it: its 0/1 outcomes are stored compressed, not byte per byte."""
+    outcomes = np.random.default_rng(0).random((1, 21, 5000)) < 0.8
+    Rows(tmp_path).put("mae-nfull-eps8", outcomes[:, 0], None, outcomes[:, 1:], {"n": 60000})
+    assert (tmp_path / "mae-nfull-eps8.npz").stat().st_size < outcomes.nbytes / 4
+
+
 def test_a_kept_row_takes_more_seeds_after_its_own(tmp_path):
     """--seeds 3 on a kept one-seed row trains seeds 1 and 2 only: the kept seed's outcomes stay as
     they were, first, and a row whose parts do not match (refits on one side only) is refused."""
