@@ -1,6 +1,7 @@
 """Bootstrap intervals of pipeline/eval/stats.py: they cover the truth at their level, and a paired
 difference sees what two overlapping intervals cannot."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,31 @@ def test_auto_c_refits_keep_the_c_chosen_on_the_whole_probe_train_part():
     assert np.array_equal(auto, refit_correct(x, y, split, {**cfg, "probe_c": c}, fits=4))
     other = next(k for k in AUTO_CS if abs(np.log(k / c)) > 2)  # a C far from the chosen one differs
     assert not np.array_equal(auto, refit_correct(x, y, split, {**cfg, "probe_c": other}, fits=4))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # LogisticRegressionCV announcing its 1.10 attributes
+def test_auto_c_folds_spread_over_cores_choose_what_folds_in_turn_choose():
+    """A large enough choice of C runs its folds in worker processes (one BLAS thread each): the
+    cross-validated accuracies, and so the C, are those of the folds fit one after another."""
+    from sklearn.linear_model import LogisticRegressionCV
+    from sklearn.model_selection import StratifiedKFold
+    from sklearn.preprocessing import StandardScaler
+    from threadpoolctl import threadpool_limits
+
+    from pipeline.eval.probe import AUTO_CS, AUTO_FOLDS, PARALLEL_FIT_FLOATS, logreg_probe
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(1200, 240)).astype(np.float32)
+    y = (x[:, :20] @ rng.normal(size=20) + rng.normal(scale=2.0, size=len(x)) > 0).astype(int)
+    assert x.size >= PARALLEL_FIT_FLOATS
+    spread = logreg_probe(x, y, "auto")[-1]
+    assert spread.n_jobs == min(AUTO_FOLDS, os.cpu_count())
+    with threadpool_limits(1):
+        in_turn = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(AUTO_FOLDS, shuffle=True, random_state=0),
+                                       scoring="accuracy", max_iter=3000, random_state=0, n_jobs=1)
+        in_turn.fit(StandardScaler().fit_transform(x), y)
+    assert np.array_equal(spread.scores_[1], in_turn.scores_[1]) and spread.C_[0] == in_turn.C_[0]
+    assert logreg_probe(x[:100], y[:100], "auto")[-1].n_jobs == 1  # small: a worker costs more than the fit
 
 
 def test_auto_c_is_chosen_once_per_encoder_for_its_probe_and_its_refits(monkeypatch):

@@ -84,6 +84,9 @@ def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", la
 # 79.7% at 1); trained encoders' features best at 0.3-1.
 AUTO_CS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 AUTO_FOLDS = 3
+# Independent logistic fits (auto's folds, the refits) go one per core from this many training floats,
+# where a fit outweighs starting a worker (a probe on 5,000 images: seconds; on 270 digits: milliseconds).
+PARALLEL_FIT_FLOATS = 250_000
 
 
 def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
@@ -93,13 +96,17 @@ def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
     counts = np.unique(train_y, return_counts=True)[1]
     folds = min(AUTO_FOLDS, int(counts.min()) if len(counts) else 0)
     if c == "auto" and folds >= 2:
+        jobs = min(folds, os.cpu_count() or 1) if np.size(train_x) >= PARALLEL_FIT_FLOATS else 1
         model = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(folds, shuffle=True, random_state=seed),
-                                     scoring="accuracy", max_iter=3000, random_state=seed)
+                                     scoring="accuracy", max_iter=3000, random_state=seed, n_jobs=jobs)
     else:
         model = LogisticRegression(C=1.0 if c == "auto" else c, max_iter=3000, random_state=seed)
     probe = make_pipeline(StandardScaler(), model)
-    # Small fits are latency-bound: one BLAS thread is several times faster than a contended pool.
-    with threadpool_limits(1 if np.size(train_x) < 2_000_000 else None), warnings.catch_warnings():
+    # One BLAS thread per fit, the cores spread over independent fits instead: L-BFGS's products have
+    # one column per class, too thin for a thread pool to pay its synchronisation (2 cores, 5,000
+    # probe-train images: 4.7 s against 11.2 s for 768 encoder features, 12 s against 33 s for 3,072
+    # pixels; benchmarks/probe_speed.py).
+    with threadpool_limits(1), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # LogisticRegressionCV's announced attribute changes
         return probe.fit(train_x, train_y)
 
@@ -209,13 +216,10 @@ def linear_probe(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int,
 
 def with_chosen_c(x: np.ndarray, labels: np.ndarray, tr: np.ndarray, cfg: dict, seed: int = 0) -> dict:
     """The protocol `cfg` with `auto`'s C chosen on the probe-train part `tr`, so that a probe and its
-    refits (refit_correct) share one choice: it costs about ten fits (on 3,072 pixel features, minutes)."""
+    refits (refit_correct) share one choice: it costs about ten fits (on 3,072 pixel features, two minutes)."""
     if cfg["probe_solver"] == "logreg" and cfg["probe_c"] == "auto":
         return {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed)}
     return cfg
-
-
-PARALLEL_REFIT_FLOATS = 250_000
 
 
 def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int, seed: int = 0,
@@ -228,10 +232,9 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
     # C is chosen once, on the probe-train part itself: cross-validating on a resample would put its
     # duplicated images on both sides of a fold and choose too weak a penalty.
     cfg = with_chosen_c(x, labels, tr, cfg, seed)
-    # The logistic fits are independent, single-threaded and on the CPU: one per core, where a fit
-    # outweighs starting a worker (a probe on 5,000 images: seconds; on 270 digits: milliseconds).
-    # The torch solvers share one device, so they run in turn.
-    parallel = cfg["probe_solver"] == "logreg" and len(tr) * math.prod(x.shape[1:]) >= PARALLEL_REFIT_FLOATS
+    # The logistic fits are independent, single-threaded and on the CPU: one per core. The torch
+    # solvers share one device, so they run in turn.
+    parallel = cfg["probe_solver"] == "logreg" and len(tr) * math.prod(x.shape[1:]) >= PARALLEL_FIT_FLOATS
     jobs = min(fits, os.cpu_count() or 1) if parallel else 1
     out = Parallel(n_jobs=jobs)(delayed(_refit)(x, labels, tr, te, cfg, r, seed, device) for r in range(fits))
     return np.stack(out) if out else np.empty((0, len(te)), bool)
