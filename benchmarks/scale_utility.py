@@ -77,7 +77,8 @@ FULL = "full"
 # The scale recipe: Fashion-MNIST as the private set, and the schedule the papers scale (q, T fixed;
 # B = q·n), each objective's B and T in SCHEDULES below (`--set` overrides them; on a GPU raise them,
 # e.g. `--set dp.expected_batch_size=4096`; `dpfm plan` shows σ/B). The probe is the evaluate stage's:
-# its C cross-validated on probe-train per row (about 1.5 minutes per encoder row, 10 for the pixels).
+# its C cross-validated on probe-train per row (choice and fit about 1.5 minutes an encoder row, two for
+# the pixels, then the refits).
 # A fixed C = 1, held until 2026-11-27, under-regularised the pixels' 3,072 features: 79.3% on the test
 # part against 83.5% at their chosen C (docs/results.md, "The probe's C, cross-validated").
 RECIPE = [

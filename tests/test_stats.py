@@ -185,7 +185,7 @@ def test_auto_c_folds_spread_over_cores_choose_what_folds_in_turn_choose():
 
 
 def test_auto_c_is_chosen_once_per_encoder_for_its_probe_and_its_refits(monkeypatch):
-    """Choosing C costs about ten fits (minutes on 3,072 pixel features): the evaluate stage
+    """Choosing C costs about ten fits (two minutes on 3,072 pixel features): the evaluate stage
     cross-validates once per encoder and hands the probe and its refits the C it chose."""
     import yaml
     from sklearn.linear_model import LogisticRegressionCV
