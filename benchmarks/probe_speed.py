@@ -23,14 +23,10 @@ import warnings
 
 import numpy as np
 import torch
-from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
-from sklearn.model_selection import StratifiedKFold
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
 from pipeline.data import labelled_sets
-from pipeline.eval.probe import AUTO_CS, AUTO_FOLDS, extract_features, logreg_probe, pixel_features
+from pipeline.eval.probe import extract_features, logreg_estimator, logreg_probe, pixel_features
 from pipeline.models import build_encoder
 
 IMAGE_SIZE = 32
@@ -39,14 +35,10 @@ ENCODER = {"size": "cpu", "img_size": IMAGE_SIZE, "patch_size": 4}
 
 def baseline_probe(train_x, train_y, c, seed: int = 0):
     """logreg_probe as it was threaded before: BLAS's pool from 2M floats, the folds in turn."""
-    if c == "auto":
-        model = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(AUTO_FOLDS, shuffle=True, random_state=seed),
-                                     scoring="accuracy", max_iter=3000, random_state=seed)
-    else:
-        model = LogisticRegression(C=c, max_iter=3000, random_state=seed)
+    probe = logreg_estimator(train_x, train_y, c, seed, fold_jobs=1)
     with threadpool_limits(1 if np.size(train_x) < 2_000_000 else None), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return make_pipeline(StandardScaler(), model).fit(train_x, train_y)
+        return probe.fit(train_x, train_y)
 
 
 def choose_and_fit(probe, x, y, tr, te) -> dict:

@@ -163,23 +163,18 @@ def test_auto_c_refits_keep_the_c_chosen_on_the_whole_probe_train_part():
 def test_auto_c_folds_spread_over_cores_choose_what_folds_in_turn_choose():
     """A large enough choice of C runs its folds in worker processes (one BLAS thread each): the
     cross-validated accuracies, and so the C, are those of the folds fit one after another."""
-    from sklearn.linear_model import LogisticRegressionCV
-    from sklearn.model_selection import StratifiedKFold
-    from sklearn.preprocessing import StandardScaler
     from threadpoolctl import threadpool_limits
 
-    from pipeline.eval.probe import AUTO_CS, AUTO_FOLDS, PARALLEL_FIT_FLOATS, logreg_probe
+    from pipeline.eval.probe import AUTO_FOLDS, PARALLEL_FOLD_FLOATS, logreg_estimator, logreg_probe
 
     rng = np.random.default_rng(7)
-    x = rng.normal(size=(1200, 240)).astype(np.float32)
+    x = rng.normal(size=(2000, 1000)).astype(np.float32)
     y = (x[:, :20] @ rng.normal(size=20) + rng.normal(scale=2.0, size=len(x)) > 0).astype(int)
-    assert x.size >= PARALLEL_FIT_FLOATS
+    assert x.size >= PARALLEL_FOLD_FLOATS
     spread = logreg_probe(x, y, "auto")[-1]
     assert spread.n_jobs == min(AUTO_FOLDS, os.cpu_count())
     with threadpool_limits(1):
-        in_turn = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(AUTO_FOLDS, shuffle=True, random_state=0),
-                                       scoring="accuracy", max_iter=3000, random_state=0, n_jobs=1)
-        in_turn.fit(StandardScaler().fit_transform(x), y)
+        in_turn = logreg_estimator(x, y, "auto", fold_jobs=1).fit(x, y)[-1]
     assert np.array_equal(spread.scores_[1], in_turn.scores_[1]) and spread.C_[0] == in_turn.C_[0]
     assert logreg_probe(x[:100], y[:100], "auto")[-1].n_jobs == 1  # small: a worker costs more than the fit
 

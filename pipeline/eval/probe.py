@@ -84,24 +84,35 @@ def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", la
 # 79.7% at 1); trained encoders' features best at 0.3-1.
 AUTO_CS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 AUTO_FOLDS = 3
-# Independent logistic fits (auto's folds, the refits) go one per core from this many training floats,
-# where a fit outweighs starting a worker (a probe on 5,000 images: seconds; on 270 digits: milliseconds).
+# Independent logistic fits go one per core from this many training floats, where the fits outweigh
+# starting the workers: the 20 refits from 250k (a probe on 5,000 images: seconds; on 270 digits:
+# milliseconds), auto's 3 folds, which share a worker's start among fewer fits, from 2M (898 digits ×
+# 768 features: 5.3 s in workers against 4.1 s in turn; 5,000 × 768: 73 s against 243 s;
+# benchmarks/probe_speed.py).
 PARALLEL_FIT_FLOATS = 250_000
+PARALLEL_FOLD_FLOATS = 2_000_000
 
 
-def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
-    """Standardised features + L2 logistic regression (L-BFGS), fitted. c="auto" picks C from
-    AUTO_CS by stratified cross-validated accuracy on (train_x, train_y); with fewer than 2 examples
-    of some class (1-shot) there is nothing to validate on, and C falls back to 1."""
+def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold_jobs: int | None = None):
+    """logreg_probe's probe, not yet fitted: standardised features + L2 logistic regression (L-BFGS).
+    c="auto" picks C from AUTO_CS by stratified cross-validated accuracy on (train_x, train_y), its
+    folds in `fold_jobs` processes (default: one per core for a large enough problem); with fewer than
+    2 examples of some class (1-shot) there is nothing to validate on, and C falls back to 1."""
     counts = np.unique(train_y, return_counts=True)[1]
     folds = min(AUTO_FOLDS, int(counts.min()) if len(counts) else 0)
     if c == "auto" and folds >= 2:
-        jobs = min(folds, os.cpu_count() or 1) if np.size(train_x) >= PARALLEL_FIT_FLOATS else 1
+        if fold_jobs is None:
+            fold_jobs = min(folds, os.cpu_count() or 1) if np.size(train_x) >= PARALLEL_FOLD_FLOATS else 1
         model = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(folds, shuffle=True, random_state=seed),
-                                     scoring="accuracy", max_iter=3000, random_state=seed, n_jobs=jobs)
+                                     scoring="accuracy", max_iter=3000, random_state=seed, n_jobs=fold_jobs)
     else:
         model = LogisticRegression(C=1.0 if c == "auto" else c, max_iter=3000, random_state=seed)
-    probe = make_pipeline(StandardScaler(), model)
+    return make_pipeline(StandardScaler(), model)
+
+
+def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
+    """logreg_estimator's probe, fitted on (train_x, train_y)."""
+    probe = logreg_estimator(train_x, train_y, c, seed)
     # One BLAS thread per fit, the cores spread over independent fits instead: L-BFGS's products have
     # one column per class, too thin for a thread pool to pay its synchronisation (2 cores, 5,000
     # probe-train images, 768 encoder features: C chosen and fit in 81 s against 260 s with the pool
