@@ -11,5 +11,6 @@ mkdir -p "$out"
 pip=(python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out")
 "${pip[@]}" jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
-    braceexpand==0.1.7 webdataset==1.0.2 opacus==1.6.0 dp-accounting==0.6.0 dm-tree==0.1.10
+    braceexpand==0.1.7 webdataset==1.0.2 opacus==1.6.0 dp-accounting==0.6.0 dm-tree==0.1.10 \
+    pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0  # the CUDA tests
 ls -la "$out"

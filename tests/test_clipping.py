@@ -430,13 +430,14 @@ def test_split_bf16_parts_sum_to_the_fp32_value_exactly():
     assert not torch.equal(parts[0].double(), x.double())  # one bf16 alone is not enough
 
 
-def bf16_step(objective, ghost):
+def bf16_step(objective, ghost, device="cpu"):
     torch.manual_seed(0)
     cfg = ModelConfig.of({"size": "micro", "vocab_size": 50, "max_len": 10})
-    model = build_model(objective, cfg)
+    model = build_model(objective, cfg).to(device)
     imgs = torch.randn(6, 3, 16, 16)
     batch = (imgs, torch.rand(6, 16)) if cfg.reads_masks(objective) else (imgs, torch.randint(4, 50, (6, 10)))
-    clipper = BookKeepingClipper(model, 0.05, ghost=ghost, autocast=lambda: autocast("cpu", "bf16"))
+    batch = tuple(t.to(device) for t in batch)
+    clipper = BookKeepingClipper(model, 0.05, ghost=ghost, autocast=lambda: autocast(device, "bf16"))
     clipper.reset()
     stats_ = clipper.accumulate(*batch)
     return clipper.sum, stats_.norms
@@ -453,6 +454,26 @@ def test_bf16_products_give_the_sums_of_fp32_products(monkeypatch, objective, gh
     low_precision_products.enable(monkeypatch.setattr, calls)
     got, norms = bf16_step(objective, ghost)
     assert calls  # the low-precision route ran
+    assert max_rel_error(got, want) <= 1e-5
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's bf16 GEMM with fp32 output needs a GPU")
+@pytest.mark.parametrize("objective", ["mae", "caption"])
+@pytest.mark.parametrize("ghost", [None, True, False])
+def test_cuda_bf16_products_give_the_sums_of_fp32_products(monkeypatch, objective, ghost):
+    """The same comparison on a GPU, with CUDA's own kernel instead of its emulation: what the emulation
+    assumes of it (exact products, fp32 sums) holds for the kernel the GPU route runs."""
+    from pipeline.privacy import layer_rules
+
+    monkeypatch.setattr(layer_rules, "LOW_PRECISION_PRODUCTS", False)
+    want, want_norms = bf16_step(objective, ghost, "cuda")
+    monkeypatch.setattr(layer_rules, "LOW_PRECISION_PRODUCTS", True)
+    calls = []
+    kernel = layer_rules.low_gemm
+    monkeypatch.setattr(layer_rules, "low_gemm", lambda x, y: calls.append(x.shape) or kernel(x, y))
+    got, norms = bf16_step(objective, ghost, "cuda")
+    assert calls  # CUDA's kernel ran
     assert max_rel_error(got, want) <= 1e-5
     assert norms == pytest.approx(want_norms, rel=1e-5)
 
