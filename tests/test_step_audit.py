@@ -52,7 +52,8 @@ def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
         # Every example is clipped, so one moves the release by C (per example); per batch, the clipped
         # mean of 16 moves by a fraction of the bound 2C.
         if OBJECTIVES[name].clipping == "per_sample":
-            assert result["sensitivity_ratio"] == pytest.approx(1.0, abs=1e-3)
+            # at most C (the verdict), and below it only by the bf16 rounding slack the clip factor pays
+            assert 0.99 <= result["sensitivity_ratio"] <= 1 + 1e-4
         else:
             assert 0 < result["sensitivity_ratio"] <= 1
 
@@ -237,7 +238,8 @@ def _audited_with_bf16_products(name, world):
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_the_real_step_with_bf16_products_is_consistent_at_one_and_two_ranks(tmp_path, monkeypatch, name):
     """The Linear rules' bf16 GEMMs with fp32 results (a GPU's route, emulated): every objective's real
-    step still moves by exactly C per example (per batch: within 2C), with the noise it is told."""
+    step still moves by at most C per example, and by no less than 0.99·C (per batch: within 2C), with
+    the noise it is told."""
     from pipeline.distributed import World
     from pipeline.privacy import layer_rules
 
@@ -248,7 +250,8 @@ def test_the_real_step_with_bf16_products_is_consistent_at_one_and_two_ranks(tmp
     for result in (one, two):
         assert result["verdict"] == "consistent", result["problems"]
         if OBJECTIVES[name].clipping == "per_sample":
-            assert result["sensitivity_ratio"] == pytest.approx(1.0, abs=1e-3)
+            # at most C (the verdict), and below it only by the bf16 rounding slack the clip factor pays
+            assert 0.99 <= result["sensitivity_ratio"] <= 1 + 1e-4
 
 
 def test_random_batches_alone_miss_a_per_batch_sensitivity_of_one():

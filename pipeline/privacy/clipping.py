@@ -134,10 +134,13 @@ def group_bounds(model: nn.Module, clip_norm: float, encoder_share: float | None
     return group_of, [clip_norm * encoder_share ** 0.5, clip_norm * (1 - encoder_share) ** 0.5]
 
 
-def grouped_factors(sq: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def grouped_factors(sq: torch.Tensor, bounds: torch.Tensor, reach: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From squared norms per group (G, B): the clip factors (G, B), zero for an example whose norm is not
-    finite in any group (it contributes nothing), which examples are finite (B,), and the whole norms (B,)."""
-    factors, finite = clip_factors(sq.sqrt(), bounds.view(-1, 1))
+    finite in any group (it contributes nothing), which examples are finite (B,), and the whole norms (B,).
+    `reach` (G, B), squared: how far the clipped sum may carry each unclipped group, rounding included
+    (≥ the norm); the factors clip it, so what is summed stays within the bound."""
+    factors, finite = clip_factors((sq if reach is None else reach).sqrt(), bounds.view(-1, 1))
     finite = finite.all(0)
     return torch.where(finite, factors, torch.zeros_like(factors)), finite, sq.sum(0).sqrt()
 
@@ -161,6 +164,16 @@ def _instantiate(r, per_module: dict) -> None:
     for k, v in r.rule.per_sample(r.module, r.activation, r.grad).items():
         per[k] = per[k] + v if k in per else v
     r.activation = r.grad = None  # held in `per` from here
+
+
+def as_autocast_multiplies(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 input as a Linear under bf16 autocast multiplies it: rounded to bf16. Its weight's gradient
+    is taken with that copy, so the clipper holds it (half the bytes; exact bf16 products on a GPU)."""
+    device = x.device.type
+    if (x.dtype == torch.float32 and torch.is_autocast_enabled(device)
+            and torch.get_autocast_dtype(device) == torch.bfloat16):
+        return x.bfloat16()
+    return x
 
 
 def fp32_only(device: torch.device):
@@ -238,7 +251,10 @@ class BookKeepingClipper(ClippedSum):
         if not self._capturing:
             return None
         rule = rule_for(module)
-        record = _Record(module, rule, inputs[0].detach() if rule.needs_input else None)
+        held = inputs[0].detach() if rule.needs_input else None
+        if held is not None and rule.takes_low_precision:
+            held = as_autocast_multiplies(held)
+        record = _Record(module, rule, held)
         self._records.append(record)
         if not output.requires_grad:  # a layer fed only by data/ids: start the graph here, with a zero
             # leaf added (the output made a leaf itself would stay alive, with its .grad, to the end)
@@ -329,20 +345,26 @@ class BookKeepingClipper(ClippedSum):
             for r in records:
                 calls.setdefault(id(r.module), []).append(r)
             sq = torch.zeros(len(self.bounds), batch_size, dtype=torch.float32, device=device)  # per clip group
+            reach = torch.zeros_like(sq)  # the same, each layer's norm widened by its rounding slack
             budget = [self.held_budget * (self._reduced_bytes + sum(_bytes(r) for r in records))]
             reduced, self._reduced = self._reduced, {}
             for module_calls in calls.values():
                 first = module_calls[0]
                 if len(module_calls) == 1 and id(first.module) not in reduced and self._ghost_route(first, budget):
-                    sq[self._group[id(first.module)]] += first.rule.ghost_sq_norm(first.module, *self._fp32(first))
+                    group, held = self._group[id(first.module)], self._fp32(first)
+                    layer_sq = first.rule.ghost_sq_norm(first.module, *held)
+                    slack = first.rule.rounding_slack(first.module, *held)
+                    sq[group] += layer_sq
+                    reach[group] += layer_sq if slack is None else (layer_sq.clamp_min(0).sqrt() + slack).square()
                     continue
                 for r in module_calls:
                     self._instantiate(r, reduced)
             instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
             for m, per in instantiated:  # vector_norm: 3-7x pow().sum()
-                sq[self._group[id(m)]] += sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square()
-                                              for v in per.values())
-            factors, finite, norms = grouped_factors(sq, self.bounds)
+                layer_sq = sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())
+                sq[self._group[id(m)]] += layer_sq
+                reach[self._group[id(m)]] += layer_sq  # summed in fp32 as it is: nothing rounds
+            factors, finite, norms = grouped_factors(sq, self.bounds, reach)
             all_finite = bool(finite.all())  # the usual case: no row to zero, no copies for it
             for m, per in instantiated:
                 for k, v in per.items():

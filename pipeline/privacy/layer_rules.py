@@ -57,13 +57,14 @@ GRAM_BLOCK = 64
 GRAM_ALIGN = 16
 
 
-# Products in fp32 from bf16 operands. The product of two bf16 values is exact in fp32, so a bf16 GEMM
-# with fp32 accumulation and output (CUDA's out_dtype overload: tensor cores) computes the same sums
-# as upcasting both sides and multiplying in fp32 (without TF32), up to the order of summation. The
-# side that carries the clip factors is fp32 (c_i·g is not a bf16 value): it is split exactly into
-# three bf16 parts, hi + mid + lo (8 significand bits each, 24 in all), one GEMM each. On a GPU the
-# fp32 products were the clipped step's suspected cost (3-3.8x the non-private bf16 step on an H200,
-# docs/results.md); not measured on a GPU yet. LOW_PRECISION_PRODUCTS = False times the old route.
+# Products in fp32 from bf16 operands. Under bf16 autocast a Linear multiplies bf16 copies of its input,
+# and the clipper holds those copies (clipping.as_autocast_multiplies). The product of two bf16 values is
+# exact in fp32, so a bf16 GEMM with fp32 accumulation and output (CUDA's out_dtype overload: tensor
+# cores) gives the ghost norms and per-example gradients that upcasting first gives, up to the order of
+# summation. The clipped sum's scaled side c_i·g is not a bf16 value: it is rounded to one, for one
+# GEMM, and the clip factor pays for the rounding (`rounding_slack`). On an H200 at 224 px that took
+# the clipped step from 3.4-4.1x the non-private one (upcast) to 1.5-1.9x (docs/results.md, "On a
+# GPU"). LOW_PRECISION_PRODUCTS = False times the upcast route.
 LOW_PRECISION_PRODUCTS = True
 
 
@@ -87,6 +88,11 @@ def low_gemm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (torch.bmm if x.dim() == 3 else torch.mm)(x, y, out_dtype=torch.float32)
 
 
+def sum32(x: torch.Tensor, dim) -> torch.Tensor:
+    """x summed over dim in fp32 (or wider): upcast element by element, without an fp32 copy of x."""
+    return x.sum(dim, dtype=None if x.dtype in (torch.float32, torch.float64) else torch.float32)
+
+
 def wide(x: torch.Tensor) -> torch.Tensor:
     """x upcast to fp32 if it is narrower (bf16, fp16); fp32 and fp64 as they are."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
@@ -99,22 +105,15 @@ def mm32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.matmul(wide(x), wide(y))
 
 
-def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three bf16 tensors whose sum is the fp32 `x` exactly: each takes the next 8 significand bits
-    (rounded to nearest, so the rest is exact in fp32), and fp32 has 24."""
-    hi = x.bfloat16()
-    rest = x - hi.float()
-    mid = rest.bfloat16()
-    return hi, mid, (rest - mid.float()).bfloat16()
+# c·x computed in fp32 and rounded to bf16 (8 significand bits, to nearest) lies within this share of
+# |c·x| entry by entry: 2^-8 for the bf16 rounding, the rest covers the fp32 product's own rounding.
+BF16_ROUNDOFF = 2.0**-8 + 2.0**-22
 
 
-def scaled_mm32(scaled: torch.Tensor, x: torch.Tensor, scaled_first: bool) -> torch.Tensor:
-    """scaled @ x (or x @ scaled) in fp32, `scaled` fp32 (it carries the clip factors), `x` as held:
-    with bf16 `x` on CUDA, three bf16 GEMMs on the exact parts of `scaled`."""
-    if not low_gemm_applies(x, x):
-        return mm32(scaled, x) if scaled_first else mm32(x, scaled)
-    parts = [(part, x) if scaled_first else (x, part) for part in split_bf16(scaled)]
-    return sum(low_gemm(*pair) for pair in parts)
+def rounded_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y as one bf16 GEMM with fp32 output, the side that carries the clip factors (fp32) rounded to
+    bf16 first (the other is bf16 already): `rounding_slack` bounds what the rounding moves."""
+    return low_gemm(x.bfloat16(), y.bfloat16())
 
 
 def as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +164,11 @@ class LayerRule:
     def ghost_is_faster(self, m, a, g) -> bool:
         return True
 
+    def rounding_slack(self, m, a, g) -> torch.Tensor | None:
+        """(B,) how far `clipped_sum` may move an example's clipped gradient by rounding, per unit of its
+        clip factor, beyond its norm (None: it does not round)."""
+        return None
+
     def held_if_instantiated(self, m, a, g) -> int:
         """Floats that instantiating keeps beyond the input and output gradient it frees (may be < 0;
         the clipper instantiates inside the backward when the per-example gradients take no more
@@ -202,20 +206,20 @@ def rule_for(module: nn.Module) -> LayerRule | None:
 @register(nn.Linear)
 class LinearRule(LayerRule):
     has_ghost = True
-    takes_low_precision = True  # its products go through mm32 / scaled_mm32; everything else is upcast
+    takes_low_precision = True  # its products go through mm32 / rounded_mm; everything else is upcast
 
     def per_sample(self, m, a, g):
         g3 = as_3d(g)
         out = {"weight": mm32(g3.transpose(1, 2), as_3d(a))}
         if m.bias is not None:
-            out["bias"] = wide(g3).sum(1)
+            out["bias"] = sum32(g3, 1)
         return out
 
     def ghost_sq_norm(self, m, a, g):
         g3 = as_3d(g)
         sq = gram_inner(as_3d(a), g3)
         if m.bias is not None:
-            sq = sq + wide(g3).sum(1).pow(2).sum(1)
+            sq = sq + sum32(g3, 1).pow(2).sum(1)
         return sq
 
     def ghost_is_faster(self, m, a, g):
@@ -227,17 +231,26 @@ class LinearRule(LayerRule):
         B, T, d, p = g3.shape[0], g3.shape[1], m.in_features, m.out_features
         return B * (d * p - T * (d + p))
 
+    def rounding_slack(self, m, a, g):
+        """Rounding c·(one side) to bf16 moves token t's product by δ_t with ‖δ_t‖ ≤ u·c·‖g_t‖·‖a_t‖, so
+        the example's weight gradient by at most u·c·Σ_t ‖g_t‖·‖a_t‖, whatever cancels between tokens."""
+        if not low_gemm_applies(a, g):
+            return None
+        norms = lambda x: torch.linalg.vector_norm(as_3d(x), dim=-1, dtype=torch.float32)  # noqa: E731
+        return BF16_ROUNDOFF * (norms(a) * norms(g)).sum(1)
+
     def clipped_sum(self, m, a, g, factors):
         g3, a3 = as_3d(g), as_3d(a)
         scale = factors.view(-1, 1, 1)
         g2, a2 = g3.reshape(-1, g3.shape[-1]), a3.reshape(-1, a3.shape[-1])  # (B·T, p), (B·T, d)
+        mm = rounded_mm if low_gemm_applies(a3, g3) else mm32  # as rounding_slack assumes
         if a3.shape[-1] < g3.shape[-1]:  # Σ_i c_i g_iᵀa_i: the narrower side carries c_i (fc1: 4x fewer products)
-            weight = scaled_mm32((a3 * scale).reshape(a2.shape), g2.t(), scaled_first=False)
+            weight = mm(g2.t(), (a3 * scale).reshape(a2.shape))
         else:
-            weight = scaled_mm32((g3 * scale).reshape(g2.shape).t(), a2, scaled_first=True)
+            weight = mm((g3 * scale).reshape(g2.shape).t(), a2)
         out = {"weight": weight}
         if m.bias is not None:
-            out["bias"] = factors @ wide(g3).sum(1)
+            out["bias"] = factors @ sum32(g3, 1)
         return out
 
 
