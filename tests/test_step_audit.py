@@ -229,9 +229,9 @@ def _audited_with_bug(name, bug_name, more, world):
 
 
 def _audited_with_bf16_products(name, world):
-    import low_precision_products
+    from pipeline.privacy.tools import emulated_bf16_gemm
 
-    low_precision_products.enable()  # this process only (a spawned rank, or undone by the caller)
+    emulated_bf16_gemm.enable()  # this process only (a spawned rank, or undone by the caller)
     return audited(name, None, world, "bf16")
 
 

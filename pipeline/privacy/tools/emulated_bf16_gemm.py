@@ -1,5 +1,6 @@
-"""layer_rules' GPU route (bf16 GEMMs with fp32 results) switched on where there is no GPU, for tests:
-CUDA's kernel emulated by what it computes, exact products of bf16 values summed in fp32."""
+"""layer_rules' GPU route (bf16 GEMMs with fp32 results) switched on where there is no GPU, for tests and
+benchmarks/bf16_rounding.py: CUDA's kernel emulated by what it computes, exact products of bf16 values
+summed in fp32."""
 
 from __future__ import annotations
 
