@@ -11,8 +11,9 @@ sum; the noise, added once per logical step, is timed apart ("noise ms"), drawn 
 Runs on CPU as well (slowly: use --sizes micro --img 32 there). Ends with ONE JSON line.
 
 `bookkeeping-fp32` is book-keeping with its Linear products upcast to fp32 first
-(layer_rules.LOW_PRECISION_PRODUCTS off), the route before bf16 GEMMs with fp32 results: the same
-numbers up to summation order, so the two rows show what the tensor cores buy.
+(layer_rules.LOW_PRECISION_PRODUCTS off), the route before bf16 GEMMs with fp32 results, so the two
+rows show what the tensor cores buy. `bookkeeping-one-block` forms each Gram product in one piece,
+without the CPU-fitted blocks (the same numbers up to summation order): fewer kernels to launch.
 
 --profile BATCH: instead, one step of each engine at that batch under torch.profiler, and the ops
 that take the most device time (CPU time without a GPU), side by side: where the clipping's time goes.
@@ -34,17 +35,22 @@ from pipeline.privacy import layer_rules
 from pipeline.privacy.engine import make_clipper
 from pipeline.train import autocast
 
-ENGINES = ("plain", "bookkeeping", "bookkeeping-fp32")
+ENGINES = ("plain", "bookkeeping", "bookkeeping-fp32", "bookkeeping-one-block")
 
 
 @contextlib.contextmanager
 def products_of(engine: str):
-    """`bookkeeping-fp32`: book-keeping with its products upcast to fp32 first."""
+    """`bookkeeping-fp32`: book-keeping with its products upcast to fp32 first. `bookkeeping-one-block`:
+    its Gram products as one (B, T, T) product per side, without the blocks and aligned columns fitted
+    on 2 CPU cores (GRAM_BLOCK, GRAM_ALIGN), which on a GPU are more kernels to launch."""
+    saved = layer_rules.LOW_PRECISION_PRODUCTS, layer_rules.GRAM_BLOCK, layer_rules.GRAM_ALIGN
     layer_rules.LOW_PRECISION_PRODUCTS = not engine.endswith("-fp32")
+    if engine.endswith("-one-block"):
+        layer_rules.GRAM_BLOCK, layer_rules.GRAM_ALIGN = 1 << 30, 1
     try:
-        yield engine.removesuffix("-fp32")
+        yield engine.removesuffix("-fp32").removesuffix("-one-block")
     finally:
-        layer_rules.LOW_PRECISION_PRODUCTS = True
+        layer_rules.LOW_PRECISION_PRODUCTS, layer_rules.GRAM_BLOCK, layer_rules.GRAM_ALIGN = saved
 
 TEXT = {"vocab_size": 1000, "text_width": 512, "text_depth": 6, "text_heads": 8, "max_len": 40}
 
@@ -113,8 +119,9 @@ def profile(objective: str, cfg: dict, batch: int, device: str, precision: str, 
     for engine in ENGINES:
         torch.manual_seed(0)
         model = build_model(objective, cfg).to(device)
-        clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine.removesuffix("-fp32"),
-                               autocast=lambda: autocast(device, precision))
+        with products_of(engine) as method:
+            clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, method,
+                                   autocast=lambda: autocast(device, precision))
         inputs = batch_for(objective, cfg, batch, device)
         for _ in range(2):  # the second step is the one kept: the first warms up
             with torch_profile(activities=activities) as prof, products_of(engine):
@@ -163,7 +170,7 @@ def main() -> None:
         return
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"gpu_throughput on {name}, {args.img} px, patch {args.patch}, {args.precision}")
-    print(f"{'size':<6}{'objective':<9}{'engine':<18}{'batch':>6}{'img/s':>9}{'x time':>8}{'peak GiB':>10}"
+    print(f"{'size':<6}{'objective':<9}{'engine':<22}{'batch':>6}{'img/s':>9}{'x time':>8}{'peak GiB':>10}"
           f"{'x mem':>7}{'noise ms':>10}")
     rows = []
     for size in args.sizes:
@@ -177,7 +184,7 @@ def main() -> None:
             base = engines["plain"]
             for engine, r in engines.items():
                 tx, mx = r["s_per_step"] / base["s_per_step"], r["peak_gib"] / base["peak_gib"]
-                print(f"{size:<6}{objective:<9}{engine:<18}{batch:>6}{r['images_per_s']:>9.0f}{tx:>8.2f}"
+                print(f"{size:<6}{objective:<9}{engine:<22}{batch:>6}{r['images_per_s']:>9.0f}{tx:>8.2f}"
                       f"{r['peak_gib']:>10.2f}{mx:>7.2f}{r['noise_ms']:>10.2f}", flush=True)
                 rows.append({"size": size, "objective": objective, "engine": engine, **r,
                              "time_ratio": round(tx, 3), "memory_ratio": round(mx, 3)})

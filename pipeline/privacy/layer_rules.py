@@ -121,9 +121,10 @@ def as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() != 2 else x.unsqueeze(1)
 
 
-def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int = GRAM_BLOCK) -> torch.Tensor:
-    """(B,) Σ_{t,s} (a_t·a_s)(g_t·g_s) = ‖Σ_t g_t a_tᵀ‖² per example, of a (B, T, d) and g (B, T, p)."""
-    T = a.shape[1]
+def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """(B,) Σ_{t,s} (a_t·a_s)(g_t·g_s) = ‖Σ_t g_t a_tᵀ‖² per example, of a (B, T, d) and g (B, T, p);
+    `block` tokens per block (default GRAM_BLOCK, read at the call)."""
+    T, block = a.shape[1], block or GRAM_BLOCK
     if T < 2 * block:
         return gram_inner_one_block(a, g)
     cuts = [i * block for i in range(max(1, T // block))] + [T]  # the last block takes the remainder
