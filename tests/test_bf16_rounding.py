@@ -1,10 +1,9 @@
 """benchmarks/bf16_rounding.py: a clipped example's contribution against C, upcast and on the GPU's route."""
 
 import pytest
-import torch
 
 from benchmarks.bf16_rounding import BOUND, contribution, gpu_route
-from pipeline.models import build_model
+from micro_batches import micro_model_and_batch
 from pipeline.privacy import layer_rules
 from pipeline.privacy.engine import make_clipper
 from pipeline.train import autocast
@@ -12,12 +11,7 @@ from pipeline.train import autocast
 
 @pytest.mark.parametrize("name", ["mae", "caption"])
 def test_the_gpu_route_adds_a_little_less_than_c_and_is_undone_after(name):
-    torch.manual_seed(0)
-    if name == "mae":
-        model, rows = build_model("mae", {"size": "micro"}), (torch.randn(1, 3, 16, 16), torch.rand(1, 16))
-    else:
-        model = build_model("caption", {"size": "micro", "vocab_size": 50, "max_len": 10})
-        rows = (torch.randn(1, 3, 16, 16), torch.randint(4, 50, (1, 10)))
+    model, rows = micro_model_and_batch(name, 1)
     clipper = make_clipper("per_sample", model, BOUND, "bookkeeping", autocast=lambda: autocast("cpu", "bf16"))
     exact = contribution(clipper, rows)
     real = layer_rules.low_gemm

@@ -4,17 +4,13 @@ import pytest
 import torch
 
 from benchmarks.gradient_norms import PARTS, ClippedMean, per_example_grads, squared_norms
+from micro_batches import micro_model_and_batch
 from pipeline.models import build_model
 
 
 @pytest.mark.parametrize("name", ["mae", "caption"])
 def test_squared_norms_are_each_examples_own(name):
-    torch.manual_seed(0)
-    if name == "mae":
-        model, batch = build_model("mae", {"size": "micro"}), (torch.randn(4, 3, 16, 16), torch.rand(4, 16))
-    else:
-        model = build_model("caption", {"size": "micro", "vocab_size": 50, "max_len": 10})
-        batch = (torch.randn(4, 3, 16, 16), torch.randint(4, 50, (4, 10)))
+    model, batch = micro_model_and_batch(name, 4)
     whole, encoder = squared_norms(per_example_grads(model, batch))
     params = dict(model.named_parameters())
     for i in range(4):
