@@ -3,12 +3,14 @@
 import argparse
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 
 from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, check_targets,
-                                      combined_figure, report, schedule, size_params, validation_folds, with_seeds)
+                                      combined_figure, paired_gain, probe_ci, recipe_id, report, schedule,
+                                      size_params, validation_folds, with_seeds)
 from pipeline.config import load_params
 from pipeline.eval.stats import difference_ci
 
@@ -260,3 +262,76 @@ def test_a_knob_added_later_keeps_the_rows_at_its_neutral_value_only(knob, value
     assert recipe_id(base) == recipe_id(before)
     changed = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], f"dp.{knob}={value}"])
     assert recipe_id(changed) != recipe_id(base)
+
+
+# README's scale table, checked against the committed rows it was printed from: a figure edited by
+# hand, or a row re-run without the table following, fails here.
+README_LABELS = {"raw pixels": "pixels", "random init": "random", "synthetic only": "synthetic",
+                 "MAE": "mae", "captioner": "caption", "CLIP": "clip"}
+SEEDS_IN_WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5}
+PERCENT_CI = re.compile(r"([\d.]+)% \(([\d.]+)–([\d.]+)\)")
+GAIN_CI = re.compile(r"([+−-][\d.]+) \(([+−-][\d.]+) to ([+−-][\d.]+)\)")
+
+
+def number(text: str) -> float:
+    return float(text.replace("−", "-"))
+
+
+def kept_row(name: str, objective: str | None) -> dict | None:
+    """The committed row `name` (the current recipe's where several recipes keep one), or None."""
+    base = ROOT / "benchmarks" / "scale_rows"
+    found = sorted(base.glob(f"*/{name}.npz"))
+    if len(found) > 1 and objective is not None:
+        params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[objective]])
+        found = [p for p in found if p.parent.name == recipe_id(params)]
+    return Rows(found[0].parent).get(name) if len(found) == 1 else None
+
+
+def readme_scale_rows(text: str) -> list[list[str]]:
+    section = text.split("## Results at scale", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    return [[cell.strip().replace("**", "") for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def scale_table_mismatches(text: str) -> list[str]:
+    """Every figure of README's scale table that the committed rows do not give (rounded as printed)."""
+    wrong = []
+    synthetic = kept_row("synthetic", None)
+    for label, eps_text, _sigma, _per_b, acc_text, gain_text in readme_scale_rows(text):
+        objective = next((v for k, v in README_LABELS.items() if k in label), None)
+        assert objective is not None, f"README scale table: no row for {label!r}"
+        if objective in ("pixels", "random", "synthetic"):
+            name, obj = objective, None
+        else:
+            name, obj = f"{objective}-n{FULL}-eps{eps_text.replace('∞', 'inf')}", objective
+        row = kept_row(name, obj)
+        if row is None:
+            wrong.append(f"{label}: no one kept row {name} under benchmarks/scale_rows")
+            continue
+        seeds = re.search(r"\((\w+) seeds?\)", label)
+        if seeds and SEEDS_IN_WORDS[seeds.group(1)] != len(row["probe"]):
+            wrong.append(f"{label}: {len(row['probe'])} kept seeds")
+        acc, lo, hi = map(number, PERCENT_CI.search(acc_text).groups())
+        ci = probe_ci(row)
+        if max(abs(acc - 100 * row["probe"].mean()), abs(lo - 100 * ci[0]), abs(hi - 100 * ci[1])) > 0.051:
+            wrong.append(f"{label}: {acc_text} against {100 * row['probe'].mean():.1f}% "
+                         f"({100 * ci[0]:.1f}–{100 * ci[1]:.1f})")
+        zero = re.search(r"zero-shot ([\d.]+)%", acc_text)
+        if zero and abs(number(zero.group(1)) - 100 * row["zero"].mean()) > 0.051:
+            wrong.append(f"{label}: zero-shot {zero.group(1)}% against {100 * row['zero'].mean():.1f}%")
+        if gain_text:
+            gain = paired_gain(row, synthetic)
+            printed = list(map(number, GAIN_CI.search(gain_text).groups()))
+            if max(abs(p - 100 * g) for p, g in zip(printed, [gain["diff"], *gain["ci"]])) > 0.051:
+                wrong.append(f"{label}: gain {gain_text} against {100 * gain['diff']:+.1f} "
+                             f"({100 * gain['ci'][0]:+.1f} to {100 * gain['ci'][1]:+.1f})")
+    return wrong
+
+
+def test_the_readme_scale_table_is_what_the_committed_rows_give():
+    text = (ROOT / "README.md").read_text()
+    assert len(readme_scale_rows(text)) >= 9  # pixels, random, synthetic and the trained rows
+    assert scale_table_mismatches(text) == []
+    # The check can fail: one figure moved by a tenth, or a seed count that is not the rows', is caught.
+    assert any("gain" in m for m in scale_table_mismatches(text.replace("| +3.6 (", "| +3.7 (", 1)))
+    assert any("kept seeds" in m for m in scale_table_mismatches(re.sub(r"\(one seed\)", "(two seeds)", text, count=1)))
