@@ -17,11 +17,16 @@ without the CPU-fitted blocks (the same numbers up to summation order): fewer ke
 
 --profile BATCH: instead, one step of each engine at that batch under torch.profiler, and the ops
 that take the most device time (CPU time without a GPU), side by side: where the clipping's time goes.
+
+--launches: instead, the kernels one step of each engine dispatches (views and allocations left out),
+counted without a GPU (the bf16 GEMMs emulated, one launch each) at batch 2: on the H200 the clipped
+step at batch 256 was bound by its launches, so fewer of them is what it gains first.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import statistics
@@ -135,6 +140,57 @@ def profile(objective: str, cfg: dict, batch: int, device: str, precision: str, 
             torch.cuda.empty_cache()
 
 
+NOT_LAUNCHED = {"view", "_unsafe_view", "t", "transpose", "permute", "select", "slice", "detach", "expand",
+                "unsqueeze", "squeeze", "as_strided", "alias", "unbind", "split", "narrow", "empty", "empty_like"}
+
+
+def launches(objective: str, cfg: dict, engine: str, precision: str) -> collections.Counter:
+    """The kernels one step dispatches, by op (the second step's: the first warms up)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipeline.privacy.tools import emulated_bf16_gemm
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.inside_gemm = collections.Counter(), False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not self.inside_gemm and name not in NOT_LAUNCHED:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    count = Count()
+
+    def gemm(x, y):  # the emulation's upcasts and product stand for one CUDA kernel
+        count.ops["bf16 gemm"] += 1
+        count.inside_gemm = True
+        try:
+            return emulated_bf16_gemm.emulated_low_gemm(x, y)
+        finally:
+            count.inside_gemm = False
+
+    saved = layer_rules.low_gemm_applies, layer_rules.low_gemm
+    emulated_bf16_gemm.enable()
+    layer_rules.low_gemm = gemm
+    try:
+        with products_of(engine) as method:
+            torch.manual_seed(0)
+            model = build_model(objective, cfg)
+            clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, method,
+                                   autocast=lambda: autocast("cpu", precision))
+            inputs = batch_for(objective, cfg, 2, "cpu")
+            for step in range(2):
+                clipper.reset()
+                count.ops.clear()  # the warm-up's GEMMs were counted outside the mode
+                with count if step else contextlib.nullcontext():
+                    clipper.accumulate(*inputs)
+    finally:
+        layer_rules.low_gemm_applies, layer_rules.low_gemm = saved
+    return count.ops
+
+
 def largest_batch(objective, cfg, engine, device, precision, start: int, cap: int) -> int:
     """Doubling until out of memory (or the cap): the largest physical batch that ran a step."""
     best, b = 0, start
@@ -160,8 +216,11 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", type=int, metavar="BATCH", help="profile one step per engine at this batch")
+    ap.add_argument("--launches", action="store_true", help="count each engine's kernels per step (no GPU needed)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.launches:
+        return print_launches(args)
     if args.profile:
         for size in args.sizes:
             for objective in args.objectives:
@@ -189,6 +248,26 @@ def main() -> None:
                 rows.append({"size": size, "objective": objective, "engine": engine, **r,
                              "time_ratio": round(tx, 3), "memory_ratio": round(mx, 3)})
     print(json.dumps({"benchmark": "gpu_throughput", "device": name, "img": args.img, "patch": args.patch,
+                      "precision": args.precision, "rows": rows}))
+
+
+def print_launches(args) -> None:
+    print(f"gpu_throughput --launches: kernels per step, {args.img} px, patch {args.patch}, {args.precision} "
+          "(bf16 GEMMs emulated)")
+    rows = []
+    for size in args.sizes:
+        for objective in args.objectives:
+            cfg = {"size": size, "img_size": args.img, "patch_size": args.patch, **TEXT}
+            engines = ENGINES[:2] if OBJECTIVES[objective].clipping == "per_sample" else ENGINES[:1]
+            counts = {engine: launches(objective, cfg, engine, args.precision) for engine in engines}
+            base = sum(counts["plain"].values())
+            for engine, ops in counts.items():
+                total = sum(ops.values())
+                top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+                print(f"{size:<6}{objective:<9}{engine:<14}{total:>7}{total / base:>7.2f}x   {top}", flush=True)
+                rows.append({"size": size, "objective": objective, "engine": engine, "kernels": total,
+                             "ratio": round(total / base, 3), "by_op": dict(ops)})
+    print(json.dumps({"benchmark": "gpu_throughput_launches", "img": args.img, "patch": args.patch,
                       "precision": args.precision, "rows": rows}))
 
 

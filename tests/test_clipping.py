@@ -2,12 +2,14 @@
 
 Each check is also run against a deliberately broken engine to show it would catch it."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 from scipy import stats
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.models import ModelConfig, build_model
 from pipeline.models.layers import ClassToken
@@ -467,6 +469,48 @@ def test_bf16_products_give_the_norms_and_unclipped_sums_of_fp32_products(monkey
     assert norms == pytest.approx(want_norms, rel=1e-5)
     _, clipped_norms = bf16_step(objective, ghost, 0.05, device)  # every example clipped: the same norms
     assert clipped_norms == pytest.approx(want_norms, rel=1e-5)
+
+
+class Casts(TorchDispatchMode):
+    """Counts the dtype casts dispatched inside it (each a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in ("_to_copy", "copy_")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption"])
+def test_the_clipped_bf16_forward_casts_each_input_once(objective):
+    """Under bf16 autocast the clipper hands each Linear the bf16 copy of its input that autocast would
+    make, and holds that very copy: its forward makes the casts the same forward makes without the
+    clipper (a second copy of every Linear's input, made and held beside autograd's, is caught)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.of({"size": "micro", "vocab_size": 50, "max_len": 10})
+    model = build_model(objective, cfg)
+    imgs = torch.randn(6, 3, 16, 16)
+    batch = (imgs, torch.rand(6, 16)) if cfg.reads_masks(objective) else (imgs, torch.randint(4, 50, (6, 10)))
+    clipper = BookKeepingClipper(model, 1.0, autocast=lambda: autocast("cpu", "bf16"))
+    counts = []
+    for capture in (contextlib.nullcontext, clipper._capture):  # the hooks act only while capturing
+        with capture(), clipper.autocast(), Casts() as casts:
+            model(*batch)
+        counts.append(casts.count)
+        linears = [r for r in clipper._records if isinstance(r.module, nn.Linear)]
+    assert linears and all(r.activation.dtype == torch.bfloat16 for r in linears)
+    assert counts[1] == counts[0], counts
+
+
+def test_the_scaled_side_is_rounded_as_it_is_written():
+    """scaled_to_bf16 gives bit for bit what rounding the fp32 product gives (rounding_slack's model)."""
+    from pipeline.privacy.layer_rules import scaled_to_bf16
+
+    x, scale = torch.randn(4, 50, 96).bfloat16(), torch.rand(4, 1, 1) * 3
+    assert torch.equal(scaled_to_bf16(x, scale), (x * scale).bfloat16())
+    assert scaled_to_bf16(x, scale).dtype == torch.bfloat16
 
 
 class CancellingTokens(nn.Module):

@@ -145,6 +145,28 @@ def grouped_factors(sq: torch.Tensor, bounds: torch.Tensor, reach: torch.Tensor 
     return torch.where(finite, factors, torch.zeros_like(factors)), finite, sq.sum(0).sqrt()
 
 
+def group_norms(layers: list, groups: int, batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """From [(clip group, (B,) squared norm, (B,) rounding slack or None)], one per layer (or parameter):
+    the squared norms per group (G, B), and the same with each layer's norm widened by its slack,
+    (‖·‖ + slack)², what its clipped sum may reach. Stacked once per group: added layer by layer they
+    took ~8 kernel launches a layer, and on a GPU the clipped step is bound by its launches."""
+    none = torch.zeros(batch_size, dtype=torch.float32, device=device)
+    sq, reach = [], []
+    for group in range(groups):
+        mine = [(s, slack) for g, s, slack in layers if g == group]
+        exact = [s for s, slack in mine if slack is None]
+        exact_sum = torch.stack(exact).sum(0) if exact else none
+        rounded = [(s, slack) for s, slack in mine if slack is not None]
+        if not rounded:
+            sq.append(exact_sum)
+            reach.append(exact_sum)
+            continue
+        norm_sq, slack = (torch.stack(x) for x in zip(*rounded))
+        sq.append(exact_sum + norm_sq.sum(0))
+        reach.append(exact_sum + (norm_sq.clamp_min(0).sqrt() + slack).square().sum(0))
+    return torch.stack(sq), torch.stack(reach)
+
+
 def _bytes(r) -> int:
     """What the call's input and output gradient take, in the dtype the forward made them."""
     return sum(t.numel() * t.element_size() for t in (r.grad, r.activation) if t is not None)
@@ -241,19 +263,28 @@ class BookKeepingClipper(ClippedSum):
         self._group: dict[int, int] = {}  # module id -> its parameters' clip group
         for m in model.modules():
             if rule_for(m) is not None and any(p.requires_grad for p in m.parameters(recurse=False)):
+                if rule_for(m).takes_low_precision:
+                    m.register_forward_pre_hook(self._input_as_multiplied)
                 m.register_forward_hook(self._forward_hook)
                 groups = {self.group_of[id(p)] for p in m.parameters(recurse=False) if p.requires_grad}
                 if len(groups) > 1:
                     raise UnboundableModel(f"{type(m).__name__} has parameters in two clip groups")
                 self._group[id(m)] = groups.pop()
 
+    def _input_as_multiplied(self, module, inputs):
+        """Under bf16 autocast, hands the layer the bf16 copy of its input that autocast would make (the
+        same rounding), so the forward hook holds the very tensor the product used and autograd saves:
+        one cast a layer, not two, and one copy held."""
+        if not self._capturing:
+            return None
+        cast = as_autocast_multiplies(inputs[0])
+        return None if cast is inputs[0] else (cast, *inputs[1:])
+
     def _forward_hook(self, module, inputs, output):
         if not self._capturing:
             return None
         rule = rule_for(module)
-        held = inputs[0].detach() if rule.needs_input else None
-        if held is not None and rule.takes_low_precision:
-            held = as_autocast_multiplies(held)
+        held = inputs[0].detach() if rule.needs_input else None  # as multiplied (_input_as_multiplied)
         record = _Record(module, rule, held)
         self._records.append(record)
         if not output.requires_grad:  # a layer fed only by data/ids: start the graph here, with a zero
@@ -344,26 +375,23 @@ class BookKeepingClipper(ClippedSum):
             calls: dict[int, list[_Record]] = {}
             for r in records:
                 calls.setdefault(id(r.module), []).append(r)
-            sq = torch.zeros(len(self.bounds), batch_size, dtype=torch.float32, device=device)  # per clip group
-            reach = torch.zeros_like(sq)  # the same, each layer's norm widened by its rounding slack
+            layers = []  # (clip group, (B,) squared norm, (B,) rounding slack or None) per layer
             budget = [self.held_budget * (self._reduced_bytes + sum(_bytes(r) for r in records))]
             reduced, self._reduced = self._reduced, {}
             for module_calls in calls.values():
                 first = module_calls[0]
                 if len(module_calls) == 1 and id(first.module) not in reduced and self._ghost_route(first, budget):
                     group, held = self._group[id(first.module)], self._fp32(first)
-                    layer_sq = first.rule.ghost_sq_norm(first.module, *held)
-                    slack = first.rule.rounding_slack(first.module, *held)
-                    sq[group] += layer_sq
-                    reach[group] += layer_sq if slack is None else (layer_sq.clamp_min(0).sqrt() + slack).square()
+                    layers.append((group, first.rule.ghost_sq_norm(first.module, *held),
+                                   first.rule.rounding_slack(first.module, *held)))
                     continue
                 for r in module_calls:
                     self._instantiate(r, reduced)
             instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
-            for m, per in instantiated:  # vector_norm: 3-7x pow().sum()
-                layer_sq = sum(torch.linalg.vector_norm(v.flatten(1), dim=1).square() for v in per.values())
-                sq[self._group[id(m)]] += layer_sq
-                reach[self._group[id(m)]] += layer_sq  # summed in fp32 as it is: nothing rounds
+            for m, per in instantiated:  # vector_norm: 3-7x pow().sum(); summed in fp32 as it is: nothing rounds
+                layers += [(self._group[id(m)], torch.linalg.vector_norm(v.flatten(1), dim=1).square(), None)
+                           for v in per.values()]
+            sq, reach = group_norms(layers, len(self.bounds), batch_size, device)
             factors, finite, norms = grouped_factors(sq, self.bounds, reach)
             all_finite = bool(finite.all())  # the usual case: no row to zero, no copies for it
             for m, per in instantiated:

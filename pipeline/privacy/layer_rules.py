@@ -110,10 +110,11 @@ def mm32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 BF16_ROUNDOFF = 2.0**-8 + 2.0**-22
 
 
-def rounded_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x @ y as one bf16 GEMM with fp32 output, the side that carries the clip factors (fp32) rounded to
-    bf16 first (the other is bf16 already): `rounding_slack` bounds what the rounding moves."""
-    return low_gemm(x.bfloat16(), y.bfloat16())
+def scaled_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x·scale computed in fp32 and rounded to bf16 as it is written: one kernel where a product and a
+    cast took two (the same values; a GPU step is bound by its launches). `rounding_slack` bounds what
+    the rounding moves."""
+    return torch.mul(x, scale, out=torch.empty(x.shape, dtype=torch.bfloat16, device=x.device))
 
 
 def as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +208,7 @@ def rule_for(module: nn.Module) -> LayerRule | None:
 @register(nn.Linear)
 class LinearRule(LayerRule):
     has_ghost = True
-    takes_low_precision = True  # its products go through mm32 / rounded_mm; everything else is upcast
+    takes_low_precision = True  # its products go through mm32 / low_gemm; everything else is upcast
 
     def per_sample(self, m, a, g):
         g3 = as_3d(g)
@@ -243,12 +244,15 @@ class LinearRule(LayerRule):
     def clipped_sum(self, m, a, g, factors):
         g3, a3 = as_3d(g), as_3d(a)
         scale = factors.view(-1, 1, 1)
-        g2, a2 = g3.reshape(-1, g3.shape[-1]), a3.reshape(-1, a3.shape[-1])  # (B·T, p), (B·T, d)
-        mm = rounded_mm if low_gemm_applies(a3, g3) else mm32  # as rounding_slack assumes
+        rows = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731  (B·T, width)
+        # As rounding_slack assumes: on the bf16 GEMM the side that carries c_i is rounded to bf16 (the
+        # other is bf16 already); else both sides are multiplied as they are, in fp32.
+        rounded = low_gemm_applies(a3, g3)
+        scaled, mm = (scaled_to_bf16, low_gemm) if rounded else (torch.mul, mm32)
         if a3.shape[-1] < g3.shape[-1]:  # Σ_i c_i g_iᵀa_i: the narrower side carries c_i (fc1: 4x fewer products)
-            weight = mm(g2.t(), (a3 * scale).reshape(a2.shape))
+            weight = mm(rows(g3).t(), rows(scaled(a3, scale)))
         else:
-            weight = mm((g3 * scale).reshape(g2.shape).t(), a2)
+            weight = mm(rows(scaled(g3, scale)).t(), rows(a3))
         out = {"weight": weight}
         if m.bias is not None:
             out["bias"] = factors @ sum32(g3, 1)
