@@ -150,12 +150,12 @@ def group_norms(layers: list, groups: int, batch_size: int, device) -> tuple[tor
     the squared norms per group (G, B), and the same with each layer's norm widened by its slack,
     (‖·‖ + slack)², what its clipped sum may reach. Stacked once per group: added layer by layer they
     took ~8 kernel launches a layer, and on a GPU the clipped step is bound by its launches."""
-    none = torch.zeros(batch_size, dtype=torch.float32, device=device)
+    zeros = torch.zeros(batch_size, dtype=torch.float32, device=device)  # a group without such layers
     sq, reach = [], []
     for group in range(groups):
         mine = [(s, slack) for g, s, slack in layers if g == group]
         exact = [s for s, slack in mine if slack is None]
-        exact_sum = torch.stack(exact).sum(0) if exact else none
+        exact_sum = torch.stack(exact).sum(0) if exact else zeros
         rounded = [(s, slack) for s, slack in mine if slack is not None]
         if not rounded:
             sq.append(exact_sum)
