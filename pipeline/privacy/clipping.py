@@ -150,18 +150,13 @@ def group_norms(layers: list, groups: int, batch_size: int, device) -> tuple[tor
     the squared norms per group (G, B), and the same with each layer's norm widened by its slack,
     (‖·‖ + slack)², what its clipped sum may reach. Stacked once per group: added layer by layer they
     took ~8 kernel launches a layer, and on a GPU the clipped step is bound by its launches."""
-    zeros = torch.zeros(batch_size, dtype=torch.float32, device=device)  # a group without such layers
+    zeros = torch.zeros(1, batch_size, dtype=torch.float32, device=device)  # a group without such layers
     sq, reach = [], []
     for group in range(groups):
-        mine = [(s, slack) for g, s, slack in layers if g == group]
-        exact = [s for s, slack in mine if slack is None]
-        exact_sum = torch.stack(exact).sum(0) if exact else zeros
-        rounded = [(s, slack) for s, slack in mine if slack is not None]
-        if not rounded:
-            sq.append(exact_sum)
-            reach.append(exact_sum)
-            continue
-        norm_sq, slack = (torch.stack(x) for x in zip(*rounded))
+        exact = [s for g, s, slack in layers if g == group and slack is None]
+        rounded = [(s, slack) for g, s, slack in layers if g == group and slack is not None]
+        exact_sum = torch.stack(exact).sum(0) if exact else zeros[0]
+        norm_sq, slack = (torch.stack(x) for x in zip(*rounded)) if rounded else (zeros, zeros)
         sq.append(exact_sum + norm_sq.sum(0))
         reach.append(exact_sum + (norm_sq.clamp_min(0).sqrt() + slack).square().sum(0))
     return torch.stack(sq), torch.stack(reach)
