@@ -72,7 +72,7 @@ from pipeline.stages import stage
 from pipeline.tracking import NullRun
 
 ROOT = Path(__file__).resolve().parent.parent
-OBJECTIVES = ("mae", "caption", "clip")
+OBJECTIVES = ("mae", "caption", "clip", "clip-public")
 FULL = "full"
 # The scale recipe: Fashion-MNIST as the private set, and the schedule the papers scale (q, T fixed;
 # B = q·n), each objective's B and T in SCHEDULES below (`--set` overrides them; on a GPU raise them,
@@ -103,6 +103,9 @@ SCHEDULES = {
     "caption": ["dp.expected_batch_size=1024", "dp.steps=1200", "dp.warmup_steps=60", "dp.eval_every=600",
                 "model.caption_mask_ratio=0.5", "dp.lr=0.004"],
     "clip": ["dp.expected_batch_size=256", "dp.steps=300", "dp.warmup_steps=15", "dp.eval_every=150"],
+    # CLIP's model and schedule, scored against public captions and clipped per example: its noise,
+    # σC/B, falls with B (not chosen on validation: CLIP's own schedule, to compare like with like).
+    "clip-public": ["dp.expected_batch_size=256", "dp.steps=300", "dp.warmup_steps=15", "dp.eval_every=150"],
 }
 
 
@@ -152,7 +155,7 @@ def recipe_id(params: dict, sections=RECIPE_SECTIONS) -> str:
 
 
 # Model knobs that act only when the DP training runs: the untrained rows never see them.
-TRAINING_ONLY_MODEL_KNOBS = ("caption_mask_ratio",)
+TRAINING_ONLY_MODEL_KNOBS = ("caption_mask_ratio", "public_negatives")
 
 
 def untrained_id(params: dict) -> str:
@@ -540,6 +543,14 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
             print(f"  {r['objective']:<8} n={r['n']:>6} B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e} "
                   f"noise/coord={r['noise_per_coordinate']:.2e}  "
                   f"{100 * g['diff']:+.1f} points (95% CI {100 * g['ci'][0]:+.1f} to {100 * g['ci'][1]:+.1f})")
+    public_vs_batch = [(f"clip-public-n{FULL}-eps{e:g}", f"clip-n{FULL}-eps{e:g}") for e in epsilons]
+    public_vs_batch = [(a, b) for a, b in public_vs_batch if a in table and b in table]
+    if public_vs_batch:
+        print("\nscale_utility: CLIP against public captions (per example) minus Dp-CLIP (per batch), paired")
+        for a, b in public_vs_batch:
+            d, z = paired_gain(table[a], table[b]), difference_ci(table[a]["zero"], table[b]["zero"])
+            print(f"  {a:<24} − {b}: probe {100 * d['diff']:+.1f} ({100 * d['ci'][0]:+.1f} to {100 * d['ci'][1]:+.1f}), "
+                  f"zero-shot {100 * z['diff']:+.1f} ({100 * z['ci'][0]:+.1f} to {100 * z['ci'][1]:+.1f})")
     if versus:
         print("\nscale_utility: against another recipe (this row minus the same row there, paired)")
         for name, d in versus.items():

@@ -28,6 +28,7 @@ ADDED_KNOBS = (
     ("dp", "mask_views", 1),
     ("dp", "ema_decay", 0.0),
     ("dp", "frozen", []),
+    ("model", "public_negatives", 256),     # 2026-11-27
 )
 
 

@@ -32,6 +32,9 @@ OBJECTIVES = {o.name: o for o in (
     Objective("mae", "ViP", "DP masked autoencoder", tokens=False, clipping="per_sample", zero_shot=None),
     Objective("caption", "DP-Cap", "DP image captioner", tokens=True, clipping="per_sample", zero_shot="caption_loss"),
     Objective("clip", "Dp-CLIP", "DP contrastive, per-batch clipping", tokens=True, clipping="per_batch", zero_shot="embedding"),
+    # Dp-CLIP's model scored against public captions instead of the batch: the loss splits per sample.
+    Objective("clip-public", "Dp-CLIP-public", "DP contrastive against public captions, per-sample clipping",
+              tokens=True, clipping="per_sample", zero_shot="embedding"),
 )}
 
 

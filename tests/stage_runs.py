@@ -90,9 +90,15 @@ def initial_model(workdir, overrides):
     """The model dp-train starts from (dp.init=random: built after seeding run.seed)."""
     params = load_params(workdir / "params.yaml", overrides)
     name = params["dp"]["objective"]
-    vocab = Tokenizer(workdir / "models/tokenizer").vocab_size if objective(name).tokens else None
+    tokenizer = Tokenizer(workdir / "models/tokenizer") if objective(name).tokens else None
     torch.manual_seed(params["run"]["seed"])
-    return build_model(name, ModelConfig.from_params(params["model"], name, vocab))
+    cfg = ModelConfig.from_params(params["model"], name, tokenizer.vocab_size if tokenizer else None)
+    model = build_model(name, cfg)
+    if getattr(model, "per_sample", False):  # clip-public: the public captions dp-train sets
+        from pipeline.privacy.training import public_negative_tokens
+
+        model.set_public_negatives(public_negative_tokens(tokenizer, cfg))
+    return model
 
 
 def initial_weights(workdir, overrides):

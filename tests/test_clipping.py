@@ -67,9 +67,13 @@ def cases():
     imgs = torch.randn(6, 3, 16, 16)
     tokens = torch.randint(4, 50, (6, 10))
     tokens[:, 7:] = 0  # padding
+    public = build_model("clip-public", {"size": "micro", "vocab_size": 50, "max_len": 10, "public_negatives": 8})
+    own = tokens.clone()
+    own[1] = public.public_negatives[3]  # an example whose caption is also a public negative
     return {
         "mae": (mae, (imgs, torch.rand(6, 16))),
         "caption": (cap, (imgs, tokens)),
+        "clip-public": (public, (imgs, own)),
         "all_layers": (AllLayers(), (torch.randint(0, 4, (6, 9)), torch.randn(6, 10, 8))),
     }
 
@@ -90,10 +94,11 @@ def engine_sum(engine, model, batch, clip_norm, **kw):
     return clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost, **kw)
 
 
-@pytest.mark.parametrize("name", ["mae", "caption", "all_layers"])
+@pytest.mark.parametrize("name", ["mae", "caption", "clip-public", "all_layers"])
 @pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap", "opacus-hooks", "opacus-ghost"])
 def test_clipped_sum_equals_brute_force(name, engine):
     model, batch = cases()[name]
+    trainable = [p.requires_grad for p in model.parameters()]  # clip-public's text tower is not
     _, norms = brute_force_clipped_sum(model, batch, 1e9)
     clip_norm = sorted(norms)[len(norms) // 2]  # half the examples are clipped, half are not
     assert min(norms) < clip_norm < max(norms)
@@ -108,7 +113,7 @@ def test_clipped_sum_equals_brute_force(name, engine):
     assert st.norms == pytest.approx(norms, rel=1e-4)
     if not engine.startswith("opacus"):  # Opacus baselines hide the broadcast tokens from Opacus
         # The parameters are trainable again after the hooked backward pass.
-        assert all(p.requires_grad for p in model.parameters())
+        assert [p.requires_grad for p in model.parameters()] == trainable and any(trainable)
 
 
 def brute_force_grouped_sum(model, batch, clip_norm, share):
@@ -126,7 +131,7 @@ def brute_force_grouped_sum(model, batch, clip_norm, share):
     return total
 
 
-@pytest.mark.parametrize("name", ["mae", "caption"])
+@pytest.mark.parametrize("name", ["mae", "caption", "clip-public"])
 @pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap"])
 def test_clip_groups_equal_brute_force(name, engine):
     """dp.encoder_clip_share: each example's encoder part and the rest clipped to their own bounds,
@@ -290,12 +295,12 @@ def peak_live_bytes(objective: str, method: str, precision: str = "fp32") -> int
     return live.peak
 
 
-@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
 def test_a_clipped_step_holds_at_most_a_tenth_more_memory_than_a_nonprivate_one(objective):
     assert peak_live_bytes(objective, "bookkeeping") <= 1.1 * peak_live_bytes(objective, "plain")
 
 
-@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
 def test_under_bf16_a_clipped_step_never_holds_every_layer_in_fp32(objective):
     """The GPU's precision: the records keep the forward's bf16 and each layer is upcast in its turn;
     the held budget counts bytes, so fp32 per-example gradients weigh twice a bf16 gradient.
@@ -369,7 +374,7 @@ def test_per_batch_clipping_bounds_the_whole_batch_gradient():
     assert torch.allclose(got, flat * (1e-3 / flat.norm()), rtol=1e-4, atol=1e-9)
 
 
-@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
 def test_a_compiled_model_gives_the_same_clipped_sum(objective):
     """`dp.compile` (dp-train calls model.compile() after the clipper's hooks are in place): the
     compiled step still clips each example (per batch: the batch) exactly as the eager one."""

@@ -23,7 +23,7 @@ from pipeline.objectives import objective
 from pipeline.privacy.run_checks import verify
 
 
-@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
 def test_each_objective_trains_and_verifies(data_dir, tmp_path, objective):
     work = project(data_dir, tmp_path)
     ledger, ckpt = train(work, [f"dp.objective={objective}"])
@@ -151,7 +151,7 @@ def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name
     assert float((flat(got.model) - start - want).norm() / want.norm()) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("name", ["mae", "caption", "clip", "clip-public"])
 def test_the_released_average_is_computed_from_the_accounted_iterates_alone(data_dir, tmp_path, monkeypatch, name):
     """dp.ema_decay releases a moving average of the weights. ε covers the iterates (each step's weights
     after its noisy update), so the release must be a function of them alone: recompute it from the
@@ -180,7 +180,7 @@ def test_the_released_average_is_computed_from_the_accounted_iterates_alone(data
     assert lag > 0.1 * path
 
 
-@pytest.mark.parametrize("name", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("name", ["mae", "caption", "clip", "clip-public"])
 def test_frozen_modules_are_released_as_they_started_and_every_other_parameter_trains(data_dir, tmp_path, name):
     """dp.frozen keeps modules at the weights they start from (public: the warm start, here a seeded
     init), released bit for bit as they were, so they are a function of no private example; every
@@ -191,7 +191,8 @@ def test_frozen_modules_are_released_as_they_started_and_every_other_parameter_t
     _, got = train(work, sets)
     start = initial_model(work, sets)
     names = {k for k, _ in start.named_parameters()}
-    frozen = {k for k in names if k.startswith("encoder.blocks.0.")}
+    # clip-public's model keeps its text tower at its seeded init itself
+    frozen = {k for k, p in start.named_parameters() if k.startswith("encoder.blocks.0.") or not p.requires_grad}
     weights = start.state_dict()
     assert frozen and all(torch.equal(got.model[k], weights[k]) for k in frozen)
     assert {k for k in names if not torch.equal(got.model[k], weights[k])} == names - frozen
@@ -357,7 +358,7 @@ def test_img2dataset_output_at_64_px_trains_verifies_and_evaluates_with_a_32_px_
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip", "clip-public"])
 def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_charged_once(
         data_dir, tmp_path, monkeypatch, objective_name, ranks):
     """An upgrade adds a knob to params.yaml (here dp.frozen, the newest): the finished run, keyed by
@@ -370,9 +371,11 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
 
     work, obj = project(data_dir, tmp_path), f"dp.objective={objective_name}"
 
-    def before_the_knob(stage, params, inputs=()):  # how the version before dp.frozen keyed the run
-        return train_module.state_dir(stage, {**params, "dp": {k: v for k, v in params["dp"].items() if k != "frozen"}},
-                                      inputs)
+    def before_the_knob(stage, params, inputs=()):  # how the version before dp.frozen (and the later
+        # model.public_negatives) keyed the run
+        model = {k: v for k, v in params["model"].items() if k != "public_negatives"}
+        return train_module.state_dir(stage, {**params, "model": model,
+                                              "dp": {k: v for k, v in params["dp"].items() if k != "frozen"}}, inputs)
 
     with monkeypatch.context() as m:
         m.setattr(training, "state_dir", before_the_knob)
@@ -391,14 +394,14 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
     assert noised == [] and ledger["run"] == old_ledger["run"]  # resumed the finished run
     assert all(torch.equal(v, got.model[k]) for k, v in old.model.items())  # no step taken, no fresh noise
     assert [r["run"] for r in charged_runs(work)] == [old_ledger["run"]]
-    frozen = {"mae": "decoder_pred", "caption": "head", "clip": "text"}[objective_name]
+    frozen = {"mae": "decoder_pred", "caption": "head", "clip": "text", "clip-public": "image_proj"}[objective_name]
     other, moved = upgraded([obj, f"dp.frozen=[{frozen}]"])  # another mechanism: trained and charged
     assert other["run"] != old_ledger["run"] and not all(torch.equal(v, moved.model[k]) for k, v in old.model.items())
     assert [r["run"] for r in charged_runs(work)] == [old_ledger["run"], other["run"]]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip", "clip-public"])
 def test_a_run_another_process_holds_is_not_charged_or_touched_until_it_is_released(data_dir, tmp_path, objective_name,
                                                                                      ranks):
     """Two processes on one run (the curve's point that repeats dp-train, started beside it; a command

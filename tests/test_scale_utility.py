@@ -266,8 +266,8 @@ def test_a_knob_added_later_keeps_the_rows_at_its_neutral_value_only(knob, value
 
 # README's scale table, checked against the committed rows it was printed from: a figure edited by
 # hand, or a row re-run without the table following, fails here.
-README_LABELS = {"raw pixels": "pixels", "random init": "random", "synthetic only": "synthetic",
-                 "MAE": "mae", "captioner": "caption", "CLIP": "clip"}
+README_LABELS = {"raw pixels": "pixels", "random init": "random", "synthetic only": "synthetic",  # first match wins
+                 "MAE": "mae", "captioner": "caption", "public captions": "clip-public", "CLIP": "clip"}
 SEEDS_IN_WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5}
 PERCENT_CI = re.compile(r"([\d.]+)% \(([\d.]+)–([\d.]+)\)")
 GAIN_CI = re.compile(r"([+−-][\d.]+) \(([+−-][\d.]+) to ([+−-][\d.]+)\)")

@@ -204,3 +204,26 @@ def test_truncated_private_captions_are_cut_silently(clean_model, tmp_path, caps
         warnings.simplefilter("error")
         ids = tokenize(t, [f"a {POISON} photo of a private caption"], max_len=4)
     assert ids[0, -1] == tok.EOS_ID and capsys.readouterr() == ("", "")
+
+
+def test_clip_public_negatives_are_every_labelled_caption_then_a_fixed_draw(clean_model, tmp_path):
+    """clip-public's negatives: public captions only, every labelled set's first (the classes an image
+    must be told apart from), the same on every call (every rank, every run), and a clear error when
+    more are asked for than the corpus holds."""
+    from pipeline.config import ParamsError
+    from pipeline.models import ModelConfig
+    from pipeline.privacy.training import public_negative_tokens
+
+    (tmp_path / "spm.model").write_bytes(clean_model)
+    t = tok.Tokenizer(tmp_path)
+    labelled, others = tok.public_captions()
+    assert set(labelled) == {c for s in labelled_sets.SETS.values() for c in s.captions()}
+    assert not set(labelled) & set(others)
+    cfg = ModelConfig.of({"size": "micro", "max_len": 14, "public_negatives": 256})
+    ids = public_negative_tokens(t, cfg)
+    assert ids.shape == (256, 14) and torch.equal(ids, public_negative_tokens(t, cfg))
+    assert torch.equal(ids[:len(labelled)], t.encode(list(labelled), 14))
+    encoded = {tuple(row) for row in t.encode(list(others), 14).tolist()}
+    assert all(tuple(row) in encoded for row in ids[len(labelled):].tolist())
+    with pytest.raises(ParamsError, match="model.public_negatives=100000, but the public caption corpus holds"):
+        public_negative_tokens(t, ModelConfig.of({"size": "micro", "public_negatives": 100_000}))

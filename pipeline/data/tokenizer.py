@@ -70,6 +70,15 @@ def python_docs() -> tuple[str, ...]:
     return tuple(lines)
 
 
+def public_captions() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The public corpus's captions, once each: (the labelled sets' captions, each template of
+    `caption_file` filled with each class name that is not among them)."""
+    templates, names = caption_file()
+    labelled = tuple(dict.fromkeys(c for s in labelled_sets.SETS.values() for c in s.captions()))
+    filled = dict.fromkeys(t.format(n) for t in templates for n in names)
+    return labelled, tuple(c for c in filled if c not in set(labelled))
+
+
 @functools.lru_cache(maxsize=1)
 def corpus_parts() -> dict[str, tuple[str, ...]]:
     """The public corpus by part, each part's lines repeated REPEATS[part] times."""

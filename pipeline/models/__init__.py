@@ -28,7 +28,7 @@ def build_encoder(cfg: ModelConfig | dict | None = None) -> VisionTransformer:
 
 
 def build_model(objective: str, cfg: ModelConfig | dict | None = None) -> MaskedAutoencoder | Captioner | CLIP:
-    """The model of an objective ("mae", "caption", "clip"); `cfg` a ModelConfig or a partial dict of its fields."""
+    """The model of an objective ("mae", "caption", "clip", "clip-public"); `cfg` a ModelConfig or a partial dict of its fields."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose from {tuple(OBJECTIVES)}")
     cfg = ModelConfig.of(cfg)
@@ -43,7 +43,8 @@ def build_model(objective: str, cfg: ModelConfig | dict | None = None) -> Masked
         return Captioner(encoder, width=cfg.text_width, depth=cfg.text_depth, heads=cfg.text_heads,
                          mask_ratio=cfg.training_mask_ratio(objective), **text)
     return CLIP(encoder, text_width=cfg.text_width, text_depth=cfg.text_depth, text_heads=cfg.text_heads,
-                embed_dim=cfg.embed_dim, pool=cfg.pool, **text)
+                embed_dim=cfg.embed_dim, pool=cfg.pool,
+                public_negatives=cfg.public_negatives if objective == "clip-public" else 0, **text)
 
 
 __all__ = [

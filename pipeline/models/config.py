@@ -45,6 +45,7 @@ class ModelConfig:
     max_len: int = 40             # caption tokens
     pad_id: int = 0
     embed_dim: int = 512          # CLIP's joint embedding
+    public_negatives: int = 256   # clip-public: public captions each image is scored against
 
     def __post_init__(self):
         if self.text_heads == 0:

@@ -270,13 +270,13 @@ class BookKeepingClipper(ClippedSum):
         """Under bf16 autocast, hands the layer the bf16 copy of its input that autocast would make (the
         same rounding), so the forward hook holds the very tensor the product used and autograd saves:
         one cast a layer, not two, and one copy held."""
-        if not self._capturing:
+        if not self._capturing or not torch.is_grad_enabled():
             return None
         cast = as_autocast_multiplies(inputs[0])
         return None if cast is inputs[0] else (cast, *inputs[1:])
 
     def _forward_hook(self, module, inputs, output):
-        if not self._capturing:
+        if not self._capturing or not torch.is_grad_enabled():  # a call under no_grad has no gradient to clip
             return None
         rule = rule_for(module)
         held = inputs[0].detach() if rule.needs_input else None  # as multiplied (_input_as_multiplied)
@@ -384,7 +384,7 @@ class BookKeepingClipper(ClippedSum):
                     self._instantiate(r, reduced)
             instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
             for m, per in instantiated:  # vector_norm: 3-7x pow().sum(); summed in fp32 as it is: nothing rounds
-                layers += [(self._group[id(m)], torch.linalg.vector_norm(v.flatten(1), dim=1).square(), None)
+                layers += [(self._group[id(m)], torch.linalg.vector_norm(v.reshape(len(v), -1), dim=1).square(), None)
                            for v in per.values()]
             sq, reach = group_norms(layers, len(self.bounds), batch_size, device)
             factors, finite, norms = grouped_factors(sq, self.bounds, reach)
@@ -433,7 +433,7 @@ class VmapClipper(ClippedSum):
             grads = {n: g.float() / self.loss_scale for n, g in grads.items()}
             sq = torch.zeros(len(self.bounds), len(per_example[0]), dtype=torch.float32, device=device)
             for n, g in grads.items():
-                sq[self.group_of[id(self.params[n])]] += torch.linalg.vector_norm(g.flatten(1), dim=1).square()
+                sq[self.group_of[id(self.params[n])]] += torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1).square()
             factors, finite, norms = grouped_factors(sq, self.bounds)
             for n, g in grads.items():
                 self.sum[n] += torch.einsum("b,b...->...", factors[self.group_of[id(self.params[n])]],

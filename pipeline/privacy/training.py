@@ -28,7 +28,7 @@ from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
-from pipeline.data.tokenizer import Tokenizer
+from pipeline.data.tokenizer import Tokenizer, public_captions
 from pipeline.distributed import broadcast_int, gather_with_grad, init_world
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json
@@ -124,6 +124,8 @@ def setup(params: dict, device: str) -> "Trainer":
             model = build_model(dp["objective"], mcfg)
             freeze(model, dp["frozen"])
             group_bounds(model, dp["clip_norm"], dp["encoder_clip_share"])
+        if getattr(model, "per_sample", False):
+            public_negative_tokens(tokenizer, mcfg)
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
     if dp["nonprivate_baseline"]:
@@ -209,6 +211,22 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
         return twin.train(params["run"]["seed"], work, ctx, private=False)[0]
 
 
+def public_negative_tokens(tokenizer, mcfg) -> torch.Tensor:
+    """clip-public's negatives, `model.public_negatives` public captions as token ids (K, max_len): every
+    caption of the labelled sets (the captions of the domains dpfm ships, which an image must tell
+    apart; from a corpus of mostly other domains' captions, a handful of them drawn in 256 left the
+    classes nothing to be told apart by, and the features collapsed: −5.2 points at ε = 8), then the
+    rest drawn from the filled templates by a fixed public seed: the same on every rank and run."""
+    labelled, others = public_captions()
+    count = mcfg.public_negatives
+    if count > len(labelled) + len(others):
+        raise ParamsError([f"model.public_negatives={count}, but the public caption corpus holds "
+                           f"{len(labelled) + len(others)}"], source="model params")
+    drawn = np.sort(np.random.default_rng(0).choice(len(others), max(0, count - len(labelled)), replace=False))
+    texts = list(labelled[:count]) + [others[i] for i in drawn]
+    return tokenizer.encode(texts, mcfg.max_len)  # any cut: public text, still a negative
+
+
 def warm_start(model, objective_name: str) -> None:
     """Loads the synthetic warm start (the pretrain artifact) into a freshly built model."""
     warm = checkpoints.load(artifact("pretrain") / "checkpoint.pt")
@@ -236,6 +254,8 @@ class Trainer:
         model = build_model(self.dp["objective"], self.mcfg).to(self.device)
         if self.dp["init"] == "pretrain":
             warm_start(model, self.dp["objective"])
+        if getattr(model, "per_sample", False):  # clip-public: scored against the public corpus's captions
+            model.set_public_negatives(public_negative_tokens(self.tokenizer, self.mcfg))
         freeze(model, self.dp["frozen"])
         return model
 
