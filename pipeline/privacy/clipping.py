@@ -270,13 +270,13 @@ class BookKeepingClipper(ClippedSum):
         """Under bf16 autocast, hands the layer the bf16 copy of its input that autocast would make (the
         same rounding), so the forward hook holds the very tensor the product used and autograd saves:
         one cast a layer, not two, and one copy held."""
-        if not self._capturing or not torch.is_grad_enabled():
+        if not self._capturing:
             return None
         cast = as_autocast_multiplies(inputs[0])
         return None if cast is inputs[0] else (cast, *inputs[1:])
 
     def _forward_hook(self, module, inputs, output):
-        if not self._capturing or not torch.is_grad_enabled():  # a call under no_grad has no gradient to clip
+        if not self._capturing:
             return None
         rule = rule_for(module)
         held = inputs[0].detach() if rule.needs_input else None  # as multiplied (_input_as_multiplied)

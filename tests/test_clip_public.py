@@ -1,0 +1,60 @@
+"""clip-public (Dp-CLIP's model scored against public captions): its loss splits per sample, which
+is what lets per-example clipping bound one example's effect by C; its text tower stays at its seeded
+init; a public caption equal to the example's own is not its negative."""
+
+import torch
+import torch.nn as nn
+
+from pipeline.models import build_model
+
+PAD = 0
+MICRO = dict(size="micro", img_size=16, patch_size=4, vocab_size=50, max_len=12, pad_id=PAD, public_negatives=6)
+
+
+def micro(**overrides) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("clip-public", {**MICRO, **overrides}).eval()
+
+
+def images(b: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(b, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def captions(b: int, seed: int = 2) -> torch.Tensor:
+    """Right-padded captions of different lengths: BOS, words, EOS."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((b, 12), PAD, dtype=torch.long)
+    for i in range(b):
+        n = 3 + i % 8
+        out[i, 0], out[i, n + 1] = 1, 2
+        out[i, 1:n + 1] = torch.randint(4, 50, (n,), generator=g)
+    return out
+
+
+def test_clip_public_loss_splits_per_sample():
+    """clip-public scores each image against its own caption and the public captions only: another
+    example changing moves no other example's loss or gradient (the coupling clip has, above)."""
+    model = micro()
+    imgs, toks = images(4), captions(4)
+    changed_imgs, changed_toks = imgs.clone(), toks.clone()
+    changed_imgs[1], changed_toks[1] = images(1, seed=9)[0], captions(4, seed=9)[1]
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert not any(p.requires_grad for p in [*model.text.parameters(), *model.text_proj.parameters()])
+
+    def loss_and_grad(i, x, t):
+        loss = model(x, t)
+        return loss[i], torch.autograd.grad(loss[i], params, allow_unused=True)
+
+    for i in (0, 2, 3):
+        (a, ga), (b, gb) = loss_and_grad(i, imgs, toks), loss_and_grad(i, changed_imgs, changed_toks)
+        assert torch.equal(a, b)
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(ga, gb))
+    assert not torch.isclose(model(imgs, toks)[1], model(changed_imgs, changed_toks)[1])
+    # Its own caption among the public ones is left out of its row (not a negative of itself).
+    own = model.public_negatives[2:3]
+    with torch.no_grad():
+        img, negatives = model.encode_image(imgs[:1]), model.encode_text(model.public_negatives)
+        logits = model._scale(img) * torch.cat([img @ negatives[2:3].t(), img @ negatives.t()], 1)
+        left_out = torch.cat([logits[:, :3], logits[:, 4:]], 1)  # its own caption, then the others
+        assert torch.allclose(model(imgs[:1], own), nn.functional.cross_entropy(left_out, torch.zeros(1, dtype=torch.long)))
+        assert not torch.allclose(model(imgs[:1], own), nn.functional.cross_entropy(logits, torch.zeros(1, dtype=torch.long)))
