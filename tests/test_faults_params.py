@@ -98,6 +98,22 @@ def test_mask_views_where_nothing_masks_or_rows_are_clipped_apart_stop_dpfm_befo
     assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()
 
 
+def test_more_public_negatives_than_the_public_corpus_holds_stop_dpfm_before_any_work(
+        data_dir, tmp_path, monkeypatch, capsys, no_tracking):
+    """clip-public draws its negatives from the public caption corpus: asking for more than it holds
+    is said plainly, before anything is charged or decoded."""
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    decoded = []
+    monkeypatch.setattr("pipeline.privacy.training.split_loader", lambda *a, **k: decoded.append(a))
+    sets = ["--set", "dp.objective=clip-public", "--set", "model.public_negatives=100000", "--set", "dp.noise_seed=null"]
+    assert cli.main(["dp-train", *sets]) == 2
+    err = capsys.readouterr().err
+    assert "dpfm: model params is invalid:\n  - model.public_negatives=100000, but the public caption corpus holds" in err
+    assert "Traceback" not in err and not decoded
+    assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()
+
+
 @pytest.mark.parametrize("frozen, more, message", [
     ("[encoder.block.0]", [], "dp.frozen names ['encoder.block.0'], which are not modules of the MaskedAutoencoder"),
     ("[encoder, decoder_embed, mask_token, decoder_blocks, decoder_norm, decoder_pred]", [],

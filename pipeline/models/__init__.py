@@ -42,9 +42,11 @@ def build_model(objective: str, cfg: ModelConfig | dict | None = None) -> Masked
     if objective == "caption":
         return Captioner(encoder, width=cfg.text_width, depth=cfg.text_depth, heads=cfg.text_heads,
                          mask_ratio=cfg.training_mask_ratio(objective), **text)
+    # Clipped per example, CLIP is scored against public captions (clip-public): its loss then splits.
+    per_sample = OBJECTIVES[objective].clipping == "per_sample"
     return CLIP(encoder, text_width=cfg.text_width, text_depth=cfg.text_depth, text_heads=cfg.text_heads,
-                embed_dim=cfg.embed_dim, pool=cfg.pool,
-                public_negatives=cfg.public_negatives if objective == "clip-public" else 0, **text)
+                embed_dim=cfg.embed_dim, pool=cfg.pool, public_negatives=cfg.public_negatives if per_sample else 0,
+                **text)
 
 
 __all__ = [

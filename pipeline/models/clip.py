@@ -8,7 +8,7 @@ one example's influence.  Dp-CLIP therefore clips the gradient of the whole batc
 With ``public_negatives`` (objective ``clip-public``) the batch is not coupled: image i is scored
 against its own caption and a fixed set of public captions (the tokenizer's public corpus), encoded
 without gradient, so sample i's loss and gradient are functions of (image i, caption i) and public
-text alone, and per-sample clipping bounds them (docs/privacy.md, "Dp-CLIP against public captions").
+text alone, and per-sample clipping bounds them (docs/privacy.md, "clip-public").
 """
 
 import math

@@ -124,10 +124,10 @@ def setup(params: dict, device: str) -> "Trainer":
             model = build_model(dp["objective"], mcfg)
             freeze(model, dp["frozen"])
             group_bounds(model, dp["clip_norm"], dp["encoder_clip_share"])
-        if getattr(model, "per_sample", False):
-            public_negative_tokens(tokenizer, mcfg)
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
+    if getattr(model, "per_sample", False):  # clip-public: enough public captions for its negatives
+        public_negative_tokens(tokenizer, mcfg)
     if dp["nonprivate_baseline"]:
         release.check_nonprivate(params["privacy"], stats.get("source"), "dp.nonprivate_baseline")
     try:  # contradictions in the params stop the run here, before any image is decoded or state written
