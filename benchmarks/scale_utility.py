@@ -49,7 +49,6 @@ import argparse
 import hashlib
 import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,12 +57,12 @@ import numpy as np
 import torch
 from sklearn.model_selection import StratifiedKFold
 
-from benchmarks.utility import Scorer, inside, parse_epsilon, print_targets
+from benchmarks.scale_report import FULL, combined_figure, paired_gain, report
+from benchmarks.utility import Scorer, inside, parse_epsilon
 from pipeline import checkpoints
 from pipeline.cli import StageContext, resolve_device, runner
 from pipeline.config import ADDED_KNOBS, load_params
 from pipeline.data.tokenizer import Tokenizer
-from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES
 from pipeline.io import atomic_path, read_json
 from pipeline.models import build_encoder
@@ -74,7 +73,6 @@ from pipeline.tracking import NullRun
 ROOT = Path(__file__).resolve().parent.parent
 OBJECTIVES = ("mae", "caption", "clip", "clip-public")
 PAPERS = OBJECTIVES[:3]  # the published recipes, run by default; clip-public on request
-FULL = "full"
 # The scale recipe: Fashion-MNIST as the private set, and the schedule the papers scale (q, T fixed;
 # B = q·n), each objective's B and T in SCHEDULES below (`--set` overrides them; on a GPU raise them,
 # e.g. `--set dp.expected_batch_size=4096`; `dpfm plan` shows σ/B). The probe is the evaluate stage's:
@@ -458,178 +456,6 @@ def schedule(p: dict, n: int, eps: float) -> dict:
     noise = plan.noise_std / plan.denominator if plan else 0.0
     return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
             "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2)}
-
-
-def probe_ci(row: dict) -> list[float]:
-    return accuracy_ci(row["probe"], refits=row.get("refits"))
-
-
-def paired_gain(row: dict, base: dict) -> dict:
-    """row's probe accuracy minus base's, paired by test image, seed and probe resample."""
-    return difference_ci(row["probe"], base["probe"], refits_a=row.get("refits"), refits_b=base.get("refits"))
-
-
-def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:
-    targets = {}
-
-    def paired(a: str, b: str) -> dict:
-        return paired_gain(table[a], table[b])
-
-    for obj in objectives:
-        full = {eps: f"{obj}-n{FULL}-eps{eps:g}" for eps in epsilons}
-        if 8.0 in full and obj in ("mae", "caption"):
-            d = paired(full[8.0], "synthetic")
-            targets[f"a_{obj}_eps8_above_synthetic"] = {"passed": d["ci"][0] > 0, "diff": d}
-        if math.inf in full:
-            d = paired(full[math.inf], "synthetic")
-            targets[f"b_{obj}_eps_inf_above_synthetic"] = {"passed": d["ci"][0] > 0, "diff": d}
-        if 8.0 in full and 1.0 in full:
-            d = paired(full[8.0], full[1.0])
-            targets[f"c_{obj}_eps8_not_below_eps1"] = {"passed": d["ci"][1] >= 0, "diff": d}
-    encoders = {k: v for k, v in table.items() if k != "pixels"}
-    best = max(encoders, key=lambda k: encoders[k]["probe"].mean())
-    best_ci, pixels = probe_ci(encoders[best]), float(table["pixels"]["probe"].mean())
-    targets["d_best_vs_pixels"] = {"passed": best_ci[1] >= pixels, "best": best, "ci": best_ci, "pixels": pixels}
-    cap8 = f"caption-n{FULL}-eps8"
-    if cap8 in table:
-        ci = accuracy_ci(table[cap8]["zero"])
-        targets["e_caption_zero_shot_3x_chance"] = {"passed": ci[0] >= 3 * chance, "ci": ci, "chance": chance}
-    return targets
-
-
-def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: float, device: str, set_name: str,
-           versus: dict):
-    targets = check_targets(table, args.objectives, epsilons, chance)
-    out_rows = []
-    for name, row in table.items():
-        obj, init, n, eps = None, name, None, None
-        if "-n" in name:
-            obj, rest = name.split("-n", 1)
-            size, eps_text = rest.split("-eps")
-            init, n, eps = "synthetic", row["meta"]["n"], parse_epsilon(eps_text)
-        r = {"objective": obj, "init": init, "epsilon": None if eps is None else ("inf" if eps == math.inf else eps),
-             "n": n, "acc": float(row["probe"].mean()), "ci": probe_ci(row), "seeds": int(len(row["probe"]))}
-        if n is not None:
-            m = row["meta"]
-            r.update(batch=m["batch"], steps=m["steps"], sigma=round(m["sigma"], 4), sigma_over_b=m["sigma_over_b"],
-                     noise_per_coordinate=m["noise_per_coordinate"],
-                     noise_over_run=m["noise_per_coordinate"] / math.sqrt(m["steps"]),
-                     epsilon_spent=m["epsilon_spent"], seconds=m["seconds"])
-            if name != "synthetic":
-                d = paired_gain(row, table["synthetic"])
-                r["gain_over_synthetic"] = {"diff": d["diff"], "ci": d["ci"]}
-        if row.get("zero") is not None:
-            r.update(zero_shot=float(row["zero"].mean()), zero_shot_ci=accuracy_ci(row["zero"]))
-        out_rows.append(r)
-    print(f"\nscale_utility: linear probe on {set_name} ({n_test} test images, {args.seeds} seed(s), "
-          f"{args.probe_refits} probe refits, {device})")
-    print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8} {'noise':>8} {'/√T':>8}  {'acc':>6}  95% CI       "
-          "gain over synthetic")
-    for r in out_rows:
-        eps = "—" if r["epsilon"] is None else ("∞" if r["epsilon"] == "inf" else f"{r['epsilon']:g}")
-        sched = (f"{r['n']:>6} {eps:>4} {r['batch']:>5} {r['steps']:>4} {r['sigma']:>6.3f} {r['sigma_over_b']:>8.2e}"
-                 f" {r['noise_per_coordinate']:>8.2e} {r['noise_over_run']:>8.2e}"
-                 if r["n"] else f"{'':>6} {eps:>4} {'':>5} {'':>4} {'':>6} {'':>8} {'':>8} {'':>8}")
-        gain = r.get("gain_over_synthetic")
-        print(f"  {(r['objective'] or r['init']):<9} {sched}  {100 * r['acc']:5.1f}%  "
-              f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"
-              + (f"   {100 * gain['diff']:+.1f} ({100 * gain['ci'][0]:+.1f} to {100 * gain['ci'][1]:+.1f})" if gain else "")
-              + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else ""))
-    scaling = [r for r in out_rows if r["n"] and r["epsilon"] == 8.0]
-    if scaling:
-        plot_scaling(scaling, work / "scaling.png")
-        print(f"\nscale_utility: scaling figure ({work / 'scaling.png'}): DP gain over synthetic-only at ε = 8")
-        for r in sorted(scaling, key=lambda r: (r["objective"], r["n"])):
-            g = r["gain_over_synthetic"]
-            print(f"  {r['objective']:<8} n={r['n']:>6} B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e} "
-                  f"noise/coord={r['noise_per_coordinate']:.2e}  "
-                  f"{100 * g['diff']:+.1f} points (95% CI {100 * g['ci'][0]:+.1f} to {100 * g['ci'][1]:+.1f})")
-    public_vs_batch = [(f"clip-public-n{FULL}-eps{e:g}", f"clip-n{FULL}-eps{e:g}") for e in epsilons]
-    public_vs_batch = [(a, b) for a, b in public_vs_batch if a in table and b in table]
-    if public_vs_batch:
-        print("\nscale_utility: CLIP against public captions (per example) minus Dp-CLIP (per batch), paired")
-        for a, b in public_vs_batch:
-            d, z = paired_gain(table[a], table[b]), difference_ci(table[a]["zero"], table[b]["zero"])
-            print(f"  {a:<24} − {b}: probe {100 * d['diff']:+.1f} ({100 * d['ci'][0]:+.1f} to {100 * d['ci'][1]:+.1f}), "
-                  f"zero-shot {100 * z['diff']:+.1f} ({100 * z['ci'][0]:+.1f} to {100 * z['ci'][1]:+.1f})")
-    if versus:
-        print("\nscale_utility: against another recipe (this row minus the same row there, paired)")
-        for name, d in versus.items():
-            print(f"  {name:<22} − {d['against']}: {100 * d['diff']:+.1f} points "
-                  f"(95% CI {100 * d['ci'][0]:+.1f} to {100 * d['ci'][1]:+.1f}{'' if d['refits'] else ', no refits'})")
-    print_targets("scale_utility", targets)
-    print(f"scale_utility: {seconds:.0f} s this invocation, on {device}")
-    print(json.dumps({"benchmark": "scale_utility", "dataset": set_name, "n_probe_test": n_test, "device": device,
-                      "chance": round(chance, 4), "probe_refits": args.probe_refits, "rows": rounded(out_rows),
-                      "targets": {k: bool(t["passed"]) for k, t in targets.items()}, "seconds": round(seconds),
-                      **({"against": versus} if versus else {})}))
-    sys.exit(0 if all(t["passed"] for t in targets.values()) else 1)
-
-
-ROUNDED = ("acc", "ci", "zero_shot", "zero_shot_ci", "gain_over_synthetic")
-
-
-def rounded(rows: list[dict], places: int = 4) -> list[dict]:
-    """The rows as the JSON line gives them: accuracies, intervals and gains to `places` decimals. The
-    table and the figure read the unrounded ones (printed from 4-place values, a bound 0.009549 read
-    +0.9 where its own rounding is +1.0)."""
-    def r(x):
-        return {k: r(v) for k, v in x.items()} if isinstance(x, dict) else \
-            [r(v) for v in x] if isinstance(x, (list, tuple)) else round(float(x), places)
-    return [{k: r(v) if k in ROUNDED else v for k, v in row.items()} for row in rows]
-
-
-def combined_figure(outputs: list[Path], work: Path) -> None:
-    """The scaling rows (ε = 8, every n) of each output's JSON line, in one figure."""
-    rows = []
-    for path in outputs:
-        lines = [line for line in path.read_text().splitlines() if line.startswith('{"benchmark": "scale_utility"')]
-        if not lines:
-            raise SystemExit(f"{path}: no scale_utility JSON line (the last line a finished run prints)")
-        found = [r for r in json.loads(lines[-1])["rows"] if r["n"] and r["epsilon"] == 8.0]
-        if any("noise_per_coordinate" not in r for r in found):
-            raise SystemExit(f"{path}: printed before the noise column existed; run its command again (rows are kept)")
-        rows += found
-    work.mkdir(parents=True, exist_ok=True)
-    plot_scaling(rows, work / "scaling.png")
-    print(f"scale_utility: {work / 'scaling.png'} from {len(rows)} rows of {len(outputs)} run(s)")
-
-
-def plot_scaling(rows: list[dict], path: Path) -> None:
-    """The papers' message in one figure: the DP gain over the warm start as n (and B) grow, beside
-    the noise on the released averaged gradient that explains it (σ·C/B per example; Dp-CLIP's
-    per-batch 2σC does not shrink with B)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    fig, (gain_ax, noise_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for obj in sorted({r["objective"] for r in rows}):
-        rs = sorted((r for r in rows if r["objective"] == obj), key=lambda r: r["n"])
-        n = np.array([r["n"] for r in rs])
-        g = np.array([[r["gain_over_synthetic"]["diff"], *r["gain_over_synthetic"]["ci"]] for r in rs]) * 100
-        label = f"{obj} (B = {rs[-1]['batch']:,} × {rs[-1]['steps']} steps at n = {rs[-1]['n']:,})"
-        gain_ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3, label=label)
-        noise_ax.plot(n, [r["noise_per_coordinate"] for r in rs], marker="o", label=label)
-    gain_ax.axhline(0, color="grey", lw=0.8)
-    sizes = sorted({r["n"] for r in rows})  # one labelled tick per size: log-scale minor labels collide
-    for ax in (gain_ax, noise_ax):
-        ax.set_xscale("log")
-        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("private examples n (expected batch B = q·n, q and steps fixed)")
-        ax.legend(fontsize=7)
-    gain_ax.set_ylabel("linear probe: DP ε=8 − synthetic-only (points)")
-    gain_ax.set_title("DP gain over the synthetic warm start (95% CI)")
-    noise_ax.set_yscale("log")
-    noise_ax.set_ylabel("noise std per coordinate of the released mean")
-    noise_ax.set_title("per example σC/B falls with n; per batch (clip) 2σC stays")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from benchmarks.scale_utility import (FULL, RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, check_targets,
-                                      combined_figure, paired_gain, probe_ci, recipe_id, report, schedule,
+from benchmarks.scale_report import FULL, check_targets, combined_figure, paired_gain, probe_ci, report
+from benchmarks.scale_utility import (RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, recipe_id, schedule,
                                       size_params, untrained_id, validation_folds, with_seeds)
 from pipeline.config import load_params
 from pipeline.eval.stats import difference_ci

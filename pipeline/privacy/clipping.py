@@ -57,7 +57,7 @@ from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
 # the CPU recipe's captioner (width 96, batch 256) 1.085 / 1.086 / 1.14 (1.32 / ~1.26 / 1.19); the
 # 224 px captioner (ViT-S/16, batch 8) 1.011 / 1.044 / 1.11 (1.23 / ~1.21 / 1.20; the Gram blocks of
 # layer_rules.gram_inner later took it to 1.17 at 0.04). 0.04 is the most that keeps every model within
-# 1.1× memory (tests/test_clipping.py checks the recipe's models).
+# 1.1× memory (tests/test_clipping_memory.py checks the recipe's models).
 HELD_BUDGET = 0.04
 
 
