@@ -1,22 +1,19 @@
-"""Downstream evaluation: probes, few-shot subsets, zero-shot, eval sets and the `evaluate` stage."""
+"""Downstream evaluation: probes, few-shot subsets, zero-shot and the `evaluate` stage (the eval sets:
+tests/test_evalsets.py)."""
 
-import io
 import json
-import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from pipeline import checkpoints
 from pipeline.data.transforms import to_tensor
 from pipeline.errors import VerificationFailed
-from pipeline.eval.evalsets import EvalSet, load_eval_set, square
+from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
-from pipeline.eval.images import Images
 from pipeline.eval.probe import SOLVERS, extract_features, probe_accuracy
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
 from pipeline.models import build_encoder, build_model
@@ -219,208 +216,6 @@ def test_zero_shot_picks_the_right_prompt_on_a_toy_trained_to_do_so(objective):
 
 
 # -- eval sets ---------------------------------------------------------------------------------
-
-def png_bytes(array):
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def test_square_resizes_the_short_side_and_centre_crops():
-    wide = np.zeros((20, 40, 3), np.uint8)
-    wide[:, 10:30] = 255  # the centre square is white
-    out = square(Image.fromarray(wide), 10)
-    assert out.shape == (10, 10, 3) and out.min() > 200
-
-
-def test_folder_set_takes_classes_from_folder_names(tmp_path):
-    for name, value in (("cat", 20), ("dog", 200)):
-        for i in range(3):
-            (tmp_path / name / "sub").mkdir(parents=True, exist_ok=True)
-            Image.fromarray(np.full((24, 24, 3), value, np.uint8)).save(tmp_path / name / "sub" / f"{i}.png")
-    es = load_eval_set({"name": "pets", "source": "folder", "path": str(tmp_path)}, 16)
-    assert es.classes == ["cat", "dog"] and es.images.shape == (6, 16, 16, 3)
-    assert es.labels.tolist() == [0, 0, 0, 1, 1, 1] and (es.images[es.labels == 1] == 200).all()
-    assert es.prompts()[1] == ["a photo of a dog."]
-
-
-def write_tar(path, samples):
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-
-def test_webdataset_set_reads_labels_from_json_or_text(tmp_path):
-    img = png_bytes(np.zeros((8, 8, 3), np.uint8))
-    samples = [(f"s{i:03d}", {"png": img, "json": json.dumps({"cls": i % 3}).encode(),
-                              "txt": ["ant", "bee", "cow"][i % 3].encode()}) for i in range(9)]
-    write_tar(tmp_path / "a.tar", samples[:5])
-    write_tar(tmp_path / "b.tar", samples[5:])
-    by_json = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:cls",
-                             "classes": ["ant", "bee", "cow"], "templates": ["{c} on a leaf"]}, 16)
-    by_text = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 16)
-    assert by_json.labels.tolist() == by_text.labels.tolist() == [i % 3 for i in range(9)]
-    assert by_json.classes == by_text.classes == ["ant", "bee", "cow"]
-    assert by_json.prompts()[2] == ["cow on a leaf"] and by_json.images.shape == (9, 16, 16, 3)
-    with pytest.raises(ValueError, match="no json field 'species'"):
-        load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:species"}, 16)
-
-
-def test_official_train_and_test_parts_are_used_as_they_are(tmp_path):
-    for part, per_class in (("train", 3), ("test", 2)):
-        for name, value in (("cat", 20), ("dog", 200)):
-            (tmp_path / part / name).mkdir(parents=True)
-            for i in range(per_class):
-                Image.fromarray(np.full((24, 30, 3), value, np.uint8)).save(tmp_path / part / name / f"{i}.png")
-    spec = {"name": "pets", "source": "folder", "train": str(tmp_path / "train"), "test": str(tmp_path / "test")}
-    es = load_eval_set(spec, 16)
-    tr, te = es.split(0.5, seed=3)  # the fraction and seed do not reshuffle an official split
-    assert tr.tolist() == list(range(6)) and te.tolist() == list(range(6, 10))
-    assert es.labels[te].tolist() == [0, 0, 1, 1] and es.images.shape == (10, 16, 16, 3)
-    with pytest.raises(ValueError, match="`train` and `test`"):
-        load_eval_set({**spec, "path": str(tmp_path / "train")}, 16)
-    with pytest.raises(ValueError, match="`train` and `test`"):
-        load_eval_set({"name": "pets", "source": "folder", "train": str(tmp_path / "train")}, 16)
-    with pytest.raises(FileNotFoundError, match=r"evaluate.sets\[pets\].test"):
-        load_eval_set({**spec, "test": str(tmp_path / "nope")}, 16)
-
-
-def test_digits_set_follows_the_shards_source(tmp_path, monkeypatch):
-    """Trained on digits: the held-out digits split only. Trained on anything else: every bundled
-    digit, public and unseen (a web run never looks for data/shards/eval labels)."""
-    from pipeline.data.shards import ShardDataset
-    from pipeline.io import write_json
-    from pipeline.stages.shards import write_labelled
-
-    monkeypatch.chdir(tmp_path)
-    write_json("data/shards/stats.json", {"source": "urls"})
-    every = load_eval_set({"name": "digits", "source": "digits"}, 8)
-    assert len(every.labels) == 1797 and every.images.shape[1:] == (8, 8, 3)
-    write_labelled({**DIGITS_SHARDS, "samples_per_shard": 512}, 0, Path("data/shards"))
-    write_json("data/shards/stats.json", {"source": "digits"})
-    held = load_eval_set({"name": "digits", "source": "digits"}, 8)
-    assert len(held.labels) == len(ShardDataset("data/shards/eval")) < 0.35 * 1797
-
-
-def test_eval_set_split_is_stratified_and_needs_two_per_class():
-    es = EvalSet("x", np.zeros((20, 4, 4, 3), np.uint8), np.repeat([0, 1], 10), ["a", "b"], ("{c}",))
-    tr, te = es.split(0.5, 0)
-    assert np.bincount(es.labels[tr]).tolist() == [5, 5] and not set(tr) & set(te)
-    lonely = EvalSet("y", np.zeros((5, 4, 4, 3), np.uint8), np.array([0, 0, 0, 0, 1]), ["a", "b"], ("{c}",))
-    with pytest.raises(ValueError, match=r"\['b'\] have fewer than 2"):
-        lonely.split(0.5, 0)
-
-
-# -- eval sets stream their images -------------------------------------------------------------
-
-def test_images_index_like_an_array_and_subsets_decode_nothing():
-    arr = np.random.default_rng(0).integers(0, 256, (10, 4, 4, 3), dtype=np.uint8)
-    reads = []
-    images = Images(lambda rows: reads.append(rows.tolist()) or arr[rows], np.arange(10), (4, 4, 3))
-    assert len(images) == 10 and images.shape == (10, 4, 4, 3)
-    sub = images.subset(np.array([1, 3, 5, 7, 9]))
-    subsub = sub.subset(np.array([True, False, True, False, True]))
-    assert reads == [] and subsub.shape == (3, 4, 4, 3)
-    np.testing.assert_array_equal(subsub[:], arr[[1, 5, 9]])
-    np.testing.assert_array_equal(subsub[np.array([2, 0])], arr[[9, 1]])
-    np.testing.assert_array_equal(sub[1:3], arr[[3, 5]])
-    np.testing.assert_array_equal(sub[np.array([False, True, False, False, True])], arr[[3, 9]])
-    np.testing.assert_array_equal(sub[-1], arr[9])
-    assert reads[0] == [1, 5, 9] and reads[-1] == [9]  # only the rows asked for, in the order asked
-    assert sub[np.array([], dtype=int)].shape == (0, 4, 4, 3)
-    wrapped = EvalSet("x", arr, np.zeros(10, int), ["a"], ("{c}",)).images  # an array is wrapped
-    np.testing.assert_array_equal(wrapped.subset(np.arange(10) % 2 == 0)[1:], arr[2::2])
-
-
-def photo(rng, h, w, grey=False):
-    """A smooth picture with noise, so resampling differences would show."""
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([x * 5, y * 7, (x + y) * 3], -1) + rng.normal(0, 20, (h, w, 3))
-    out = base.clip(0, 255).astype(np.uint8)
-    return out[..., 0] if grey else out
-
-
-def eager(encoded, size):
-    """What evaluate loaded before it streamed: every image through `square`, stacked."""
-    return np.stack([square(Image.open(io.BytesIO(b) if isinstance(b, bytes) else b), size) for b in encoded])
-
-
-def test_folder_set_streams_the_same_pixels_as_eager_loading(tmp_path):
-    rng = np.random.default_rng(0)
-    for part in ("train", "test"):
-        for c, (name, shape) in enumerate((("cat", (24, 30)), ("dog", (40, 20)), ("owl", (16, 16)))):
-            (tmp_path / part / name / "sub").mkdir(parents=True)
-            for i in range(3):
-                ext = ("png", "jpg", "bmp")[i]
-                Image.fromarray(photo(rng, *shape, grey=c == 2)).save(tmp_path / part / name / "sub" / f"{i}.{ext}")
-    for spec in ({"path": str(tmp_path / "train")}, {"train": str(tmp_path / "train"), "test": str(tmp_path / "test")}):
-        es = load_eval_set({"name": "pets", "source": "folder", **spec}, 16)
-        parts = ["train"] if "path" in spec else ["train", "test"]
-        files = [f for part in parts for f in sorted((tmp_path / part).rglob("*.*"))]
-        expected = eager(files, 16)
-        assert es.images.shape == expected.shape
-        np.testing.assert_array_equal(es.images[:], expected)
-        np.testing.assert_array_equal(es.images[np.arange(len(files))[::-1]], expected[::-1])  # across parts
-        np.testing.assert_array_equal(es.images.subset(es.labels == 1)[:], expected[es.labels == 1])
-
-
-@pytest.mark.parametrize("indexed", [True, False])
-def test_webdataset_set_streams_the_same_pixels_as_eager_loading(tmp_path, indexed):
-    from pipeline.data.shards import INDEX_NAME, ShardWriter
-    from pipeline.data.transforms import encode_jpeg
-
-    rng = np.random.default_rng(1)
-    encoded = []
-    with ShardWriter(tmp_path, prefix="eval", samples_per_shard=4) as w:
-        for i in range(10):
-            image = photo(rng, 20 + 3 * i, 30 - 2 * i)
-            data, ext = (encode_jpeg(image), "jpg") if i % 3 == 0 else (png_bytes(image), "png")
-            encoded.append(data)
-            w.write(f"s{i:03d}", data, ["ant", "bee"][i % 2], {"cls": i % 2}, image_ext=ext)
-    if not indexed:
-        (tmp_path / INDEX_NAME).unlink()  # plain webdataset tars: read back by byte position
-    es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:cls"}, 16)
-    by_text = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 16)
-    assert es.labels.tolist() == by_text.labels.tolist() == [i % 2 for i in range(10)]
-    assert by_text.classes == ["ant", "bee"]
-    np.testing.assert_array_equal(es.images[:], eager(encoded, 16))
-    te = es.split(0.5, 0)[1]
-    np.testing.assert_array_equal(es.images.subset(te)[1:], eager([encoded[i] for i in te[1:]], 16))
-
-
-def test_digits_set_streams_the_same_pixels_as_eager_loading(tmp_path, monkeypatch):
-    from pipeline.data.shards import ShardDataset
-    from pipeline.io import write_json
-    from pipeline.stages.shards import write_labelled
-
-    monkeypatch.chdir(tmp_path)
-    write_labelled({**DIGITS_SHARDS, "samples_per_shard": 200}, 0, Path("data/shards"))
-    write_json("data/shards/stats.json", {"source": "digits"})
-    es = load_eval_set({"name": "digits", "source": "digits"}, 12)
-    ds = ShardDataset("data/shards/eval")
-    expected = np.stack([square(Image.fromarray(ds.image(i)), 12) for i in range(len(ds))])
-    np.testing.assert_array_equal(es.images[:], expected)
-    mask = es.labels == 7
-    np.testing.assert_array_equal(es.images[mask], expected[mask])
-
-
-def test_unreadable_images_name_their_file(tmp_path):
-    (tmp_path / "pets" / "cat").mkdir(parents=True)
-    (tmp_path / "pets" / "cat" / "0.png").write_bytes(b"not a png")
-    es = load_eval_set({"name": "pets", "source": "folder", "path": str(tmp_path / "pets")}, 16)
-    with pytest.raises(ValueError, match=r"cat/0.png: cannot read the image"):
-        es.images[:1]
-    with tarfile.open(tmp_path / "a.tar.gz", "w:gz") as tar:
-        info = tarfile.TarInfo("s0.png")
-        tar.addfile(info, io.BytesIO(b""))
-    with pytest.raises(ValueError, match=r"a.tar.gz: not an uncompressed tar"):
-        load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path / "a.tar.gz")}, 16)
-
-
-# -- the stage ---------------------------------------------------------------------------------
 
 def make_tokenizer(directory):
     import sentencepiece as spm
