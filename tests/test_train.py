@@ -75,15 +75,16 @@ def test_a_run_keyed_before_a_knob_existed_is_found_while_the_knob_is_neutral(tm
 
     monkeypatch.setattr(train, "STATE_ROOT", tmp_path)
     (s1, k1, n1), (s2, k2, n2) = ADDED_KNOBS[-2:]  # the two newest knobs, at their neutral values
-    now = {"dp": {"lr": 0.1, k1: n1, k2: n2}, "model": {"size": "cpu"}}
-    before_both = {**now, "dp": {"lr": 0.1}}
+    before_both = {"dp": {"lr": 0.1}, "model": {"size": "cpu"}}
+    now = {section: dict(values) for section, values in before_both.items()}
+    now[s1][k1], now[s2][k2] = n1, n2
     fresh = train.state_dir("dp-train", now)
     assert not fresh.exists()  # nothing there yet: the current key
     older = train.state_dir("dp-train", before_both)
     older.mkdir()
     assert train.state_dir("dp-train", now) == older  # the run from before both knobs is this run
     assert train.state_dir("dp-train", {**now, "dp": {**now["dp"], "lr": 0.2}}) != older  # another run
-    assert train.state_dir("dp-train", {**now, "dp": {**now["dp"], k1: "set"}}) != older  # the knob set
+    assert train.state_dir("dp-train", {**now, s1: {**now[s1], k1: "set"}}) != older  # the knob set
     assert train.state_dir("pretrain", now) != older  # another stage
     fresh.mkdir()
     assert train.state_dir("dp-train", now) == fresh  # the current key wins where both exist
