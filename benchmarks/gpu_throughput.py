@@ -18,6 +18,10 @@ without the CPU-fitted blocks (the same numbers up to summation order): fewer ke
 --profile BATCH: instead, one step of each engine at that batch under torch.profiler, and the ops
 that take the most device time (CPU time without a GPU), side by side: where the clipping's time goes.
 
+--compile: also each engine with the model compiled (dp.compile: `model.compile()` after the
+clipper's hooks, as training does), at --max-batch without the search (each batch size compiles
+anew); the ratios stay against the uncompiled non-private step.
+
 --launches: instead, the kernels one step of each engine dispatches (views and allocations left out),
 counted without a GPU (the bf16 GEMMs emulated, one launch each) at batch 2: on the H200 the clipped
 step at batch 256 was bound by its launches, so fewer of them is what it gains first.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import json
 import statistics
 import time
@@ -69,22 +74,35 @@ def batch_for(objective: str, cfg: dict, n: int, device: str) -> tuple:
     return batch
 
 
+def release(device: str) -> None:
+    """Frees what a measured step left: the clipper's hooks tie model and clipper in a reference cycle,
+    which only the collector frees (on the H200 one OOM'd try's activations were still held by the
+    next step measured: its peak read 122 GiB where 46 were its own)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
 def measure(objective: str, cfg: dict, engine: str, batch: int, device: str, precision: str, steps: int) -> dict:
-    with products_of(engine) as method:
-        return _measure(objective, cfg, method, batch, device, precision, steps)
+    with products_of(engine.removesuffix("+compile")) as method:
+        return _measure(objective, cfg, method, batch, device, precision, steps, engine.endswith("+compile"))
 
 
-def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, precision: str, steps: int) -> dict:
+def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, precision: str, steps: int,
+             compiled: bool = False) -> dict:
     torch.manual_seed(0)
     model = build_model(objective, cfg).to(device)
     clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine,
                            autocast=lambda: autocast(device, precision))
+    if compiled:  # as training's dp.compile: after the clipper's hooks
+        model.compile()
     inputs = batch_for(objective, cfg, batch, device)
+    release(device)  # an earlier measure's leftovers must not count in this one's peak
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -108,8 +126,7 @@ def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, pr
     noise_ms = (time.perf_counter() - t0) / 5 * 1000
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     del clipper, model, inputs
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return {"batch": batch, "s_per_step": s, "images_per_s": batch / s, "peak_gib": peak, "noise_ms": noise_ms,
             "params_m": sum(p.numel() for p in params) / 1e6}
 
@@ -201,8 +218,7 @@ def largest_batch(objective, cfg, engine, device, precision, start: int, cap: in
         except torch.OutOfMemoryError:
             break
         finally:
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
     return best
 
 
@@ -216,6 +232,9 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", type=int, metavar="BATCH", help="profile one step per engine at this batch")
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+                    help="`plain` always runs: the ratios are against it")
+    ap.add_argument("--compile", action="store_true", help="also each engine compiled, at --max-batch")
     ap.add_argument("--launches", action="store_true", help="count each engine's kernels per step (no GPU needed)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -235,9 +254,15 @@ def main() -> None:
     for size in args.sizes:
         for objective in args.objectives:
             cfg = {"size": size, "img_size": args.img, "patch_size": args.patch, **TEXT}
-            engines = dict.fromkeys(ENGINES if OBJECTIVES[objective].clipping == "per_sample" else ENGINES[:2])
-            # Both at the largest batch the DP engine fits, so the ratios compare like with like.
-            batch = largest_batch(objective, cfg, "bookkeeping", device, args.precision, 8, args.max_batch)
+            chosen = ENGINES if OBJECTIVES[objective].clipping == "per_sample" else ENGINES[:2]
+            engines = dict.fromkeys(e for e in chosen if e == "plain" or e in args.engines)
+            if args.compile:  # each new batch size would compile again: no search
+                engines = dict.fromkeys(e + suffix for suffix in ("", "+compile") for e in list(engines)[:2])
+                batch = args.max_batch
+            else:  # both at the largest batch the DP engine fits, so the ratios compare like with like
+                batch = largest_batch(objective, cfg, "bookkeeping", device, args.precision, 8, args.max_batch)
+                # the non-private step can need more memory than the clipped one (the captioner's can)
+                batch = largest_batch(objective, cfg, "plain", device, args.precision, batch, batch) or batch // 2
             for engine in engines:
                 engines[engine] = measure(objective, cfg, engine, batch, device, args.precision, args.steps)
             base = engines["plain"]

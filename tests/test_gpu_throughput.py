@@ -19,3 +19,20 @@ def test_launches_counts_the_clippers_kernels_and_leaves_the_products_as_they_we
     # The per-layer norms are gathered once per clip group: no in-place add and write-back per layer
     # (which took a copy_ a layer, twice) beyond what the plain step does.
     assert clipped["copy_"] <= plain["copy_"], (clipped["copy_"], plain["copy_"])
+
+
+def test_a_measured_step_leaves_no_model_behind():
+    """The clipper's hooks tie model and clipper in a reference cycle: left to the collector, one
+    measurement's memory (an OOM'd try's activations too) counted in the next one's peak."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    gc.disable()  # only what measure() frees itself counts
+    try:
+        gpu_throughput.measure("mae", MICRO, "bookkeeping", 2, "cpu", "bf16", steps=1)
+        alive = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module) and type(o).__name__ == "MaskedAutoencoder"]
+    finally:
+        gc.enable()
+    assert not alive
