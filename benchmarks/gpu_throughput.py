@@ -76,8 +76,8 @@ def batch_for(objective: str, cfg: dict, n: int, device: str) -> tuple:
 
 def release(device: str) -> None:
     """Frees what a measured step left: the clipper's hooks tie model and clipper in a reference cycle,
-    which only the collector frees (on the H200 one OOM'd try's activations were still held by the
-    next step measured: its peak read 122 GiB where 46 were its own)."""
+    which only the collector frees: on the H200 the tries of the batch search (about 1 GiB each, and
+    an OOM'd try's activations) were still held when the next step was measured, and counted in its peak."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -261,7 +261,7 @@ def main() -> None:
                 batch = args.max_batch
             else:  # both at the largest batch the DP engine fits, so the ratios compare like with like
                 batch = largest_batch(objective, cfg, "bookkeeping", device, args.precision, 8, args.max_batch)
-                # the non-private step can need more memory than the clipped one (the captioner's can)
+                # and the non-private step must fit at that batch too
                 batch = largest_batch(objective, cfg, "plain", device, args.precision, batch, batch) or batch // 2
             for engine in engines:
                 engines[engine] = measure(objective, cfg, engine, batch, device, args.precision, args.steps)
