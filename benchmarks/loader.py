@@ -167,7 +167,8 @@ def main(argv=None) -> dict:
           f"{f'DP step ({args.size}, {device}, {args.precision}) img/s':>36}{'fed by the loader':>19}{'ratio':>8}")
     for r in rows:
         fed = f"{r['streamed']:.2f} ({r['streamed'] / r['consumed']:.0%})"
-        print(f"{r['res']:>5}{r['parallel']:>26.1f}{r['single']:>17.1f}{r['consumed']:>36.2f}{fed:>19}{r['ratio']:>8.1f}")
+        print(f"{r['res']:>5}{r['parallel']:>26.1f}{r['single']:>17.1f}{r['consumed']:>36.2f}"
+              f"{fed:>19}{r['ratio']:>8.1f}")
     ok = keeps_up(rows)
     print(f"target: loader >= {TARGET_RATIO:.0f}x the DP step's consumption: {'met' if ok else 'MISSED'} "
           f"(timings on a shared machine are noisy)")
