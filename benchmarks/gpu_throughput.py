@@ -153,8 +153,7 @@ def profile(objective: str, cfg: dict, batch: int, device: str, precision: str, 
         print(f"== {objective} {cfg['size']} {engine}, batch {batch}: top {top} ops by self {key.split('_')[1]} time")
         print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
         del clipper, model, inputs
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
 
 
 NOT_LAUNCHED = {"view", "_unsafe_view", "t", "transpose", "permute", "select", "slice", "detach", "expand",
