@@ -49,12 +49,26 @@ def all_reduce_sum(tensors: dict[str, torch.Tensor], world: World) -> None:
         offset += t.numel()
 
 
+def collective_device() -> torch.device:
+    """Where a collective's tensor must live: NCCL moves CUDA tensors only, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def broadcast_int(value: int, world: World) -> int:
     if world.size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.broadcast(t, src=0)
     return int(t.item())
+
+
+def broadcast_floats(values: list[float], world: World) -> list[float]:
+    """The main rank's `values`, on every rank (float64: exactly)."""
+    if world.size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.broadcast(t, src=0)
+    return t.tolist()
 
 
 def barrier(world: World) -> None:

@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed import World
+from pipeline.distributed import World, collective_device
 from pipeline.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -51,8 +51,7 @@ class StopRequests:
         this step (else the others would wait for it in the next collective)."""
         if world.size == 1:
             return self.signum
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([self.signum or 0], device=device)
+        t = torch.tensor([self.signum or 0], device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item()) or None
 

@@ -1,7 +1,8 @@
 """Faults of training: a real `kill -9` of pretrain and dp-train processes at exact points (after a step
 is charged, after its update, half-way through a checkpoint write), SIGTERM as SLURM sends it (to the
 process, to its process group with the decoding workers, to one torchrun rank; a second one), a second
-`dpfm` on a running stage, and a torn last ledger line. After each, a re-run finishes with what an
+`dpfm` on a running stage, a torn last ledger line, and a run resumed (or a rank run) where the accountant
+rounds otherwise, as on another node. After each, a re-run finishes with what an
 uninterrupted run gives, and the privacy ledger never counts fewer steps than were applied.
 
 Stage processes run `dpfm` through tests/fault_hooks.py, which stops them at an exact point.
@@ -9,6 +10,7 @@ Stage processes run `dpfm` through tests/fault_hooks.py, which stops them at an 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,7 +30,7 @@ from shard_data import write_set
 from stage_runs import project, train
 
 from pipeline.data.shards import ShardDataset
-from pipeline.privacy.ledger import Ledger
+from pipeline.privacy.ledger import Ledger, LedgerError
 from pipeline.privacy.plan import Plan
 
 
@@ -228,3 +230,55 @@ def test_a_torn_last_ledger_line_is_dropped_and_charged_again(tmp_path):
     assert Ledger(path, header).to_dict()["batch_sizes"] == [3, 4, 5]
     path.write_text('{"header": {"n"')  # killed while writing the header itself
     assert Ledger(path, header).steps == 0 and json.loads(path.read_text()) == {"header": header.header()}
+
+
+# -- a run resumed where the accountant rounds otherwise: another node, another library build --------
+
+def test_a_ledger_reopened_with_sigma_calibrated_elsewhere_keeps_its_own_and_refuses_another(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    plan = Plan(objective="caption", clipping="per_sample", n=10, sample_rate=0.3, sigma=0.6387335711696435,
+                clip_norm=1.0, steps=3, delta=1e-3, accountant="pld", adjacency="replace_one", target_epsilon=8.0,
+                epsilon=7.991)
+    Ledger(path, plan).record_step(0, 3)
+    # The same target calibrated on another machine: σ and ε in their last digits (6e-12 measured).
+    elsewhere = dataclasses.replace(plan, sigma=0.6387335711734857, epsilon=7.991 * (1 + 1e-11))
+    reopened = Ledger(path, elsewhere)
+    assert reopened.plan == plan and reopened.steps == 1  # the noise the charged step was drawn with
+    assert reopened.public() == {**plan.header(), "steps": 1}
+    for other in (dataclasses.replace(plan, sigma=plan.sigma * (1 + 1e-6)), dataclasses.replace(plan, n=11),
+                  dataclasses.replace(plan, objective="mae")):
+        with pytest.raises(LedgerError, match="different mechanism"):
+            Ledger(path, other)
+
+
+def test_a_run_resumed_where_the_accountant_rounds_otherwise_keeps_its_mechanism(data_dir, tmp_path, uninterrupted):
+    """A preempted job requeued on another node calibrates σ again, and its last digits differ: the run
+    resumes with the σ its ledger began with, to the uninterrupted run; a real change is still refused."""
+    work = project(data_dir, tmp_path)
+    assert kill_at_fault(dpfm(work, ["dp-train"], "charged:2"), work) == "charged"
+    changed = dpfm(work, ["dp-train"], "accountant:1e-6")  # ε off by 1e-6: σ by ~7e-7, another mechanism
+    assert changed.wait(timeout=300) != 0 and "written for a different mechanism" in log_tail(work)
+    assert dp_state(work)[0] == [0, 1, 2]  # it charged nothing
+    complete(dpfm(work, ["dp-train"], "accountant:1e-11"), work)
+    ledger, _ = dp_outcome(work)
+    assert ledger["sigma"] == uninterrupted[0]["sigma"] and ledger["noise_std"] == uninterrupted[0]["noise_std"]
+    check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_every_rank_adds_the_main_ranks_noise_where_its_own_accountant_rounds_otherwise(data_dir, tmp_path,
+                                                                                       objective):
+    """Two ranks on nodes whose accountants differ (rank 1's ε off by 1e-3, so its own σ by ~7e-4): both
+    add the noise the ledger records, at every step."""
+    work = project(data_dir, tmp_path)
+    (work / "hooks.py").write_text(RUN_DPFM)
+    env = {**os.environ, "DPFM_FAULT": "accountant:1e-3,rank:1,noise-std", "DPFM_FAULT_MARKER": str(work / MARKER),
+           "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hooks.py",
+           "dp-train", "--threads", "1", "--set", "run.device=cpu", "--set", f"dp.objective={objective}"]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ledger, _ = dp_outcome(work)
+    added = [(work / f"noise_std.{rank}").read_text().split() for rank in (0, 1)]
+    assert added[0] == added[1] == [repr(ledger["noise_std"])] * STEPS

@@ -5,16 +5,27 @@ with its realised batch size, appended and fsynced *before* the step's update is
 lives in the run's state directory, never published; `public()` is what models/dp/ledger.json holds. A step
 re-run after a crash redraws the same batch and noise (same key), so it is recorded once; the
 ledger therefore never counts fewer steps than were applied.
+
+A resumed run keeps the mechanism its header holds. σ calibrated again for the same target on another
+machine or library build (a node a preempted job is requeued on, the GPU machine after the CPU) differs
+in its last digits, since the accountant's FFTs round differently there: within `SAME_CALIBRATION` it is
+the same run, and its header's σ, the noise the charged steps were drawn with, stays the noise.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 from pipeline.io import drop_torn_tail
 from pipeline.privacy.plan import Plan
+
+# Relative difference of σ (and of the noise std and planned ε it gives) between two calibrations of the
+# same target: the accountants' rounding moves them by about 1e-11; any real change of σ is far larger.
+SAME_CALIBRATION = 1e-9
+CALIBRATED = ("sigma", "noise_std", "epsilon_planned")
 
 
 class LedgerError(RuntimeError):
@@ -35,8 +46,11 @@ class Ledger:
             lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         if not lines:  # new, or killed while its header was being written
             self._append({"header": header})
-        elif lines[0] != {"header": header}:
+        elif not same_mechanism(lines[0].get("header", {}), header):
             raise LedgerError(f"{self.path} was written for a different mechanism; refusing to mix ledgers")
+        else:  # the run's own mechanism, as it began (its σ to the last digit)
+            self.header = lines[0]["header"]
+            self.plan = Plan.from_header(self.header)
         for rec in lines[1:]:
             self.batch_sizes[rec["step"]] = rec["batch_size"]
 
@@ -69,3 +83,12 @@ class Ledger:
         """What may be published: the mechanism and the number of steps charged, not the batch sizes
         (they reveal the sampling that the accountant assumes is secret)."""
         return {**self.header, "steps": self.steps}
+
+
+def same_mechanism(written: dict, planned: dict) -> bool:
+    """Whether a ledger header and a new plan's header describe one mechanism: every field the same,
+    and σ with what it gives the same up to the rounding of two calibrations (`SAME_CALIBRATION`)."""
+    if written.keys() != planned.keys():
+        return False
+    return all(math.isclose(written[k], planned[k], rel_tol=SAME_CALIBRATION, abs_tol=0.0) if k in CALIBRATED
+               else written[k] == planned[k] for k in planned)

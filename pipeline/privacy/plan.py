@@ -15,6 +15,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from pipeline.distributed import broadcast_floats
 from pipeline.io import atomic_path
 from pipeline.objectives import SENSITIVITY, objective
 from pipeline.privacy import accounting
@@ -86,6 +87,13 @@ class Plan:
                 raise ValueError(f"the ledger's {derived}={header[derived]} is not what its mechanism gives "
                                  f"({getattr(plan, derived)})")
         return plan
+
+
+def agreed_plan(plan: Plan, world) -> Plan:
+    """The main rank's σ (and the ε it gives) on every rank: each rank calibrates σ itself, and on nodes
+    whose accountants round differently the last digits would differ, and so would the noise each adds."""
+    sigma, epsilon = broadcast_floats([plan.sigma, plan.epsilon], world)
+    return dataclasses.replace(plan, sigma=sigma, epsilon=epsilon)
 
 
 def secret_key(directory, noise_seed: int | None) -> int:

@@ -39,7 +39,7 @@ from pipeline.privacy import accounting, budget, owner, release
 from pipeline.privacy.clipping import group_bounds, view_rows
 from pipeline.privacy.engine import check_clipping, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger
-from pipeline.privacy.plan import plan_mechanism, secret_key
+from pipeline.privacy.plan import agreed_plan, plan_mechanism, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
 from pipeline.artifacts import artifact
@@ -172,15 +172,15 @@ def one_process(work, world):
 
 def train_private(params: dict, trainer: "Trainer", ctx):
     """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
-    world, plan = trainer.world, trainer.plan
+    world = trainer.world
     work = work_dir(params, trainer)
     with one_process(work, world):
         if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
-            budget.record(data_id, sketch, work.name, plan)
+            budget.record(data_id, sketch, work.name, trainer.plan)
         key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
         model, counters, history = trainer.train(key, work, ctx, private=True)
-    record = None
+    record, plan = None, trainer.plan  # the ledger's, on a resume
     if world.is_main:
         record = trainer.ledger.public()
         record["data_identity"], record["run"] = data_id, work.name
@@ -276,10 +276,11 @@ class Trainer:
             model.compile()
         if not private and plan.sigma:
             raise ValueError("a non-private training takes its plan's without_noise()")
-        sampler = PoissonSampler(plan.n, plan.sample_rate, key)
         ledger = Ledger(work / "ledger.jsonl", plan) if private and world.is_main else None
-        if private:
+        if private:  # the mechanism the run began with (its ledger's), the main rank's on every rank
             self.ledger = ledger
+            plan = self.plan = agreed_plan(ledger.plan if ledger else plan, world)
+        sampler = PoissonSampler(plan.n, plan.sample_rate, key)
         # Counted by the optimizer's own hook, so `verify` can compare it with the ledger independently.
         state = TrainState(model, optimizer, counters={"applied_updates": 0, "nonfinite": 0})
         counters = state.counters

@@ -17,8 +17,9 @@ from pipeline.privacy.training import nonprivate_params, setup, train_nonprivate
 def run(params: dict, ctx) -> None:
     dp = params["dp"]
     trainer = setup(params, ctx.device)
-    world, plan = trainer.world, trainer.plan
+    world = trainer.world
     model, counters, record = train_private(params, trainer, ctx)
+    plan = trainer.plan  # the mechanism the run began with (its ledger's, on a resume)
     baseline = train_nonprivate(params, trainer, ctx) if dp["nonprivate_baseline"] else None
     if not world.is_main:
         barrier(world)
