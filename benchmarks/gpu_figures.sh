@@ -6,6 +6,9 @@
 #   tar czf .gpu-carry/work.tgz -C DIR rows n-full/models  # optional: a scale DIR's rows and warm start
 # (.gpu-carry/ is git-ignored; carrying DIR's warm start keeps its untrained rows valid there), then
 #   bash benchmarks/gpu_figures.sh OUT_DIR PART [args]
+# The table at 224 px has a warm start of its own, so a DIR of its own (the benchmark refuses a DIR whose
+# warm start another recipe made): SCALE_DIR=/tmp/scale224 ... table --set model.size=tiny
+#   --set model.img_size=224 --set model.patch_size=16 --set synthetic.resolution=224 [--objectives ...]
 # PART: throughput [gpu_throughput args; --profile BATCH for a per-op table] | loader [loader args] | table|validate [scale_utility args].
 # Each part runs under LIMIT seconds (default 500) and appends to four files in OUT_DIR (a call brings
 # back 8 at most): figures.txt (every part's output, under a header), util.csv (the GPU's utilisation

@@ -213,6 +213,25 @@ def validation_folds(split: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -
     return [(np.sort(tr[fit]), np.sort(tr[scored])) for fit, scored in folds]
 
 
+# How the public artifacts were computed, not what: they may differ between the run that made them and
+# one that reads them (a GPU run reading a CPU run's warm start).
+HOW_MADE = ("workers", "data_workers", "samples_per_shard", "checkpoint_every", "log_every")
+
+
+def check_warm_start(made_with: dict, params: dict, full_dir: Path) -> None:
+    """DIR makes its warm start (and synthetic images, tokenizer) once: a recipe whose model or
+    pretraining differs from the one they were made for must run in another DIR, not read them."""
+    differ = [f"{section}.{key}: {made[key]!r} there, {value!r} here"
+              for section in ("model", "synthetic", "pretrain", "tokenizer")
+              for made in [made_with.get(section, {})]
+              for key, value in params[section].items()
+              if key in made and made[key] != value and key not in HOW_MADE
+              and not (section == "model" and key in TRAINING_ONLY_MODEL_KNOBS)]
+    if differ:
+        raise SystemExit(f"scale_utility: {full_dir}'s warm start was made for another recipe ({'; '.join(differ)}): "
+                         "give this one its own --dir")
+
+
 def prepare(work: Path, params: dict, device: str, public: Path | None) -> None:
     """Shards of this size; the public artifacts (synthetic images, tokenizer, warm start) made once."""
     with inside(work):

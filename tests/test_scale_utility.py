@@ -247,6 +247,27 @@ def test_recipes_that_differ_only_in_the_dp_schedule_share_their_untrained_rows(
     assert recipe_id(how) == recipe_id(base) and untrained_id(how) == untrained_id(base)
 
 
+def test_a_dir_whose_warm_start_another_recipe_made_is_refused_by_name(tmp_path):
+    """DIR makes its warm start once: a 224 px recipe run in a 32 px DIR would read it (and crash deep in
+    load_state_dict, or train on 32 px shaders). How it was made, and knobs added since, are no reason."""
+    from benchmarks.scale_utility import check_warm_start
+
+    def params(*extra):
+        return load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], *extra])
+
+    made = params()
+    for same in (params("pretrain.data_workers=4", "synthetic.workers=8", "model.caption_mask_ratio=0.5"),
+                 params("dp.steps=9")):
+        check_warm_start(made, same, tmp_path)
+    older = {s: dict(made[s]) for s in made}
+    del older["model"]["public_negatives"]  # a warm start made before the knob existed
+    check_warm_start(older, params("model.public_negatives=64"), tmp_path)
+    for other, named in ((("model.img_size=224", "model.patch_size=16"), "model.img_size: 32 there, 224 here"),
+                         (("synthetic.resolution=224",), "synthetic.resolution"), (("pretrain.steps=7",), "pretrain.steps")):
+        with pytest.raises(SystemExit, match=f"{tmp_path}'s warm start was made for another recipe .*{named}"):
+            check_warm_start(made, params(*other), tmp_path)
+
+
 @pytest.mark.parametrize("knob, value", [("encoder_clip_share", "0.5"), ("mask_views", "2"), ("ema_decay", "0.995"),
                                          ("frozen", "[encoder.blocks.3]")])
 def test_a_knob_added_later_keeps_the_rows_at_its_neutral_value_only(knob, value):
