@@ -22,6 +22,10 @@ MICRO = {
     "dp": {"steps": 4, "expected_batch_size": 32, "physical_batch_size": 16, "warmup_steps": 1,
            "eval_every": 2, "checkpoint_every": 2},
     "curve": {"epsilons": [2, float("inf")], "inits": ["pretrain"]},  # one DP and one non-private point
+    # The DAG's runs draw secret keys, so at α = 0.001 verify's batch-size test fails a correct run once
+    # in ~1,000 by design (measured 0.001-0.0025 at these sizes): a flaky suite. Its power against
+    # broken samplers is tested with the default α in tests/test_verify.py and tests/test_sampling.py.
+    "verify": {"batch_size_alpha": 1e-9},
 }
 
 
