@@ -263,7 +263,8 @@ def test_a_dir_whose_warm_start_another_recipe_made_is_refused_by_name(tmp_path)
     del older["model"]["public_negatives"]  # a warm start made before the knob existed
     check_warm_start(older, params("model.public_negatives=64"), tmp_path)
     for other, named in ((("model.img_size=224", "model.patch_size=16"), "model.img_size: 32 there, 224 here"),
-                         (("synthetic.resolution=224",), "synthetic.resolution"), (("pretrain.steps=7",), "pretrain.steps")):
+                         (("synthetic.resolution=224",), "synthetic.resolution"),
+                         (("pretrain.steps=7",), "pretrain.steps")):
         with pytest.raises(SystemExit, match=f"{tmp_path}'s warm start was made for another recipe .*{named}"):
             check_warm_start(made, params(*other), tmp_path)
 
