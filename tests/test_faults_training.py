@@ -251,15 +251,20 @@ def test_a_ledger_reopened_with_sigma_calibrated_elsewhere_keeps_its_own_and_ref
             Ledger(path, other)
 
 
-def test_a_run_resumed_where_the_accountant_rounds_otherwise_keeps_its_mechanism(data_dir, tmp_path, uninterrupted):
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_a_run_resumed_where_the_accountant_rounds_otherwise_keeps_its_mechanism(data_dir, tmp_path, objective):
     """A preempted job requeued on another node calibrates σ again, and its last digits differ: the run
     resumes with the σ its ledger began with, to the uninterrupted run; a real change is still refused."""
-    work = project(data_dir, tmp_path)
-    assert kill_at_fault(dpfm(work, ["dp-train"], "charged:2"), work) == "charged"
-    changed = dpfm(work, ["dp-train"], "accountant:1e-6")  # ε off by 1e-6: σ by ~7e-7, another mechanism
+    sets = [f"dp.objective={objective}"]
+    (tmp_path / "uninterrupted").mkdir()
+    (tmp_path / "resumed").mkdir()
+    uninterrupted = train(project(data_dir, tmp_path / "uninterrupted"), sets)
+    work = project(data_dir, tmp_path / "resumed")
+    assert kill_at_fault(dpfm(work, with_sets("dp-train", sets), "charged:2"), work) == "charged"
+    changed = dpfm(work, with_sets("dp-train", sets), "accountant:1e-6")  # ε 1e-6 off: σ ~7e-7, another mechanism
     assert changed.wait(timeout=300) != 0 and "written for a different mechanism" in log_tail(work)
     assert dp_state(work)[0] == [0, 1, 2]  # it charged nothing
-    complete(dpfm(work, ["dp-train"], "accountant:1e-11"), work)
+    complete(dpfm(work, with_sets("dp-train", sets), "accountant:1e-11"), work)
     ledger, _ = dp_outcome(work)
     assert ledger["sigma"] == uninterrupted[0]["sigma"] and ledger["noise_std"] == uninterrupted[0]["noise_std"]
     check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
