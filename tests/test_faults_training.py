@@ -258,7 +258,11 @@ def test_a_run_resumed_where_the_accountant_rounds_otherwise_keeps_its_mechanism
     sets = [f"dp.objective={objective}"]
     (tmp_path / "uninterrupted").mkdir()
     (tmp_path / "resumed").mkdir()
-    uninterrupted = train(project(data_dir, tmp_path / "uninterrupted"), sets)
+    # The reference runs as the resumed one does (its own process, one thread): an in-process run took the
+    # test process's thread count, which other tests change, and CLIP's batch sums rounded otherwise.
+    reference = project(data_dir, tmp_path / "uninterrupted")
+    complete(dpfm(reference, with_sets("dp-train", sets)), reference)
+    uninterrupted = dp_outcome(reference)
     work = project(data_dir, tmp_path / "resumed")
     assert kill_at_fault(dpfm(work, with_sets("dp-train", sets), "charged:2"), work) == "charged"
     changed = dpfm(work, with_sets("dp-train", sets), "accountant:1e-6")  # ε 1e-6 off: σ ~7e-7, another mechanism
