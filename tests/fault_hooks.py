@@ -153,6 +153,17 @@ def dpfm(work: Path, args: list[str], fault: str = "") -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def dpfm_torchrun(work: Path, args: list[str], fault: str = "") -> subprocess.CompletedProcess:
+    """`dpfm <args>` under torchrun with two CPU (gloo) ranks through FAULT_HOOKS, run to its end."""
+    (work / "hooks.py").write_text(RUN_DPFM)
+    env = {**os.environ, "DPFM_FAULT": fault, "DPFM_FAULT_MARKER": str(work / MARKER), "OMP_NUM_THREADS": "1",
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hooks.py", *args,
+           "--threads", "1", "--set", "run.device=cpu"]
+    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+
+
 def kill_at_fault(proc: subprocess.Popen, work: Path, timeout: float = 120) -> str:
     """Wait until the process reaches its fault point, then SIGKILL its whole process group."""
     deadline = time.time() + timeout

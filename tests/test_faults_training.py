@@ -16,15 +16,14 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from fault_hooks import (BIN, MARKER, RUN_DPFM, STEPS, check_same_as_uninterrupted, complete, dp_outcome, dp_state,
-                         dpfm, kill_at_fault, log_tail, mlflow_runs, with_sets)
+from fault_hooks import (BIN, MARKER, STEPS, check_same_as_uninterrupted, complete, dp_outcome, dp_state,
+                         dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs, with_sets)
 from pretrain_project import make_project, micro_sets, saved
 from shard_data import write_set
 from stage_runs import project, train
@@ -170,13 +169,7 @@ def test_a_second_sigterm_stops_at_once(data_dir, tmp_path):
 
 def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path):
     work = project(data_dir, tmp_path)
-    (work / "hooks.py").write_text(RUN_DPFM)
-    env = {**os.environ, "DPFM_FAULT": "sigterm:2,rank:1", "DPFM_FAULT_MARKER": str(work / MARKER),
-           "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hooks.py",
-           "dp-train", "--threads", "1", "--set", "run.device=cpu"]
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    proc = dpfm_torchrun(work, ["dp-train"], "sigterm:2,rank:1")
     assert proc.returncode != 0
     assert proc.stderr.count("dp-train stopped by SIGTERM after step 3 of 6;") == 2, proc.stderr[-3000:]
     charged, ckpt = dp_state(work)
@@ -280,13 +273,7 @@ def test_every_rank_adds_the_main_ranks_noise_where_its_own_accountant_rounds_ot
     """Two ranks on nodes whose accountants differ (rank 1's ε off by 1e-3, so its own σ by ~7e-4): both
     add the noise the ledger records, at every step."""
     work = project(data_dir, tmp_path)
-    (work / "hooks.py").write_text(RUN_DPFM)
-    env = {**os.environ, "DPFM_FAULT": "accountant:1e-3,rank:1,noise-std", "DPFM_FAULT_MARKER": str(work / MARKER),
-           "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hooks.py",
-           "dp-train", "--threads", "1", "--set", "run.device=cpu", "--set", f"dp.objective={objective}"]
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    proc = dpfm_torchrun(work, with_sets("dp-train", [f"dp.objective={objective}"]), "accountant:1e-3,rank:1,noise-std")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ledger, _ = dp_outcome(work)
     added = [(work / f"noise_std.{rank}").read_text().split() for rank in (0, 1)]
