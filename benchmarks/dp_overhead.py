@@ -11,13 +11,14 @@ tensors. Ends with one JSON line of the ratios to non-private.
 
     python benchmarks/dp_overhead.py [--rounds 5] [--threads 2] [--quick] [--models mae-tiny,...] [--compile]
 
---compile compiles the model of each of our engines as `dp.compile` does (after the clipper's hooks;
-round 0, untimed, compiles); Opacus, which backpropagates twice, is left out.
+--compile compiles the model of each of our engines as `dp.compile` does (book-keeping with the records
+of compiled_records.py; round 0, untimed, compiles); Opacus, which backpropagates twice, is left out.
 
 Rows: the three objectives at 32 px (ViT width 384, patch 4, batch 32), the CPU recipe's captioner
-(width 96, batch 256; also dropping half its image patches, `model.caption_mask_ratio: 0.5`), and at 224 px with a ViT-S/16 (width 384, 12 blocks, 6 heads: the project's
-`tiny` size; batch 8 on a CPU). Opacus beside
-the MAE at 32 px. Target: every book-keeping ratio <= 1.1, time and memory.
+(width 96, batch 256; also dropping half its image patches, `model.caption_mask_ratio: 0.5`) and MAE
+(width 96, batch 256), and at 224 px with a ViT-S/16 (width 384, 12 blocks, 6 heads: the project's
+`tiny` size; batch 8 on a CPU). Opacus beside the MAE at 32 px. Target: every book-keeping ratio <= 1.1,
+time and memory.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ MODELS = {
     # The CPU recipe's captioner (params.yaml, benchmarks/scale_utility.py) at its physical batch.
     "captioner-cpu": ("caption", {"size": "cpu", "img_size": 32, "patch_size": 4, "vocab_size": 512,
                                   "max_len": 14}, 256),
-    # The same, dropping half the image patches in training (model.caption_mask_ratio: 0.5).
+    # The CPU recipe's MAE (params.yaml, benchmarks/scale_utility.py) at its physical batch.
+    "mae-cpu": ("mae", {"size": "cpu", "img_size": 32, "patch_size": 4}, 256),
+    # The same captioner, dropping half the image patches in training (model.caption_mask_ratio: 0.5).
     "captioner-cpu-masked": ("caption", {"size": "cpu", "img_size": 32, "patch_size": 4, "vocab_size": 512,
                                          "max_len": 14, "mask_ratio": 0.5}, 256),
     # ViT-S/16 at 224 px: 196 patches, the papers' resolution.
@@ -85,7 +88,7 @@ def _setup(model_name: str, engines: list[str], threads: int, compile: bool = Fa
         torch.manual_seed(0)
         model = build_model(objective, cfg)
         clippers[engine] = make_clipper(OBJECTIVES[objective].clipping, model, 1.0,
-                                        "plain" if engine == "nonprivate" else engine)
+                                        "plain" if engine == "nonprivate" else engine, compiled=compile)
         if compile:
             model.compile()
     return clippers, batch

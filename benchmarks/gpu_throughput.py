@@ -18,8 +18,8 @@ without the CPU-fitted blocks (the same numbers up to summation order): fewer ke
 --profile BATCH: instead, one step of each engine at that batch under torch.profiler, and the ops
 that take the most device time (CPU time without a GPU), side by side: where the clipping's time goes.
 
---compile: also each engine with the model compiled (dp.compile: `model.compile()` after the
-clipper's hooks, as training does), at --max-batch without the search (each batch size compiles
+--compile: also each engine with the model compiled (dp.compile: `model.compile()`, book-keeping
+with compiled_records.py's records, as training does), at --max-batch without the search (each batch size compiles
 anew); the ratios stay against the uncompiled non-private step.
 
 --launches: instead, the kernels one step of each engine dispatches (views and allocations left out),
@@ -98,8 +98,8 @@ def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, pr
     torch.manual_seed(0)
     model = build_model(objective, cfg).to(device)
     clipper = make_clipper(OBJECTIVES[objective].clipping, model, 1.0, engine,
-                           autocast=lambda: autocast(device, precision))
-    if compiled:  # as training's dp.compile: after the clipper's hooks
+                           autocast=lambda: autocast(device, precision), compiled=compiled)
+    if compiled:  # as training's dp.compile (book-keeping's records: compiled_records.py)
         model.compile()
     inputs = batch_for(objective, cfg, batch, device)
     release(device)  # an earlier measure's leftovers must not count in this one's peak

@@ -102,6 +102,7 @@ def gather_with_grad(world: World):
     a loss that couples examples across ranks (CLIP's) sees the whole batch, and the gradients of the
     ranks' parts add up to the gradient of the whole. Collective: every rank calls it, the same times."""
 
+    @torch.compiler.disable  # eager under dp.compile: traced, the gathers' sizes mismatched across ranks (gloo)
     def gather(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         if world.size == 1:
             return x, 0

@@ -341,7 +341,7 @@ def test_a_compiled_model_gives_the_same_clipped_sum(objective):
         clip_norm = 1e-3
         want, _ = clipped_sum(lambda m, c: make_clipper(mode, m, c), model, batch, clip_norm)
         want = {k: v.clone() for k, v in want.items()}
-    clipper = make_clipper(mode, model, clip_norm)
+    clipper = make_clipper(mode, model, clip_norm, compiled=True)  # as dp-train makes it for dp.compile
     model.compile()
     for _ in range(2):  # the first call compiles, the second runs the compiled code
         clipper.reset()

@@ -115,6 +115,7 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
 
 
 FROZEN = "dp.frozen=[encoder.blocks.0]"  # the micro encoder's one block
+COMPILE = "dp.compile=true"
 
 
 @pytest.mark.parametrize("name, more", [("mae", []), ("caption", []), ("caption", ["model.caption_mask_ratio=0.5"]),
@@ -122,10 +123,12 @@ FROZEN = "dp.frozen=[encoder.blocks.0]"  # the micro encoder's one block
                                         ("caption", ["model.caption_mask_ratio=0.5", "dp.mask_views=3"]),
                                         ("mae", ["dp.ema_decay=0.6"]), ("caption", ["dp.ema_decay=0.6"]),
                                         ("clip", ["dp.ema_decay=0.6"]), ("mae", [FROZEN]), ("caption", [FROZEN]),
-                                        ("clip", [FROZEN])],
+                                        ("clip", [FROZEN]), ("mae", [COMPILE]), ("caption", [COMPILE]),
+                                        ("clip", [COMPILE]), ("clip-public", [COMPILE])],
                          ids=["mae", "caption", "caption-masked", "clip", "mae-mask-views", "caption-mask-views",
                               "mae-weight-average", "caption-weight-average", "clip-weight-average", "mae-frozen",
-                              "caption-frozen", "clip-frozen"])
+                              "caption-frozen", "clip-frozen", "mae-compiled", "caption-compiled", "clip-compiled",
+                              "clip-public-compiled"])
 def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name, more):
     """The real stage under torchrun with the same secret key: each example enters the sum once and
     the noise is added once, so the update (weights after - before) is one process's. Plain SGD keeps
@@ -133,7 +136,8 @@ def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name
     A captioner that drops patches masks each example alike on 1 and 2 ranks (masks per logical batch),
     and so do dp.mask_views' K masks per example. The iterates' moving average (dp.ema_decay) is
     linear in the updates too, and every rank keeps the same one. Frozen modules (dp.frozen) stay out of
-    every rank's clipping and noise alike."""
+    every rank's clipping and noise alike. A compiled model (dp.compile; book-keeping's records then
+    come from compiled_records.py) gives the same update, Poisson-sized micro-batches included."""
     sets = [f"dp.objective={name}", "dp.sigma=0.3", "dp.epsilon=100", "dp.optimizer=sgd", "dp.lr=0.05", *more]
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
     ref_ledger, ref = train(one, sets)

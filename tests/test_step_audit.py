@@ -40,9 +40,11 @@ MASKED = {"mae": [], "caption": ["model.caption_mask_ratio=0.5"]}  # the objecti
 @pytest.mark.parametrize("name, more", [(name, []) for name in OBJECTIVES] + [("caption", ["model.caption_mask_ratio=0.5"])]
                          + [(name, ["dp.encoder_clip_share=0.3"]) for name in OBJECTIVES]
                          + [(name, [*more, "dp.mask_views=3"]) for name, more in MASKED.items()]
-                         + [(name, ["dp.frozen=[encoder.blocks.0]"]) for name in OBJECTIVES],
+                         + [(name, ["dp.frozen=[encoder.blocks.0]"]) for name in OBJECTIVES]
+                         + [(name, ["dp.compile=true"]) for name in OBJECTIVES],
                          ids=[*OBJECTIVES, "caption-masked", *(f"{name}-clip-groups" for name in OBJECTIVES),
-                              *(f"{name}-mask-views" for name in MASKED), *(f"{name}-frozen" for name in OBJECTIVES)])
+                              *(f"{name}-mask-views" for name in MASKED), *(f"{name}-frozen" for name in OBJECTIVES),
+                              *(f"{name}-compiled" for name in OBJECTIVES)])
 def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
     from pipeline.distributed import World
 
@@ -183,6 +185,19 @@ def test_the_real_step_with_clip_groups_that_each_take_c_is_flagged(tmp_path, na
             assert result["verdict"] == "flagged" and result["sensitivity_ratio"] == pytest.approx(2 ** 0.5, abs=1e-3)
         else:
             assert result["sensitivity_ratio"] > 0
+
+
+@pytest.mark.parametrize("name", [name for name in OBJECTIVES if OBJECTIVES[name].clipping == "per_sample"])
+def test_a_compiled_step_that_lets_2c_through_is_flagged(tmp_path, name):
+    """dp.compile's records (compiled_records.py) feed the same clip factors: with the bound doubled
+    the audit sees one example move the compiled release by 2C, at 1 and 2 ranks."""
+    from pipeline.distributed import World
+
+    more = ["dp.compile=true"]
+    one = audited(name, "clip bound 2C", World(), more=more)
+    two = on_two_ranks(tmp_path, _audited_with_bug, name, "clip bound 2C", more)
+    for result in (one, two):
+        assert result["verdict"] == "flagged" and result["sensitivity_ratio"] == pytest.approx(2.0, abs=1e-3)
 
 
 @pytest.mark.parametrize("name", list(MASKED))

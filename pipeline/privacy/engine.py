@@ -38,6 +38,7 @@ import torch
 
 from pipeline.distributed import World, all_reduce_sum
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
+from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
 from pipeline.privacy.plan import Plan
 from pipeline.train import NOISE, step_generator
 
@@ -67,11 +68,13 @@ def check_clipping(method: str, precision: str, device: str, encoder_share: floa
 
 def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: str = "bookkeeping",
                  autocast=contextlib.nullcontext, loss_scale: float = 1.0, gather=None,
-                 encoder_share: float | None = None, views: int = 1):
+                 encoder_share: float | None = None, views: int = 1, compiled: bool = False):
     """The clipper for a clipping mode ("per_sample" or "per_batch") and, per example, a method:
     bookkeeping | vmap | opacus-hooks | opacus-ghost, or `plain` (no clipping: non-private only).
     `encoder_share`: clip the image encoder's part of each gradient to C·√s, the rest to C·√(1−s).
-    `views`: each example comes as that many consecutive rows (its masked views, clipping.view_rows)."""
+    `views`: each example comes as that many consecutive rows (its masked views, clipping.view_rows).
+    `compiled`: the model will be compiled (dp.compile): book-keeping takes its records without the
+    hooks that break the graph (compiled_records.py); the other clippers compile as they are."""
     kw = {"autocast": autocast, "loss_scale": loss_scale}
     if mode == "per_batch":
         return PerBatchClipper(model, math.inf if method == "plain" else clip_norm, gather=gather,
@@ -89,7 +92,8 @@ def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: st
     if method not in CLIPPERS:
         raise ValueError(f"unknown clipping method {method!r} (allowed: {', '.join(CLIPPERS)}, opacus-hooks, "
                          "opacus-ghost)")
-    return CLIPPERS[method](model, clip_norm, encoder_share=encoder_share, views=views, **kw)
+    clipper = CompiledBookKeepingClipper if compiled and method == "bookkeeping" else CLIPPERS[method]
+    return clipper(model, clip_norm, encoder_share=encoder_share, views=views, **kw)
 
 
 def rank_share(batch_size: int, mode: str, physical_batch_size: int, world: World) -> list[np.ndarray]:

@@ -271,7 +271,7 @@ class Trainer:
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
-                               encoder_share=dp["encoder_clip_share"], views=dp["mask_views"])
+                               encoder_share=dp["encoder_clip_share"], views=dp["mask_views"], compiled=dp["compile"])
         if dp["compile"]:  # after the clipper's hooks, which the compiled call runs (same numbers)
             model.compile()
         if not private and plan.sigma:

@@ -105,7 +105,9 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
         clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"],
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
-                               encoder_share=dp["encoder_clip_share"], views=views)
+                               encoder_share=dp["encoder_clip_share"], views=views, compiled=dp["compile"])
+        if dp["compile"]:  # as dp-train compiles it
+            model.compile()
         dp_step(0, sampler=FixedBatch(indices), fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
                 physical_batch_size=max(1, dp["physical_batch_size"] // views))
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
