@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch._dynamo
 from broken_engine import bug
 from ranks import on_two_ranks
 
@@ -26,6 +27,8 @@ def params(name, *more):
 
 
 def audited(name, bug_name, world, precision="fp32", more=()):
+    if "dp.compile=true" in more:  # each release compiles a fresh model: past Dynamo's recompile limit
+        torch._dynamo.reset()      # (8 per forward, in this process) the later ones would run eager
     with bug(bug_name):
         return audit_step(params(name, f"dp.precision={precision}", *more), sigma=0.8, world=world)
 
@@ -66,6 +69,15 @@ def test_low_precision_steps_are_consistent(precision):
 
     for name in OBJECTIVES:
         result = audited(name, None, World(), precision)
+        assert result["verdict"] == "consistent", (name, result["problems"])
+
+
+def test_compiled_bf16_steps_are_consistent():
+    """dp.compile under bf16 autocast, as a GPU runs it: the records keep the forward's bf16."""
+    from pipeline.distributed import World
+
+    for name in OBJECTIVES:
+        result = audited(name, None, World(), "bf16", more=["dp.compile=true"])
         assert result["verdict"] == "consistent", (name, result["problems"])
 
 
