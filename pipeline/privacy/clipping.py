@@ -6,7 +6,8 @@ division) is `engine.dp_step`; nothing here adds noise.
   per layer and example, everything its per-example gradient is made of (the rules in
   layer_rules.py). Norms are summed over layers, c_i = min(1, C/‖g_i‖), and Σ_i c_i g_i is formed
   from the same tensors: no second backward. Parameters are held out of autograd (requires_grad
-  off) so the backward computes only what the hooks read. A layer whose per-example gradients take
+  off) so the backward computes only what the hooks read. Under dp.compile the same records come
+  from inside the compiled graph (compiled_records.py). A layer whose per-example gradients take
   no more floats than its output gradient (LayerNorm: B·2d against B·T·d) is reduced to them
   inside the backward, as its output gradient arrives: holding every LayerNorm's input and output
   gradient to the end took the clipped step from about 1.05× to 1.2-1.3× the non-private memory.

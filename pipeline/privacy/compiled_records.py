@@ -152,12 +152,13 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
         return Slot(module, tuple(out.shape[1:]), next(iter(per.values())).dtype,
                     tuple((k, v.shape[1:]) for k, v in per.items()), _bytes(record) // 2)
 
-    def _probes_for(self, key: tuple, rows: int, device) -> list[torch.Tensor]:
-        """Zero-stride leaves, one per call, for micro-batches of up to `rows` rows (kept: they hold one
-        float each, and reusing them keeps the compiled graph's inputs alike from step to step)."""
+    def _probes_for(self, key: tuple, rows: int, device) -> tuple[int, list[torch.Tensor]]:
+        """(up to how many rows, zero-stride leaves, one per call): kept, since they hold one float
+        each and reusing them keeps the compiled graph's inputs alike from step to step."""
         sized = [k for k in self._probes if k[0] == key and k[1] >= rows]
         if sized:
-            return self._probes[max(sized, key=lambda k: k[1])]
+            largest = max(sized, key=lambda k: k[1])
+            return largest[1], self._probes[largest]
         probes = []
         for slot in self._layout:
             shape = ((rows // self.views, sum(math.prod(s) for _, s in slot.reduced)) if slot.reduced
@@ -165,7 +166,7 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
             probes.append(torch.empty_strided(shape, (0,) * len(shape), dtype=slot.dtype, device=device).zero_()
                           .requires_grad_())
         self._probes[(key, rows)] = probes
-        return probes
+        return rows, probes
 
     def _backward(self, batch) -> tuple[int, list[_Record]]:
         count, rows = examples(batch, self.views), len(batch[0])
@@ -173,9 +174,9 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
         if key not in self._layouts:
             self._layouts[key] = self._find_layout(batch)
         self._layout = self._layouts[key]
-        self._probe_set = self._probes_for(key, rows, batch[0].device)
-        if rows < self._probes_rows(key):  # the last micro-batch of a Poisson batch has any size: one
-            for t in batch:  # more graph for all of them, not one per size
+        capacity, self._probe_set = self._probes_for(key, rows, batch[0].device)
+        if rows < capacity:  # the last micro-batch of a Poisson batch has any size: one more graph for
+            for t in batch:  # all of them, not one per size
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         self._inputs = [None] * len(self._layout)
         with self._capture():
@@ -206,6 +207,3 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
                 if record.grad is not None:  # else reduced to its per-example gradients already
                     records.append(record)
         return count, records
-
-    def _probes_rows(self, key: tuple) -> int:
-        return max(k[1] for k in self._probes if k[0] == key)
