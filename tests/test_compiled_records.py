@@ -65,7 +65,7 @@ def test_one_graph_for_every_micro_batch_and_the_eager_sums(name):
 def test_layers_the_eager_backward_reduces_are_reduced_inside_the_compiled_one(name):
     """Memory: a layer whose per-example gradients are no larger than its output gradient (every
     LayerNorm) is reduced as its gradient arrives, compiled as eager, not held to the end (held, the
-    LayerNorms took the compiled step to 1.2-1.5x the compiled non-private memory)."""
+    LayerNorms took the compiled MAE's clipped step from 1.32x to 1.55x the compiled non-private memory)."""
     objective = name.split("-masked")[0]
     cfg = {**CFG, **CASES[name]}
     eager, compiled = twin_clippers(objective, cfg, clip_norm=0.05)
