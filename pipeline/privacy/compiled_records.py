@@ -105,12 +105,17 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
         self._inputs[i] = held
         return output + probe
 
-    def _per_example_now(self, module, held, g) -> dict[str, torch.Tensor]:
-        """The per-example gradients the eager clipper forms inside the backward (`_output_grad`)."""
+    def _example_record(self, module, held, g) -> _Record:
+        """A call's record with each example's views made one example, as `_output_grad` makes it."""
         record = _Record(module, rule_for(module), held)
         record.grad = g
         if self.views > 1:
-            record.activation, record.grad = record.rule.group_views(module, record.activation, g, self.views)
+            record.activation, record.grad = record.rule.group_views(module, held, g, self.views)
+        return record
+
+    def _per_example_now(self, module, held, g) -> dict[str, torch.Tensor]:
+        """The per-example gradients the eager clipper forms inside the backward (`_output_grad`)."""
+        record = self._example_record(module, held, g)
         per_module = {}
         with fp32_only(g.device):
             self._instantiate(record, per_module)
@@ -143,10 +148,7 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
             raise ValueError(f"dp.compile: {type(module).__name__}'s output {tuple(s1.shape)} (one example) / "
                              f"{tuple(out.shape)} (two) does not lead with the batch: its records need the eager "
                              "clipper (dp.compile=false)")
-        record = _Record(module, rule_for(module), held)
-        record.grad = out  # its output gradient's shape and dtype
-        if self.views > 1:
-            record.activation, record.grad = record.rule.group_views(module, held, out, self.views)
+        record = self._example_record(module, held, out)  # out: its output gradient's shape and dtype
         if not self._reduce_now(record):
             return Slot(module, tuple(out.shape[1:]), out.dtype, None, 0)
         per = self._per_example_now(module, held, out)
