@@ -37,8 +37,8 @@ def shard(directory, samples, per_shard=7, keys=None):
     return budget.examples_identity(directory)
 
 
-def charge(identity, sketch, run, **kw):
-    budget.record(identity, sketch, run, plan(**kw))
+def charge(identity, sketch, run, key=7, **kw):
+    budget.record(identity, sketch, run, plan(**kw), key)
 
 
 def test_the_same_examples_keep_their_identity_whatever_the_sharding_order_or_keys(in_tmp):
@@ -74,10 +74,25 @@ def test_runs_on_the_same_examples_compose_and_a_resume_is_charged_once(in_tmp):
     charge(*b, "run-b")
     runs = budget.runs(b[0])
     assert [e["run"] for e in runs] == ["run-a", "run-b"]
+    assert "7" not in {e["key"] for e in runs}  # a fingerprint, not the key
     composed = budget.composed_epsilon(runs, DELTA)
     # The same mechanism twice is the mechanism run for twice the steps.
     assert composed == pytest.approx(accounting.epsilon(SIGMA, Q, 2 * STEPS, DELTA), rel=5e-3)
     assert composed > accounting.epsilon(SIGMA, Q, STEPS, DELTA) * 1.2
+
+
+def test_a_run_started_again_with_a_new_key_is_charged_again(in_tmp):
+    """The run's name is a digest of its params and inputs; its secret key lives in its state
+    directory. Started again without that directory (a deleted `.dpfm/`), the same run draws a new key,
+    so new batches and new noise: a second release of the same examples, charged as one."""
+    d = shard(in_tmp / "d", examples(20))
+    charge(*d, "run", key=11)
+    charge(*d, "run", key=11)  # resumed with its key: the same draws
+    charge(*d, "run", key=12)  # its state lost: a new key
+    runs = budget.runs(d[0])
+    assert [e["run"] for e in runs] == ["run", "run"]
+    assert budget.composed_epsilon(runs, DELTA) == pytest.approx(accounting.epsilon(SIGMA, Q, 2 * STEPS, DELTA),
+                                                                rel=5e-3)
 
 
 def test_runs_on_overlapping_sets_compose_and_disjoint_ones_do_not(in_tmp):

@@ -243,6 +243,30 @@ def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_p
     assert composed_epsilon(entries[:2], third["delta"], "replace_one") < c["epsilon"]  # the third run counts too
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_a_run_started_again_without_its_state_is_charged_again(data_dir, tmp_path, objective_name, ranks):
+    """A run's name is a digest of its params and inputs, its secret key lives in its state directory.
+    Started again without that directory (`.dpfm/` deleted by hand), the same run once found its charge
+    on record and was not charged: a new key, so new batches and new noise, a second release for free."""
+    from stage_runs import charged_runs
+
+    work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.noise_seed=null"]
+
+    def dp_train():
+        train(work, sets) if ranks == 1 else torchrun(work, "dp-train", sets)
+        return json.loads((work / "models/dp/ledger.json").read_text())
+
+    first = dp_train()
+    dp_train()  # resumed with its key: the same release, charged once
+    assert len(charged_runs(work)) == 1
+    shutil.rmtree(work / ".dpfm/state")
+    again = dp_train()
+    runs = charged_runs(work)
+    assert again["run"] == first["run"] and [r["run"] for r in runs] == [first["run"]] * 2
+    assert len({r["key"] for r in runs}) == 2
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])

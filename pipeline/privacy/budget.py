@@ -2,9 +2,11 @@
 
 Each DP training (dp-train, every DP point of the curve, evaluate's extra seeds) appends its
 mechanism (σ, q, planned steps, δ) to `data/budget/runs.jsonl` before its first step, with the
-identity of the examples it trains on and its own identity (its state directory, a digest of the
-params and inputs: a resumed run is the same entry, a re-run with other params a new one). Planned
-steps are charged, not applied ones: a run may go on to its plan at any later resume.
+identity of the examples it trains on and its own identity: its state directory (a digest of the
+params and inputs) and a fingerprint of its secret key. A resumed run is the same entry; a re-run with
+other params is a new one, and so is the same run started again without its state (a lost or deleted
+`.dpfm/`): its new key draws new batches and new noise, a second release. Planned steps are charged,
+not applied ones: a run may go on to its plan at any later resume.
 
 The examples' identity is a digest of the multiset of their content digests (index `content_hash`:
 image and caption bytes), so re-sharding, rescanning or reordering the same examples keeps it. Runs
@@ -95,10 +97,16 @@ def _load_sketch(identity: str) -> np.ndarray | None:
         return z["bits"]
 
 
-def record(identity: str, sketch: np.ndarray, run: str, plan: Plan) -> None:
-    """Charge run `run`'s planned mechanism to the examples `identity` (once; fsynced before training)."""
+def key_fingerprint(key: int) -> str:
+    """Which draw of batches and noise a run makes, without the key itself."""
+    return hashlib.sha256(f"dpfm budget key {key}".encode()).hexdigest()[:16]
+
+
+def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int) -> None:
+    """Charge run `run`'s planned mechanism, drawn with secret `key`, to the examples `identity`
+    (once per run and key; fsynced before training)."""
     _save_sketch(identity, sketch)
-    entry = {"run": run, "set": identity, "objective": plan.objective, "sigma": plan.sigma,
+    entry = {"run": run, "key": key_fingerprint(key), "set": identity, "objective": plan.objective, "sigma": plan.sigma,
              "sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta, "n": plan.n,
              "adjacency": plan.adjacency, "recorded": time.time()}
     BUDGET_DIR.mkdir(parents=True, exist_ok=True)
@@ -109,8 +117,8 @@ def record(identity: str, sketch: np.ndarray, run: str, plan: Plan) -> None:
             pass
         drop_torn_tail(BUDGET_DIR / "runs.jsonl")  # a charge cut by a kill: its run had not started
         f.seek(0)
-        if any(e["run"] == run for e in _parse(f.read())):
-            return
+        if any(e["run"] == run and e.get("key") == entry["key"] for e in _parse(f.read())):
+            return  # a resume: the same batches and noise (an entry from before keys were recorded charges again)
         f.write(json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())

@@ -175,10 +175,11 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     world = trainer.world
     work = work_dir(params, trainer)
     with one_process(work, world):
+        key = secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0
         if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
-            budget.record(data_id, sketch, work.name, trainer.plan)
-        key = broadcast_int(secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0, world)
+            budget.record(data_id, sketch, work.name, trainer.plan, key)
+        key = broadcast_int(key, world)
         model, counters, history = trainer.train(key, work, ctx, private=True)
     record, plan = None, trainer.plan  # the ledger's, on a resume
     if world.is_main:
