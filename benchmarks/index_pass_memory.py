@@ -52,6 +52,7 @@ def child(mode: str, directory: Path) -> None:
 
     from pipeline.privacy import budget
 
+    budget.BUDGET_DIR = directory / "budget"  # the identity's key: the benchmark's own, not a project's
     if mode == "now":
         budget.examples_identity(directory)
         return

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.config import ParamsError, load_params, read_resolved, sections_of
-from pipeline.errors import StageBusy, Stopped, VerificationFailed
+from pipeline.errors import PrivateDataError, StageBusy, Stopped, VerificationFailed
 from pipeline.stages import STAGES, Stage, stage
 
 
@@ -175,8 +175,9 @@ def _scan_shards(args) -> int:
     summary = scan(params, args.group, args.groups, job_threads(args.threads, params))
     if args.summary:
         write_json(args.summary, summary)
-    print(f"scan-shards: group {args.group} of {args.groups}: {summary['shards']} of {summary['listed']} shards, "
-          f"{summary['cached']} already in the cache, {summary['scanned']} scanned, {len(summary['skipped'])} skipped")
+    # Not how many were read or skipped: facts about the private data (its summary, in the cache, says)
+    print(f"scan-shards: group {args.group} of {args.groups}: {summary['listed']} shards listed, "
+          f"{summary['cached']} already in the cache")
     return 0
 
 
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     except Stopped as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
-    except StageBusy as e:
+    except (StageBusy, PrivateDataError) as e:  # the latter's traceback would name what it keeps owner-only
         print(f"dpfm: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -16,3 +16,9 @@ class Stopped(RuntimeError):
 
 class StageBusy(RuntimeError):
     """Another process is running the same stage in this directory."""
+
+
+class PrivateDataError(RuntimeError):
+    """Training on the private data failed, and what failed would name private facts (a sampled
+    example's key and bytes, a realised batch size): the details are in the owner-only zone, the
+    message says where."""

@@ -67,6 +67,20 @@ def dvc_hash(path: str | Path) -> str:
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode()).hexdigest() + ".dir"
 
 
+def input_tag(path: str) -> str:
+    """DVC's hash of an input; keyed (privacy/budget.public_name) for the private shards, whose plain
+    hash would let anyone test a guess of the private data against it."""
+    from pipeline.artifacts import ARTIFACTS
+    from pipeline.stages import PRIVATE_ARTIFACT
+
+    digest = dvc_hash(path)
+    if Path(path) != Path(ARTIFACTS[PRIVATE_ARTIFACT]):
+        return digest
+    from pipeline.privacy.budget import public_name
+
+    return public_name(digest)
+
+
 def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -85,9 +99,10 @@ class StageRun:
         self._mlflow = mlflow
         self.run_id = run_id
 
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+    def log_metrics(self, metrics: dict, step: int | None = None, timestamp: int | None = None) -> None:
+        """`timestamp` (ms) in place of the time of the call, where the time between calls must not show."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
-        _retry(lambda: self._mlflow.log_metrics(clean, step=step))
+        _retry(lambda: self._mlflow.log_metrics(clean, step=step, timestamp=timestamp))
 
     def log_series(self, name: str, values, steps) -> None:
         """A whole curve in one batched call (fewer SQLite writes than one call per point)."""
@@ -165,7 +180,7 @@ class NullRun:
 
     run_id = None
 
-    def log_metrics(self, metrics, step=None): ...
+    def log_metrics(self, metrics, step=None, timestamp=None): ...
     def log_series(self, name, values, steps): ...
     def log_artifact(self, path, artifact_path=None): ...
     def set_tags(self, tags): ...
@@ -188,7 +203,7 @@ def _retry(fn, attempts: int = 8):
 @contextmanager
 def stage_run(stage, params: dict, experiment: str):
     """Open the stage's MLflow run (nested under the pipeline's parent run when there is one); training
-    stages also record system metrics (CPU, memory, GPU) while they run."""
+    stages on public data also record system metrics (CPU, memory, GPU) while they run."""
     mlflow = _mlflow(experiment)
     parent = os.environ.get(PARENT_ENV)
     tags = {"dpfm.stage": stage.name, "mlflow.source.git.commit": git_commit()}
@@ -200,8 +215,10 @@ def stage_run(stage, params: dict, experiment: str):
         tags["mlflow.parentRunId"] = parent
     for path in stage.input_paths:
         if Path(path).exists():
-            tags[f"dvc.input.{path}"] = dvc_hash(path)
-    system = stage.resources.gpu > 0  # training stages: CPU, memory (and GPU with pynvml) while they run
+            tags[f"dvc.input.{path}"] = input_tag(path)
+    # Training stages: CPU, memory (and GPU with pynvml) while they run; on private data these follow
+    # the sampled examples (their sizes, the realised batch sizes), so they are not recorded there.
+    system = stage.resources.gpu > 0 and not stage.touches_private_data
     if system:
         mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_EVERY_S)
     run = _retry(lambda: mlflow.start_run(run_name=stage.name, tags=tags, log_system_metrics=system))

@@ -72,25 +72,30 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def state_dir(stage: str, params: dict, inputs=()) -> Path:
+def state_dir(stage: str, params: dict, inputs=(), name=None) -> Path:
     """Resumable state lives outside the stage outputs (a failed Snakemake job's outputs are deleted)
     and is keyed by the params and the inputs, so a changed config or changed data never resumes a
-    stale run (for dp-train that would mix another dataset's checkpoint and ledger into this one)."""
+    stale run (for dp-train that would mix another dataset's checkpoint and ledger into this one).
+    `name(digest)` names the run from its key's digest where the plain digest must not be published
+    (inputs that are private data); a run named plainly before keeps its state."""
     from pipeline.stages import UNTRACKED  # naming and scheduling keys are not part of the key
 
     kept = {s: {k: v for k, v in value.items() if k not in UNTRACKED[s]} if s in UNTRACKED else value
             for s, value in params.items()}
     digests = [input_digest(p) for p in inputs]
 
-    def keyed(form: dict) -> Path:
+    def keyed(form: dict, named=True) -> Path:
         key = json.dumps({"params": form, "inputs": digests}, sort_keys=True)
-        return STATE_ROOT / f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return STATE_ROOT / f"{stage}-{name(digest) if name and named else digest}"
 
     current = keyed(kept)
     if current.is_dir():
         return current
     # A run made before a knob was added is this same run when the knob sits at its neutral value.
-    return next((path for path in map(keyed, earlier_forms(kept)) if path.is_dir()), current)
+    namings = (True, False) if name else (True,)
+    earlier = [keyed(form, named) for named in namings for form in [kept, *earlier_forms(kept)]]
+    return next((path for path in earlier if path.is_dir()), current)
 
 
 SMALL_FILE = 1 << 20

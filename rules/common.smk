@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from pipeline import tracking
+from pipeline.privacy import owner
 from pipeline.config import ParamsError, load_schema, merge, typed, validate, write_resolved
 from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 
@@ -96,6 +97,12 @@ def scan_params():
 TRAINING_ON_SLURM = {"slurm_extra": "'--signal=TERM@300'", "tasks_per_gpu": 0}
 
 
+def benchmark_file(name, private):
+    """Snakemake's benchmark of a job (wall time, memory, bytes read): of a job on the private shards
+    these are statistics of them, kept in the owner-only zone (pipeline/privacy/owner.py)."""
+    return str(owner.OWNER_DIR / "benchmarks" / f"{name}.tsv") if private else f"logs/benchmarks/{name}.tsv"
+
+
 def stage_resources(name):
     r = stage(name).resources
     # GPUs are asked for only on CUDA runs (set run.device: cuda on a GPU cluster); profiles/slurm sets
@@ -111,9 +118,11 @@ onstart:
         print(f"WARNING: cluster run logging to SQLite ({tracking.tracking_uri()}); start an MLflow "
               "tracking server and export MLFLOW_TRACKING_URI (docs/cluster.md: MLflow)")
     os.environ[tracking.PARENT_ENV] = tracking.start_parent(config["run"]["experiment"], config)
+    owner.zone()  # owner-only before any benchmark of a private job lands in it
 
 
 onsuccess:
+    owner.seal()
     tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=True)
     # Version what this run produced: DVC records the outputs' hashes in dvc.lock and its cache.
     if os.path.isdir(".dvc"):
@@ -132,5 +141,6 @@ onsuccess:
 
 
 onerror:
+    owner.seal()
     if tracking.PARENT_ENV in os.environ:
         tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=False)

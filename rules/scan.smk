@@ -25,7 +25,7 @@ rule scan_shards:
     log:
         "logs/scan_shards/{group}.log",
     benchmark:
-        "logs/benchmarks/scan_shards/{group}.tsv"
+        benchmark_file("scan_shards/{group}", private=True)
     wildcard_constraints:
         group=r"\d+",
     # Scan processes: locally every core (one group on a laptop); profiles/slurm sets threads,

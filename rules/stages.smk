@@ -29,7 +29,7 @@ for st in STAGES:
         log:
             f"logs/{st.name}.log",
         benchmark:
-            f"logs/benchmarks/{st.name}.tsv"
+            benchmark_file(st.name, st.touches_private_data)
         threads: st.resources.threads
         resources:
             **stage_resources(st.name),

@@ -129,6 +129,18 @@ if "shards" in faults:  # exactly k synthetic shards are staged and collected; t
                 hang("shards")
     synthetic_stage.build_shards = build_shards
 
+if "unreadable" in faults:  # the k-th read of sampled private examples fails, naming one of them
+    from pipeline.data import loader as data_loader
+    from pipeline.data.remote import ShardReadError
+    real_getitem, reads = data_loader._Decoded.__getitem__, [0]
+    def getitem(self, indices):
+        if self.dataset.directory.name == "private":
+            reads[0] += 1
+            if reads[0] == int(faults["unreadable"]):
+                raise ShardReadError(f"cannot read bytes 4096-5120 of p-000001.tar: member {UNREADABLE}{indices[0]}")
+        return real_getitem(self, indices)
+    data_loader._Decoded.__getitem__ = getitem
+
 if "fetching" in faults:  # a download worker is fetching image k; the shard holding it is half written
     from pipeline.data import sources
     real_fetch = sources._fetch_row
@@ -139,7 +151,9 @@ if "fetching" in faults:  # a download worker is fetching image k; the shard hol
     sources._fetch_row = fetch_row
 
 """
-RUN_DPFM = FAULT_HOOKS + "from pipeline.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+UNREADABLE = "sampled-example-"  # how the `unreadable` fault names the example it could not read
+RUN_DPFM = (f"UNREADABLE = {UNREADABLE!r}\n" + FAULT_HOOKS
+            + "from pipeline.cli import main\nsys.exit(main(sys.argv[1:]))\n")
 
 
 def dpfm(work: Path, args: list[str], fault: str = "") -> subprocess.Popen:

@@ -4,6 +4,7 @@ img2dataset's output folders (`img2dataset_folder`)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import tarfile
@@ -49,8 +50,9 @@ def good(key, rng, caption="a photo"):
 
 
 def index(urls, tmp_path, name="out", workers=1):
-    stats = build_index([str(u) for u in urls], tmp_path / name, eval_fraction=1e-9, seed=0,
-                        cache_dir=tmp_path / f"{name}-cache", workers=workers, check_size=SIZE)
+    with contextlib.chdir(tmp_path):  # the owner's log of skipped and damaged shards: in the test's project
+        stats = build_index([str(u) for u in urls], tmp_path / name, eval_fraction=1e-9, seed=0,
+                            cache_dir=tmp_path / f"{name}-cache", workers=workers, check_size=SIZE)
     ds = ShardDataset(tmp_path / name / "private")
     assert len(ds) == stats["private"]["usable"]  # the n accounting reads is what training reads
     return stats, ds

@@ -65,6 +65,26 @@ def test_a_rescan_of_the_same_shards_has_the_writers_identity(in_tmp):
     assert budget.examples_identity(in_tmp / "scanned/private")[0] == written
 
 
+def test_the_identity_is_keyed_by_the_owner_and_a_run_charged_before_keys_still_composes(in_tmp):
+    """The identity is published (the ledger, verify, MLflow): unkeyed, anyone knowing all examples but
+    one could test guesses of the last against it. Keyed with the owner's key, it is the same for the
+    same examples, another under another key; records made under the old unkeyed identity compose
+    through their sketches."""
+    samples = examples(30)
+    identity, sketch = shard(in_tmp / "a", samples)
+    key = budget.BUDGET_DIR / "names.key"
+    assert key.stat().st_mode & 0o077 == 0 and len(key.read_text().strip()) == 64
+    assert shard(in_tmp / "b", samples, per_shard=4)[0] == identity
+    owners = key.read_bytes()
+    key.unlink()  # another owner's key
+    assert budget.examples_identity(in_tmp / "a")[0] != identity
+    key.write_bytes(owners)
+    assert budget.examples_identity(in_tmp / "a")[0] == identity
+    budget.record("0123456789abcdef", sketch, "before-keys", plan(), key=1)  # the identity an old version wrote
+    charge(identity, sketch, "after")
+    assert [e["run"] for e in budget.runs(identity)] == ["before-keys", "after"]
+
+
 def test_runs_on_the_same_examples_compose_and_a_resume_is_charged_once(in_tmp):
     samples = examples(40)
     a = shard(in_tmp / "a", samples, per_shard=7)

@@ -33,6 +33,9 @@ def test_each_objective_trains_and_verifies(data_dir, tmp_path, objective):
     result = verify(ledger, ckpt.steps, dp, ["pld", "rdp"], 0.001, "replace_one")
     assert result["passed"], result["checks"]
     assert all(torch.isfinite(v).all() for v in ckpt.model.values())
+    # the run's state (its key, its ledger of realised batch sizes) is the owner's alone
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    assert state.stat().st_mode & 0o077 == 0 and (state / "ledger.jsonl").is_file()
 
 
 class Crash(RuntimeError):
@@ -399,8 +402,8 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
 
     work, obj = project(data_dir, tmp_path), f"dp.objective={objective_name}"
 
-    def before_the_knob(stage, params, inputs=()):  # how the version before dp.frozen (and the later
-        # model.public_negatives) keyed the run
+    def before_the_knob(stage, params, inputs=(), name=None):  # how the version before dp.frozen (and the
+        # later model.public_negatives, and the runs' keyed names) keyed the run
         model = {k: v for k, v in params["model"].items() if k != "public_negatives"}
         return train_module.state_dir(stage, {**params, "model": model,
                                               "dp": {k: v for k, v in params["dp"].items() if k != "frozen"}}, inputs)

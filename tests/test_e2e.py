@@ -11,6 +11,8 @@ import pytest
 import yaml
 from snakemake_project import MICRO, planned_rules, set_params, snakemake_project
 
+from pipeline.stages import stage
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGE_RULES = ["shards", "synthetic", "tokenizer", "pretrain", "dp_train", "verify", "curve", "evaluate", "report"]
@@ -63,8 +65,12 @@ def test_whole_dag_writes_every_artifact(finished_run):
         assert (work / path).is_file(), path
     assert "results/report/report.html" in out and "mlflow ui" in out
     for rule in STAGE_RULES:
-        assert (work / "logs" / f"{rule.replace('_', '-')}.log").exists()
-        assert (work / "logs/benchmarks" / f"{rule.replace('_', '-')}.tsv").exists()
+        st = stage(rule.replace("_", "-"))
+        assert (work / "logs" / f"{st.name}.log").exists()
+        # Snakemake's benchmark: timing and bytes read, statistics of the private shards where it reads them
+        benchmarks = work / (".dpfm/owner/benchmarks" if st.touches_private_data else "logs/benchmarks")
+        assert (benchmarks / f"{st.name}.tsv").exists()
+    assert stage("dp-train").touches_private_data and not stage("pretrain").touches_private_data
 
 
 @pytest.mark.e2e
@@ -88,18 +94,31 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(finished_run):
     assert parent.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in parent.data.params
     assert {"epsilon", "delta", "sigma", "linear_probe"} <= set(parent.data.metrics)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"params.yaml", "report"}
-    # The verified DP encoder is logged and registered with its ε and δ; training stages record system metrics.
+    # The verified DP encoder is logged and registered with its ε and δ; training stages on public data
+    # record system metrics, those on private data do not (they follow the sampled examples).
     [version] = client.search_model_versions("name='dpfm-mae'")
     assert float(version.tags["epsilon_run"]) == pytest.approx(parent.data.metrics["epsilon"], rel=1e-3)
     assert version.tags["epsilon"] == "inf" and version.tags["private"] == "false" and "delta" in version.tags
     dp = next(r for r in children if r.data.tags["dpfm.stage"] == "dp-train")
-    assert any(k.startswith("system/") for k in dp.data.metrics), sorted(dp.data.metrics)
+    pretrain = next(r for r in children if r.data.tags["dpfm.stage"] == "pretrain")
+    assert any(k.startswith("system/") for k in pretrain.data.metrics), sorted(pretrain.data.metrics)
+    assert not any(k.startswith("system/") for k in dp.data.metrics), sorted(dp.data.metrics)
     assert dp.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in dp.data.params
     assert dp.data.metrics["epsilon"] <= 8.0
-    # The input hashes tagged on each stage are the ones DVC recorded for the producing stage.
+    # The input hashes tagged on each stage are the ones DVC recorded for the producing stage; the
+    # private shards' keyed with the owner's key (privacy/budget.public_name).
     lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
+    pretrain_md5 = next(o["md5"] for o in lock["pretrain"]["outs"] if o["path"] == "models/pretrain")
+    assert dp.data.tags["dvc.input.models/pretrain"] == pretrain_md5
     shards_md5 = next(o["md5"] for o in lock["shards"]["outs"] if o["path"] == "data/shards")
-    assert dp.data.tags["dvc.input.data/shards"] == shards_md5
+    from pipeline.privacy import budget
+
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        assert dp.data.tags["dvc.input.data/shards"] == budget.public_name(shards_md5) != shards_md5
+    finally:
+        os.chdir(cwd)
 
 
 @pytest.mark.e2e

@@ -163,6 +163,27 @@ def test_a_known_noise_key_runs_only_as_a_test_and_is_never_private(data_dir, tm
     assert checkpoints.load(work / "models/dp/checkpoint.pt").private is False
 
 
+def test_a_run_that_publishes_what_its_epsilon_does_not_cover_is_not_private_as_a_whole():
+    """Under add/remove neighbours n itself is private, and the run publishes it exactly (the ledger,
+    MLflow, the report); dp.log_private_stats publishes the non-finite count: the ε covers the model,
+    not the run's outputs."""
+    import yaml
+
+    from pipeline.privacy import release
+
+    from pathlib import Path
+
+    params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    params["privacy"]["testing"], params["dp"]["noise_seed"], params["curve"]["epsilons"] = False, None, [8]
+    params["dp"]["nonprivate_baseline"] = False
+    assert release.not_private_reasons(params, {}) == []
+    params["privacy"]["adjacency"] = "add_remove"
+    assert release.not_private_reasons(params, {}) == [
+        "privacy.adjacency add_remove: its ε does not cover the exact n the run publishes (replace_one covers it)"]
+    params["privacy"]["adjacency"], params["dp"]["log_private_stats"] = "replace_one", True
+    assert release.not_private_reasons(params, {}) == ["dp.log_private_stats publishes the non-finite count outside ε"]
+
+
 @pytest.mark.parametrize("source, explicit, allowed", [
     ("digits", None, True), ("fashion-mnist", None, True), ("urls", None, False), ("img2dataset", None, False),
     ("urls", True, True), ("digits", False, False)])

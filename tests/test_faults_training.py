@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fault_hooks import (BIN, MARKER, STEPS, check_same_as_uninterrupted, complete, dp_outcome, dp_state,
+from fault_hooks import (BIN, MARKER, STEPS, UNREADABLE, check_same_as_uninterrupted, complete, dp_outcome, dp_state,
                          dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs, with_sets)
 from pretrain_project import make_project, micro_sets, saved
 from shard_data import write_set
@@ -174,6 +174,26 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir
     assert proc.stderr.count("dp-train stopped by SIGTERM after step 3 of 6;") == 2, proc.stderr[-3000:]
     charged, ckpt = dp_state(work)
     assert charged == [0, 1, 2] and ckpt["step"] == 3
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_a_failed_read_of_a_sampled_example_names_it_to_the_data_owner_only(data_dir, tmp_path, objective, ranks):
+    """A read that fails in training names what the step sampled (its key, its bytes): printed, it would
+    reach logs/dp-train.log. The stage stops with a message that says where the details are."""
+    work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
+    if ranks == 1:
+        proc = dpfm(work, args, "unreadable:3")
+        assert proc.wait(timeout=300) == 1
+        shown = (work / "dpfm.log").read_text()
+    else:
+        done = dpfm_torchrun(work, args, "unreadable:3")
+        assert done.returncode != 0
+        shown = done.stdout + done.stderr
+    assert "reading the sampled private examples failed (ShardReadError)" in shown, shown[-3000:]
+    assert UNREADABLE not in shown and "4096" not in shown, shown[-3000:]
+    kept = work / ".dpfm/owner/dp-train.log"
+    assert UNREADABLE in kept.read_text() and kept.stat().st_mode & 0o077 == 0
 
 
 def test_a_second_dpfm_on_a_running_stage_is_refused_and_a_killed_holder_leaves_no_lock(data_dir, tmp_path):

@@ -5,6 +5,7 @@ so each test runs in seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -64,8 +65,9 @@ def test_index_of_a_damaged_tar_counts_every_row_and_serves_only_readable_sample
     raw_tar(run / "clean.tar", good("a", rng) + good("b", rng, "second") + good("c", rng, "third"))
     (run / "bad.tar").write_bytes(damage((run / "clean.tar").read_bytes(), cut, flips))
     try:
-        stats = build_index([str(run / "bad.tar")], run / "out", eval_fraction=1e-9, seed=0,
-                            cache_dir=run / "cache", workers=1, check_size=8)
+        with contextlib.chdir(run):  # the owner's log of damaged shards: in the test's project
+            stats = build_index([str(run / "bad.tar")], run / "out", eval_fraction=1e-9, seed=0,
+                                cache_dir=run / "cache", workers=1, check_size=8)
     except (ValueError, ShardReadError) as e:  # nothing readable: a clear error, not a crash
         assert str(e)
         event("refused")

@@ -159,6 +159,42 @@ def test_mlflow_and_the_registry_hold_no_private_statistic(pipeline_runs):
 
 
 @pytest.mark.e2e
+def test_no_stage_on_private_data_publishes_its_timing_or_a_plain_digest_of_the_shards(pipeline_runs):
+    """Measured, not read off a flag. A private training's per-step metrics would time every step
+    through MLflow's timestamps (a step's time tracks its realised batch size); system metrics and
+    Snakemake's benchmarks (wall time, bytes read) follow the sampled examples; a plain digest of the
+    private shards lets anyone who knows all examples but one test guesses of the last."""
+    import mlflow
+
+    from pipeline.stages import STAGES
+    from pipeline.tracking import dvc_hash
+
+    work, published, _ = pipeline_runs
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=1000)
+    private = {st.name for st in STAGES if st.touches_private_data}
+    timed, per_step = [], 0
+    for r in runs:
+        if r.data.tags.get("dpfm.stage") not in private:
+            continue
+        timed += [(r.info.run_name, k) for k in r.data.metrics if k.startswith("system/")]
+        for k in r.data.metrics:
+            history = client.get_metric_history(r.info.run_id, k)
+            if len({m.step for m in history}) >= 4:  # a training's per-step metric
+                per_step += 1
+                if len({m.timestamp for m in history}) > 1:
+                    timed.append((r.info.run_name, k, sorted({m.timestamp for m in history})[:4]))
+    assert per_step >= 3 and not timed, timed[:5]  # dp-train of each objective logs per step
+    assert {p.stem for p in (work / "logs/benchmarks").rglob("*.tsv")}.isdisjoint(private | {"scan_shards"})
+    assert not (work / "logs/benchmarks/scan_shards").exists()
+    assert (work / ".dpfm/owner/benchmarks/dp-train.tsv").is_file()
+    plain = dvc_hash(work / "data/shards")
+    texts, _ = mlflow_texts(work)
+    everywhere = {**texts, **{f"{obj}: {k}": v for obj, files in published.items() for k, v in files.items()}}
+    assert not [where for where, text in everywhere.items() if plain.removesuffix(".dir") in text]
+
+
+@pytest.mark.e2e
 def test_the_owner_zone_is_owner_only_and_complete(pipeline_runs):
     work, _, needles = pipeline_runs
     owner = work / ".dpfm/owner"

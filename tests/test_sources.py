@@ -8,6 +8,7 @@ ignore it, to fail, to be slow.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import tarfile
 import types
@@ -37,8 +38,9 @@ def fast_backoff(monkeypatch):
 
 
 def scan(urls, tmp_path, name="out"):
-    return build_index(urls, tmp_path / name, eval_fraction=1e-9, seed=0, cache_dir=tmp_path / f"{name}-cache",
-                       workers=1, check_size=8)
+    with contextlib.chdir(tmp_path):  # the owner's log of skipped and damaged shards: in the test's project
+        return build_index(urls, tmp_path / name, eval_fraction=1e-9, seed=0, cache_dir=tmp_path / f"{name}-cache",
+                           workers=1, check_size=8)
 
 
 # -- URL lists ----------------------------------------------------------------------------------------
@@ -98,12 +100,16 @@ def test_unreachable_urls_are_skipped_and_counted(tmp_path, serve):
 
 # -- img2dataset output ----------------------------------------------------------------------------------
 
-def test_img2dataset_folder_is_used_as_it_is(tmp_path):
+def test_img2dataset_folder_is_used_as_it_is(tmp_path, monkeypatch, capsys):
     img2dataset_folder(tmp_path / "laion", np.random.default_rng(0))
+    monkeypatch.chdir(tmp_path)
     urls, info = sources.img2dataset_shards(str(tmp_path / "laion"))
     assert [Path(u).name for u in urls] == ["00000.tar", "00001.tar"]
     assert info["img2dataset"] == {"count": 7, "successes": 5, "failed_to_download": 2, "failed_to_resize": 0}
     assert [Path(u).name for u in info["incomplete_shards"]] == ["00002.tar"]
+    # an unfinished shard of the private data is the owner's to know: logged for them, not printed
+    assert "00002.tar" in (tmp_path / ".dpfm/owner/shards.log").read_text()
+    assert "00002" not in "".join(capsys.readouterr())
     stats = scan(urls, tmp_path)
     ds = ShardDataset(tmp_path / "out/private")
     assert stats["private"]["usable"] == len(ds) == info["img2dataset"]["successes"]

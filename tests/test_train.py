@@ -90,6 +90,20 @@ def test_a_run_keyed_before_a_knob_existed_is_found_while_the_knob_is_neutral(tm
     assert train.state_dir("dp-train", now) == fresh  # the current key wins where both exist
 
 
+def test_a_run_on_private_inputs_is_named_by_its_keyed_digest_and_keeps_a_plainly_named_state(tmp_path, monkeypatch):
+    """dp-train's state directory names the run in the published ledger; its plain digest hashes the
+    private index's bytes, so it is named through `name` (the owner's keyed name) instead."""
+    monkeypatch.setattr(train, "STATE_ROOT", tmp_path)
+    params, keyed = {"dp": {"lr": 0.1}}, lambda digest: f"k{digest[::-1]}"
+    plain = train.state_dir("dp-train", params)
+    named = train.state_dir("dp-train", params, name=keyed)
+    assert named.name == f"dp-train-{keyed(plain.name.removeprefix('dp-train-'))}" and named != plain
+    plain.mkdir()  # a run made before runs were named so: resumed, not started afresh
+    assert train.state_dir("dp-train", params, name=keyed) == plain
+    named.mkdir()
+    assert train.state_dir("dp-train", params, name=keyed) == named
+
+
 def test_state_is_keyed_by_the_index_not_the_usable_file_derived_from_it(tmp_path):
     (tmp_path / "index.parquet").write_bytes(b"rows")
     before = train.input_digest(tmp_path)

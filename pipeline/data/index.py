@@ -34,6 +34,7 @@ from pipeline.data.index_mmap import (MEMBERS, USABLE_NAME, UsableRows, build_lo
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
+from pipeline.privacy import owner
 
 INDEX_NAME = "index.parquet"
 META_KEY = b"dpfm.index"
@@ -363,9 +364,8 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
         try:
             for piece, info in mapped:
                 results.append((piece, info))
-                bar.update(1)  # no sample count: rows read from the private shards are owner-only
-                bar.set_postfix(cached=sum(i.get("cached", False) for _, i in results),
-                                skipped=sum(p is None for p, _ in results))
+                bar.update(1)  # no sample or skipped count: what the private shards hold is owner-only
+                bar.set_postfix(cached=sum(i.get("cached", False) for _, i in results))
         finally:
             if workers > 1:
                 pool.shutdown()
@@ -425,16 +425,18 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     results = scan_shards(urls, cache_dir, workers, check_size)
     good = [(p, info) for p, info in results if p is not None]
     skipped = [info for p, info in results if p is None]
-    for info in skipped:
-        print(f"shards: skipped {info['url']}: {info['error']}")
     if not good:
         raise ParamsError([f"none of the {len(urls)} shards could be read; first error: {skipped[0]['error']}"],
                           source="shards source")
-    # After Snakemake's scan jobs (rules/scan.smk) this is every one: the merge alone is left.
-    print(f"shards: {sum(info['cached'] for _, info in good)} of {len(good)} shard scans found in the cache")
+    # What could not be read, and what was damaged, are facts about the private data: the owner's log.
+    for info in skipped:
+        owner.note("shards", f"skipped {info['url']}: {info['error']}")
     damaged = [{"url": i["url"], "problem": i["problem"]} for _, i in good if i.get("problem")]
     for d in damaged:
-        print(f"shards: {d['url']} {d['problem']}")
+        owner.note("shards", f"{d['url']} {d['problem']}")
+    print(f"shards: any shard skipped or damaged is listed for the data owner only: {owner.OWNER_DIR}/shards.log")
+    # After Snakemake's scan jobs (rules/scan.smk) this is every one: the merge alone is left.
+    print(f"shards: {sum(info['cached'] for _, info in good)} of {len(urls)} shard scans found in the cache")
 
     hashes, usable = [], []
     for piece, _ in good:

@@ -27,6 +27,7 @@ from pipeline.data import remote
 from pipeline.data.shards import TarShard
 from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import file_digest, read_json, remove_stale_temps, write_json
+from pipeline.privacy import owner
 
 
 class SourceError(ParamsError):
@@ -87,8 +88,8 @@ def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
         for k in totals:
             totals[k] += int(shard_stats.get(k, 0) or 0)
         urls.append(url)
-    for u in incomplete:
-        print(f"shards: skipped {u}: no _stats.json beside it (img2dataset did not finish this shard)")
+    for u in incomplete:  # a fact about the private data: the owner's log
+        owner.note("shards", f"skipped {u}: no _stats.json beside it (img2dataset did not finish this shard)")
     return urls, {"img2dataset": totals, "incomplete_shards": incomplete}
 
 
@@ -237,7 +238,7 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
             written += manifest["written"]
             for reason, count in manifest["failed"].items():
                 failed[reason] = failed.get(reason, 0) + count
-            bar.set_postfix(shard=f"{j + 1}/{len(starts)}", ok=written, failed=sum(failed.values()))
+            bar.set_postfix(shard=f"{j + 1}/{len(starts)}")  # not how many failed: owner-only
     return shards, {"download": {"rows": len(urls), "written": written, "failed": failed,
                                  "shards": len(shards), "reused_shards": reused}}
 

@@ -19,15 +19,24 @@ that truly overlaps always does, so composition is never undercounted.
 The budget lives with the data (`data/budget/`, beside the shards; `make push` versions it with
 DVC, `make clean` keeps it): it is the data owner's record and lives where the shards live. Only the
 composed ε computed from it is published.
+
+A digest of private data is published only keyed (`public_name`): the examples' identity, and the
+name of a run (a digest of its inputs, the private index among them), go into the published ledger,
+verify's composition and MLflow. Unkeyed, anyone who knew all examples but one could test guesses
+of the last against them. The key (`data/budget/names.key`, owner-only) lives with the budget, as
+secret as the shards beside it.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import hmac
 import json
 import math
 import os
+import secrets
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +54,35 @@ BUDGET_DIR = Path("data/budget")
 SKETCH_BITS = 24  # 2 MiB per set: disjoint sets of n₁ and n₂ examples share a bit with chance ≈ n₁n₂/2²⁴
 
 
+def _names_key() -> bytes:
+    """The data owner's key for naming private data in public: made once, never replaced (a second
+    process making one at the same moment takes the first's)."""
+    path = BUDGET_DIR / "names.key"
+    if not path.exists():
+        BUDGET_DIR.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".names.key.", dir=BUDGET_DIR)  # owner-only from its first byte
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # whole, and never over a key another process made first
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links
+            if not path.exists():
+                os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return bytes.fromhex(path.read_text().strip())
+
+
+def public_name(digest: str) -> str:
+    """A publishable name for `digest`, a digest of private data: keyed with the owner's key."""
+    return hmac.new(_names_key(), digest.encode(), hashlib.sha256).hexdigest()[:16]
+
+
 class IdentityError(ValueError):
     """The index cannot say which examples it holds."""
 
@@ -56,7 +94,7 @@ def _salted(h: np.ndarray, salt: int) -> np.ndarray:
 def examples_identity(private_dir: str | Path) -> tuple[str, np.ndarray]:
     """(identity, sketch) of the usable examples of a shard directory, streamed from its index in
     row batches (memory flat in n): the identity adds two salted 64-bit mixes of every content digest
-    (an order-free multiset digest), the sketch sets one bit per example."""
+    (an order-free multiset digest), keyed for publishing; the sketch sets one bit per example."""
     path = Path(private_dir) / INDEX_NAME
     pf = open_index(path)
     if "content_hash" not in pf.schema_arrow.names:
@@ -74,8 +112,7 @@ def examples_identity(private_dir: str | Path) -> tuple[str, np.ndarray]:
             count += len(h)
             sums = [sums[i] + _salted(h, i + 1).sum(dtype=np.uint64) for i in range(2)]
             sketch[_salted(h, 3) >> np.uint64(64 - SKETCH_BITS)] = True
-    identity = hashlib.sha256(f"{count}:{int(sums[0]):016x}:{int(sums[1]):016x}".encode()).hexdigest()[:16]
-    return identity, sketch
+    return public_name(f"examples {count}:{int(sums[0]):016x}:{int(sums[1]):016x}"), sketch
 
 
 def _sketch_path(identity: str) -> Path:

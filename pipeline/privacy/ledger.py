@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from pipeline.io import drop_torn_tail
+from pipeline.privacy import owner
 from pipeline.privacy.plan import Plan
 
 # Relative difference of σ (and of the noise std and planned ε it gives) between two calibrations of the
@@ -64,9 +65,11 @@ class Ledger:
     def record_step(self, step: int, batch_size: int) -> None:
         """Charge step `step` before its update is applied."""
         if step in self.batch_sizes:
-            if self.batch_sizes[step] != batch_size:
-                raise LedgerError(f"step {step} redrew a batch of {batch_size}, the ledger has "
-                                  f"{self.batch_sizes[step]}: the sampler is not deterministic")
+            if self.batch_sizes[step] != batch_size:  # the sizes are the owner's: named in their log only
+                where = owner.note("dp-train", f"step {step} redrew a batch of {batch_size}, the ledger has "
+                                               f"{self.batch_sizes[step]}")
+                raise LedgerError(f"step {step} redrew a batch of another size than its ledger holds ({where}): "
+                                  "the sampler is not deterministic")
             return
         self._append({"step": step, "batch_size": batch_size})
         self.batch_sizes[step] = batch_size

@@ -4,15 +4,17 @@ Everything else the pipeline writes is published (MLflow, the report, stdout and
 outputs `make push` uploads) and holds only DP or public values. What is computed on the private
 data without noise goes here instead, under `.dpfm/owner/` (files mode 0600, never logged, pushed
 or reported): the shard scan's exclusions by reason, non-finite examples dropped in training, the
-realised batch sizes and the sampler's goodness-of-fit test on them.
+realised batch sizes and the sampler's goodness-of-fit test on them, and Snakemake's benchmarks of the
+stages on private data (their timing and bytes read follow the sampled examples).
 
 `dp.log_private_stats: true` is the explicit opt-in to publish the non-finite count as well; the
-report then says that it is not covered by ε. tests/test_published_zone.py runs the pipeline and
+report then says that it is not covered by ε, and the run is NOT PRIVATE as a whole (release.py). tests/test_published_zone.py runs the pipeline and
 scans every published artifact for each of these values.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pipeline.io import read_json, write_json
@@ -24,10 +26,24 @@ def path(name: str) -> Path:
     return OWNER_DIR / f"{name}.json"
 
 
-def write(name: str, record: dict) -> Path:
-    """Keep `record` (a statistic of the private data) for the owner only; returns where it is."""
+def zone() -> Path:
+    """The owner-only folder, made owner-only if it was not."""
     OWNER_DIR.mkdir(parents=True, exist_ok=True)
     OWNER_DIR.chmod(0o700)
+    return OWNER_DIR
+
+
+def seal() -> None:
+    """Everything in the zone owner-only, whoever wrote it: Snakemake writes its benchmarks of the
+    stages on private data here (timing, bytes read) with its default permissions."""
+    if OWNER_DIR.exists():
+        for p in [OWNER_DIR, *OWNER_DIR.rglob("*")]:
+            p.chmod(0o700 if p.is_dir() else 0o600)
+
+
+def write(name: str, record: dict) -> Path:
+    """Keep `record` (a statistic of the private data) for the owner only; returns where it is."""
+    zone()
     path(name).parent.mkdir(parents=True, exist_ok=True)
     write_json(path(name), record, mode=0o600)
     return path(name)
@@ -36,6 +52,16 @@ def write(name: str, record: dict) -> Path:
 def run_record(run: str) -> str:
     """The name of a DP run's owner-only record: its realised batch sizes and non-finite count."""
     return f"runs/{run}"
+
+
+def note(name: str, line: str) -> Path:
+    """Append `line` to the owner's log `name`: what a stage would otherwise print about the private
+    data (a shard it could not read, one it found damaged)."""
+    zone()
+    log = OWNER_DIR / f"{name}.log"
+    with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:
+        f.write(line.rstrip("\n") + "\n")
+    return log
 
 
 def read(name: str) -> dict | None:

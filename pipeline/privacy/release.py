@@ -54,6 +54,11 @@ def not_private_reasons(params: dict, stats: dict) -> list[str]:
         reasons.append("the curve's ε = ∞ point trains without DP on the private shards")
     if params["dp"]["nonprivate_baseline"]:
         reasons.append("dp.nonprivate_baseline trains without DP on the private shards")
+    if params["dp"]["log_private_stats"]:
+        reasons.append("dp.log_private_stats publishes the non-finite count outside ε")
     if stats.get("eval_from_private"):
         reasons.append("the eval split is carved out of the private data (shards.eval_fraction)")
+    if params["privacy"]["adjacency"] == "add_remove":  # n is in the ledger, MLflow and the report
+        reasons.append("privacy.adjacency add_remove: its ε does not cover the exact n the run publishes "
+                       "(replace_one covers it)")
     return reasons

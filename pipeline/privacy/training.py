@@ -18,6 +18,7 @@ owner-only zone (owner.py); no rate is logged (it tracks the realised batch size
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -30,7 +31,7 @@ from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer, public_captions
 from pipeline.distributed import broadcast_int, gather_with_grad, init_world
-from pipeline.errors import VerificationFailed
+from pipeline.errors import PrivateDataError, VerificationFailed
 from pipeline.io import read_json
 from pipeline.locking import training_lock
 from pipeline.models import ModelConfig, build_model
@@ -79,7 +80,12 @@ class StreamedBatches:
     def __call__(self, step: int, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, ...]:
         if self._stream is None:
             self._stream = self.loader(self._plan(step))
-        ids, inputs = next(self._stream)
+        try:
+            ids, inputs = next(self._stream)
+        except Exception as e:  # a failed read names an example this step sampled (its key, its bytes)
+            where = owner.note("dp-train", f"step {step}: {type(e).__name__}: {e}")
+            raise PrivateDataError(f"step {step}: reading the sampled private examples failed ({type(e).__name__}); "
+                                   f"what failed names them, so it is kept for the data owner only: {where}") from None
         if not np.array_equal(ids, indices[positions]):
             raise RuntimeError(f"step {step}: the loader decoded other examples than the step sampled")
         return inputs
@@ -154,7 +160,7 @@ def work_dir(params: dict, trainer: "Trainer"):
     dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
     # The adjacency sets σ (calibrated to it): another adjacency is another mechanism, another run.
     dp["adjacency"] = params["privacy"]["adjacency"]
-    return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": dp}, inputs)
+    return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": dp}, inputs, name=budget.public_name)
 
 
 def one_process(work, world):
@@ -175,6 +181,9 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     world = trainer.world
     work = work_dir(params, trainer)
     with one_process(work, world):
+        if world.is_main:  # its key, and its ledger of realised batch sizes: the owner's alone
+            work.mkdir(parents=True, exist_ok=True)
+            work.chmod(0o700)
         key = secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0
         if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
@@ -315,11 +324,14 @@ class Trainer:
             return metrics
 
         prefix = "" if private else "nonprivate_"
+        # On private data a step's time tracks its realised batch size: not timed, and every step's
+        # metrics carry one timestamp (MLflow's would otherwise time each step).
+        stamp = int(time.time() * 1000)
         try:
             run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
                      step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
-                     log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s), world=world,
-                     timed=False)  # on private data, a step's time tracks its realised batch size
+                     log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s,
+                                                              timestamp=stamp), world=world, timed=False)
         finally:
             stream.close()
         if state.average is not None:

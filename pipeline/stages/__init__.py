@@ -21,6 +21,9 @@ class Resources:
     runtime: int = 60     # minutes, for cluster executors
 
 
+PRIVATE_ARTIFACT = "shards"  # holds the private examples (beside the public eval split)
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -60,6 +63,13 @@ class Stage:
     @property
     def input_paths(self) -> list[str]:
         return [ARTIFACTS[n].rstrip("/") for n in self.inputs]
+
+    @property
+    def touches_private_data(self) -> bool:
+        """Reads or writes the private shards: then its timing and resource use are statistics of them,
+        kept out of MLflow (no system metrics) and out of logs/ (Snakemake's benchmark goes to the owner
+        zone)."""
+        return PRIVATE_ARTIFACT in self.inputs + self.outputs
 
     @property
     def dir_outputs(self) -> list[str]:
