@@ -4,12 +4,15 @@ Everything else the pipeline writes is published (MLflow, the report, stdout and
 outputs `make push` uploads) and holds only DP or public values. What is computed on the private
 data without noise goes here instead, under `.dpfm/owner/` (files mode 0600, never logged, pushed
 or reported): the shard scan's exclusions by reason, non-finite examples dropped in training, the
-realised batch sizes and the sampler's goodness-of-fit test on them, and Snakemake's benchmarks of the
-stages on private data (their timing and bytes read follow the sampled examples).
+realised batch sizes and the sampler's goodness-of-fit test on them, Snakemake's benchmarks of the
+stages on private data (their timing and bytes read follow the sampled examples), and the owner's logs
+(`shards.log`: shards that could not be read or were damaged; `dp-train.log`: what a failed read in
+training named).
 
 `dp.log_private_stats: true` is the explicit opt-in to publish the non-finite count as well; the
-report then says that it is not covered by ε, and the run is NOT PRIVATE as a whole (release.py). tests/test_published_zone.py runs the pipeline and
-scans every published artifact for each of these values.
+report then says that it is not covered by ε, and the run is NOT PRIVATE as a whole (release.py).
+tests/test_published_zone.py runs the pipeline and scans every published artifact for each of these
+values.
 """
 
 from __future__ import annotations

@@ -181,11 +181,12 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     world = trainer.world
     work = work_dir(params, trainer)
     with one_process(work, world):
-        if world.is_main:  # its key, and its ledger of realised batch sizes: the owner's alone
+        key = 0
+        if world.is_main:
             work.mkdir(parents=True, exist_ok=True)
-            work.chmod(0o700)
-        key = secret_key(work, params["dp"]["noise_seed"]) if world.is_main else 0
-        if world.is_main:  # charged to the examples' budget before the first step (composition across runs)
+            work.chmod(0o700)  # its key, and its ledger of realised batch sizes: the owner's alone
+            key = secret_key(work, params["dp"]["noise_seed"])
+            # Charged to the examples' budget before the first step (composition across runs), once per key.
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
             budget.record(data_id, sketch, work.name, trainer.plan, key)
         key = broadcast_int(key, world)
