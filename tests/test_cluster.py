@@ -452,12 +452,13 @@ def test_stage_runs_carry_the_slurm_job_id(local_mlflow, monkeypatch):
 
 def test_a_training_stage_shorter_than_the_sampling_interval_records_system_metrics(local_mlflow):
     """MLflow's monitor logs after a whole sampling interval: a training stage that ends at once (a
-    resumed one) once had no system metrics; a stage that trains nothing (verify) records none."""
+    resumed one) once had no system metrics; a stage that trains nothing (verify) records none, nor
+    does one on the private data (dp-train), whose resource use follows the examples it samples."""
     from pipeline import tracking
     from pipeline.stages import stage
 
     client = tracking._mlflow("dpfm").tracking.MlflowClient()
-    for name, expected in (("dp-train", True), ("verify", False)):
+    for name, expected in (("pretrain", True), ("verify", False), ("dp-train", False)):
         with tracking.stage_run(stage(name), {"run": {"seed": 0}}, "dpfm") as run:
             run_id = run.run_id
         metrics = client.get_run(run_id).data.metrics
