@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import tarfile
 import types
 from pathlib import Path
@@ -126,7 +127,7 @@ def test_img2dataset_folder_errors(tmp_path):
 
 # -- downloading a (url, caption) table ------------------------------------------------------------------
 
-def test_download_retries_skips_counts_and_resumes(tmp_path, serve):
+def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys):
     rng = np.random.default_rng(0)
     (tmp_path / "www").mkdir()
     for i in range(10):
@@ -146,6 +147,10 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve):
     shards, stats = sources.download(str(table), out, **kwargs)
     assert stats["download"] == {"rows": 17, "written": 11, "shards": 3, "reused_shards": 0, "failed": {
         "http_404": 2, "timeout": 1, "not_image": 1, "missing_caption": 1, "connection": 1}}
+    # Its progress names no count: the rows less the usable (published) count is how many failed.
+    printed = "".join(capsys.readouterr())
+    assert "download" in printed and "100%" in printed
+    assert not [c for c in ("17", "11", "6") if re.search(rf"(?<![\d.]){c}(?![\d])", printed)], printed
     assert server.requests["/flaky/img1.png"] == 2      # a 503 is retried...
     assert server.requests["/missing1.png"] == 1        # ...a 404 is not
     assert server.requests["/slow/img0.png"] == 2       # timed out twice (retries=1), then skipped

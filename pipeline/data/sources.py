@@ -95,6 +95,10 @@ def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
 
 # -- downloading a (url, caption) table ------------------------------------------------------------
 
+# The rows of the table less the usable count (published) would be how many failed: owner-only. The
+# download's progress shows as a share and a time, without counts.
+PERCENT_ONLY = "{l_bar}{bar}| {elapsed}<{remaining}"
+
 class FetchFailed(Exception):
     def __init__(self, reason: str, transient: bool):
         super().__init__(reason)
@@ -222,7 +226,7 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
     starts = range(0, len(urls), samples_per_shard)
     shards, failed, written, reused = [], {}, 0, 0
     with ThreadPoolExecutor(max_workers=threads) as pool, \
-            tqdm(total=len(urls), desc="download", unit="img") as bar:
+            tqdm(total=len(urls), desc="download", bar_format=PERCENT_ONLY) as bar:
         for j, first in enumerate(starts):
             name = f"{prefix}-{j:06d}"
             rows = range(first, min(first + samples_per_shard, len(urls)))
@@ -238,7 +242,6 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
             written += manifest["written"]
             for reason, count in manifest["failed"].items():
                 failed[reason] = failed.get(reason, 0) + count
-            bar.set_postfix(shard=f"{j + 1}/{len(starts)}")  # not how many failed: owner-only
     return shards, {"download": {"rows": len(urls), "written": written, "failed": failed,
                                  "shards": len(shards), "reused_shards": reused}}
 
