@@ -89,13 +89,11 @@ def state_dir(stage: str, params: dict, inputs=(), name=None) -> Path:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return STATE_ROOT / f"{stage}-{name(digest) if name and named else digest}"
 
-    current = keyed(kept)
-    if current.is_dir():
-        return current
-    # A run made before a knob was added is this same run when the knob sits at its neutral value.
+    # The current key first; then a run made before a knob was added (the same run while the knob sits
+    # at its neutral value), and one named plainly before runs on private data were named by `name`.
     namings = (True, False) if name else (True,)
-    earlier = [keyed(form, named) for named in namings for form in [kept, *earlier_forms(kept)]]
-    return next((path for path in earlier if path.is_dir()), current)
+    candidates = [keyed(form, named) for named in namings for form in [kept, *earlier_forms(kept)]]
+    return next((path for path in candidates if path.is_dir()), candidates[0])
 
 
 SMALL_FILE = 1 << 20

@@ -4,14 +4,12 @@
 class RecordingTracker:
     def __init__(self):
         self.metrics, self.points, self.series, self.tags, self.artifacts = {}, [], {}, {}, []
-        self.stamps = []  # the timestamp each per-step call gave (None: the time of the call)
 
     def log_metrics(self, metrics, step=None, timestamp=None):
         if step is None:
             self.metrics.update(metrics)
         else:
             self.points += [(k, step, v) for k, v in metrics.items()]
-            self.stamps.append(timestamp)
 
     def log_series(self, name, values, steps):
         self.series.setdefault(name, []).extend(zip(steps, values))
