@@ -24,6 +24,7 @@ from pipeline.io import file_digest
 
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
 SYSTEM_METRICS_EVERY_S = 2
+FILE_DIGESTS = "file-digests"  # owner record: the md5s input_tag read, by file stamp
 
 
 def tracking_uri() -> str:
@@ -56,24 +57,46 @@ def git_commit() -> str:
         return "unknown"
 
 
-def dvc_hash(path: str | Path) -> str:
-    """The md5 DVC records for a file, or its `<md5>.dir` hash for a directory."""
+def dvc_hash(path: str | Path, known: dict | None = None) -> str:
+    """The md5 DVC records for a file, or its `<md5>.dir` hash for a directory. `known` (resolved path
+    -> [size, mtime_ns, inode, md5], updated in place) spares reading a file that has not changed since
+    an earlier call, as DVC's own state database does."""
     path = Path(path)
+    md5 = (lambda p: file_digest(p, "md5")) if known is None else (lambda p: known_md5(p, known))
     if path.is_file():
-        return file_digest(path, "md5")
-    entries = [{"md5": file_digest(p, "md5"), "relpath": p.relative_to(path).as_posix()}
+        return md5(path)
+    entries = [{"md5": md5(p), "relpath": p.relative_to(path).as_posix()}
                for p in sorted(path.rglob("*")) if p.is_file()]
     entries.sort(key=lambda e: e["relpath"])
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode()).hexdigest() + ".dir"
 
 
+def known_md5(path: Path, known: dict) -> str:
+    """`path`'s md5, read again only when its size, mtime or inode moved (shards are written to a
+    temporary name and renamed, so a rewrite has a new inode). Stat before reading: a file changed
+    during the read is recorded under its old stamp and read again next time."""
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    key = str(path.resolve())
+    if known.get(key, [None])[:3] != stamp:
+        known[key] = [*stamp, file_digest(path, "md5")]
+    return known[key][3]
+
+
 def input_tag(path: str) -> str:
     """DVC's hash of an input; keyed (privacy/budget.public_name) for the private shards, whose plain
-    hash would let anyone test a guess of the private data against it."""
+    hash would let anyone test a guess of the private data against it. Files unchanged since an earlier
+    stage are not read again: at 233M examples the private index alone is tens of GB, and four stages
+    start on it. Their md5s are plain digests of the private data, so they stay in the owner's zone."""
     from pipeline.artifacts import ARTIFACTS
+    from pipeline.privacy import owner
     from pipeline.stages import PRIVATE_ARTIFACT
 
-    digest = dvc_hash(path)
+    known = owner.read(FILE_DIGESTS) or {}
+    before = dict(known)
+    digest = dvc_hash(path, known)
+    if changed := {k: v for k, v in known.items() if before.get(k) != v}:
+        owner.write(FILE_DIGESTS, {**(owner.read(FILE_DIGESTS) or {}), **changed})  # keep a parallel stage's
     if Path(path) != Path(ARTIFACTS[PRIVATE_ARTIFACT]):
         return digest
     from pipeline.privacy.budget import public_name

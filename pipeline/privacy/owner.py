@@ -7,7 +7,7 @@ or reported): the shard scan's exclusions by reason, non-finite examples dropped
 realised batch sizes and the sampler's goodness-of-fit test on them, Snakemake's benchmarks of the
 stages on private data (their timing and bytes read follow the sampled examples), and the owner's logs
 (`shards.log`: shards that could not be read or were damaged; `dp-train.log`: what a failed read in
-training named).
+training named), and the md5 of every input file a stage hashed (`file-digests.json`, tracking.input_tag).
 
 `dp.log_private_stats: true` is the explicit opt-in to publish the non-finite count as well; the
 report then says that it is not covered by ε, and the run is NOT PRIVATE as a whole (release.py).

@@ -1,0 +1,91 @@
+"""A stage's start tags its MLflow run with DVC's hash of each input. At 233M examples the private
+index alone is tens of GB and four stages start on it, so the md5 of a file that has not changed is
+not read again; one that has changed always is, and the md5s of the private files stay owner-only."""
+
+import os
+import stat
+
+import pytest
+
+from pipeline import tracking
+from pipeline.privacy.budget import public_name
+
+
+@pytest.fixture
+def reads(monkeypatch, tmp_path):
+    """The files whose bytes input_tag hashed, call by call, in a project at tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    digest = tracking.file_digest
+
+    def counting(path, algorithm="sha256"):
+        seen.append(os.path.basename(path))
+        return digest(path, algorithm)
+
+    monkeypatch.setattr(tracking, "file_digest", counting)
+    return seen
+
+
+def write(path, data: bytes, mtime_ns: int | None = None):
+    """Written as the stages write: to a temporary name, then renamed (a new inode)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    if mtime_ns is not None:
+        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+    os.replace(tmp, path)
+
+
+def plain_hash(path) -> str:
+    """DVC's hash read from every byte, with no record of earlier calls."""
+    return tracking.dvc_hash(path)
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["public input", "private shards"])
+def test_an_unchanged_input_is_not_read_again_and_every_change_is_seen(reads, tmp_path, private):
+    folder = tmp_path / ("data/shards" if private else "models/pretrain")
+    (folder / "train").mkdir(parents=True)
+    for name, data in [("index.parquet", b"rows" * 100), ("train/000000.tar", b"a" * 512), ("stats.json", b"{}")]:
+        write(folder / name, data)
+    rel = "data/shards/" if private else "models/pretrain"
+    tag = tracking.input_tag(rel)
+    assert sorted(reads) == ["000000.tar", "index.parquet", "stats.json"]
+    as_published = public_name if private else (lambda h: h)
+    assert tag == as_published(plain_hash(folder))
+
+    reads.clear()
+    assert tracking.input_tag(rel) == tag and reads == []  # nothing changed: nothing read
+
+    shard = folder / "train/000000.tar"
+    old = shard.stat()
+    write(shard, b"b" * 512, mtime_ns=old.st_mtime_ns)  # same size, same mtime: a new inode only
+    assert shard.stat().st_size == old.st_size and shard.stat().st_mtime_ns == old.st_mtime_ns
+    reads.clear()
+    tag2 = tracking.input_tag(rel)
+    assert reads == ["000000.tar"] and tag2 == as_published(plain_hash(folder)) != tag
+
+    index = folder / "index.parquet"
+    with open(index, "r+b") as f:  # rewritten in place, same size, a later mtime
+        f.write(b"ROWS")
+    os.utime(index, ns=(index.stat().st_atime_ns, index.stat().st_mtime_ns + 1_000_000))
+    reads.clear()
+    tag3 = tracking.input_tag(rel)
+    assert reads == ["index.parquet"] and tag3 == as_published(plain_hash(folder)) != tag2
+
+    (folder / "stats.json").unlink()
+    reads.clear()
+    tag4 = tracking.input_tag(rel)
+    assert reads == [] and tag4 == as_published(plain_hash(folder)) != tag3
+
+
+def test_the_md5s_it_keeps_are_owner_only(reads, tmp_path):
+    """They are plain digests of the private files: a published one would let anyone who knows all
+    examples but one test guesses of the last (invariant 17)."""
+    folder = tmp_path / "data/shards"
+    folder.mkdir(parents=True)
+    write(folder / "index.parquet", b"rows" * 100)
+    tracking.input_tag("data/shards/")
+    kept = sorted(p for p in tmp_path.rglob("*") if p.is_file() and folder not in p.parents)
+    assert kept and all(".dpfm/owner" in str(p) or "data/budget" in str(p) for p in kept), kept
+    record = tmp_path / ".dpfm/owner" / f"{tracking.FILE_DIGESTS}.json"
+    assert record in kept and stat.S_IMODE(record.stat().st_mode) == 0o600
+    assert stat.S_IMODE(record.parent.stat().st_mode) == 0o700
