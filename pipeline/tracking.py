@@ -83,6 +83,16 @@ def known_md5(path: Path, known: dict) -> str:
     return known[key][3]
 
 
+def recorded_md5s() -> dict:
+    """input_tag's record in the owner's zone; an unreadable one (edited by hand, say) is only a cache."""
+    from pipeline.privacy import owner
+
+    try:
+        return owner.read(FILE_DIGESTS) or {}
+    except (OSError, ValueError):
+        return {}
+
+
 def input_tag(path: str) -> str:
     """DVC's hash of an input; keyed (privacy/budget.public_name) for the private shards, whose plain
     hash would let anyone test a guess of the private data against it. Files unchanged since an earlier
@@ -92,11 +102,11 @@ def input_tag(path: str) -> str:
     from pipeline.privacy import owner
     from pipeline.stages import PRIVATE_ARTIFACT
 
-    known = owner.read(FILE_DIGESTS) or {}
+    known = recorded_md5s()
     before = dict(known)
     digest = dvc_hash(path, known)
     if changed := {k: v for k, v in known.items() if before.get(k) != v}:
-        owner.write(FILE_DIGESTS, {**(owner.read(FILE_DIGESTS) or {}), **changed})  # keep a parallel stage's
+        owner.write(FILE_DIGESTS, {**recorded_md5s(), **changed})  # with what a parallel stage recorded
     if Path(path) != Path(ARTIFACTS[PRIVATE_ARTIFACT]):
         return digest
     from pipeline.privacy.budget import public_name

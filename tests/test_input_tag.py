@@ -89,3 +89,17 @@ def test_the_md5s_it_keeps_are_owner_only(reads, tmp_path):
     record = tmp_path / ".dpfm/owner" / f"{tracking.FILE_DIGESTS}.json"
     assert record in kept and stat.S_IMODE(record.stat().st_mode) == 0o600
     assert stat.S_IMODE(record.parent.stat().st_mode) == 0o700
+
+
+def test_a_damaged_record_is_read_again_from_the_files(reads, tmp_path):
+    """The record is a cache: a stage never fails on it, it reads the files instead and rewrites it."""
+    folder = tmp_path / "models/pretrain"
+    folder.mkdir(parents=True)
+    write(folder / "encoder.pt", b"weights")
+    tag = tracking.input_tag("models/pretrain")
+    record = tmp_path / ".dpfm/owner" / f"{tracking.FILE_DIGESTS}.json"
+    record.write_text('{"cut short')
+    reads.clear()
+    assert tracking.input_tag("models/pretrain") == tag and reads == ["encoder.pt"]
+    reads.clear()
+    assert tracking.input_tag("models/pretrain") == tag and reads == []
