@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.config import ParamsError, load_params, read_resolved, sections_of
-from pipeline.errors import PrivateDataError, StageBusy, Stopped, VerificationFailed
+from pipeline.errors import PrivateDataError, RanksDisagree, StageBusy, Stopped, VerificationFailed
 from pipeline.stages import STAGES, Stage, stage
 
 
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     except Stopped as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
-    except (StageBusy, PrivateDataError) as e:  # the latter's traceback would name what it keeps owner-only
+    except (StageBusy, RanksDisagree, PrivateDataError) as e:  # the latter's traceback would name what it keeps owner-only
         print(f"dpfm: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -71,6 +71,16 @@ def broadcast_floats(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
+def same_on_every_rank(values: list[float], world: World) -> bool:
+    """Whether every rank holds exactly these `values` (float64; one all-reduce of each value and its
+    negation: the largest equals the negated smallest only when all are equal)."""
+    if world.size == 1:
+        return True
+    t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return torch.equal(t[:len(values)], -t[len(values):])
+
+
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()

@@ -22,3 +22,8 @@ class PrivateDataError(RuntimeError):
     """Training on the private data failed, and what failed would name private facts (a sampled
     example's key and bytes, a realised batch size): the details are in the owner-only zone, the
     message says where."""
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks of one run would start from different states (another step, other weights): a node
+    that does not see the run's state directory, or sees a stale copy of it."""

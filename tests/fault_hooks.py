@@ -129,6 +129,23 @@ if "shards" in faults:  # exactly k synthetic shards are staged and collected; t
                 hang("shards")
     synthetic_stage.build_shards = build_shards
 
+if "unseen" in faults and os.environ.get("RANK", "0") == faults["unseen"]:
+    # This rank's node does not see the run's state directory (not on the shared file system): it finds
+    # no checkpoint where the other ranks resume from one.
+    from pipeline.train import Checkpointer
+    Checkpointer.load = lambda self: None
+if "otherweights" in faults and os.environ.get("RANK", "0") == faults["otherweights"]:
+    # This rank finds a checkpoint at the same step with other weights (another run's state directory
+    # under the same name, as a node with its own data/budget/ key could make): one weight is moved.
+    from pipeline.train import Checkpointer
+    real_load = Checkpointer.load
+    def load(self):
+        saved = real_load(self)
+        if saved is not None:
+            first = next(iter(saved["model"]))
+            saved["model"][first] = saved["model"][first] + 1e-3
+        return saved
+    Checkpointer.load = load
 if "unreadable" in faults:  # the k-th read of sampled private examples fails, naming one of them
     from pipeline.data import loader as data_loader
     from pipeline.data.remote import ShardReadError

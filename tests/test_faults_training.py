@@ -176,6 +176,27 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir
     assert charged == [0, 1, 2] and ckpt["step"] == 3
 
 
+@pytest.mark.parametrize("seen", ["unseen", "otherweights"])
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_ranks_that_would_resume_from_different_states_stop_before_any_step(data_dir, tmp_path, objective, seen):
+    """A rank whose node does not see the run's state directory would start at step 0 beside a rank
+    resuming at step 3: two batches in one sum (an example sampled in both counted twice against one
+    charge) and diverging weights; one that finds another run's state at the same step, other weights.
+    Every rank stops before a step, charging nothing; with the state seen again, the run resumes and
+    finishes."""
+    work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
+    stopped = dpfm_torchrun(work, args, "sigterm:2,rank:1")
+    assert stopped.returncode != 0 and dp_state(work)[1]["step"] == 3, stopped.stderr[-3000:]
+    refused = dpfm_torchrun(work, args, f"{seen}:1")
+    assert refused.returncode != 0
+    assert refused.stderr.count("the ranks would start from different states") == 2, refused.stderr[-3000:]
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2] and ckpt["step"] == 3
+    done = dpfm_torchrun(work, args)
+    assert done.returncode == 0 and "resuming at step 3" in done.stdout, done.stderr[-3000:]
+    assert dp_state(work)[0] == list(range(STEPS))
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
 def test_a_failed_read_of_a_sampled_example_names_it_to_the_data_owner_only(data_dir, tmp_path, objective, ranks):
