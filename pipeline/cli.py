@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     except Stopped as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
-    except (StageBusy, RanksDisagree, PrivateDataError) as e:  # the latter's traceback would name what it keeps owner-only
+    # No traceback: PrivateDataError's would name what it keeps owner-only.
+    except (StageBusy, RanksDisagree, PrivateDataError) as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 1
     except OSError as e:
