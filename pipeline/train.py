@@ -292,11 +292,12 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
         print(f"{desc}: resuming at step {state.step} from {checkpointer.path}")
     # Ranks starting from different states would train different weights, and at different steps put two
     # batches into one sum, where an example sampled in both would count twice against one charge.
-    weights = world.size > 1 and sum(float(p.detach().double().sum()) for p in state.model.parameters())
-    if not same_on_every_rank([state.step, weights], world):
-        raise RanksDisagree(f"{desc}: the ranks would start from different states (rank {world.rank}: step "
-                            f"{state.step}, from {checkpointer.path.parent}): every node must see the same "
-                            f"`.dpfm/` and `data/budget/`, on the file system the ranks share")
+    if world.size > 1:
+        weights = sum(float(p.detach().double().sum()) for p in state.model.parameters())
+        if not same_on_every_rank([state.step, weights], world):
+            raise RanksDisagree(f"{desc}: the ranks would start from different states (rank {world.rank}: step "
+                                f"{state.step}, from {checkpointer.path.parent}): every node must see the same "
+                                f"`.dpfm/` and `data/budget/`, on the file system the ranks share")
     t0, done, total = time.time(), 0, schedule.steps
     with StopRequests() as requests:
         bar = {} if timed else {"bar_format": "{l_bar}{bar}| {n_fmt}/{total_fmt} steps"}
