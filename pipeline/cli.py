@@ -175,9 +175,9 @@ def _scan_shards(args) -> int:
     summary = scan(params, args.group, args.groups, job_threads(args.threads, params))
     if args.summary:
         write_json(args.summary, summary)
-    # Not how many were read or skipped: facts about the private data (its summary, in the cache, says)
-    print(f"scan-shards: group {args.group} of {args.groups}: {summary['listed']} shards listed, "
-          f"{summary['cached']} already in the cache")
+    # Not how many were read, skipped or found cached (only readable shards are): facts about the
+    # private data, which its summary, in the cache, says
+    print(f"scan-shards: group {args.group} of {args.groups} of {summary['listed']} shards listed: scanned")
     return 0
 
 

@@ -49,10 +49,11 @@ def good(key, rng, caption="a photo"):
             (f"{key}.json", b"{}")]
 
 
-def index(urls, tmp_path, name="out", workers=1):
+def index(urls, tmp_path, name="out", workers=1, cache=None):
+    """`cache`: the name of another build whose scan cache this one reads (default: its own)."""
     with contextlib.chdir(tmp_path):  # the owner's log of skipped and damaged shards: in the test's project
         stats = build_index([str(u) for u in urls], tmp_path / name, eval_fraction=1e-9, seed=0,
-                            cache_dir=tmp_path / f"{name}-cache", workers=workers, check_size=SIZE)
+                            cache_dir=tmp_path / f"{cache or name}-cache", workers=workers, check_size=SIZE)
     ds = ShardDataset(tmp_path / name / "private")
     assert len(ds) == stats["private"]["usable"]  # the n accounting reads is what training reads
     return stats, ds

@@ -178,27 +178,6 @@ def test_tar_truncated_between_members_or_corrupt_midway(tmp_path):
     assert "unreadable tar header" in problems["garbled.tar"]
 
 
-def test_unreadable_shards_are_skipped_and_counted(tmp_path, capsys):
-    rng = np.random.default_rng(5)
-    raw_tar(tmp_path / "ok.tar", good("a", rng))
-    (tmp_path / "junk.tar").write_bytes(b"\x01" * 4000)
-    raw_tar(tmp_path / "t.tar", good("x", rng) + good("y", rng))
-    data = (tmp_path / "t.tar").read_bytes()
-    (tmp_path / "cut.tar").write_bytes(data[:data.index(b"y.jpg")])  # damaged: a clean cut before y
-    stats, ds = index([tmp_path / f"{n}.tar" for n in ("ok", "missing", "junk", "cut")], tmp_path)
-    assert len(ds) == 2
-    skipped = {s["url"].rsplit("/", 1)[1]: s["error"] for s in stats["shards"]["skipped"]}
-    assert set(skipped) == {"missing.tar", "junk.tar"}
-    assert "FileNotFoundError" in skipped["missing.tar"] and "not a tar" in skipped["junk.tar"]
-    # Which shards of the private data are unreadable or damaged, and how many, is the owner's to know:
-    # listed in the owner's log, neither printed nor counted in the progress bar.
-    log = tmp_path / ".dpfm/owner/shards.log"
-    assert log.stat().st_mode & 0o077 == 0
-    assert all(name in log.read_text() for name in ("missing.tar", "junk.tar", "cut.tar"))
-    printed = "".join(capsys.readouterr())
-    assert not [name for name in ("missing", "junk", "cut.tar", "skipped=") if name in printed], printed
-
-
 def test_no_readable_shard_or_empty_list_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="empty shard list"):
         build_index([], tmp_path / "o", eval_fraction=0.1, seed=0, cache_dir=tmp_path / "c", workers=1, check_size=8)

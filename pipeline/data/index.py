@@ -364,8 +364,9 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
         try:
             for piece, info in mapped:
                 results.append((piece, info))
-                bar.update(1)  # no sample or skipped count: what the private shards hold is owner-only
-                bar.set_postfix(cached=sum(i.get("cached", False) for _, i in results))
+                # No count of samples, skips or cache hits: an unreadable shard is never cached, so
+                # after the scan jobs the hits count (and their order places) the readable shards.
+                bar.update(1)
         finally:
             if workers > 1:
                 pool.shutdown()
@@ -434,9 +435,10 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     damaged = [{"url": i["url"], "problem": i["problem"]} for _, i in good if i.get("problem")]
     for d in damaged:
         owner.note("shards", f"{d['url']} {d['problem']}")
+    # After Snakemake's scan jobs (rules/scan.smk) every readable shard is cached and only the merge is
+    # left, so the count of hits is the count of readable shards: the owner's, like the skips.
+    owner.note("shards", f"{sum(info['cached'] for _, info in good)} of {len(urls)} shard scans found in the cache")
     print(f"shards: any shard skipped or damaged is listed for the data owner only: {owner.OWNER_DIR}/shards.log")
-    # After Snakemake's scan jobs (rules/scan.smk) this is every one: the merge alone is left.
-    print(f"shards: {sum(info['cached'] for _, info in good)} of {len(urls)} shard scans found in the cache")
 
     hashes, usable = [], []
     for piece, _ in good:
