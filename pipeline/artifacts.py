@@ -8,6 +8,7 @@ from pathlib import Path
 # Every artifact of the DAG and its path (directories end with "/"): the only place a path is written.
 ARTIFACTS = {
     "shards": "data/shards/",                             # private-train and eval shards, index, stats.json
+    "shards_digest": "data/shards.digest",                # their DVC hash keyed with the owner's key: what DVC tracks
     "synthetic": "data/synthetic/",                       # procedural images
     "tokenizer": "models/tokenizer/",
     "pretrain": "models/pretrain/",                       # the synthetic warm start

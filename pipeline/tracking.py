@@ -57,16 +57,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+# The empty file Snakemake leaves in a directory output after its job: not content, and .dvcignore
+# keeps it out of DVC's hashes too (the shards stage's digest is taken before Snakemake writes it).
+SNAKEMAKE_MARKER = ".snakemake_timestamp"
+
+
 def dvc_hash(path: str | Path, known: dict | None = None) -> str:
-    """The md5 DVC records for a file, or its `<md5>.dir` hash for a directory. `known` (resolved path
-    -> [size, mtime_ns, inode, md5], updated in place) spares reading a file that has not changed since
-    an earlier call, as DVC's own state database does."""
+    """The md5 DVC records for a file, or its `<md5>.dir` hash for a directory (without Snakemake's
+    marker, as .dvcignore has it). `known` (resolved path -> [size, mtime_ns, inode, md5], updated in
+    place) spares reading a file that has not changed since an earlier call, as DVC's state database does."""
     path = Path(path)
     md5 = (lambda p: file_digest(p, "md5")) if known is None else (lambda p: known_md5(p, known))
     if path.is_file():
         return md5(path)
     entries = [{"md5": md5(p), "relpath": p.relative_to(path).as_posix()}
-               for p in sorted(path.rglob("*")) if p.is_file()]
+               for p in sorted(path.rglob("*")) if p.is_file() and p.name != SNAKEMAKE_MARKER]
     entries.sort(key=lambda e: e["relpath"])
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode()).hexdigest() + ".dir"
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from snakemake_project import MICRO, planned_rules, set_params, snakemake_project
 
+from pipeline.io import file_digest
 from pipeline.stages import stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,15 +30,21 @@ def snakemake(workdir: Path, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    work = snakemake_project(tmp_path_factory.mktemp("project"), "dvc.yaml", ".gitignore", ".dvcignore")
+    work = dvc_project(tmp_path_factory.mktemp("project"))
+    out = snakemake(work)
+    return work, out
+
+
+def dvc_project(work: Path) -> Path:
+    """The workflow as a user's clone has it: a git and DVC repository, params at MICRO."""
+    snakemake_project(work, "dvc.yaml", ".gitignore", ".dvcignore")
     set_params(work, MICRO)
-    git(work, "init", "-q")  # a clone, as a user has it: DVC then checks what git ignores
+    git(work, "init", "-q")  # DVC then checks what git ignores
     subprocess.run([str(BIN / "dvc"), "init", "-q"], cwd=work, check=True)
     shutil.copy(ROOT / ".dvc/config", work / ".dvc/config")  # the local remote, ../dvc-remote
     git(work, "add", "-A")
     git(work, "commit", "-qm", "project")
-    out = snakemake(work)
-    return work, out
+    return work
 
 
 def git(work: Path, *args: str) -> str:
@@ -110,15 +117,23 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(finished_run):
     lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
     pretrain_md5 = next(o["md5"] for o in lock["pretrain"]["outs"] if o["path"] == "models/pretrain")
     assert dp.data.tags["dvc.input.models/pretrain"] == pretrain_md5
-    shards_md5 = next(o["md5"] for o in lock["shards"]["outs"] if o["path"] == "data/shards")
+    # DVC tracks the shards' keyed digest in their place (dvc.lock, which git tracks, never holds
+    # their plain md5 or size): the stage wrote it, and it is the tag.
     from pipeline.privacy import budget
+    from pipeline.tracking import dvc_hash
 
+    [shards_out] = lock["shards"]["outs"]
+    assert shards_out["path"] == "data/shards.digest"
+    assert all(d["path"] != "data/shards" for st in lock.values() for d in st.get("deps", []))
+    plain = dvc_hash(work / "data/shards")
     cwd = os.getcwd()
     os.chdir(work)
     try:
-        assert dp.data.tags["dvc.input.data/shards"] == budget.public_name(shards_md5) != shards_md5
+        keyed = budget.public_name(plain)
     finally:
         os.chdir(cwd)
+    assert dp.data.tags["dvc.input.data/shards"] == keyed == (work / "data/shards.digest").read_text().strip()
+    assert plain.removesuffix(".dir") not in (work / "dvc.lock").read_text()
 
 
 @pytest.mark.e2e
@@ -196,8 +211,9 @@ def test_dvc_and_snakemake_run_the_same_dag(tmp_path):
 def test_dvc_versions_pushes_restores_and_runs_experiments_from_a_fresh_clone(finished_run, tmp_path):
     """After a run: dvc.lock is written (the run said so), `dvc status` is clean, `dvc push` and, with
     the outputs gone, `dvc pull` + `snakemake --touch` (`make restore`) bring back an up-to-date
-    workspace, metrics included; `dvc exp run -S` runs the affected stages and `dvc exp show` has
-    params and metrics for every row."""
+    workspace, metrics included; the private shards stay with their owner, never in DVC's cache or
+    remote; `dvc exp run -S` runs the affected stages and `dvc exp show` has params and metrics for
+    every row."""
     work = tmp_path / "clone"
     shutil.copytree(finished_run[0], work, symlinks=True)  # this test changes the workspace
     assert "DVC: outputs cached and recorded in dvc.lock" in finished_run[1]
@@ -205,8 +221,12 @@ def test_dvc_versions_pushes_restores_and_runs_experiments_from_a_fresh_clone(fi
     git(work, "add", "dvc.lock")
     git(work, "commit", "-qm", "a run")
     dvc(work, "push")
-    for path in ("data", "models", "results"):
+    private = {file_digest(f, "md5") for f in (work / "data/shards").rglob("*") if f.is_file() and f.stat().st_size}
+    stored = {f.parent.name + f.name for where in ("dvc-remote", ".dvc/cache") for f in (work / where).rglob("*")}
+    assert private and not private & stored
+    for path in ("data/synthetic", "models", "results"):
         shutil.rmtree(work / path)
+    (work / "data/shards.digest").unlink()
     dvc(work, "pull")
     snakemake(work, "--touch")
     assert planned_rules(snakemake(work, "-n")) == set()

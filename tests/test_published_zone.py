@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from pipeline.data.shards import encode_png
 from shard_data import picture, write_set
-from snakemake_project import MICRO, set_params, snakemake_project
-from test_e2e import snakemake
+from snakemake_project import set_params
+from test_e2e import dvc_project, snakemake
 
 OBJECTIVES = ("mae", "caption", "clip")
 REASONS = ("corrupt_image", "missing_caption", "missing_image")
@@ -63,6 +63,11 @@ def published_texts(work: Path, printed: str) -> dict[str, str]:
             if f.is_file() and f.suffix in TEXT_SUFFIXES:
                 texts[str(f.relative_to(work))] = f.read_text(errors="replace")
     texts["data/shards/stats.json"] = (work / "data/shards/stats.json").read_text()
+    # Git tracks dvc.lock (docs/pipeline.md: commit it with the run), and data/budget.dvc once pushed.
+    for f in ("dvc.lock", "data/budget.dvc"):
+        if (work / f).exists():
+            texts[f] = (work / f).read_text()
+    assert "dvc.lock" in texts, "the project is a DVC repository: the run must write dvc.lock"
     return texts
 
 
@@ -116,9 +121,8 @@ def holds(text: str, needle: str) -> bool:
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
     """The DAG once per objective on one project: (project, {objective: published texts}, owner needles)."""
-    work = snakemake_project(tmp_path_factory.mktemp("zone"))
+    work = dvc_project(tmp_path_factory.mktemp("zone"))  # a DVC repository: its dvc.lock is in git
     pattern = web_source(tmp_path_factory.mktemp("web"))
-    set_params(work, MICRO)
     set_params(work, {"shards": {"source": "urls", "urls": [pattern], "eval_fraction": 0, "workers": 1,
                                  "image_size": 16},
                       "dp": {"expected_batch_size": 24},
@@ -189,9 +193,11 @@ def test_no_stage_on_private_data_publishes_its_timing_or_a_plain_digest_of_the_
     assert not (work / "logs/benchmarks/scan_shards").exists()
     assert (work / ".dpfm/owner/benchmarks/dp-train.tsv").is_file()
     plain = dvc_hash(work / "data/shards")
+    size = sum(f.stat().st_size for f in (work / "data/shards").rglob("*") if f.is_file())  # DVC's `size`
     texts, _ = mlflow_texts(work)
     everywhere = {**texts, **{f"{obj}: {k}": v for obj, files in published.items() for k, v in files.items()}}
     assert not [where for where, text in everywhere.items() if plain.removesuffix(".dir") in text]
+    assert not [where for where, text in everywhere.items() if holds(text, str(size))], size
 
 
 @pytest.mark.e2e

@@ -22,6 +22,10 @@ class Resources:
 
 
 PRIVATE_ARTIFACT = "shards"  # holds the private examples (beside the public eval split)
+# What DVC versions in its place: dvc.lock, which git tracks, would hold DVC's plain md5 of the private
+# shards and their size in bytes, statistics of them (a guess of one example could be tested against
+# the md5). DVC sees their keyed digest, which changes whenever they do, and never caches or pushes them.
+PRIVATE_ARTIFACT_FOR_DVC = "shards_digest"
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("shards", "write private-train and held-out eval webdataset shards with an index",
-          ("run", "shards"), outputs=("shards",), resources=Resources(threads=1, mem_mb=2000)),
+          ("run", "shards"), outputs=("shards", "shards_digest"), resources=Resources(threads=1, mem_mb=2000)),
     Stage("synthetic", "render Shaders21k-style procedural images into shards",
           ("run", "synthetic"), outputs=("synthetic",), resources=Resources(threads=2, mem_mb=4000)),
     Stage("tokenizer", "train SentencePiece on public text (never the private captions)",

@@ -26,9 +26,10 @@ from pipeline.config import ParamsError
 from pipeline.data import labelled_sets, sources
 from pipeline.data.index import INDEX_NAME, build_index, scan_group
 from pipeline.data.shards import ShardWriter, encode_png
-from pipeline.io import atomic_dir, write_json
+from pipeline.io import atomic_dir, atomic_path, write_json
 from pipeline.privacy import owner
 from pipeline.stages import SCAN_GROUP_SOURCES
+from pipeline.tracking import input_tag
 
 SPLITS = ("private", "eval")
 
@@ -160,6 +161,11 @@ def run(params: dict, ctx) -> None:
         public, private = split_stats(stats)
         write_json(out / "stats.json", public)
     where = owner.write("shards", private)  # per-reason exclusions, download and scan details: owner-only
+    # What DVC tracks of the shards (their keyed hash), written last: a stage stopped before it has no
+    # digest, so neither Snakemake nor DVC takes the shards for done. The md5s it reads are recorded
+    # for the stages that start on the shards next (tracking.input_tag).
+    with atomic_path(ctx.stage.output("shards_digest")) as tmp:
+        tmp.write_text(input_tag(str(out_dir)) + "\n")
     ctx.tracker.log_metrics({f"{s}_usable": stats[s]["usable"] for s in SPLITS})
     print(f"shards: {stats['private']['usable']} private-train and {stats['eval']['usable']} eval samples in {out_dir}/ "
           f"(what was excluded, and why, is kept for the data owner only: {where})")
