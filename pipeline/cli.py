@@ -177,7 +177,7 @@ def _scan_shards(args) -> int:
         write_json(args.summary, summary)
     # Not how many were read, skipped or found cached (only readable shards are): facts about the
     # private data, which its summary, in the cache, says
-    print(f"scan-shards: group {args.group} of {args.groups} of {summary['listed']} shards listed: scanned")
+    print(f"scan-shards: group {args.group} of {args.groups} done ({summary['listed']} shards listed)")
     return 0
 
 
