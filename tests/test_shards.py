@@ -188,13 +188,18 @@ def test_no_readable_shard_or_empty_list_is_an_error(tmp_path):
 
 # -- an index that does not match its shards ------------------------------------------------------------
 
-def test_index_of_changed_shards_is_refused(tmp_path):
+def test_index_of_changed_shards_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the owner's log: in the test's project
     write_set(tmp_path / "a", n=10, per_shard=10, seed=1)
     shard = tmp_path / "a/s-000000.tar"
     original = shard.read_bytes()
     shard.write_bytes(original + b"\0" * 512)
-    with pytest.raises(IndexMismatch, match="re-run the shards stage"):
+    with pytest.raises(IndexMismatch, match="re-run the shards stage") as refused:
         ShardDataset(tmp_path / "a")
+    # The shard's size is a statistic of its examples: the owner's log has it, the error does not.
+    sizes = (str(len(original)), str(len(original) + 512))
+    assert not [n for n in sizes if n in str(refused.value)], str(refused.value)
+    assert all(n in (tmp_path / ".dpfm/owner/shards.log").read_text() for n in sizes)
     # Same size, other content (members shifted): caught at the read, by the tar header check.
     shifted = original[1024:] + b"\0" * 1024
     shard.write_bytes(shifted)

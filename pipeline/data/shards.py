@@ -21,6 +21,7 @@ from pipeline.data.index_mmap import USABLE_NAME, map_usable
 from pipeline.data.remote import RangeReader, ShardReadError, is_local, local_path
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
+from pipeline.privacy import owner
 
 __all__ = ["INDEX_NAME", "IndexMismatch", "ShardDataset", "ShardReadError", "ShardWriter", "TarShard", "encode_png"]
 
@@ -164,9 +165,11 @@ class ShardDataset:
             if not path.exists():
                 raise ShardReadError(f"{self.directory / INDEX_NAME} refers to {path}, which is missing: "
                                      "re-run the shards stage (or restore the shards)")
-            if path.stat().st_size != s["size"]:
-                raise IndexMismatch(f"{path} is {path.stat().st_size} bytes but {self.directory / INDEX_NAME} "
-                                    f"was built from {s['size']} bytes: re-run the shards stage")
+            if path.stat().st_size != s["size"]:  # a shard's size is a statistic of its examples: the owner's
+                log = owner.note("shards", f"{path} is {path.stat().st_size} bytes but {self.directory / INDEX_NAME} "
+                                           f"was built from {s['size']} bytes")
+                raise IndexMismatch(f"{path} is not the shard {self.directory / INDEX_NAME} was built from (its size "
+                                    f"differs: {log}): re-run the shards stage")
 
     @property
     def index(self) -> dict:
