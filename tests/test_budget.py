@@ -53,6 +53,21 @@ def test_the_same_examples_keep_their_identity_whatever_the_sharding_order_or_ke
     assert np.array_equal(shard(in_tmp / "g", samples[::-1])[1], sketch)
 
 
+def test_the_budgets_size_does_not_depend_on_the_examples(in_tmp, monkeypatch):
+    """git tracks data/budget.dvc, which records the budget's size in bytes: measured, a run charged
+    to 5 examples, to 300, and to those 300 with one replaced leaves budgets of one size."""
+    sizes = []
+    for name, samples in (("few", examples(5)), ("many", examples(300)),
+                          ("neighbour", examples(299) + examples(1, seed=9, start=299))):
+        project = in_tmp / name
+        project.mkdir()
+        monkeypatch.chdir(project)
+        identity, sketch = shard(project / "shards", samples)
+        charge(identity, sketch, "run")
+        sizes.append(sum(f.stat().st_size for f in Path("data/budget").rglob("*") if f.is_file()))
+    assert len(set(sizes)) == 1, sizes
+
+
 def test_a_rescan_of_the_same_shards_has_the_writers_identity(in_tmp):
     """The shards stage scans web shards (index.build_index) and writes labelled sets (ShardWriter):
     both must name the same examples the same way."""

@@ -122,8 +122,11 @@ def _sketch_path(identity: str) -> Path:
 def _save_sketch(identity: str, sketch: np.ndarray) -> None:
     if _sketch_path(identity).exists():
         return
+    # Uncompressed: a compressed sketch's size would be a function of the examples' digests, and git
+    # tracks data/budget.dvc, which records the budget's size in bytes (sketches of earlier versions,
+    # compressed, still load).
     with atomic_path(_sketch_path(identity)) as tmp, open(tmp, "wb") as f:
-        np.savez_compressed(f, bits=np.packbits(sketch))
+        np.savez(f, bits=np.packbits(sketch))
 
 
 def _load_sketch(identity: str) -> np.ndarray | None:
