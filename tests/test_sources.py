@@ -184,6 +184,22 @@ def test_download_table_problems_are_clear_errors(tmp_path):
         sources.download(str(tmp_path / "none.parquet"), tmp_path / "o", image_size=8, samples_per_shard=4)
 
 
+@pytest.mark.parametrize("name, text", [
+    ("t.csv", "url,caption\nhttp://x/a.png,hi\nhttp://secret.example/b.png,the secret, with a comma\n"),
+    ("t.tsv", "url\tcaption\nhttp://secret.example/b.png\tthe secret\tand a third field\n"),
+    ("t.parquet", "http://secret.example/b.png the secret: not a parquet file"),
+])
+def test_a_table_that_cannot_be_parsed_is_an_error_that_quotes_no_row(tmp_path, monkeypatch, name, text):
+    """The parser's message quotes the row it failed on, a private URL and caption: the owner's log
+    has it, the error names the file only."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(sources.SourceError, match="could not be read as a table") as refused:
+        sources.download(str(tmp_path / name), tmp_path / "o", image_size=8, samples_per_shard=4)
+    assert "secret" not in str(refused.value)
+    assert "secret" in (tmp_path / ".dpfm/owner/shards.log").read_text() or name.endswith(".parquet")
+
+
 def test_parquet_table_with_other_column_names(tmp_path, serve):
     (tmp_path / "www").mkdir()
     (tmp_path / "www/a.png").write_bytes(encode_png(np.full((9, 9, 3), 200, np.uint8)))

@@ -111,16 +111,22 @@ def read_url_table(path: str, url_column: str, caption_column: str) -> tuple[lis
     if not fs.exists(p):
         raise SourceError(f"shards.path={path} does not exist")
     name = p.lower().removesuffix(".gz")
-    with fs.open(p, "rb", compression="infer") as f:
-        if name.endswith(".parquet"):
-            table = pq.read_table(f)
-        elif name.endswith((".csv", ".tsv")):
-            delimiter = "\t" if name.endswith(".tsv") else ","
-            table = pcsv.read_csv(f, parse_options=pcsv.ParseOptions(delimiter=delimiter),
-                                  convert_options=pcsv.ConvertOptions(column_types={url_column: pa.string(),
-                                                                                    caption_column: pa.string()}))
-        else:
-            raise SourceError(f"shards.path={path}: expected a .parquet, .csv or .tsv table of (url, caption)")
+    if not name.endswith((".parquet", ".csv", ".tsv")):
+        raise SourceError(f"shards.path={path}: expected a .parquet, .csv or .tsv table of (url, caption)")
+    try:
+        with fs.open(p, "rb", compression="infer") as f:
+            if name.endswith(".parquet"):
+                table = pq.read_table(f)
+            else:
+                delimiter = "\t" if name.endswith(".tsv") else ","
+                table = pcsv.read_csv(f, parse_options=pcsv.ParseOptions(delimiter=delimiter),
+                                      convert_options=pcsv.ConvertOptions(column_types={url_column: pa.string(),
+                                                                                        caption_column: pa.string()}))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        # A parser's message quotes the row it failed on: a private URL and caption, for the owner only.
+        log = owner.note("shards", f"{path} could not be read: {type(e).__name__}: {e}")
+        raise SourceError(f"shards.path={path} could not be read as a table (the parser's message, which "
+                          f"may quote a row, is in {log})") from None
     for col, key in ((url_column, "url_column"), (caption_column, "caption_column")):
         if col not in table.column_names:
             raise SourceError(f"{path} has no column {col!r} (columns: {', '.join(table.column_names)}); "
