@@ -180,6 +180,29 @@ def test_run_loop_resumes_exactly(tmp_path):
                                                                 for s in range(10)]
 
 
+def test_an_untimed_run_prints_the_same_bar_whatever_its_steps_take(tmp_path, monkeypatch, capsys):
+    """A private training's steps take time with their realised batch sizes: measured on a clock the
+    test drives, two runs whose steps take other times print the same progress."""
+    import tqdm.std
+
+    printed = []
+    for i, durations in enumerate(([0.05] * 5 + [0.01] * 35, [0.01] * 35 + [0.3] * 5)):
+        clock = [1000.0]
+        monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+        model = torch.nn.Linear(2, 1)
+        state = train.TrainState(model, train.make_optimizer(model, "adamw", 0.01, 0.0))
+
+        def step_fn(step, durations=durations):
+            clock[0] += durations[step]
+            return {}
+
+        capsys.readouterr()
+        train.run_loop(state, train.Schedule(40, 0.01, 2, checkpoint_every=100, log_every=100), step_fn,
+                       train.Checkpointer(tmp_path / str(i)), desc="private", timed=False)
+        printed.append(capsys.readouterr().err)
+    assert printed[0] == printed[1] and printed[0].count("/40 steps") > 2, printed
+
+
 REFAULTS = """
 import resource, sys
 import torch
