@@ -158,6 +158,17 @@ if "unreadable" in faults:  # the k-th read of sampled private examples fails, n
         return real_getitem(self, indices)
     data_loader._Decoded.__getitem__ = getitem
 
+if "oom" in faults:  # the k-th step runs out of memory on every rank, the allocator naming the size asked for
+    import pipeline.privacy.engine as engine
+    import torch
+    real_add_noise, calls = engine.add_noise, [0]
+    def add_noise(*args):
+        calls[0] += 1
+        if calls[0] == int(faults["oom"]):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {OOM_MIB} MiB")
+        return real_add_noise(*args)
+    engine.add_noise = add_noise
+
 if "fetching" in faults:  # a download worker is fetching image k; the shard holding it is half written
     from pipeline.data import sources
     real_fetch = sources._fetch_row
@@ -169,7 +180,8 @@ if "fetching" in faults:  # a download worker is fetching image k; the shard hol
 
 """
 UNREADABLE = "sampled-example-"  # how the `unreadable` fault names the example it could not read
-RUN_DPFM = (f"UNREADABLE = {UNREADABLE!r}\n" + FAULT_HOOKS
+OOM_MIB = "4321.25"  # the size the `oom` fault's allocator was asked for
+RUN_DPFM = (f"UNREADABLE = {UNREADABLE!r}\nOOM_MIB = {OOM_MIB!r}\n" + FAULT_HOOKS
             + "from pipeline.cli import main\nsys.exit(main(sys.argv[1:]))\n")
 
 

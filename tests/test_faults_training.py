@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fault_hooks import (BIN, MARKER, STEPS, UNREADABLE, check_same_as_uninterrupted, complete, dp_outcome, dp_state,
-                         dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs, with_sets)
+from fault_hooks import (BIN, MARKER, OOM_MIB, STEPS, UNREADABLE, check_same_as_uninterrupted, complete, dp_outcome,
+                         dp_state, dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs, with_sets)
 from pretrain_project import make_project, micro_sets, saved
 from shard_data import write_set
 from stage_runs import project, train
@@ -197,24 +197,34 @@ def test_ranks_that_would_resume_from_different_states_stop_before_any_step(data
     assert dp_state(work)[0] == list(range(STEPS))
 
 
+# What fails, the line the stage stops with, and what the failure's own message names: a read names
+# what the step sampled (its key, its bytes); an allocator the size it was asked for, which follows the
+# micro-batch and so the realised batch size.
+FAILURES = {"unreadable:3": ("reading the sampled private examples failed (ShardReadError)", (UNREADABLE, "4096")),
+            "oom:3": ("out of memory in the DP step", (OOM_MIB,))}
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
-def test_a_failed_read_of_a_sampled_example_names_it_to_the_data_owner_only(data_dir, tmp_path, objective, ranks):
-    """A read that fails in training names what the step sampled (its key, its bytes): printed, it would
-    reach logs/dp-train.log. The stage stops with a message that says where the details are."""
+@pytest.mark.parametrize("fault", FAILURES)
+def test_a_step_that_fails_on_private_data_names_what_failed_to_the_data_owner_only(data_dir, tmp_path, objective,
+                                                                                   ranks, fault):
+    """A step that fails on the private data (a read, memory) would name private facts: printed, they
+    would reach logs/dp-train.log. The stage stops with a message that says where the details are."""
     work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
+    line, named = FAILURES[fault]
     if ranks == 1:
-        proc = dpfm(work, args, "unreadable:3")
+        proc = dpfm(work, args, fault)
         assert proc.wait(timeout=300) == 1
         shown = (work / "dpfm.log").read_text()
     else:
-        done = dpfm_torchrun(work, args, "unreadable:3")
+        done = dpfm_torchrun(work, args, fault)
         assert done.returncode != 0
         shown = done.stdout + done.stderr
-    assert "reading the sampled private examples failed (ShardReadError)" in shown, shown[-3000:]
-    assert UNREADABLE not in shown and "4096" not in shown, shown[-3000:]
+    assert line in shown, shown[-3000:]
+    assert not [n for n in named if n in shown], shown[-3000:]
     kept = work / ".dpfm/owner/dp-train.log"
-    assert UNREADABLE in kept.read_text() and kept.stat().st_mode & 0o077 == 0
+    assert named[0] in kept.read_text() and kept.stat().st_mode & 0o077 == 0
 
 
 def test_a_second_dpfm_on_a_running_stage_is_refused_and_a_killed_holder_leaves_no_lock(data_dir, tmp_path):

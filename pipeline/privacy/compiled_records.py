@@ -96,8 +96,10 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
         i = self._next
         slot = self._layout[i] if i < len(self._layout) else None
         if slot is None or slot.module is not module or tuple(output.shape[1:]) != slot.tail:
+            # Not the output's first size: the rows of a micro-batch, which follow the realised batch size.
+            tail = ", ".join(map(str, output.shape[1:]))
             raise RuntimeError(f"dp.compile: call {i} of the clipped layers ({type(module).__name__}, output "
-                               f"{tuple(output.shape)}) is not the one its slot was laid out for")
+                               f"(rows, {tail})) is not the one its slot was laid out for")
         self._next = i + 1
         probe = self._probe_set[i]
         rows = output.shape[0] // self.views if slot.reduced else output.shape[0]

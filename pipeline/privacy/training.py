@@ -57,6 +57,11 @@ def split_loader(split: str, mcfg: ModelConfig, tokenizer: Tokenizer | None, wor
                        max_len=mcfg.max_len if tokenizer else None, workers=workers, device=device)
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """A GPU's allocator raises OutOfMemoryError; the CPU's a RuntimeError that says so."""
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
 class StreamedBatches:
     """`fetch` for dp_step: the inputs of the micro-batches this rank computes, decoded ahead.
 
@@ -315,8 +320,18 @@ class Trainer:
             return tuple(x.to(device) for x in view_rows(batch, mine, views))
 
         def step_fn(step: int) -> dict:
-            result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
-                             physical_batch_size=physical, ledger=ledger)
+            try:
+                result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
+                                 physical_batch_size=physical, ledger=ledger)
+            except Exception as e:
+                if not out_of_memory(e):
+                    raise
+                # The allocator names the size it was asked for, which follows the micro-batch: the last
+                # one of a step holds what is left of the realised batch size.
+                where = owner.note("dp-train", f"step {step}: {type(e).__name__}: {e}")
+                raise PrivateDataError(f"step {step}: out of memory in the DP step (lower dp.physical_batch_size); "
+                                       f"the allocator's message names sizes that follow the realised batch size, "
+                                       f"so it is kept for the data owner only: {where}") from None
             counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
             optimizer.step()
             metrics = {}
