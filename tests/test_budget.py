@@ -145,6 +145,29 @@ def test_runs_on_overlapping_sets_compose_and_disjoint_ones_do_not(in_tmp):
     assert len(budget.runs(full[0])) == 3
 
 
+def test_the_published_composition_does_not_depend_on_which_examples_the_sets_share(in_tmp, monkeypatch):
+    """Which sets share an example is a fact about the private data. Measured: an earlier run on a set
+    that shares one example with this run's, and one on that set with the example replaced, publish
+    the same composition (every run charged to the budget); the owner's, over the runs that share
+    examples, tells the two apart."""
+    mine = examples(40)
+    others = examples(20, seed=5, start=200)
+    published, owners = [], []
+    for name, earlier in (("shares", others + mine[:1]), ("replaced", others + examples(1, seed=9, start=300))):
+        project = in_tmp / name
+        project.mkdir()
+        monkeypatch.chdir(project)
+        charge(*shard(project / "earlier", earlier), "earlier")
+        identity, sketch = shard(project / "mine", mine)
+        charge(identity, sketch, "mine")
+        ledger = {**plan().header(), "run": "mine", "data_identity": identity}
+        # Each project has its own owner's key, so its own (keyed) data identity: the rest is compared.
+        published.append({k: v for k, v in budget.composition(ledger, DELTA).items() if k != "data_identity"})
+        owners.append(budget.overlap_composition(ledger, DELTA))
+    assert published[0] == published[1] and published[0]["runs"] == 2
+    assert [o["runs"] for o in owners] == [2, 1]
+
+
 def test_a_lone_run_composes_to_its_own_epsilon(in_tmp):
     charge(*shard(in_tmp / "d", examples(10)), "r")
     identity = budget.examples_identity(in_tmp / "d")[0]

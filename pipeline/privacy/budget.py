@@ -148,7 +148,7 @@ def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int) ->
     _save_sketch(identity, sketch)
     entry = {"run": run, "key": key_fingerprint(key), "set": identity, "objective": plan.objective, "sigma": plan.sigma,
              "sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta, "n": plan.n,
-             "adjacency": plan.adjacency, "recorded": time.time()}
+             "adjacency": plan.adjacency, "recorded": int(time.time())}  # whole seconds: a fixed width
     BUDGET_DIR.mkdir(parents=True, exist_ok=True)
     with open(BUDGET_DIR / "runs.jsonl", "a+") as f:
         try:  # the check and the append as one: a run started twice at once is charged once
@@ -230,10 +230,21 @@ def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_re
 
 
 def composition(ledger: dict, delta: float) -> dict:
-    """ε of every DP run charged to examples this run trained on, composed; this run is counted even
-    if the budget record was lost. `ledger` is the published ledger: its plan, run and data identity."""
+    """The published composition: ε of every DP run charged to this budget, on whatever examples,
+    composed; this run is counted even if the budget record was lost. Only the runs on sets that
+    share examples with this one would be tighter (`overlap_composition`), but which sets share an
+    example is a fact about the private data: replacing the one shared example could drop a run.
+    `ledger` is the published ledger: its plan, run and data identity."""
+    return _composed(ledger, _entries(), delta)
+
+
+def overlap_composition(ledger: dict, delta: float) -> dict:
+    """The owner's composition: ε of the DP runs charged to examples this run trained on (`runs`)."""
+    return _composed(ledger, runs(ledger["data_identity"]) if "data_identity" in ledger else [], delta)
+
+
+def _composed(ledger: dict, entries: list[dict], delta: float) -> dict:
     plan = Plan.from_header(ledger)
-    entries = runs(ledger["data_identity"]) if "data_identity" in ledger else []
     if not any(e["run"] == ledger.get("run") for e in entries):
         entries.append({"run": ledger.get("run"), "objective": plan.objective, "sigma": plan.sigma,
                         "sample_rate": plan.sample_rate, "steps": plan.steps})

@@ -65,7 +65,7 @@ def released_weights_text(dp: dict) -> str:
 
 
 def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple[str, str]]:
-    """The mechanism table: what was run, what ε it has, and what every DP run on the data composes to."""
+    """The mechanism table: what was run, what ε it has, and what every DP run charged to the budget composes to."""
     rows = [
         ("recipe", recipe_title(plan.objective)),
         ("private examples n", f"{ver['n']}"),
@@ -82,7 +82,8 @@ def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple
     ]
     runs = f"{privacy['runs']} DP run{'s' if privacy['runs'] > 1 else ''} ({', '.join(privacy['objectives'])})"
     if privacy["private"]:  # several models trained on one dataset release more than any one
-        rows.append(("ε over all DP runs on this data", f"{privacy['epsilon_composed']:.4f} at the same δ, {runs}"))
+        rows.append(("ε over all DP runs charged to data/budget",
+                     f"{privacy['epsilon_composed']:.4f} at the same δ, {runs}"))
     else:
         rows.append(("ε of this run's outputs", f"∞: NOT PRIVATE as a whole ({'; '.join(privacy['not_private'])}); "
                      f"its {runs} compose to {privacy['epsilon_dp_runs']:.4f}"))

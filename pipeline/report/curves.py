@@ -94,6 +94,6 @@ def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict) -> 
     caption = (f"Linear probe on {curve['set']} ({curve['n_probe_test']} probe-test images; band: 95% bootstrap "
                f"interval {over}) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
                f"{twin_text(dp)}. {len(spent)} of the points are DP trainings on the "
-               "private data: what all DP runs on it compose to is in the mechanism table.")
+               "private data: what all DP runs charged to the budget compose to is in the mechanism table.")
     return {"figure": path, "columns": ["ε = ∞" if e == "inf" else f"ε = {e:g}" for e in epsilons], "rows": rows,
             "caption": caption, "sentence": sentence + "."}

@@ -1,5 +1,5 @@
 """The report's privacy sections: the data card, ε against step, the noise, δ and adjacency texts,
-and the run's privacy as released (composed over every DP run on the data)."""
+and the run's privacy as released (composed over every DP run charged to the budget)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def adjacency_text(ver: dict) -> str:
 
 
 def final_privacy(params: dict, ledger: dict, ver: dict, stats: dict) -> dict:
-    """The run's privacy as released: this model's ε, what every DP run on the data composes to
+    """The run's privacy as released: this model's ε, what every DP run charged to the budget composes to
     (recomputed now, after the curve's and the seeds' trainings), and, when something ran outside
     DP (privacy/release.py), composed ε = ∞ with the reasons."""
     c = budget.composition(ledger, ver["delta"])

@@ -1,5 +1,5 @@
 """The `verify` stage: recompute ε from the ledger with independent accountants, check the run
-(privacy/run_checks.py), compose it with the other DP runs on the same data (privacy/budget.py), and
+(privacy/run_checks.py), compose it with the other DP runs charged to the budget (privacy/budget.py), and
 write verification.json only when every check passed."""
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def run(params: dict, ctx) -> None:
              "; add/remove (the literature's): " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon_add_remove"].items())))
     c = result["composition"]
     if c["runs"] > 1:
-        print(f"verify: {c['runs']} DP runs on this private data compose to ε = {c['epsilon']:.3f} at δ = "
-              f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f})")
+        # Which runs share examples with this one is the owner's to know: the tighter figure is theirs.
+        tighter = owner.write("composition", budget.overlap_composition(ledger, result["delta"]))
+        print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {c['epsilon']:.3f} at δ = "
+              f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f}; over only the runs that "
+              f"share examples with it, for the data owner: {tighter})")
     # epsilon_composed goes to MLflow and the registry from the report, after the curve's and the
     # seeds' DP trainings: here it would be stale.
     # What was checked goes with the run: the mechanism (not the per-step batch sizes, which depend on
