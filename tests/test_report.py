@@ -111,6 +111,24 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
     assert tracker.artifacts == [("results/report", "report")]
 
 
+def test_the_report_keeps_the_owners_composition_beside_the_one_it_publishes(project):
+    """The report recomputes the published composition after the curve's and the seeds' trainings,
+    which may run after verify; the owner's figure (the runs on sets that share examples) is kept then
+    too. Here two runs on the run's set are charged, and verify never ran."""
+    from pipeline.privacy import budget
+
+    root, params = project
+    ledger = read_json(root / "models/dp/ledger.json")
+    sketch = np.zeros(1 << budget.SKETCH_BITS, dtype=bool)
+    sketch[:3] = True
+    for key, run in enumerate(("earlier", "this")):
+        budget.record("set-a", sketch, run, Plan.from_header(ledger), key)
+    write_json("models/dp/ledger.json", {**ledger, "run": "this", "data_identity": "set-a"})
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    kept = root / ".dpfm/owner/composition.json"
+    assert read_json(kept)["runs"] == 2 and kept.stat().st_mode & 0o077 == 0
+
+
 def test_failed_verification_is_the_first_thing_the_report_says(project):
     root, params = project
     ver = yaml.safe_load(Path("results/privacy/verification.json").read_text())

@@ -243,6 +243,13 @@ def overlap_composition(ledger: dict, delta: float) -> dict:
     return _composed(ledger, runs(ledger["data_identity"]) if "data_identity" in ledger else [], delta)
 
 
+def keep_overlap_composition(ledger: dict, delta: float) -> Path:
+    """Write the owner's composition to their zone, where no stage publishes from; returns where."""
+    from pipeline.privacy import owner
+
+    return owner.write("composition", overlap_composition(ledger, delta))
+
+
 def _composed(ledger: dict, entries: list[dict], delta: float) -> dict:
     plan = Plan.from_header(ledger)
     if not any(e["run"] == ledger.get("run") for e in entries):
