@@ -49,7 +49,7 @@ def run(params: dict, ctx) -> None:
     c = result["composition"]
     if c["runs"] > 1:
         # Which runs share examples with this one is the owner's to know: the tighter figure is theirs.
-        tighter = budget.keep_overlap_composition(ledger, result["delta"])
+        tighter = budget.keep_overlap_composition(ledger, result["delta"], c)
         print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {c['epsilon']:.3f} at δ = "
               f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f}; over only the runs that "
               f"share examples with it, for the data owner: {tighter})")
