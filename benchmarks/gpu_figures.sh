@@ -9,7 +9,8 @@
 # The table at 224 px has a warm start of its own, so a DIR of its own (the benchmark refuses a DIR whose
 # warm start another recipe made): SCALE_DIR=/tmp/scale224 ... table --set model.size=tiny
 #   --set model.img_size=224 --set model.patch_size=16 --set synthetic.resolution=224 [--objectives ...]
-# PART: throughput [gpu_throughput args; --profile BATCH for a per-op table] | loader [loader args] | table|validate [scale_utility args].
+# PART: throughput [gpu_throughput args; --profile BATCH for a per-op table] | loader [loader args] |
+# routes [clipping_routes args: the GPU's WRITE_COST] | table|validate [scale_utility args].
 # Each part runs under LIMIT seconds (default 500) and appends to four files in OUT_DIR (a call brings
 # back 8 at most): figures.txt (every part's output, under a header), util.csv (the GPU's utilisation
 # every 0.5 s, by part: TAG, default PART), scale.log (the scale parts' whole output, a clock time on
@@ -45,6 +46,7 @@ gpu=(--set dp.data_workers=12 --set dp.physical_batch_size=1024 --set pretrain.d
 case $part in
   throughput) timeout "${LIMIT:-500}" python3 -m benchmarks.gpu_throughput "$@" 2>&1 | grep -v absl | tee -a "$out/figures.txt" ;;
   loader) timeout "${LIMIT:-500}" python3 benchmarks/loader.py --workers 12 "$@" 2>&1 | tee -a "$out/figures.txt" ;;
+  routes) timeout "${LIMIT:-500}" python3 -m benchmarks.clipping_routes --device cuda "$@" 2>&1 | tee -a "$out/figures.txt" ;;
   validate|table)
     flag=$( [ "$part" = validate ] && echo --validate --sizes full )
     # Through a file, not a pipe: the probe's refit workers outlive the benchmark by minutes and would

@@ -20,7 +20,8 @@ that take the most device time (CPU time without a GPU), side by side: where the
 
 --compile: also each engine with the model compiled (dp.compile: `model.compile()`, book-keeping
 with compiled_records.py's records, as training does), at --max-batch without the search (each batch size compiles
-anew); the ratios stay against the uncompiled non-private step.
+anew); the ratios stay against the uncompiled non-private step, and each compiled step's sum is
+compared with its eager twin's on the same inputs ("sum vs eager": the relative gap of the two vectors).
 
 --launches: instead, the kernels one step of each engine dispatches (views and allocations left out),
 counted without a GPU (the bf16 GEMMs emulated, one launch each) at batch 2: on the H200 the clipped
@@ -125,10 +126,12 @@ def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, pr
     sync(device)
     noise_ms = (time.perf_counter() - t0) / 5 * 1000
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    # the last step's sum, one vector on the host: a compiled engine is checked against its eager twin
+    summed = torch.cat([v.detach().float().flatten().cpu() for v in clipper.sum.values()])
     del clipper, model, inputs
     release(device)
     return {"batch": batch, "s_per_step": s, "images_per_s": batch / s, "peak_gib": peak, "noise_ms": noise_ms,
-            "params_m": sum(p.numel() for p in params) / 1e6}
+            "params_m": sum(p.numel() for p in params) / 1e6, "sum": summed}
 
 
 def profile(objective: str, cfg: dict, batch: int, device: str, precision: str, top: int = 15) -> None:
@@ -265,12 +268,16 @@ def main() -> None:
             for engine in engines:
                 engines[engine] = measure(objective, cfg, engine, batch, device, args.precision, args.steps)
             base = engines["plain"]
+            sums = {engine: r.pop("sum") for engine, r in engines.items()}
             for engine, r in engines.items():
                 tx, mx = r["s_per_step"] / base["s_per_step"], r["peak_gib"] / base["peak_gib"]
+                twin = sums[engine.removesuffix("+compile")]  # the same step uncompiled, on the same inputs
+                gap = float((sums[engine] - twin).norm() / twin.norm()) if engine.endswith("+compile") else None
                 print(f"{size:<6}{objective:<9}{engine:<22}{batch:>6}{r['images_per_s']:>9.0f}{tx:>8.2f}"
-                      f"{r['peak_gib']:>10.2f}{mx:>7.2f}{r['noise_ms']:>10.2f}", flush=True)
+                      f"{r['peak_gib']:>10.2f}{mx:>7.2f}{r['noise_ms']:>10.2f}"
+                      f"{'' if gap is None else f'  sum vs eager {gap:.1e}'}", flush=True)
                 rows.append({"size": size, "objective": objective, "engine": engine, **r,
-                             "time_ratio": round(tx, 3), "memory_ratio": round(mx, 3)})
+                             "time_ratio": round(tx, 3), "memory_ratio": round(mx, 3), "sum_gap_to_eager": gap})
     print(json.dumps({"benchmark": "gpu_throughput", "device": name, "img": args.img, "patch": args.patch,
                       "precision": args.precision, "rows": rows}))
 
