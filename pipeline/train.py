@@ -282,8 +282,9 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
 
     The learning rate is a function of the step, so restoring the state resumes the run exactly when
     `step_fn(step)` draws its data and randomness as a function of the step (step_generator). Metrics
-    every `log_every` steps go to the history and `log`. A SIGTERM or Ctrl-C ends the run after the
-    step in flight, with a checkpoint (`Stopped`).
+    every `log_every` steps go to the history, and to `log` once a checkpoint holds their step: a step
+    redone after a crash (another device's noise, nondeterministic kernels) is then published once. A
+    SIGTERM or Ctrl-C ends the run after the step in flight, with a checkpoint (`Stopped`).
     """
     keep_freed_memory()
     saved = checkpointer.load()
@@ -298,7 +299,7 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
             raise RanksDisagree(f"{desc}: the ranks would start from different states (rank {world.rank}: step "
                                 f"{state.step}, from {checkpointer.path.parent}): every node must see the same "
                                 f"`.dpfm/` and `data/budget/`, on the file system the ranks share")
-    t0, done, total = time.time(), 0, schedule.steps
+    t0, done, total, unsaved = time.time(), 0, schedule.steps, []
     with StopRequests() as requests:
         # Untimed: no rate or time in the bar, and it redraws every hundredth of the run whatever the
         # clock says (tqdm redraws by elapsed time by default, and its monitor thread after maxinterval).
@@ -315,12 +316,14 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
                     metrics["steps_per_s"] = done / max(1e-9, time.time() - t0)
                 state.history["step"].append(step)
                 state.history["metrics"].append(metrics)
-                if log:
-                    log(step, metrics)
+                unsaved.append((step, metrics))
             last = step + 1 == total
             signum = None if last else requests.agreed(world)
             if (step + 1) % schedule.checkpoint_every == 0 or last or signum:
                 state.save(checkpointer)
+                for logged in unsaved if log else ():
+                    log(*logged)
+                unsaved.clear()
             if signum:
                 raise stop(signum, desc, step + 1, total, checkpointer.path)
     return state

@@ -180,6 +180,18 @@ def test_run_loop_resumes_exactly(tmp_path):
                                                                 for s in range(10)]
 
 
+def test_a_step_is_published_only_once_a_checkpoint_holds_it(tmp_path):
+    """A crash after step 7 resumes from the checkpoint of step 5 and draws steps 6 and 7 again: their
+    metrics (of iterates a resume on another device would redraw with other noise) must not have been
+    published by the crashed run, so every step reaches `log` once."""
+    crashed, resumed = [], []
+    with pytest.raises(KeyboardInterrupt):
+        _toy_run(tmp_path, 10, fail_at=8, log=crashed)  # checkpoints after steps 2 and 5; 6 and 7 run, unsaved
+    _, _, starts = _toy_run(tmp_path, 10, log=resumed)
+    assert starts == [6]
+    assert crashed == [0, 1, 2, 3, 4, 5] and resumed == [6, 7, 8, 9]
+
+
 def test_an_untimed_run_prints_the_same_bar_whatever_its_steps_take(tmp_path, monkeypatch, capsys):
     """A private training's steps take time with their realised batch sizes: measured on a clock the
     test drives, two runs whose steps take other times print the same progress."""
