@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import time
@@ -23,7 +24,6 @@ from pipeline.errors import Stopped
 from pipeline.io import file_digest
 
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
-SYSTEM_METRICS_EVERY_S = 2
 FILE_DIGESTS = "file-digests"  # owner record: the md5s input_tag read, by file stamp
 
 
@@ -166,9 +166,11 @@ class StageRun:
         _retry(lambda: self._mlflow.log_dict(data, name))
 
     def log_dp_model(self, checkpoint: str | Path, epsilon: float, delta: float,
-                     epsilon_composed: float | None = None) -> str:
+                     epsilon_composed: float | None = None, private: bool = True) -> str:
         """The DP encoder (images -> features) as an MLflow model, registered as `dpfm-<objective>`
-        with its ε and δ as version tags. Only verified models get here (the verify stage)."""
+        with its ε and δ as version tags. Only verified models get here (the verify stage). `private`
+        False: the run's outputs as a whole are not covered (release.not_private_reasons), so the
+        composed ε is tagged ∞."""
         import torch
         from mlflow.models import infer_signature
 
@@ -191,9 +193,9 @@ class StageRun:
         version = info.registered_model_version
         # `epsilon` is what all DP runs on the examples compose to (the report updates it after the
         # curve's and the seeds' trainings); `epsilon_run` is this model's own.
-        composed = epsilon if epsilon_composed is None else epsilon_composed
+        composed = math.inf if not private else epsilon if epsilon_composed is None else epsilon_composed
         for key, value in (("epsilon", f"{composed:.4f}"), ("epsilon_run", f"{epsilon:.4f}"), ("delta", f"{delta:.3e}"),
-                           ("private", "true")):
+                           ("private", str(private).lower())):
             _retry(lambda: client.set_model_version_tag(name, version, key, value))
         return name
 
@@ -223,7 +225,7 @@ class NullRun:
     def log_artifact(self, path, artifact_path=None): ...
     def set_tags(self, tags): ...
     def log_dict(self, data, name): ...
-    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None): ...
+    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, private=True): ...
     def tag_dp_models(self, tags): return 0
 
 
@@ -254,36 +256,21 @@ def stage_run(stage, params: dict, experiment: str):
     for path in stage.input_paths:
         if Path(path).exists():
             tags[f"dvc.input.{path}"] = input_tag(path)
-    # Training stages: CPU, memory (and GPU with pynvml) while they run; on private data these follow
-    # the sampled examples (their sizes, the realised batch sizes), so they are not recorded there.
-    system = stage.resources.gpu > 0 and not stage.touches_private_data
-    if system:
-        mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_EVERY_S)
-    run = _retry(lambda: mlflow.start_run(run_name=stage.name, tags=tags, log_system_metrics=system))
+    # No system metrics, for any stage (even over MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING): MLflow samples
+    # the whole machine (CPU, memory, disk, network, every GPU), so a stage on public data beside a job
+    # on the private shards (scan, dp-train) would publish that job's bytes written and its load.
+    run = _retry(lambda: mlflow.start_run(run_name=stage.name, tags=tags, log_system_metrics=False))
     try:
         # Secrets never reach the tracking store.
         flat = {k: v for k, v in flatten(params).items() if not k.endswith("noise_seed")}
         _retry(lambda: mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                                           for k, v in flat.items()}))
         yield StageRun(mlflow, run.info.run_id)
-        if system:
-            _retry(lambda: log_system_snapshot(mlflow))
     except BaseException as e:
         status = "KILLED" if isinstance(e, (Stopped, KeyboardInterrupt)) else "FAILED"
         _retry(lambda: mlflow.end_run(status=status))
         raise
     _retry(lambda: mlflow.end_run(status="FINISHED"))
-
-
-def log_system_snapshot(mlflow) -> None:
-    """The machine's memory as a training stage ends, under MLflow's system-metric names: its monitor
-    logs a sample only after a whole SYSTEM_METRICS_EVERY_S, so a stage shorter than that (a resumed
-    or small one) would otherwise record none."""
-    import psutil
-
-    mem = psutil.virtual_memory()
-    mlflow.log_metrics({"system/system_memory_usage_megabytes": (mem.total - mem.available) / 2 ** 20,
-                        "system/system_memory_usage_percentage": mem.percent})
 
 
 def start_parent(experiment: str, params: dict | None = None) -> str:

@@ -168,6 +168,37 @@ def test_the_published_composition_does_not_depend_on_which_examples_the_sets_sh
     assert [o["runs"] for o in owners] == [2, 1]
 
 
+def test_a_release_outside_dp_makes_every_later_composition_infinite_whatever_its_flags(in_tmp):
+    """A model trained without DP on the examples (a non-private twin, the curve's ε = ∞ point), a count
+    published as it is, a known noise key: released once, it stays released. A later run whose own
+    params are clean still composes to ∞ and is NOT PRIVATE, while the DP runs' own composition is kept
+    beside it; the owner's composition counts it only where its set shares examples."""
+    from pipeline.privacy import release
+    from pipeline.config import load_params
+
+    identity, sketch = shard(in_tmp / "d", examples(30))
+    charge(identity, sketch, "with-twin")
+    ledger = {**plan().header(), "run": "later", "data_identity": identity}
+    clean = budget.composition(ledger, DELTA)
+    budget.record_outside_dp(identity, sketch, "with-twin-nonprivate", "a training without DP on them")
+    budget.record_outside_dp(identity, sketch, "with-twin-nonprivate", "a training without DP on them")  # a resume
+    charge(identity, sketch, "later")
+    later = budget.composition(ledger, DELTA)
+    assert later["epsilon"] == float("inf") and later["outside_dp"] == ["a training without DP on them"]
+    assert later["runs"] == 2 and later["epsilon_dp_runs"] == clean["epsilon"] < float("inf")  # the DP runs alone
+    params = load_params(Path(__file__).parents[1] / "params.yaml")
+    params["curve"]["epsilons"], params["privacy"]["testing"], params["dp"]["noise_seed"] = [8.0], False, None
+    assert release.not_private_reasons(params, {}) == []  # its own flags are clean
+    [reason] = release.not_private_reasons(params, {}, later)
+    assert "without DP" in reason and "∞" in reason
+    # a set that shares no example with the released one: the owner's figure stays finite
+    other, other_sketch = shard(in_tmp / "o", examples(30, seed=3, start=500))
+    charge(other, other_sketch, "elsewhere")
+    mine = {**plan().header(), "run": "elsewhere", "data_identity": other}
+    assert budget.overlap_composition(mine, DELTA)["epsilon"] < float("inf")
+    assert budget.composition(mine, DELTA)["epsilon"] == float("inf")
+
+
 def test_a_lone_run_composes_to_its_own_epsilon(in_tmp):
     charge(*shard(in_tmp / "d", examples(10)), "r")
     identity = budget.examples_identity(in_tmp / "d")[0]

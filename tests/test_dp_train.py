@@ -117,6 +117,26 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
     assert ledger["steps"] == 6  # the baseline is not charged to the private ledger
 
 
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_private(data_dir, tmp_path,
+                                                                                      objective_name):
+    """The twin's release stays made when the flag is turned off: the run resumes (the same finished
+    run), and its composition, read from the budget, is ∞ with the twin named, whatever the params now say."""
+    from pipeline.privacy import budget, release
+
+    work = project(data_dir, tmp_path)
+    clean = [f"dp.objective={objective_name}", "dp.noise_seed=null", "privacy.testing=false",
+             "privacy.nonprivate_on_private_data=true"]
+    train(work, clean + ["dp.nonprivate_baseline=true"])
+    ledger, _ = train(work, clean)  # the flag off: resumed, nothing trained again
+    with inside(work):
+        c = budget.composition(ledger, ledger["delta"])
+        params = load_params(work / "params.yaml", clean + ["curve.epsilons=[8]"])
+    assert c["outside_dp"] == ["a training without DP on them"] and c["epsilon"] == float("inf")
+    assert c["runs"] == 1 and c["epsilon_dp_runs"] < float("inf")
+    assert release.not_private_reasons(params, {}) == [] and release.not_private_reasons(params, {}, c)
+
+
 FROZEN = "dp.frozen=[encoder.blocks.0]"  # the micro encoder's one block
 COMPILE = "dp.compile=true"
 

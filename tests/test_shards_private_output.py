@@ -61,9 +61,10 @@ def test_what_a_rebuild_prints_does_not_depend_on_which_shards_are_readable(tmp_
 
 # Run as its own process, so that what is printed is what a stage prints under Python's own warning
 # filters (pytest records warnings instead). Pillow's limit is lowered so a 48x48 picture (2,304
-# pixels) sits between it and twice it, where Pillow warns with the exact count instead of raising.
+# pixels) sits between it and twice it, where Pillow warns with the exact count instead of raising;
+# a palette PNG with byte transparency makes Pillow warn of that image's format.
 DECOMPRESSION_BOMB = """
-import sys
+import io, sys
 from pathlib import Path
 import numpy as np
 from PIL import Image
@@ -75,10 +76,14 @@ Image.MAX_IMAGE_PIXELS = 2000
 root = Path(sys.argv[1])
 rng = np.random.default_rng(0)
 big = [("big.jpg", encode_jpeg(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8))), ("big.txt", b"a photo")]
-raw_tar(root / "s.tar", good("small", rng) + big)
+palette = Image.fromarray(rng.integers(0, 4, (20, 20), dtype=np.uint8), mode="P")
+palette.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255])
+png = io.BytesIO()
+palette.save(png, format="PNG", transparency=bytes([0, 255, 128, 255]))
+raw_tar(root / "s.tar", good("small", rng) + big + [("pal.png", png.getvalue()), ("pal.txt", b"a drawing")])
 stats, ds = index([root / "s.tar"], root)  # the scan decodes every image
 indices, images, _ = _Decoded(ds, 16, captions=True)[list(range(len(ds)))]  # training's decode
-assert len(ds) == 2 and images.shape == (2, 16, 16, 3), (len(ds), images.shape)
+assert len(ds) == 3 and images.shape == (3, 16, 16, 3), (len(ds), images.shape)
 print("decoded")
 """
 
@@ -88,3 +93,4 @@ def test_a_private_image_near_the_decompression_bomb_limit_is_decoded_without_it
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "decoded" in done.stdout, done.stderr[-2000:]
     assert "2304" not in done.stdout + done.stderr and "pixels" not in done.stderr, done.stderr[-2000:]
+    assert "Palette" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]

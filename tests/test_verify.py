@@ -327,3 +327,21 @@ def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, va
     assert cli.main(["verify"]) == 3
     assert "checkpoint.pt is missing" in capsys.readouterr().err
     assert not (in_tmp / artifact("verification")).exists()
+
+
+def test_a_run_whose_examples_were_released_without_dp_is_registered_not_private(project, in_tmp):
+    """verify registers the model before the report runs (and without it, when stages are run by hand):
+    a twin trained without DP on the examples, recorded in the budget, makes it NOT PRIVATE there too,
+    with composed ε = ∞; the same run without that record is registered private."""
+    import mlflow
+
+    from pipeline.privacy import budget
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    assert cli.main(["verify"]) == 0
+    budget.record_outside_dp("earlier-set", np.zeros(1 << budget.SKETCH_BITS, dtype=bool), "twin",
+                             "a training without DP on them")
+    assert cli.main(["verify"]) == 0
+    first, second = sorted(client.search_model_versions("name='dpfm-mae'"), key=lambda v: int(v.version))
+    assert first.tags["private"] == "true" and float(first.tags["epsilon"]) < float("inf")
+    assert second.tags["private"] == "false" and second.tags["epsilon"] == "inf"

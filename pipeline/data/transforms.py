@@ -14,11 +14,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-# Pillow warns of a possible decompression bomb with the image's exact pixel count (above 89M pixels;
-# above twice that it raises, and the read is handled as unreadable). Of a private image that count
-# would reach stderr and the stage's log: a fact about one example, so the warning is not shown. The
-# filter is process-wide, not a catch_warnings per call, which threads would race on.
+# Pillow's warnings are about one image: a possible decompression bomb with its exact pixel count
+# (above 89M pixels; above twice that it raises, and the read is handled as unreadable), a palette with
+# byte transparency, a TIFF tag past the end of the file and its number. Of a private image each would
+# reach stderr and the stage's log, a fact about one example, so none is shown. The filters are
+# process-wide, not a catch_warnings per call, which threads would race on.
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+warnings.filterwarnings("ignore", module=r"PIL\.")
 
 MEAN = torch.tensor([0.485, 0.456, 0.406])
 STD = torch.tensor([0.229, 0.224, 0.225])

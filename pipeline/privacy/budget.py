@@ -145,10 +145,23 @@ def key_fingerprint(key: int) -> str:
 def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int) -> None:
     """Charge run `run`'s planned mechanism, drawn with secret `key`, to the examples `identity`
     (once per run and key; fsynced before training)."""
+    _append(identity, sketch, {"run": run, "key": key_fingerprint(key), "set": identity, "objective": plan.objective,
+                               "sigma": plan.sigma, "sample_rate": plan.sample_rate, "steps": plan.steps,
+                               "delta": plan.delta, "n": plan.n, "adjacency": plan.adjacency}, same=("run", "key"))
+
+
+def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str) -> None:
+    """Charge a release of the examples `identity` made without DP (a training without noise on them,
+    a count of them published as it is, a noise key that is known): every composition that counts it
+    is ε = ∞, in this run and in every later one, whatever their own flags (once per run and reason;
+    fsynced before the release)."""
+    _append(identity, sketch, {"run": run, "set": identity, "outside_dp": why}, same=("run", "outside_dp"))
+
+
+def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...]) -> None:
+    """Append `entry` to the budget unless an entry agrees with it on `same` (a resume)."""
     _save_sketch(identity, sketch)
-    entry = {"run": run, "key": key_fingerprint(key), "set": identity, "objective": plan.objective, "sigma": plan.sigma,
-             "sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta, "n": plan.n,
-             "adjacency": plan.adjacency, "recorded": int(time.time())}  # whole seconds: a fixed width
+    entry["recorded"] = int(time.time())  # whole seconds: a fixed width
     BUDGET_DIR.mkdir(parents=True, exist_ok=True)
     with open(BUDGET_DIR / "runs.jsonl", "a+") as f:
         try:  # the check and the append as one: a run started twice at once is charged once
@@ -157,7 +170,7 @@ def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int) ->
             pass
         drop_torn_tail(BUDGET_DIR / "runs.jsonl")  # a charge cut by a kill: its run had not started
         f.seek(0)
-        if any(e["run"] == run and e.get("key") == entry["key"] for e in _parse(f.read())):
+        if any(all(e.get(k) == entry[k] for k in same) for e in _parse(f.read())):
             return  # a resume: the same batches and noise (an entry from before keys were recorded charges again)
         f.write(json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
@@ -239,7 +252,7 @@ def composition(ledger: dict, delta: float) -> dict:
 
 
 def overlap_composition(ledger: dict, delta: float, published: dict | None = None) -> dict:
-    """The owner's composition: ε of the DP runs charged to examples this run trained on (`runs`).
+    """The owner's composition: ε of the runs charged to examples this run trained on (`runs`).
     `published` (this ledger's `composition`) is reused when those are every run charged: one set."""
     entries = runs(ledger["data_identity"]) if "data_identity" in ledger else []
     if published is not None and len(entries) == len(_entries()):
@@ -255,10 +268,14 @@ def keep_overlap_composition(ledger: dict, delta: float, published: dict | None 
 
 
 def _composed(ledger: dict, entries: list[dict], delta: float) -> dict:
+    """`epsilon`: ε = ∞ once any entry released the examples without DP; `epsilon_dp_runs`: the DP runs'."""
     plan = Plan.from_header(ledger)
+    outside = sorted({e["outside_dp"] for e in entries if "outside_dp" in e})
+    entries = [e for e in entries if "outside_dp" not in e]
     if not any(e["run"] == ledger.get("run") for e in entries):
         entries.append({"run": ledger.get("run"), "objective": plan.objective, "sigma": plan.sigma,
                         "sample_rate": plan.sample_rate, "steps": plan.steps})
-    return {"epsilon": composed_epsilon(entries, delta, plan.adjacency), "runs": len(entries),
-            "adjacency": plan.adjacency, "data_identity": ledger.get("data_identity"),
+    dp_runs = composed_epsilon(entries, delta, plan.adjacency)
+    return {"epsilon": math.inf if outside else dp_runs, "epsilon_dp_runs": dp_runs, "outside_dp": outside,
+            "runs": len(entries), "adjacency": plan.adjacency, "data_identity": ledger.get("data_identity"),
             "by_run": [{k: e[k] for k in ("run", "objective", "sigma", "sample_rate", "steps")} for e in entries]}

@@ -45,12 +45,16 @@ def check_noise_seed(dp: dict, privacy: dict) -> None:
                            "NOT PRIVATE, never registered as private)"], source="privacy")
 
 
-def not_private_reasons(params: dict, stats: dict) -> list[str]:
-    """Why this run's outputs, as a whole, are not covered by its ε (empty when they are)."""
+def not_private_reasons(params: dict, stats: dict, composition: dict | None = None) -> list[str]:
+    """Why this run's outputs, as a whole, are not covered by its ε (empty when they are). `composition`
+    (budget.composition): the releases outside DP that the budget records, this run's or earlier ones'."""
     reasons = []
+    if composition and composition.get("outside_dp"):
+        reasons.append("data/budget records releases of its examples made without DP, here or in an earlier run ("
+                       + "; ".join(composition["outside_dp"]) + "): every ε composed over it is ∞")
     if params["privacy"]["testing"] or params["dp"]["noise_seed"] is not None:
         reasons.append("a test run (privacy.testing; a known dp.noise_seed voids the noise)")
-    if any(math.isinf(e) for e in params["curve"]["epsilons"]):
+    if any(math.isinf(e) for e in params.get("curve", {}).get("epsilons", [])):  # verify's params have no curve
         reasons.append("the curve's ε = ∞ point trains without DP on the private shards")
     if params["dp"]["nonprivate_baseline"]:
         reasons.append("dp.nonprivate_baseline trains without DP on the private shards")

@@ -194,6 +194,7 @@ def train_private(params: dict, trainer: "Trainer", ctx):
             # Charged to the examples' budget before the first step (composition across runs), once per key.
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
             budget.record(data_id, sketch, work.name, trainer.plan, key)
+            record_outside_dp(params, work.name, data_id, sketch)
         key = broadcast_int(key, world)
         model, counters, history = trainer.train(key, work, ctx, private=True)
     record, plan = None, trainer.plan  # the ledger's, on a resume
@@ -207,6 +208,18 @@ def train_private(params: dict, trainer: "Trainer", ctx):
         owner.write(owner.run_record(work.name), {"batch_sizes": trainer.ledger.to_dict()["batch_sizes"],
                                                  "nonfinite_examples": counters["nonfinite"]})
     return model, counters, record
+
+
+def record_outside_dp(params: dict, run: str, data_id: str, sketch) -> None:
+    """What this DP run releases without DP, charged to the budget before it is released: later runs on
+    these examples compose to ∞ too, whatever their own flags (budget.record_outside_dp)."""
+    if params["dp"]["noise_seed"] is not None:
+        budget.record_outside_dp(data_id, sketch, run, "a known noise key (dp.noise_seed)")
+    if params["dp"]["log_private_stats"]:
+        budget.record_outside_dp(data_id, sketch, run, "dp.log_private_stats published a count without noise")
+    if read_json(artifact("shards") / "stats.json").get("eval_from_private"):  # the held-out loss reads it
+        eval_id, eval_sketch = budget.examples_identity(artifact("shards") / "eval")
+        budget.record_outside_dp(eval_id, eval_sketch, run, "the eval split carved out of the source (shards.eval_fraction)")
 
 
 def nonprivate_params(params: dict) -> dict:
@@ -224,6 +237,9 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
                    trainer.world, trainer.device, trainer.source)
     work = work_dir(p, trainer) / "nonprivate"
     with one_process(work, trainer.world):
+        if trainer.world.is_main:  # charged before its first step, as a DP run is
+            data_id, sketch = budget.examples_identity(artifact("shards") / "private")
+            budget.record_outside_dp(data_id, sketch, work.parent.name + "-nonprivate", "a training without DP on them")
         return twin.train(params["run"]["seed"], work, ctx, private=False)[0]
 
 

@@ -79,8 +79,8 @@ def final_privacy(params: dict, ledger: dict, ver: dict, stats: dict) -> dict:
     DP (privacy/release.py), composed ε = ∞ with the reasons."""
     c = budget.composition(ledger, ver["delta"])
     budget.keep_overlap_composition(ledger, ver["delta"], c)  # the owner's, as fresh as the published one
-    reasons = release.not_private_reasons(params, stats)
-    return {"epsilon_run": ver["epsilon_reported"], "epsilon_dp_runs": c["epsilon"],
+    reasons = release.not_private_reasons(params, stats, c)
+    return {"epsilon_run": ver["epsilon_reported"], "epsilon_dp_runs": c["epsilon_dp_runs"],
             "epsilon_composed": math.inf if reasons else c["epsilon"], "private": not reasons,
             "not_private": reasons, "runs": c["runs"], "objectives": [r["objective"] for r in c["by_run"]],
             "delta": ver["delta"], "accountant": ver["accountant"]}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.errors import VerificationFailed
 from pipeline.io import write_json
-from pipeline.privacy import budget, owner
+from pipeline.privacy import budget, owner, release
 from pipeline.privacy.run_checks import load_run, owner_record, verify
 
 
@@ -50,7 +50,7 @@ def run(params: dict, ctx) -> None:
     if c["runs"] > 1:
         # Which runs share examples with this one is the owner's to know: the tighter figure is theirs.
         tighter = budget.keep_overlap_composition(ledger, result["delta"], c)
-        print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {c['epsilon']:.3f} at δ = "
+        print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {c['epsilon_dp_runs']:.3f} at δ = "
               f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f}; over only the runs that "
               f"share examples with it, for the data owner: {tighter})")
     # epsilon_composed goes to MLflow and the registry from the report, after the curve's and the
@@ -63,4 +63,10 @@ def run(params: dict, ctx) -> None:
         print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
         ctx.tracker.set_tags({"dpfm.private": "false"})
         return
-    ctx.tracker.log_dp_model(dp_dir / "checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"])
+    # Registered as private only when nothing the run (or the budget) records left DP: the report,
+    # which knows the curve and the eval split too, tags it again (tracking.tag_dp_models).
+    reasons = release.not_private_reasons(params, {}, c)
+    for reason in reasons:
+        print(f"verify: NOT PRIVATE as a whole: {reason}")
+    ctx.tracker.log_dp_model(dp_dir / "checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"],
+                             private=not reasons)
