@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="dvc.yaml")
     p.set_defaults(func=_export_dvc)
 
+    p = sub.add_parser("owner-composition", help="the data owner's composed ε: the runs on sets sharing examples",
+                       description="Compose only the DP runs charged to examples the run of LEDGER trained on, "
+                                   "into .dpfm/owner/composition.json (the data owner's: which sets share "
+                                   "examples is a fact about the private data, and so is how long this takes, "
+                                   "so no stage computes it).")
+    p.add_argument("--ledger", default="models/dp/ledger.json", help="a run's published ledger")
+    p.set_defaults(func=_owner_composition)
+
     p = sub.add_parser("stages", help="print the stage table")
     p.set_defaults(func=_print_stages)
 
@@ -147,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_audit_command(sub)
     return parser
+
+
+def _owner_composition(args) -> int:
+    from pipeline.io import read_json
+    from pipeline.privacy import budget
+
+    ledger = read_json(args.ledger)
+    print(f"owner-composition: written to {budget.keep_overlap_composition(ledger, ledger['delta'])}")
+    return 0
 
 
 def _export_dvc(args) -> int:

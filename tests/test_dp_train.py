@@ -152,7 +152,7 @@ COMPILE = "dp.compile=true"
                               "mae-weight-average", "caption-weight-average", "clip-weight-average", "mae-frozen",
                               "caption-frozen", "clip-frozen", "mae-compiled", "caption-compiled", "clip-compiled",
                               "clip-public-compiled"])
-def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name, more):
+def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, monkeypatch, name, more):
     """The real stage under torchrun with the same secret key: each example enters the sum once and
     the noise is added once, so the update (weights after - before) is one process's. Plain SGD keeps
     the update linear in the gradient; σ is small enough that the noise does not drown the signal.
@@ -163,8 +163,15 @@ def test_two_gloo_processes_give_the_one_process_update(data_dir, tmp_path, name
     come from compiled_records.py) gives the same update, Poisson-sized micro-batches included."""
     sets = [f"dp.objective={name}", "dp.sigma=0.3", "dp.epsilon=100", "dp.optimizer=sgd", "dp.lr=0.05", *more]
     one, two = project(data_dir, tmp_path / "one"), project(data_dir, tmp_path / "two")
+    shared = tmp_path / "shared-cache"  # where Inductor would cache (its default: a world-readable /tmp)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
     ref_ledger, ref = train(one, sets)
     torchrun(two, "dp-train", sets)
+    if COMPILE in more:  # a traced micro-batch's size stays in the run's owner-only state
+        assert not any(shared.rglob("*")), sorted(shared.rglob("*"))[:5]
+        for work in (one, two):
+            [cache] = (work / ".dpfm/state").glob("dp-train-*/compile-cache")
+            assert cache.stat().st_mode & 0o077 == 0 and any(cache.rglob("*.py"))
     got = checkpoints.load(two / "models/dp/checkpoint.pt")
     # At 2 ranks too, the published ledger holds no private statistic; rank 0 keeps them owner-only.
     published = json.loads((two / "models/dp/ledger.json").read_text())

@@ -7,6 +7,7 @@ Local files and fsspec's in-memory filesystem only; http(s) is tested in test_so
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -140,6 +141,26 @@ def test_duplicate_keys_keep_the_first_copy_within_and_across_shards(tmp_path):
     assert ds.index["key"] == ["a", "b", "c"]
     assert [ds.caption(i) for i in range(3)] == ["a photo"] * 3  # the first copies
     assert excluded(stats) == {"duplicate_key": 2}
+
+
+def test_the_same_image_and_caption_under_another_key_is_one_example(tmp_path):
+    """Two shards of one crawl can hold an example twice under two keys. Kept twice, a step sampling both
+    would add up to 2C of one example against a charge for C: the first copy stays, the other is
+    excluded, so n and the budget's count (by content) agree; a copy with another caption is another
+    example."""
+    from pipeline.privacy import budget
+
+    rng = np.random.default_rng(4)
+    a, b = good("a", rng), good("b", rng)
+    again = [(name.replace("a.", "z."), data) for name, data in a]  # a's bytes, key z
+    recaptioned = [(name.replace("b.", "y."), b"another caption" if name.endswith(".txt") else data) for name, data in b]
+    raw_tar(tmp_path / "1.tar", a + b)
+    raw_tar(tmp_path / "2.tar", again + recaptioned + good("c", rng))
+    stats, ds = index([tmp_path / "1.tar", tmp_path / "2.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "b", "y", "c"] and excluded(stats) == {"duplicate_content": 1}
+    with contextlib.chdir(tmp_path):
+        identity_n = budget.examples_identity(tmp_path / "out" / "private")
+    assert stats["private"]["usable"] == len(ds) == 4 and identity_n[1].sum() == 4  # one sketch bit per example
 
 
 def test_duplicate_check_keeps_a_later_copy_when_the_first_is_unusable():

@@ -345,3 +345,24 @@ def test_a_run_whose_examples_were_released_without_dp_is_registered_not_private
     first, second = sorted(client.search_model_versions("name='dpfm-mae'"), key=lambda v: int(v.version))
     assert first.tags["private"] == "true" and float(first.tags["epsilon"]) < float("inf")
     assert second.tags["private"] == "false" and second.tags["epsilon"] == "inf"
+
+
+def test_verify_composes_every_run_without_reading_which_sets_overlap(project, in_tmp, valid_replace_one, monkeypatch):
+    """How long composing only the overlapping runs takes follows which sets share examples, and verify's
+    wall time is published: it composes every run charged and leaves the owner's figure to
+    `dpfm owner-composition` (tests/test_report.py)."""
+    from pipeline.privacy import budget
+    from pipeline.privacy.plan import Plan
+
+    sketch = np.zeros(1 << budget.SKETCH_BITS, dtype=bool)
+    for key, run in enumerate(("earlier", "r1")):
+        budget.record("set-a", sketch, run, Plan.from_header(valid_replace_one), key)
+    ledger = read_json("models/dp/ledger.json")
+    write_json("models/dp/ledger.json", {**ledger, "data_identity": "set-a"})
+
+    def overlaps(*args, **kw):
+        raise AssertionError("verify read which sets share examples")
+
+    monkeypatch.setattr(budget, "_load_sketch", overlaps)
+    assert cli.main(["verify"]) == 0
+    assert read_json(in_tmp / artifact("verification"))["composition"]["runs"] == 2

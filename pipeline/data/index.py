@@ -42,7 +42,7 @@ VERSION = 2
 SCAN_VERSION = 2  # bump when the scan's verdicts or columns change, so cached scans are redone
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "tif", "tiff", "gif"})
 STATUSES = ("ok", "truncated", "missing_image", "corrupt_image", "missing_caption", "bad_caption",
-            "duplicate_key")
+            "duplicate_key", "duplicate_content")
 
 SCHEMA = pa.schema([
     ("key", pa.string()), ("shard", pa.string()), ("shard_id", pa.int32()), ("image_ext", pa.string()),
@@ -400,10 +400,11 @@ def _split_hash(hashes: np.ndarray, seed: int) -> np.ndarray:
 
 
 def duplicate_mask(hashes: np.ndarray, usable: np.ndarray) -> np.ndarray:
-    """True for every usable row whose key hash equals an earlier usable row's (the first is kept).
+    """True for every usable row whose hash (of its key, or of its content) equals an earlier usable
+    row's (the first is kept).
 
-    64-bit hashes: a collision between different keys (~n²/2⁶⁵) only drops one more example, and
-    the n counted is still what training reads.
+    64-bit hashes: a collision between different keys or contents (~n²/2⁶⁵) only drops one more
+    example, and the n counted is still what training reads.
     """
     dup = np.zeros(len(hashes), dtype=bool)
     idx = np.flatnonzero(usable)
@@ -415,7 +416,8 @@ def duplicate_mask(hashes: np.ndarray, usable: np.ndarray) -> np.ndarray:
 
 def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, seed: int, cache_dir: str | Path,
                 workers: int, check_size: int) -> dict:
-    """Scan the shards, drop duplicate keys, split by key hash and write `<out>/{private,eval}/index.parquet`.
+    """Scan the shards, drop duplicate keys and contents, split by key hash and write
+    `<out>/{private,eval}/index.parquet`.
 
     The split is a public function of (seed, key): stable when shards are added, and a key never
     lands on both sides. Returns the stats for stats.json.
@@ -440,14 +442,19 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     owner.note("shards", f"{sum(info['cached'] for _, info in good)} of {len(urls)} shard scans found in the cache")
     print(f"shards: any shard skipped or damaged is listed for the data owner only: {owner.OWNER_DIR}/shards.log")
 
-    hashes, usable = [], []
-    for piece, _ in good:
-        t = pq.read_table(piece, columns=["key_hash", "status"])
-        hashes.append(t.column("key_hash").to_numpy())
-        usable.append(pc.equal(t.column("status"), "ok").to_numpy(zero_copy_only=False))
-    hashes = np.concatenate(hashes)
-    dup = duplicate_mask(hashes, np.concatenate(usable))
+    usable = np.concatenate([pc.equal(pq.read_table(p, columns=["status"]).column("status"), "ok")
+                             .to_numpy(zero_copy_only=False) for p, _ in good])
+    hashes = np.concatenate([pq.read_table(p, columns=["key_hash"]).column("key_hash").to_numpy() for p, _ in good])
+    dup = duplicate_mask(hashes, usable)
     to_eval = _split_hash(hashes, seed) < np.uint64(int(eval_fraction * 2**53))
+    del hashes  # one column of n digits at a time
+    # The same image and caption under another key (two shards of one crawl) is the same example: kept
+    # twice, a step that sampled both would add up to 2C of it against a charge for C, and the budget
+    # counts examples by content.
+    contents = np.concatenate([pq.read_table(p, columns=["content_hash"]).column("content_hash").fill_null(0)
+                               .to_numpy() for p, _ in good])
+    same_content = duplicate_mask(contents, usable & ~dup)
+    del contents
 
     shards = [{"url": info["url"], "size": info["size"]} for _, info in good]
     counts = {s: dict.fromkeys(STATUSES, 0) for s in ("private", "eval")}
@@ -458,7 +465,8 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
         for shard_id, (piece, _) in enumerate(good):
             t = pq.read_table(piece)
             stop = start + len(t)
-            status = pc.if_else(pa.array(dup[start:stop]), "duplicate_key", t.column("status"))
+            status = pc.if_else(pa.array(dup[start:stop]), "duplicate_key",
+                                pc.if_else(pa.array(same_content[start:stop]), "duplicate_content", t.column("status")))
             t = t.set_column(t.schema.get_field_index("status"), "status", status)
             t = t.set_column(t.schema.get_field_index("shard_id"), "shard_id",
                              pa.array(np.full(len(t), shard_id, np.int32)))

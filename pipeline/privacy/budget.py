@@ -251,20 +251,19 @@ def composition(ledger: dict, delta: float) -> dict:
     return _composed(ledger, _entries(), delta)
 
 
-def overlap_composition(ledger: dict, delta: float, published: dict | None = None) -> dict:
-    """The owner's composition: ε of the runs charged to examples this run trained on (`runs`).
-    `published` (this ledger's `composition`) is reused when those are every run charged: one set."""
+def overlap_composition(ledger: dict, delta: float) -> dict:
+    """The owner's composition: ε of the runs charged to examples this run trained on (`runs`)."""
     entries = runs(ledger["data_identity"]) if "data_identity" in ledger else []
-    if published is not None and len(entries) == len(_entries()):
-        return published
     return _composed(ledger, entries, delta)
 
 
-def keep_overlap_composition(ledger: dict, delta: float, published: dict | None = None) -> Path:
-    """Write the owner's composition to their zone, where no stage publishes from; returns where."""
+def keep_overlap_composition(ledger: dict, delta: float) -> Path:
+    """Write the owner's composition to their zone; returns where. Only `dpfm owner-composition` does:
+    how long it takes follows which sets share examples (the runs it composes), so no stage, whose
+    wall time is published, computes it."""
     from pipeline.privacy import owner
 
-    return owner.write("composition", overlap_composition(ledger, delta, published))
+    return owner.write("composition", overlap_composition(ledger, delta))
 
 
 def _composed(ledger: dict, entries: list[dict], delta: float) -> dict:

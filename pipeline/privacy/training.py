@@ -18,8 +18,9 @@ owner-only zone (owner.py); no rate is logged (it tracks the realised batch size
 from __future__ import annotations
 
 import math
+import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -243,6 +244,26 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
         return twin.train(params["run"]["seed"], work, ctx, private=False)[0]
 
 
+@contextmanager
+def compile_cache_in(directory):
+    """Inductor's and Triton's caches in `directory` (owner-only) while a model compiles and runs there:
+    a traced graph keeps its inputs' sizes (a Poisson-sized micro-batch's rows: a realised batch size),
+    and Inductor's default cache is a world-readable /tmp directory kept across runs."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    names = {"TORCHINDUCTOR_CACHE_DIR": directory / "inductor", "TRITON_CACHE_DIR": directory / "triton"}
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update({name: str(path) for name, path in names.items()})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def public_negative_tokens(tokenizer, mcfg) -> torch.Tensor:
     """clip-public's negatives, `model.public_negatives` public captions as token ids (K, max_len): every
     caption of the labelled sets (the captions of the domains dpfm ships, which an image must tell
@@ -360,10 +381,11 @@ class Trainer:
         # metrics carry one timestamp (MLflow's would otherwise time each step).
         stamp = int(time.time() * 1000)
         try:
-            run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
-                     step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
-                     log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s,
-                                                              timestamp=stamp), world=world, timed=False)
+            with compile_cache_in(work / "compile-cache") if dp["compile"] else nullcontext():
+                run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
+                         step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
+                         log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s,
+                                                                  timestamp=stamp), world=world, timed=False)
         finally:
             stream.close()
         if state.average is not None:

@@ -78,7 +78,6 @@ def final_privacy(params: dict, ledger: dict, ver: dict, stats: dict) -> dict:
     (recomputed now, after the curve's and the seeds' trainings), and, when something ran outside
     DP (privacy/release.py), composed ε = ∞ with the reasons."""
     c = budget.composition(ledger, ver["delta"])
-    budget.keep_overlap_composition(ledger, ver["delta"], c)  # the owner's, as fresh as the published one
     reasons = release.not_private_reasons(params, stats, c)
     return {"epsilon_run": ver["epsilon_reported"], "epsilon_dp_runs": c["epsilon_dp_runs"],
             "epsilon_composed": math.inf if reasons else c["epsilon"], "private": not reasons,

@@ -48,11 +48,11 @@ def run(params: dict, ctx) -> None:
              "; add/remove (the literature's): " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon_add_remove"].items())))
     c = result["composition"]
     if c["runs"] > 1:
-        # Which runs share examples with this one is the owner's to know: the tighter figure is theirs.
-        tighter = budget.keep_overlap_composition(ledger, result["delta"], c)
+        # Which runs share examples with this one is the owner's to know: the tighter figure is theirs,
+        # computed on request (its time follows the overlaps; this stage's time is published).
         print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {c['epsilon_dp_runs']:.3f} at δ = "
               f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f}; over only the runs that "
-              f"share examples with it, for the data owner: {tighter})")
+              "share examples with it, for the data owner: `dpfm owner-composition`)")
     # epsilon_composed goes to MLflow and the registry from the report, after the curve's and the
     # seeds' DP trainings: here it would be stale.
     # What was checked goes with the run: the mechanism (not the per-step batch sizes, which depend on
