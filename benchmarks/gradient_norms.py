@@ -207,7 +207,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['objective']:<9} {str(r['norm_quantiles']):<44} {str(r['encoder_norm_quantiles']):<36} "
               f"{r['encoder_share_of_sq_norm_median']:.3f} (median)")
-    print(f"\none step of B examples at σ: ‖E clip_C(g)‖ against the noise's norm σ·C·√d/B")
+    print("\none step of B examples at σ: ‖E clip_C(g)‖ against the noise's norm σ·C·√d/B")
     for r in rows:
         for part, v in r["step_signal"].items():
             print(f"{r['objective']:<9} {part:<18} B={r['batch']} T={r['steps']} σ={r['sigma']:.3f} d={v['parameters']:,}: "

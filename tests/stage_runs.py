@@ -73,7 +73,7 @@ def charged_runs(workdir) -> list[dict]:
     from pipeline.privacy import budget
 
     with inside(workdir):
-        return budget.runs(budget.examples_identity("data/shards/private")[0])
+        return [e for e in budget.runs(budget.examples_identity("data/shards/private")[0]) if "outside_dp" not in e]
 
 
 def torchrun(workdir, name, overrides=(), check=True) -> subprocess.CompletedProcess:

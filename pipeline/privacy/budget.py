@@ -195,8 +195,9 @@ def _parse(text: str) -> list[dict]:
 
 
 def runs(identity: str) -> list[dict]:
-    """The DP runs that touched any example of set `identity`: on the same set, or on a set whose
-    sketch shares a bit with its sketch (a set without a sketch on record counts as overlapping)."""
+    """The entries (DP runs, and releases outside DP) that touched any example of set `identity`: on the
+    same set, or on a set whose sketch shares a bit with its sketch (a set without a sketch on record
+    counts as overlapping)."""
     mine = _load_sketch(identity)
     overlaps: dict[str, bool] = {identity: True}
     out = []
