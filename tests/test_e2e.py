@@ -101,15 +101,15 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(finished_run):
     assert parent.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in parent.data.params
     assert {"epsilon", "delta", "sigma", "linear_probe"} <= set(parent.data.metrics)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"params.yaml", "report"}
-    # The verified DP encoder is logged and registered with its ε and δ; training stages on public data
-    # record system metrics, those on private data do not (they follow the sampled examples).
+    # The verified DP encoder is logged and registered with its ε and δ; no stage records system metrics
+    # (MLflow samples the whole machine, where a job on the private shards may run beside it).
     [version] = client.search_model_versions("name='dpfm-mae'")
     assert float(version.tags["epsilon_run"]) == pytest.approx(parent.data.metrics["epsilon"], rel=1e-3)
     assert version.tags["epsilon"] == "inf" and version.tags["private"] == "false" and "delta" in version.tags
     dp = next(r for r in children if r.data.tags["dpfm.stage"] == "dp-train")
     pretrain = next(r for r in children if r.data.tags["dpfm.stage"] == "pretrain")
-    assert any(k.startswith("system/") for k in pretrain.data.metrics), sorted(pretrain.data.metrics)
-    assert not any(k.startswith("system/") for k in dp.data.metrics), sorted(dp.data.metrics)
+    for run in (pretrain, dp):
+        assert not any(k.startswith("system/") for k in run.data.metrics), sorted(run.data.metrics)
     assert dp.data.params["dp.epsilon"] == "8.0" and "dp.noise_seed" not in dp.data.params
     assert dp.data.metrics["epsilon"] <= 8.0
     # The input hashes tagged on each stage are the ones DVC recorded for the producing stage; the

@@ -215,7 +215,9 @@ def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_re
     """ε at δ of the runs' mechanisms applied one after another to the same data, for `adjacency`
     neighbours: PLD composition of Poisson-subsampled Gaussians (σ relative to the sensitivity), its
     discretisation halved until stable to 0.1%, and (add/remove) never above dp_accounting's RDP
-    bound of the same composition."""
+    bound of the same composition; ∞ when any entry released the examples without DP."""
+    if any("outside_dp" in e for e in entries):
+        return math.inf
     if len(entries) == 1:
         e = entries[0]
         return accounting.epsilon(e["sigma"], e["sample_rate"], e["steps"], delta, adjacency=adjacency)
