@@ -117,9 +117,10 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
     assert ledger["steps"] == 6  # the baseline is not charged to the private ledger
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
 def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_private(data_dir, tmp_path,
-                                                                                      objective_name):
+                                                                                      objective_name, ranks):
     """The twin's release stays made when the flag is turned off: the run resumes (the same finished
     run), and its composition, read from the budget, is ∞ with the twin named, whatever the params now say."""
     from pipeline.privacy import budget, release
@@ -127,7 +128,10 @@ def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_pr
     work = project(data_dir, tmp_path)
     clean = [f"dp.objective={objective_name}", "dp.noise_seed=null", "privacy.testing=false",
              "privacy.nonprivate_on_private_data=true"]
-    train(work, clean + ["dp.nonprivate_baseline=true"])
+    if ranks == 1:
+        train(work, clean + ["dp.nonprivate_baseline=true"])
+    else:
+        torchrun(work, "dp-train", clean + ["dp.nonprivate_baseline=true"])
     ledger, _ = train(work, clean)  # the flag off: resumed, nothing trained again
     with inside(work):
         c = budget.composition(ledger, ledger["delta"])
