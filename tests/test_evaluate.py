@@ -14,7 +14,7 @@ from pipeline.data.transforms import to_tensor
 from pipeline.errors import VerificationFailed
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
-from pipeline.eval.probe import SOLVERS, extract_features, probe_accuracy
+from pipeline.eval.probe import SOLVERS, extract_features, logreg_probe, probe_accuracy
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
 from pipeline.models import build_encoder, build_model
 from pipeline.stages import stage
@@ -114,6 +114,20 @@ def test_fewshot_logreg_reports_mean_and_std_over_repeats():
         assert len(r["runs"]) == 3
         assert r["mean"] == pytest.approx(np.mean(r["runs"])) and r["std"] == pytest.approx(np.std(r["runs"]))
     assert out["5"]["mean"] >= 0.95
+
+
+def test_fewshot_fits_one_per_core_keep_each_run_with_its_own_subset(monkeypatch):
+    """c="auto" cross-validates every fit, so they run in worker processes: each K's runs must still be the
+    fits of its own subsets, in order."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two workers, whatever this machine has
+    x, y = blobs(n_per_class=40, spread=2.5)
+    (train_x, train_y), (test_x, test_y) = (x[::2], y[::2]), (x[1::2], y[1::2])
+    out = fewshot_logreg(train_x, train_y, test_x, test_y, shots=[1, 3], repeats=3, c="auto", seed=0)
+    for k in (1, 3):
+        expected = [logreg_probe(train_x[s], train_y[s], "auto", 0).score(test_x, test_y)
+                    for s in kshot_subsets(train_y, k, 3, 0)]
+        assert out[str(k)]["runs"] == pytest.approx(expected)
+    assert out["1"]["runs"] != out["3"]["runs"]
 
 
 def colour_images(labels, rng, size=16):

@@ -13,7 +13,6 @@ optionally concatenated over the last k blocks. Probes:
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import numpy as np
@@ -85,12 +84,19 @@ def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", la
 AUTO_CS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 AUTO_FOLDS = 3
 # Independent logistic fits go one per core from this many training floats, where the fits outweigh
-# starting the workers: the 20 refits from 250k (a probe on 5,000 images: seconds; on 270 digits:
-# milliseconds), auto's 3 folds, which share a worker's start among fewer fits, from 2M (898 digits ×
-# 768 features: 5.3 s in workers against 4.1 s in turn; 5,000 × 768: 73 s against 243 s;
-# benchmarks/probe_speed.py).
-PARALLEL_FIT_FLOATS = 250_000
+# starting the workers (about 2 s, once per process: joblib keeps them for the next call): the 20
+# refits from 100k (269 digits × 768 features, `make run`'s probe: 2.2 s in turn, 1.4 s in two started
+# workers; 5,000 images: minutes), auto's 3 folds, which share a worker's start among fewer fits, from
+# 2M (898 digits × 768 features: 5.3 s in workers against 4.1 s in turn; 5,000 × 768: 73 s against
+# 243 s; benchmarks/probe_speed.py).
+PARALLEL_FIT_FLOATS = 100_000
 PARALLEL_FOLD_FLOATS = 2_000_000
+
+
+def fit_workers(fits: int) -> int:
+    """Processes for `fits` independent single-threaded logistic fits: one per thread the job was given
+    (torch's count, which the CLI sets from --threads, run.threads or SLURM's allocation), at most `fits`."""
+    return max(1, min(fits, torch.get_num_threads()))
 
 
 def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold_jobs: int | None = None):
@@ -102,7 +108,7 @@ def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold
     folds = min(AUTO_FOLDS, int(counts.min()) if len(counts) else 0)
     if c == "auto" and folds >= 2:
         if fold_jobs is None:
-            fold_jobs = min(folds, os.cpu_count() or 1) if np.size(train_x) >= PARALLEL_FOLD_FLOATS else 1
+            fold_jobs = fit_workers(folds) if np.size(train_x) >= PARALLEL_FOLD_FLOATS else 1
         model = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(folds, shuffle=True, random_state=seed),
                                      scoring="accuracy", max_iter=3000, random_state=seed, n_jobs=fold_jobs)
     else:
@@ -233,6 +239,17 @@ def with_chosen_c(x: np.ndarray, labels: np.ndarray, tr: np.ndarray, cfg: dict, 
     return cfg
 
 
+def probe_outcomes(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int = 0,
+                   device: str = "cpu") -> tuple[np.ndarray, np.ndarray | None]:
+    """linear_probe's outcomes and, with cfg["probe_refits"], refit_correct's, with `auto`'s C chosen
+    once on the probe-train part for both (choosing it inside each again gave the same C at the cost
+    of another cross-validation)."""
+    cfg = with_chosen_c(x, labels, split[0], cfg, seed)
+    correct = linear_probe(x, labels, split, cfg, seed, device)
+    fits = cfg["probe_refits"]
+    return correct, (refit_correct(x, labels, split, cfg, fits, seed, device) if fits else None)
+
+
 def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int, seed: int = 0,
                   device: str = "cpu") -> np.ndarray:
     """(fits, len(test part)): linear_probe's outcomes with the probe refit on `fits` bootstrap
@@ -246,7 +263,7 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
     # The logistic fits are independent, single-threaded and on the CPU: one per core. The torch
     # solvers share one device, so they run in turn.
     parallel = cfg["probe_solver"] == "logreg" and len(tr) * math.prod(x.shape[1:]) >= PARALLEL_FIT_FLOATS
-    jobs = min(fits, os.cpu_count() or 1) if parallel else 1
+    jobs = fit_workers(fits) if parallel else 1
     out = Parallel(n_jobs=jobs)(delayed(_refit)(x, labels, tr, te, cfg, r, seed, device) for r in range(fits))
     return np.stack(out) if out else np.empty((0, len(te)), bool)
 

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from pipeline.eval.evalsets import load_eval_set
-from pipeline.eval.probe import features, linear_probe, refit_correct
+from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
 from pipeline.privacy import release
@@ -45,9 +45,10 @@ def run(params: dict, ctx) -> None:
                     es = load_eval_set(ev["sets"][0], model.encoder.img_size)
                     split = es.split(ev["probe_fraction"], seed)
                 x = features(model.encoder, es.images, ev, ctx.device)
-                rows.append(linear_probe(x, es.labels, split, ev, seed + k, ctx.device))
-                if ev["probe_refits"]:  # the interval covers which images the probe is fit on, as evaluate's do
-                    refits.append(refit_correct(x, es.labels, split, ev, ev["probe_refits"], seed + k, ctx.device))
+                outcomes, refit = probe_outcomes(x, es.labels, split, ev, seed + k, ctx.device)  # evaluate's protocol
+                rows.append(outcomes)
+                if refit is not None:  # the interval covers which images the probe is fit on, as evaluate's does
+                    refits.append(refit)
                 spent.append(eps)
             correct = np.stack(rows)  # (seeds, test examples): the interval covers both (eval/stats.py)
             ci = accuracy_ci(correct, seed, refits=np.stack(refits) if refits else None)

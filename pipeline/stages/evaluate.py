@@ -39,7 +39,7 @@ from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
-from pipeline.eval.probe import features, linear_probe, refit_correct, with_chosen_c
+from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
@@ -131,11 +131,10 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
     results, correct, refits, zero = {}, {}, {}, {}
     for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
         x = features(cand.encoder, es.images, cfg, device)
-        probe_cfg = with_chosen_c(x, es.labels, tr, cfg, seed)  # auto's C chosen once, for the probe and its refits
-        correct.setdefault(cand.name, []).append(linear_probe(x, es.labels, (tr, te), probe_cfg, seed, device))
-        if cfg["probe_refits"]:
-            refits.setdefault(cand.name, []).append(refit_correct(x, es.labels, (tr, te), probe_cfg,
-                                                                  cfg["probe_refits"], seed, device))
+        outcomes, refit = probe_outcomes(x, es.labels, (tr, te), cfg, seed, device)
+        correct.setdefault(cand.name, []).append(outcomes)
+        if refit is not None:
+            refits.setdefault(cand.name, []).append(refit)
         if cfg["zero_shot"] and cand.text_model is not None:
             scores = class_scores(cand.text_model, cand.objective, images_te, es.prompts(), tokenize(cand), device)
             zero.setdefault(cand.name, []).append(scores.argmax(axis=1) == y_te)
