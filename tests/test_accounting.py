@@ -410,6 +410,28 @@ def test_replace_one_pld_matches_dp_accounting_directly():
     assert acc.epsilon(0.9, 0.05, 200, 1e-5, adjacency="replace_one") == pytest.approx(ref, rel=2e-3)
 
 
+def test_the_rdp_bounds_are_dp_accounting_composed_afresh_for_each_mechanism():
+    """The PLD's RDP safety net and the replace-one group bound read one cached composition per (σ, q, T):
+    each must equal dp_accounting composed afresh for its own mechanism, whatever was asked before it."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from pipeline.privacy.accountant_backends import _rdp_bound
+
+    def fresh(noise, q, steps, delta):
+        accountant = rdp_privacy_accountant.RdpAccountant()
+        accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(noise)), steps)
+        return accountant.get_epsilon(delta)
+
+    delta = 1e-4
+    for noise, q, steps in [(0.75, 0.1, 40), (0.75, 0.1, 80), (1.1, 0.1, 40), (0.75, 0.05, 40)]:
+        assert _rdp_bound(noise, q, steps, delta) == fresh(noise, q, steps, delta)
+        # Replace-one is (2ε, δ)-DP for an ε that the add/remove ε at δ / (1 + e^ε) does not exceed (an ε
+        # below that is no bound at all), and the least such ε is the fixed point: this one is at it.
+        eps = _rdp_bound(noise, q, steps, delta, "replace_one") / 2
+        at_eps = fresh(noise, q, steps, delta / (1 + math.exp(eps)))
+        assert at_eps <= eps and at_eps >= eps * (1 - 1e-6)
+
+
 def test_accountants_without_replace_one_are_refused_not_silently_used(capsys):
     with pytest.raises(ValueError, match="add/remove adjacency only"):
         acc.epsilon(1.0, 0.01, 100, 1e-5, accountant="rdp", adjacency="replace_one")
