@@ -235,6 +235,10 @@ class ClippedSum:
     def reset(self) -> None:
         self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
 
+    def unscaled(self, g: torch.Tensor) -> torch.Tensor:
+        """g in fp32 without the fp16 loss scale (no copy of an fp32 g without one: /1 was a pass over it)."""
+        return g.float() if self.loss_scale == 1 else g.float() / self.loss_scale
+
     def finish(self, batch_size: int) -> int:
         """After the ranks' sums are added up: per-example clippers are done (0 batches dropped)."""
         return 0
@@ -314,17 +318,14 @@ class BookKeepingClipper(ClippedSum):
         return None
 
     def _fp32(self, r: _Record) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The call's input and output gradient in fp32 (no copy when they already are; no fp16 loss
-        scale), made when a layer's turn comes: the records keep the forward's dtype, so under bf16
-        autocast the clipper never holds every layer in fp32 at once (1.2-1.6x the non-private
-        memory when it did). Upcasting is exact: the norms and sums are the same numbers. A Linear
-        layer's bf16 records on a GPU are handed over as they are: its rule's products are bf16 GEMMs
-        with fp32 results, exact products summed in fp32 (layer_rules.mm32), the same numbers again."""
+        """The call's input and output gradient in fp32 (`unscaled`), made in the layer's turn: the records keep
+        the forward's dtype, so under bf16 autocast the clipper never holds every layer in fp32 at once (1.2-1.6x
+        the non-private memory when it did). Upcasting is exact. On a GPU a Linear layer's bf16 records go as
+        they are: its products are bf16 GEMMs with fp32 results, exact products summed in fp32 (mm32)."""
         if r.rule.takes_low_precision and self.loss_scale == 1 and layer_rules.low_gemm_applies(r.grad, r.grad):
             return r.activation, r.grad
-        g = r.grad.float() if self.loss_scale == 1 else r.grad.float() / self.loss_scale
         a = r.activation
-        return (a.float() if a is not None and a.is_floating_point() else a), g
+        return (a.float() if a is not None and a.is_floating_point() else a), self.unscaled(r.grad)
 
     def _instantiate(self, r: _Record, per_module: dict) -> None:
         r.activation, r.grad = self._fp32(r)
@@ -431,7 +432,7 @@ class VmapClipper(ClippedSum):
             params, dict(self.model.named_buffers()), *per_example)
         device = next(iter(params.values())).device
         with fp32_only(device):
-            grads = {n: g.float() / self.loss_scale for n, g in grads.items()}
+            grads = {n: self.unscaled(g) for n, g in grads.items()}
             sq = torch.zeros(len(self.bounds), len(per_example[0]), dtype=torch.float32, device=device)
             for n, g in grads.items():
                 sq[self.group_of[id(self.params[n])]] += torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1).square()
@@ -465,7 +466,7 @@ class PerBatchClipper(ClippedSum):
         with fp32_only(losses.device):
             for n, g in zip(self.params, grads):
                 if g is not None:
-                    self.sum[n] += g.float() / self.loss_scale
+                    self.sum[n] += self.unscaled(g)
         return ClipStats([])
 
     def finish(self, batch_size: int) -> int:
@@ -495,5 +496,5 @@ class PlainSum(ClippedSum):
                                     allow_unused=True)
         for n, g in zip(self.params, grads):
             if g is not None:
-                self.sum[n] += g.float() / self.loss_scale
+                self.sum[n] += self.unscaled(g)
         return ClipStats([])
