@@ -1,7 +1,6 @@
 """Bootstrap intervals of pipeline/eval/stats.py: they cover the truth at their level, and a paired
 difference sees what two overlapping intervals cannot."""
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -160,19 +159,23 @@ def test_auto_c_refits_keep_the_c_chosen_on_the_whole_probe_train_part():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # LogisticRegressionCV announcing its 1.10 attributes
-def test_auto_c_folds_spread_over_cores_choose_what_folds_in_turn_choose():
-    """A large enough choice of C runs its folds in worker processes (one BLAS thread each): the
-    cross-validated accuracies, and so the C, are those of the folds fit one after another."""
+def test_auto_c_folds_spread_over_cores_choose_what_folds_in_turn_choose(monkeypatch):
+    """A large enough choice of C runs its folds in worker processes (one BLAS thread each, one per thread
+    the job was given): the cross-validated accuracies, and so the C, are those of the folds fit one after
+    another."""
+    import torch
     from threadpoolctl import threadpool_limits
 
     from pipeline.eval.probe import AUTO_FOLDS, PARALLEL_FOLD_FLOATS, logreg_estimator, logreg_probe
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a job given two threads, whatever ran before
 
     rng = np.random.default_rng(7)
     x = rng.normal(size=(2000, 1000)).astype(np.float32)
     y = (x[:, :20] @ rng.normal(size=20) + rng.normal(scale=2.0, size=len(x)) > 0).astype(int)
     assert x.size >= PARALLEL_FOLD_FLOATS
     spread = logreg_probe(x, y, "auto")[-1]
-    assert spread.n_jobs == min(AUTO_FOLDS, os.cpu_count())
+    assert spread.n_jobs == min(AUTO_FOLDS, 2)
     with threadpool_limits(1):
         in_turn = logreg_estimator(x, y, "auto", fold_jobs=1).fit(x, y)[-1]
     assert np.array_equal(spread.scores_[1], in_turn.scores_[1]) and spread.C_[0] == in_turn.C_[0]
