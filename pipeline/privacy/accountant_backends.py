@@ -164,12 +164,16 @@ def group_of_two(epsilon_at, delta: float, max_steps: int = 60) -> float:
         eps *= 2
         if eps >= 700:
             return math.inf
+    valid = eps
     for _ in range(max_steps):
         lower = f(eps)
+        if lower > eps:  # f not monotone to the last bit: keep the last ε checked
+            break
+        valid = eps
         if lower >= eps * (1 - 1e-12):
             break
         eps = lower
-    return eps
+    return valid
 
 
 @functools.lru_cache(maxsize=256)
