@@ -131,22 +131,30 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 class StageRun:
-    """What a stage logs to its MLflow child run."""
+    """What a stage logs to its MLflow child run.
 
-    def __init__(self, mlflow, run_id: str):
+    A stage on the private data stamps every metric with one time, its start: MLflow would otherwise
+    stamp each with the time of its call, and a stage that trains several times (the curve's points,
+    evaluate's extra seeds) would publish how long each training took, which follows the batch sizes
+    it sampled. The stage's wall time, from its run's start and end, stays visible."""
+
+    def __init__(self, mlflow, run_id: str, stamp: int | None = None):
         self._mlflow = mlflow
         self.run_id = run_id
+        self.stamp = stamp  # ms: every metric's timestamp, on private data; else the time of the call
 
     def log_metrics(self, metrics: dict, step: int | None = None, timestamp: int | None = None) -> None:
-        """`timestamp` (ms) in place of the time of the call, where the time between calls must not show."""
+        """`timestamp` (ms) in place of the time of the call, where the time between calls must not show
+        (a stage's own stamp, on private data, wins over it)."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
-        _retry(lambda: self._mlflow.log_metrics(clean, step=step, timestamp=timestamp))
+        at = self.stamp if self.stamp is not None else timestamp
+        _retry(lambda: self._mlflow.log_metrics(clean, step=step, timestamp=at))
 
     def log_series(self, name: str, values, steps) -> None:
         """A whole curve in one batched call (fewer SQLite writes than one call per point)."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = self.stamp if self.stamp is not None else int(time.time() * 1000)
         batch = [Metric(name, float(v), now, int(s)) for v, s in zip(values, steps)]
         client = self._mlflow.tracking.MlflowClient()
         for i in range(0, len(batch), 900):
@@ -265,7 +273,7 @@ def stage_run(stage, params: dict, experiment: str):
         flat = {k: v for k, v in flatten(params).items() if not k.endswith("noise_seed")}
         _retry(lambda: mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                                           for k, v in flat.items()}))
-        yield StageRun(mlflow, run.info.run_id)
+        yield StageRun(mlflow, run.info.run_id, run.info.start_time if stage.touches_private_data else None)
     except BaseException as e:
         status = "KILLED" if isinstance(e, (Stopped, KeyboardInterrupt)) else "FAILED"
         _retry(lambda: mlflow.end_run(status=status))

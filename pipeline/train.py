@@ -24,6 +24,7 @@ from pipeline.distributed import World, same_on_every_rank
 from pipeline.errors import RanksDisagree
 from pipeline.io import atomic_path, remove_stale_temps
 from pipeline.preemption import StopRequests, stop
+from pipeline.progress import untimed_bar
 
 STATE_ROOT = Path(".dpfm/state")
 
@@ -301,11 +302,10 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
                                 f"`.dpfm/` and `data/budget/`, on the file system the ranks share")
     t0, done, total, unsaved = time.time(), 0, schedule.steps, []
     with StopRequests() as requests:
-        # Untimed: no rate or time in the bar, and it redraws every hundredth of the run whatever the
-        # clock says (tqdm redraws by elapsed time by default, and its monitor thread after maxinterval).
-        bar = {} if timed else {"bar_format": "{l_bar}{bar}| {n_fmt}/{total_fmt} steps", "mininterval": 0,
-                                "maxinterval": math.inf, "miniters": max(1, (total - state.step) // 100)}
-        for step in tqdm(range(state.step, total), desc=desc, initial=state.step, total=total, unit="step", **bar):
+        steps = range(state.step, total)
+        bar = (tqdm(steps, desc=desc, initial=state.step, total=total, unit="step") if timed
+               else untimed_bar(total, desc, iterable=steps, initial=state.step, unit="steps"))
+        for step in bar:
             for group in state.optimizer.param_groups:
                 group["lr"] = lr_at(step, schedule.lr, schedule.warmup, total) * group.get("lr_scale", 1.0)
             metrics = step_fn(step)

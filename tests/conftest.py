@@ -65,3 +65,17 @@ def local_mlflow(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(None)
     yield
     mlflow.set_tracking_uri(None)  # tracking._mlflow sets it for the whole process (and its environment)
+
+
+@pytest.fixture
+def progress_clock(monkeypatch):
+    """The clock of every progress bar, moved by the test (`.advance(seconds)`) where the work would take
+    time: a bar's output measured against how long its pieces took, with no sleep."""
+    import types
+
+    import tqdm.std
+
+    clock = types.SimpleNamespace(now=1e6)
+    clock.advance = lambda s: setattr(clock, "now", clock.now + s)
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock.now)
+    return clock

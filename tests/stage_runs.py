@@ -20,7 +20,7 @@ from pipeline.data.tokenizer import Tokenizer
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.stages import stage
-from pipeline.tracking import NullRun
+from pipeline.tracking import NullRun, stage_run
 
 MICRO = [
     "shards.image_size=16", "tokenizer.vocab_size=128", "model.size=micro", "model.img_size=16",
@@ -32,10 +32,13 @@ MICRO = [
 ]
 
 
-def run_in_process(name, overrides):
+def run_in_process(name, overrides, tracked: bool = False):
+    """The stage in this process; `tracked`: in its MLflow run (the store of the working directory), as
+    the `dpfm` command runs it."""
     st = stage(name)
     params = sections_of(load_params("params.yaml", overrides), st.sections)
-    runner(name)(params, StageContext(st, NullRun(), 1, "cpu"))
+    with (stage_run(st, params, "dpfm") if tracked else contextlib.nullcontext(NullRun())) as tracker:
+        runner(name)(params, StageContext(st, tracker, 1, "cpu"))
 
 
 def project(data_dir, tmp_path) -> Path:

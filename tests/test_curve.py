@@ -72,6 +72,23 @@ def test_each_seed_is_its_own_dp_training(data_dir, tmp_path):
     assert len(runs) == 2 and len({r["run"] for r in runs}) == 2  # two identities, both charged
 
 
+def test_every_metric_of_the_curve_carries_the_stages_one_timestamp(data_dir, tmp_path, local_mlflow):
+    """Measured in MLflow's store: two DP trainings in one stage, each logging per step, then each
+    point's probe. With the time of each call, or a stamp per training, the timestamps would split the
+    stage's wall time into how long each training took (which follows the batch sizes it sampled)."""
+    import mlflow
+
+    work = project(data_dir, tmp_path)
+    with inside(work):
+        run_in_process("curve", ["curve.inits=[random]", "curve.epsilons=[2, 4]", "dp.eval_every=1"], tracked=True)
+    client = mlflow.tracking.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id])
+    history = {k: client.get_metric_history(run.info.run_id, k) for k in run.data.metrics}
+    assert {"heldout_loss", "curve.random.eps_2.linear_probe", "curve.random.eps_4.linear_probe"} <= set(history)
+    assert len(history["heldout_loss"]) > 4  # per step, from both trainings
+    assert {m.timestamp for ms in history.values() for m in ms} == {run.info.start_time}
+
+
 def test_no_epsilons_writes_an_empty_curve(data_dir, tmp_path):
     work = project(data_dir, tmp_path)
     assert run_curve(work, ["curve.epsilons=[]"])["points"] == []

@@ -150,6 +150,7 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys):
     # Its progress names no count: the rows less the usable (published) count is how many failed.
     printed = "".join(capsys.readouterr())
     assert "download" in printed and "100%" in printed
+    printed = re.sub(r"\d+%", "", printed)  # the shares: every whole percent, whatever the total (below)
     assert not [c for c in ("17", "11", "6") if re.search(rf"(?<![\d.]){c}(?![\d])", printed)], printed
     assert server.requests["/flaky/img1.png"] == 2      # a 503 is retried...
     assert server.requests["/missing1.png"] == 1        # ...a 404 is not
@@ -171,6 +172,38 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys):
     assert stats3["download"]["reused_shards"] == 2 and stats3["download"]["written"] == 11
     assert server.requests["/img6.png"] == 2 and server.requests["/img0.png"] == 1
     assert not list(out.glob(".*.tmp"))  # writes are atomic: no temporary files left
+
+
+def test_what_a_download_prints_does_not_depend_on_which_rows_stall_or_fail(tmp_path, capsys, monkeypatch,
+                                                                            progress_clock):
+    """Measured: a 40-row table downloaded twice, once with every row answering at once and once with
+    one row stalling 30 s before it times out (as a dead host does) and another slow but fine, and a
+    23-row table. What is printed is the same text: the share, every whole percent, no count, no time,
+    no redraw the clock decides. It fails with a bar that shows elapsed time (the stall shows as an
+    extra line where it happened) and with one that skips the percents a large step passes (the
+    shares drawn would give the table's rows, and with the usable count how many failed)."""
+    rng = np.random.default_rng(1)
+    png = encode_png(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+    printed = {}
+    for stalls, rows in ((False, 40), (True, 40), (False, 23)):
+        table = tmp_path / f"pairs{rows}.csv"
+        table.write_text("url,caption\n" + "".join(f"http://host/img{i}.png,picture {i}\n" for i in range(rows)))
+
+        def fetch(url, timeout_s, retries, stalls=stalls):
+            if stalls and url.endswith("/img7.png"):
+                progress_clock.advance(30.0)
+                raise sources.FetchFailed("timeout", transient=True)
+            progress_clock.advance(9.0 if stalls and url.endswith("/img20.png") else 0.001)
+            return png
+
+        monkeypatch.setattr(sources, "fetch", fetch)
+        _, stats = sources.download(str(table), tmp_path / f"dl{stalls}{rows}", image_size=16,
+                                    samples_per_shard=8, threads=1, timeout_s=30.0, retries=0)
+        assert stats["download"]["written"] == rows - stalls
+        printed[stalls, rows] = "".join(capsys.readouterr())
+    assert printed[False, 40] == printed[True, 40] == printed[False, 23], printed
+    assert re.findall(r"(\d+)%", printed[True, 40]) == [str(p) for p in range(101)] + ["100"], printed
+    assert not re.search(r"\d\d:\d\d|/s\b", printed[True, 40]), printed
 
 
 def test_download_table_problems_are_clear_errors(tmp_path):

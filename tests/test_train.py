@@ -192,20 +192,16 @@ def test_a_step_is_published_only_once_a_checkpoint_holds_it(tmp_path):
     assert crashed == [0, 1, 2, 3, 4, 5] and resumed == [6, 7, 8, 9]
 
 
-def test_an_untimed_run_prints_the_same_bar_whatever_its_steps_take(tmp_path, monkeypatch, capsys):
+def test_an_untimed_run_prints_the_same_bar_whatever_its_steps_take(tmp_path, progress_clock, capsys):
     """A private training's steps take time with their realised batch sizes: measured on a clock the
     test drives, two runs whose steps take other times print the same progress."""
-    import tqdm.std
-
     printed = []
     for i, durations in enumerate(([0.05] * 5 + [0.01] * 35, [0.01] * 35 + [0.3] * 5)):
-        clock = [1000.0]
-        monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
         model = torch.nn.Linear(2, 1)
         state = train.TrainState(model, train.make_optimizer(model, "adamw", 0.01, 0.0))
 
         def step_fn(step, durations=durations):
-            clock[0] += durations[step]
+            progress_clock.advance(durations[step])
             return {}
 
         capsys.readouterr()

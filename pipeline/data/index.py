@@ -25,7 +25,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from pipeline.config import ParamsError
 from pipeline.data import remote
@@ -35,6 +34,7 @@ from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
 from pipeline.privacy import owner
+from pipeline.progress import untimed_bar
 
 INDEX_NAME = "index.parquet"
 META_KEY = b"dpfm.index"
@@ -355,7 +355,7 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     jobs = [(u, str(cache_dir), check_size) for u in urls]
     results = []
-    with tqdm(total=len(jobs), desc="scan shards", unit="shard") as bar:
+    with untimed_bar(len(jobs), "scan shards", unit="shards") as bar:  # a shard's scan time: its content
         if workers <= 1:
             mapped = map(_scan_cached, jobs)
         else:

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from braceexpand import braceexpand
-from tqdm import tqdm
 
 from pipeline.config import ParamsError
 from pipeline.data import remote
@@ -28,6 +27,7 @@ from pipeline.data.shards import TarShard
 from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import file_digest, read_json, remove_stale_temps, write_json
 from pipeline.privacy import owner
+from pipeline.progress import ShareBar
 
 
 class SourceError(ParamsError):
@@ -95,9 +95,6 @@ def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
 
 # -- downloading a (url, caption) table ------------------------------------------------------------
 
-# The rows of the table less the usable count (published) would be how many failed: owner-only. The
-# download's progress shows as a share and a time, without counts.
-PERCENT_ONLY = "{l_bar}{bar}| {elapsed}<{remaining}"
 
 class FetchFailed(Exception):
     def __init__(self, reason: str, transient: bool):
@@ -232,7 +229,7 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
     starts = range(0, len(urls), samples_per_shard)
     shards, failed, written, reused = [], {}, 0, 0
     with ThreadPoolExecutor(max_workers=threads) as pool, \
-            tqdm(total=len(urls), desc="download", bar_format=PERCENT_ONLY) as bar:
+            ShareBar(len(urls), "download") as bar:
         for j, first in enumerate(starts):
             name = f"{prefix}-{j:06d}"
             rows = range(first, min(first + samples_per_shard, len(urls)))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -377,15 +376,14 @@ class Trainer:
             return metrics
 
         prefix = "" if private else "nonprivate_"
-        # On private data a step's time tracks its realised batch size: not timed, and every step's
-        # metrics carry one timestamp (MLflow's would otherwise time each step).
-        stamp = int(time.time() * 1000)
+        # On private data a step's time tracks its realised batch size: not timed, and its metrics carry
+        # the stage's one timestamp (tracking.StageRun), not the time MLflow would give each step.
         try:
             with compile_cache_in(work / "compile-cache") if dp["compile"] else nullcontext():
                 run_loop(state, Schedule(dp["steps"], dp["lr"], dp["warmup_steps"], dp["checkpoint_every"], log_every=1),
                          step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
-                         log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s,
-                                                                  timestamp=stamp), world=world, timed=False)
+                         log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s),
+                         world=world, timed=False)
         finally:
             stream.close()
         if state.average is not None:
