@@ -212,6 +212,24 @@ def test_different_mechanisms_compose_between_their_parts(in_tmp):
     assert max(parts) < both < sum(parts) * 1.01
 
 
+def test_a_composition_that_pld_cannot_resolve_falls_back_to_a_bound_not_to_round_off():
+    """Measured against a stable composition. Two long runs at a small δ (σ 0.8, q 4.2e-4, 300,000 steps
+    each, δ 1e-10, replace-one): dp_accounting's PLD values drift with the grid by FFT round-off
+    (6.54, 6.58, 6.41, 6.40 at intervals 5e-4 to 6.25e-5), and the last two agree to 0.1% below the true
+    ε. Composed stably (the same pessimistic one-step PLD, its T-fold power taken on an exponentially
+    tilted FFT, so round-off stays relative to the mass that decides δ), ε is 6.4137 at interval
+    6.25e-5 and 6.4128 at 3.125e-5: an upper bound, converged. The budget's own ladder, before it took
+    one run's (noise floor, spread of the last three, the RDP safety net), returned 6.40297. A single
+    run of the same mechanism falls back to the group-of-two RDP bound, and so must the composition."""
+    from pipeline.privacy.accountant_backends import _rdp_parts_bound
+
+    half = {"sigma": 0.8, "sample_rate": 4.2e-4, "steps": 300_000}
+    with pytest.warns(RuntimeWarning, match="numerically unstable"):
+        composed = budget.composed_epsilon([half, half], 1e-10, "replace_one")
+    assert composed >= 6.4128
+    assert composed == _rdp_parts_bound(((0.8, 4.2e-4, 300_000),) * 2, 1e-10, "replace_one")
+
+
 def entry(run, p):
     """A budget entry as `budget.record` writes it."""
     return {"run": run, "objective": p.objective, "sigma": p.sigma, "sample_rate": p.sample_rate, "steps": p.steps,

@@ -73,11 +73,26 @@ def _pld_step(noise: float, q: float, interval: float, adjacency: str = "add_rem
     )
 
 
+# A composition of Poisson-subsampled Gaussian mechanisms, one (σ, q, T) per run: a run alone is one
+# part; the budget composes every run charged to the data (budget.composed_epsilon). Both take the same
+# ladder, noise floor and safety net below.
+Parts = Tuple[Tuple[float, float, int], ...]
+
+
 @functools.lru_cache(maxsize=4096)
 def _pld_eps_at(noise: float, q: float, steps: int, delta: float, interval: float,
                 adjacency: str = "add_remove") -> float:
     """dp_accounting PLD epsilon at one fixed discretisation interval."""
-    composed = _pld_step(noise, q, interval, adjacency).self_compose(steps)
+    return _pld_parts_at(((noise, q, steps),), delta, interval, adjacency)
+
+
+@functools.lru_cache(maxsize=256)
+def _pld_parts_at(parts: Parts, delta: float, interval: float, adjacency: str = "add_remove") -> float:
+    """PLD epsilon of the parts composed, at one fixed discretisation interval."""
+    composed = None
+    for noise, q, steps in parts:
+        part = _pld_step(noise, q, interval, adjacency).self_compose(steps)
+        composed = part if composed is None else composed.compose(part)
     return float(composed.get_epsilon_for_delta(delta))
 
 
@@ -89,6 +104,17 @@ def _pld_grid_size(noise: float, q: float, interval: float, adjacency: str = "ad
 
 def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float,
                               adjacency: str = "add_remove") -> Tuple[float, float]:
+    """One run's PLD epsilon and the interval it settled at (`_pld_ladder`)."""
+    return _pld_ladder(((noise, q, steps),), delta, adjacency)
+
+
+def composed_epsilon(parts: Parts, delta: float, adjacency: str = "add_remove") -> float:
+    """ε at δ of the parts applied one after another to the same data (`_pld_ladder`)."""
+    parts = tuple((float(n), float(q), int(t)) for n, q, t in parts if t > 0)
+    return _pld_ladder(parts, delta, adjacency)[0] if parts else 0.0
+
+
+def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tuple[float, float]:
     """Refine the interval until epsilon is stable to PLD_REL_TOL.
 
     The ladder always starts at PLD_START_INTERVAL and halves, so the result
@@ -106,44 +132,51 @@ def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float,
     RuntimeWarning.  A PLD value above RDP is likewise a numerical failure
     (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
     """
+    at = (lambda v: _pld_eps_at(*parts[0], delta, v, adjacency)) if len(parts) == 1 else (
+        lambda v: _pld_parts_at(parts, delta, v, adjacency))
     interval = PLD_START_INTERVAL
-    values = [_pld_eps_at(noise, q, steps, delta, interval, adjacency)]
+    values = [at(interval)]
     diffs: List[float] = []
     while True:
         interval /= 2
-        current = _pld_eps_at(noise, q, steps, delta, interval, adjacency)
+        current = at(interval)
         if not math.isfinite(current):
             return current, interval
         diffs.append(abs(values[-1] - current))
         values.append(current)
         if diffs[-1] <= PLD_REL_TOL * current:
-            return _capped_by_rdp(current, noise, q, steps, delta, adjacency), interval
+            return _capped_by_rdp(current, parts, delta, adjacency), interval
         noise_floor = len(diffs) >= 3 and diffs[-1] > diffs[-2]
         too_fine = (
             interval / 2 < _PLD_MIN_INTERVAL
-            or _pld_grid_size(noise, q, interval, adjacency) > _PLD_MAX_GRID // 2
+            or max(_pld_grid_size(n, q, interval, adjacency) for n, q, _ in parts) > _PLD_MAX_GRID // 2
         )
         if noise_floor or too_fine:
             recent = values[-3:]
             if max(recent) - min(recent) <= _PLD_NOISE_TOL * max(recent):
-                return _capped_by_rdp(max(recent), noise, q, steps, delta, adjacency), interval
+                return _capped_by_rdp(max(recent), parts, delta, adjacency), interval
             warnings.warn(
-                f"PLD accounting is numerically unstable here (steps={steps}, "
+                f"PLD accounting is numerically unstable here (steps={sum(t for *_, t in parts)}, "
                 f"delta={delta:g}: epsilon varies {min(recent):.4g}..{max(recent):.4g} "
                 "with the grid); reporting the RDP upper bound instead",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return _rdp_bound(noise, q, steps, delta, adjacency), interval
+            return _rdp_parts_bound(parts, delta, adjacency), interval
 
 
 def _rdp_bound(noise: float, q: float, steps: int, delta: float, adjacency: str = "add_remove") -> float:
+    """One run's `_rdp_parts_bound`."""
+    return _rdp_parts_bound(((noise, q, steps),), delta, adjacency)
+
+
+def _rdp_parts_bound(parts: Parts, delta: float, adjacency: str = "add_remove") -> float:
     """dp_accounting's RDP bound: the PLD's safety net, without Opacus's torch import. Replace-one is
     remove-then-add, a group of two under add/remove: (2ε, δ)-DP for an ε that the add/remove ε at
     δ / (1 + e^ε) does not exceed (`group_of_two`)."""
     if adjacency == "replace_one":
-        return 2 * group_of_two(lambda d: _rdp_bound(noise, q, steps, d), delta)
-    return float(_rdp_composed(noise, q, steps).get_epsilon(delta))
+        return 2 * group_of_two(lambda d: _rdp_parts_bound(parts, d), delta)
+    return float(_rdp_composed(parts).get_epsilon(delta))
 
 
 def group_of_two(epsilon_at, delta: float, max_steps: int = 60) -> float:
@@ -177,12 +210,12 @@ def group_of_two(epsilon_at, delta: float, max_steps: int = 60) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def _rdp_composed(noise: float, q: float, steps: int):
-    """dp_accounting's RDP accountant over `steps` Poisson-sampled Gaussian steps. Its RDP curve does not
-    depend on δ, so the replace-one group bound above reads one composition at each of its δ: composing
-    anew for each took verify 2.4 s of its 9 (fractional orders that fail to converge, 1,000 terms each).
-    Those orders are left out of the bound, which only loosens it: dp_accounting's warning for each (six
-    lines a composition in every stage log) is kept below ERROR."""
+def _rdp_composed(parts: Parts):
+    """dp_accounting's RDP accountant over the parts' Poisson-sampled Gaussian steps. Its RDP curve does
+    not depend on δ, so the replace-one group bound above reads one composition at each of its δ:
+    composing anew for each took verify 2.4 s of its 9 (fractional orders that fail to converge, 1,000
+    terms each). Those orders are left out of the bound, which only loosens it: dp_accounting's warning
+    for each (six lines a composition in every stage log) is kept below ERROR."""
     import dp_accounting
     from dp_accounting.rdp import rdp_privacy_accountant
 
@@ -191,16 +224,17 @@ def _rdp_composed(noise: float, q: float, steps: int):
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(noise)), steps)
+        for noise, q, steps in parts:
+            accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(noise)), steps)
     finally:
         absl.setLevel(level)
     return accountant
 
 
-def _capped_by_rdp(eps: float, noise: float, q: float, steps: int, delta: float, adjacency: str = "add_remove") -> float:
+def _capped_by_rdp(eps: float, parts: Parts, delta: float, adjacency: str = "add_remove") -> float:
     if adjacency == "replace_one":  # the group-privacy bound is far looser than any PLD: no cap to apply
         return eps
-    rdp = _rdp_bound(noise, q, steps, delta, adjacency)
+    rdp = _rdp_parts_bound(parts, delta, adjacency)
     if eps > rdp:
         warnings.warn(
             f"PLD epsilon {eps:.4g} exceeds the RDP bound {rdp:.4g} (numerical "

@@ -46,8 +46,7 @@ import pyarrow.compute as pc
 from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.io import atomic_path, drop_torn_tail
-from pipeline.privacy import accounting
-from pipeline.privacy.accountant_backends import PLD_REL_TOL, PLD_START_INTERVAL
+from pipeline.privacy.accountant_backends import composed_epsilon as composed_pld_epsilon
 from pipeline.privacy.plan import Plan
 
 BUDGET_DIR = Path("data/budget")
@@ -213,36 +212,12 @@ def runs(identity: str) -> list[dict]:
 
 def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_remove") -> float:
     """ε at δ of the runs' mechanisms applied one after another to the same data, for `adjacency`
-    neighbours: PLD composition of Poisson-subsampled Gaussians (σ relative to the sensitivity), its
-    discretisation halved until stable to 0.1%, and (add/remove) never above dp_accounting's RDP
-    bound of the same composition; ∞ when any entry released the examples without DP."""
+    neighbours: the PLD composition of their Poisson-subsampled Gaussians (σ relative to the
+    sensitivity), refined, guarded and bounded as one run's is (accountant_backends._pld_ladder); ∞
+    when any entry released the examples without DP."""
     if any("outside_dp" in e for e in entries):
         return math.inf
-    if len(entries) == 1:
-        e = entries[0]
-        return accounting.epsilon(e["sigma"], e["sample_rate"], e["steps"], delta, adjacency=adjacency)
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    from pipeline.privacy.accountant_backends import _relation
-
-    event = dp_accounting.ComposedDpEvent([
-        dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(e["sample_rate"], dp_accounting.GaussianDpEvent(e["sigma"])), e["steps"])
-        for e in entries if e["steps"] > 0])
-    # dp_accounting's RDP has no replace-one for Poisson sampling: there the PLD stands alone.
-    rdp = rdp_privacy_accountant.RdpAccountant().compose(event).get_epsilon(delta) if adjacency == "add_remove" else math.inf
-    interval, last = PLD_START_INTERVAL, None
-    while interval > 1e-5:
-        eps = pld_privacy_accountant.PLDAccountant(_relation(adjacency), value_discretization_interval=interval
-                                                   ).compose(event).get_epsilon(delta)
-        if last is not None and abs(eps - last) <= PLD_REL_TOL * eps:
-            return float(min(eps, rdp))
-        last, interval = eps, interval / 2
-    if math.isinf(rdp):
-        return float(eps)  # the finest grid tried: pessimistic, so still an upper bound
-    return float(rdp)
+    return composed_pld_epsilon([(e["sigma"], e["sample_rate"], e["steps"]) for e in entries], delta, adjacency)
 
 
 def composition(ledger: dict, delta: float) -> dict:
