@@ -25,5 +25,6 @@ class PrivateDataError(RuntimeError):
 
 
 class RanksDisagree(RuntimeError):
-    """The ranks of one run would start from different states (another step, other weights): a node
-    that does not see the run's state directory, or sees a stale copy of it."""
+    """The ranks of one run would start from different states (another step, other weights) or sample
+    from different data: a node that does not see the run's state directory or the shards, or sees a
+    stale copy of them."""

@@ -146,6 +146,19 @@ if "otherweights" in faults and os.environ.get("RANK", "0") == faults["otherweig
             saved["model"][first] = saved["model"][first] + 1e-3
         return saved
     Checkpointer.load = load
+if "otherdata" in faults and os.environ.get("RANK", "0") == faults["otherdata"]:
+    # This rank's node holds another build of the shards, of as many examples (n, q and T the same): its
+    # indices name other examples, so its part of a step's sample is drawn from another population. Its
+    # shards' digest is another build's.
+    import pipeline.privacy.training as training
+    real_artifact = training.artifact
+    def artifact(name):
+        if name != "shards_digest":
+            return real_artifact(name)
+        other = Path(f"other-build.{os.environ.get('RANK', '0')}.digest")
+        other.write_text("another build of the shards\n")
+        return other
+    training.artifact = artifact
 if "unreadable" in faults:  # the k-th read of sampled private examples fails, naming one of them
     from pipeline.data import loader as data_loader
     from pipeline.data.remote import ShardReadError

@@ -197,6 +197,21 @@ def test_ranks_that_would_resume_from_different_states_stop_before_any_step(data
     assert dp_state(work)[0] == list(range(STEPS))
 
 
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_ranks_that_see_different_private_data_stop_before_anything_is_charged(data_dir, tmp_path, objective):
+    """Each rank draws the step's sample from its own view of the shards: a node whose copy lists them
+    in another order (same n) would add another population's examples, one example possibly in both
+    ranks' parts of a step (2C against C). Both ranks stop before the budget is charged or a step
+    taken; the same data on both, the run trains."""
+    work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
+    refused = dpfm_torchrun(work, args, "otherdata:1")
+    assert refused.returncode != 0
+    assert refused.stderr.count("the ranks see different private data") == 2, refused.stderr[-3000:]
+    assert not (work / "data/budget/runs.jsonl").exists() or not (work / "data/budget/runs.jsonl").read_text()
+    done = dpfm_torchrun(work, args)
+    assert done.returncode == 0 and dp_state(work)[0] == list(range(STEPS)), done.stderr[-3000:]
+
+
 # What fails, the line the stage stops with, and what the failure's own message names: a read names
 # what the step sampled (its key, its bytes); an allocator the size it was asked for, which follows the
 # micro-batch and so the realised batch size.

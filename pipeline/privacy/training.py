@@ -17,9 +17,11 @@ owner-only zone (owner.py); no rate is logged (it tracks the realised batch size
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,8 +32,8 @@ from pipeline.data import labelled_sets
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer, public_captions
-from pipeline.distributed import broadcast_int, gather_with_grad, init_world
-from pipeline.errors import PrivateDataError, VerificationFailed
+from pipeline.distributed import broadcast_int, gather_with_grad, init_world, same_on_every_rank
+from pipeline.errors import PrivateDataError, RanksDisagree, VerificationFailed
 from pipeline.io import read_json
 from pipeline.locking import training_lock
 from pipeline.models import ModelConfig, build_model
@@ -181,10 +183,31 @@ def one_process(work, world):
     return training_lock(work, "-".join(work.relative_to(STATE_ROOT).parts), wait=world.size == 1)
 
 
+def check_same_data(plan, world) -> None:
+    """Every rank draws each step's Poisson sample itself and computes the part of it assigned to it. A
+    rank whose n or q differs, or whose indices name other examples (a node with a stale or partial
+    copy of the shards, or one listing them in another order), would draw from another population, and
+    one example could then be in two ranks' parts of one step: 2C against the accounted C. Before
+    anything is charged the ranks compare n, q, T and a fingerprint of what their indices name (the
+    shards' digest, the keys at 16 spread indices), and all stop where they differ."""
+    if world.size == 1:
+        return
+    data = ShardDataset(artifact("shards") / "private")
+    digest = Path(artifact("shards_digest"))
+    spread = sorted({i * (len(data) - 1) // 15 for i in range(16)}) if len(data) else []
+    named = [len(data), *(data.key(i) for i in spread), digest.read_text() if digest.exists() else None]
+    fingerprint = int(hashlib.sha256(repr(named).encode()).hexdigest()[:13], 16)  # 52 bits: exact in float64
+    if not same_on_every_rank([plan.n, plan.sample_rate, plan.steps, fingerprint], world):
+        raise RanksDisagree(f"the ranks see different private data (rank {world.rank}: n = {plan.n} in "
+                            f"{artifact('shards')}): every node must see the same shards, on the file system the "
+                            f"ranks share, or their samples would overlap")
+
+
 def train_private(params: dict, trainer: "Trainer", ctx):
     """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
     world = trainer.world
     work = work_dir(params, trainer)
+    check_same_data(trainer.plan, world)
     with one_process(work, world):
         key = 0
         if world.is_main:
