@@ -17,6 +17,7 @@ from pipeline.stages import report, stage
 from pipeline.report.render import TABLE_HEAD_COLOR
 from pipeline.io import read_json, write_json
 from pipeline.privacy.plan import Plan
+from pipeline.privacy import accounting
 from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,6 +193,12 @@ def test_epsilon_curve_from_verification_or_recomputed():
     ver = {"steps": 10, "sigma": 1.0, "sample_rate": 0.1, "delta": 1e-5, "epsilon": {"rdp": 0}}
     steps, eps = report_privacy.epsilon_curves(ver)["rdp"]
     assert steps[0] == 1 and steps[-1] == 10 and all(a < b for a, b in zip(eps, eps[1:]))
+    # Recomputed for the run's adjacency: a replace-one run's curve ends at its replace-one ε (an
+    # add/remove curve would end about a third lower here), and only PLD accounts it.
+    ver = {**ver, "adjacency": "replace_one", "epsilon": {"pld": 0, "rdp": 0}}
+    curves = report_privacy.epsilon_curves(ver)
+    assert list(curves) == ["pld"]
+    assert curves["pld"][1][-1] == pytest.approx(accounting.epsilon(1.0, 0.1, 10, 1e-5, adjacency="replace_one"))
 
 
 # -- a real browser ----------------------------------------------------------------------------

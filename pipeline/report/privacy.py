@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline.privacy import accounting, budget, owner, release
+from pipeline.privacy import budget, owner, release, run_checks
 from pipeline.privacy.plan import Plan
 
 def data_card(stats: dict) -> tuple[str, str, str]:
@@ -19,15 +19,15 @@ def data_card(stats: dict) -> tuple[str, str, str]:
             f"({owner.path('shards')})" + unprotected)
 
 
-def epsilon_curves(ver: dict, points: int = 20) -> dict:
-    """{accountant: (steps, eps)}: verify's own curve when it wrote one, else recomputed."""
+def epsilon_curves(ver: dict) -> dict:
+    """{accountant: (steps, eps)}: verify's own curve when it wrote one, else recomputed as verify does,
+    for the run's adjacency (an older verification.json)."""
     given = ver.get("epsilon_curve")
-    if given:
-        return _curves_from(given)
-    steps = ver["steps"]
-    grid = sorted({max(1, round(steps * i / points)) for i in range(points + 1)})
-    return {a: (grid, accounting.epsilon_curve(ver["sigma"], ver["sample_rate"], grid, ver["delta"], accountant=a))
-            for a in ver["epsilon"]}
+    if not given:
+        adjacency = ver.get("adjacency", "add_remove")
+        given = run_checks.epsilon_curves(ver["sigma"], ver["sample_rate"], ver["steps"], ver["delta"],
+                                          run_checks.supporting(list(ver["epsilon"]), adjacency), adjacency)
+    return _curves_from(given)
 
 
 def _curves_from(given) -> dict:
