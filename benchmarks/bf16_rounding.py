@@ -2,15 +2,15 @@
 
     python -m benchmarks.bf16_rounding [--dir DIR] [--objectives mae caption] [--examples 256] [--scale-schedule]
 
-On a GPU under bf16 autocast the clipped sum rounds c_i·g to bf16 for one GEMM, and the clip factor pays
-for the rounding: it is taken against ‖G_l‖ + u·Σ_t ‖a_t‖·‖g_t‖ for each Linear layer l
-(layer_rules.rounding_slack), not against ‖G_l‖. A clipped example then adds less than C to the sum,
-at the same noise σC. This reads how much less, for the model as dp-train starts it
+On a GPU under bf16 autocast the clipped sum rounds c_i·g to bf16 for one GEMM, and the clip factor
+pays for the rounding: it is taken against ‖G_l‖ + u·Σ_t ‖a_t‖·‖g_t‖ for each Linear layer l
+(layer_rules.LinearRule.reach_sq), not against ‖G_l‖. A clipped example then adds less than C to the
+sum, at the same noise σC. This reads how much less, for the model as dp-train starts it
 (gradient_norms.warm_model) on public eval examples, one example at a time under a bound far below
 every norm (every example clipped): ‖its contribution‖ / C with CUDA's kernel emulated
-(pipeline.privacy.tools.emulated_bf16_gemm), beside the upcast route, which gives 1. Run it in a
-scale_utility --dir's n-full directory, or a project that has run dp-train's inputs. Ends with ONE
-JSON line.
+(pipeline.privacy.tools.emulated_bf16_gemm), beside the upcast route, which gives 1 less its own bound
+on the Gram products' fp32 rounding (about 1e-5). Run it in a scale_utility --dir's n-full directory,
+or a project that has run dp-train's inputs. Ends with ONE JSON line.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ def test_the_gpu_route_adds_a_little_less_than_c_and_is_undone_after(name):
     with gpu_route():
         rounded = contribution(clipper, rows)
     assert layer_rules.low_gemm is real  # the emulation does not outlive the measurement
-    assert exact == pytest.approx(1.0, abs=1e-5)
+    assert exact == pytest.approx(1.0, abs=1e-4)  # the Gram products' rounding bound (κ·S²) alone
     assert 0.9 < rounded < 1 - 1e-4  # the slack the clip factor pays, and no more than a little
     with pytest.raises(ValueError, match="not far above the bound"):
         contribution(make_clipper("per_sample", model, 1e6, "bookkeeping"), rows)

@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 from pipeline.privacy import layer_rules
-from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, rule_for
+from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, fp32_only, rule_for
 
 # Per-example gradients instantiated for speed may hold this share of the bytes the layers' inputs and
 # output gradients take (and a non-private backward holds too): memory traded for time. Bytes, not
@@ -147,19 +147,17 @@ def grouped_factors(sq: torch.Tensor, bounds: torch.Tensor, reach: torch.Tensor 
 
 
 def group_norms(layers: list, groups: int, batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """From [(clip group, (B,) squared norm, (B,) rounding slack or None)], one per layer (or parameter):
-    the squared norms per group (G, B), and the same with each layer's norm widened by its slack,
-    (‖·‖ + slack)², what its clipped sum may reach. Stacked once per group: added layer by layer they
-    took ~8 kernel launches a layer, and on a GPU the clipped step is bound by its launches."""
-    zeros = torch.zeros(1, batch_size, dtype=torch.float32, device=device)  # a group without such layers
+    """From [(clip group, (B,) squared norm, (B,) its reach or None)], one per layer (or parameter): the
+    squared norms per group (G, B), and the same with each layer's reach in place of its norm where it
+    has one (`LayerRule.reach_sq`): what its clipped sum may carry. Stacked once per group: added layer
+    by layer they took ~8 kernel launches a layer, and on a GPU the clipped step is bound by its launches."""
+    zero = torch.zeros(batch_size, dtype=torch.float32, device=device)  # a group without such layers
     sq, reach = [], []
     for group in range(groups):
-        exact = [s for g, s, slack in layers if g == group and slack is None]
-        rounded = [(s, slack) for g, s, slack in layers if g == group and slack is not None]
-        exact_sum = torch.stack(exact).sum(0) if exact else zeros[0]
-        norm_sq, slack = (torch.stack(x) for x in zip(*rounded)) if rounded else (zeros, zeros)
-        sq.append(exact_sum + norm_sq.sum(0))
-        reach.append(exact_sum + (norm_sq.clamp_min(0).sqrt() + slack).square().sum(0))
+        mine = [(s, s if r is None else r) for g, s, r in layers if g == group]
+        norm_sq, reach_sq = (torch.stack(x).sum(0) for x in zip(*mine)) if mine else (zero, zero)
+        sq.append(norm_sq)
+        reach.append(reach_sq)
     return torch.stack(sq), torch.stack(reach)
 
 
@@ -192,11 +190,6 @@ def as_autocast_multiplies(x: torch.Tensor) -> torch.Tensor:
             and torch.get_autocast_dtype(device) == torch.bfloat16):
         return x.bfloat16()
     return x
-
-
-def fp32_only(device: torch.device):
-    """Autocast off: the privacy arithmetic stays fp32 even inside a caller's autocast region."""
-    return torch.autocast(device_type=device.type, enabled=False)
 
 
 class _Record:
@@ -372,15 +365,15 @@ class BookKeepingClipper(ClippedSum):
             calls: dict[int, list[_Record]] = {}
             for r in records:
                 calls.setdefault(id(r.module), []).append(r)
-            layers = []  # (clip group, (B,) squared norm, (B,) rounding slack or None) per layer
+            layers = []  # (clip group, (B,) squared norm, (B,) its reach or None) per layer
             budget = [self.held_budget * (self._reduced_bytes + sum(_bytes(r) for r in records))]
             reduced, self._reduced = self._reduced, {}
             for module_calls in calls.values():
                 first = module_calls[0]
                 if len(module_calls) == 1 and id(first.module) not in reduced and self._ghost_route(first, budget):
                     group, held = self._group[id(first.module)], self._fp32(first)
-                    layers.append((group, first.rule.ghost_sq_norm(first.module, *held),
-                                   first.rule.rounding_slack(first.module, *held)))
+                    sq = first.rule.ghost_sq_norm(first.module, *held)
+                    layers.append((group, sq, first.rule.reach_sq(first.module, *held, sq)))
                     continue
                 for r in module_calls:
                     self._instantiate(r, reduced)

@@ -17,8 +17,11 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
   Embedding   E_i = Σ_t onehot(id_it) g_itᵀ
   Broadcast   P_i = g_i                       (cls/mask tokens, CLIP's temperature)
 
-Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s). Both routes are exact; which one a
-Linear layer takes is a question of time and memory only (mixed ghost clipping):
+Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s). In floating point that sum can lose an
+example whose tokens cancel (its terms far larger than their total), so the clip factor is taken
+against a bound, the computed value plus its worst-case rounding (`gram_error`, `reach_sq`); the
+per-example route's norm is a sum of squares and needs none. Which route a Linear layer takes is a
+question of time and memory only (mixed ghost clipping):
   ghost         the Gram products, B·T²·(d+p) multiply-adds (from 128 tokens only the blocks on and above
                 the diagonal, below it aligned columns and a corner: `gram_inner`), then the clipped sum
                 (one weight gradient)
@@ -32,6 +35,7 @@ memory budget (clipping.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -62,7 +66,7 @@ GRAM_ALIGN = 16
 # exact in fp32, so a bf16 GEMM with fp32 accumulation and output (CUDA's out_dtype overload: tensor
 # cores) gives the ghost norms and per-example gradients that upcasting first gives, up to the order of
 # summation. The clipped sum's scaled side c_i·g is not a bf16 value: it is rounded to one, for one
-# GEMM, and the clip factor pays for the rounding (`rounding_slack`). On an H200 at 224 px that took
+# GEMM, and the clip factor pays for the rounding (`reach_sq`). On an H200 at 224 px that took
 # the clipped step from 3.4-4.1x the non-private one (upcast) to 1.5-1.9x (docs/results.md, "On a
 # GPU"). LOW_PRECISION_PRODUCTS = False times the upcast route.
 LOW_PRECISION_PRODUCTS = True
@@ -86,6 +90,25 @@ def low_gemm_applies(x: torch.Tensor, y: torch.Tensor) -> bool:
 def low_gemm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """bf16 (batched) matrix product, fp32 accumulation and output."""
     return (torch.bmm if x.dim() == 3 else torch.mm)(x, y, out_dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def fp32_only(device: torch.device):
+    """The privacy arithmetic in full fp32, whatever the caller set: autocast off, and fp32 products at
+    full precision (`gram_error` assumes it), not TF32 on a GPU or bf16 inside oneDNN on a CPU, which
+    torch.set_float32_matmul_precision("high" or "medium") would allow. Inside a compiled graph (the
+    per-example gradients of dp.compile's backward: summed as computed, so any precision is exact there)
+    only autocast is turned off."""
+    eager = not torch.compiler.is_compiling()
+    precision = torch.get_float32_matmul_precision() if eager else None
+    if eager:
+        torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(device_type=device.type, enabled=False):
+            yield
+    finally:
+        if eager:
+            torch.set_float32_matmul_precision(precision)
 
 
 def sum32(x: torch.Tensor, dim) -> torch.Tensor:
@@ -112,7 +135,7 @@ BF16_ROUNDOFF = 2.0**-8 + 2.0**-22
 
 def scaled_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x·scale computed in fp32 and rounded to bf16 as it is written: one kernel where a product and a
-    cast took two (the same values; a GPU step is bound by its launches). `rounding_slack` bounds what
+    cast took two (the same values; a GPU step is bound by its launches). `reach_sq` bounds what
     the rounding moves."""
     return torch.mul(x, scale, out=torch.empty(x.shape, dtype=torch.bfloat16, device=x.device))
 
@@ -126,16 +149,43 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int | None = None) -> to
     """(B,) Σ_{t,s} (a_t·a_s)(g_t·g_s) = ‖Σ_t g_t a_tᵀ‖² per example, of a (B, T, d) and g (B, T, p);
     `block` tokens per block (default GRAM_BLOCK, read at the call)."""
     T, block = a.shape[1], block or GRAM_BLOCK
+    width = torch.promote_types(a.dtype, torch.float32)  # fp32, or fp64 given fp64
     if T < 2 * block:
-        return gram_inner_one_block(a, g)
+        return gram_inner_one_block(a, g).to(width)
     cuts = [i * block for i in range(max(1, T // block))] + [T]  # the last block takes the remainder
     blocks = [(a[:, s:e], g[:, s:e]) for s, e in zip(cuts, cuts[1:])]
     total = 0
     for i, (a_i, g_i) in enumerate(blocks):
         total = total + gram_inner_one_block(a_i, g_i)
         for a_j, g_j in blocks[i + 1:]:  # the later (perhaps longer) block as rows: the columns stay aligned
-            total = total + 2 * (mm32(a_j, a_i.transpose(1, 2)) * mm32(g_j, g_i.transpose(1, 2))).sum((1, 2))
-    return total
+            total = total + 2 * dot64(mm32(a_j, a_i.transpose(1, 2)), mm32(g_j, g_i.transpose(1, 2)))
+    return total.to(width)
+
+
+def dot64(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(B,) Σ p⊙q over each example's entries, summed in fp64: the Gram products' fp32 entries are
+    summed without adding a rounding error of their own that grows with T² (`gram_error`)."""
+    return (p.double() * q.double()).sum((1, 2))
+
+
+# Unit roundoff of an fp32 accumulation, doubled: a GPU's tensor cores may align addends by truncation.
+ACC_ROUNDOFF = 2.0**-23
+
+
+def gamma(n: int, u: float = ACC_ROUNDOFF) -> float:
+    """γ_n = n·u / (1 − n·u): a sum of n products, in any order, is within γ_n·Σ|x_k·y_k| of the exact one."""
+    return n * u / (1 - n * u)
+
+
+def gram_error(d: int, p: int, tokens: int) -> float:
+    """κ with |gram_inner(a, g) − ‖Σ_t g_t a_tᵀ‖²| ≤ κ·S², S = Σ_t ‖a_t‖‖g_t‖, however the tokens cancel:
+    each entry of a·aᵀ (d terms) is within γ_d·‖a_t‖‖a_s‖, each of g·gᵀ within γ_p·‖g_t‖‖g_s‖, their
+    products are summed in fp64 and the total rounded to fp32 once; the margin covers S's own fp32
+    rounding. Where tokens cancel (inputs that nearly repeat with opposite gradients) the computed
+    value can be far below the true one, even 0: the clipper takes sq + κ·S² as the norm."""
+    gd, gp = gamma(d), gamma(p)
+    kappa = gd + gp + gd * gp + gamma(tokens * tokens + 1, 2.0**-53) * (1 + gd) * (1 + gp) + 2.0**-24
+    return kappa * (1 + 8 * (d + p + tokens) * 2.0**-24)
 
 
 def gram_inner_one_block(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -144,11 +194,11 @@ def gram_inner_one_block(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     transposed), plus the r×r corner's, is the whole sum; m is T rounded down to GRAM_ALIGN."""
     m = a.shape[1] - a.shape[1] % GRAM_ALIGN
     if m in (0, a.shape[1]):
-        return (mm32(a, a.transpose(1, 2)) * mm32(g, g.transpose(1, 2))).sum((1, 2))
-    cols = mm32(a, a[:, :m].transpose(1, 2)) * mm32(g, g[:, :m].transpose(1, 2))
+        return dot64(mm32(a, a.transpose(1, 2)), mm32(g, g.transpose(1, 2)))
+    p_cols, q_cols = mm32(a, a[:, :m].transpose(1, 2)), mm32(g, g[:, :m].transpose(1, 2))
     a_r, g_r = a[:, m:], g[:, m:]
-    corner = mm32(a_r, a_r.transpose(1, 2)) * mm32(g_r, g_r.transpose(1, 2))
-    return cols.sum((1, 2)) + cols[:, m:].sum((1, 2)) + corner.sum((1, 2))
+    return (dot64(p_cols, q_cols) + dot64(p_cols[:, m:], q_cols[:, m:])
+            + dot64(mm32(a_r, a_r.transpose(1, 2)), mm32(g_r, g_r.transpose(1, 2))))
 
 
 class LayerRule:
@@ -166,9 +216,10 @@ class LayerRule:
     def ghost_is_faster(self, m, a, g) -> bool:
         return True
 
-    def rounding_slack(self, m, a, g) -> torch.Tensor | None:
-        """(B,) how far `clipped_sum` may move an example's clipped gradient by rounding, per unit of its
-        clip factor, beyond its norm (None: it does not round)."""
+    def reach_sq(self, m, a, g, sq: torch.Tensor) -> torch.Tensor | None:
+        """(B,) a bound on the squared norm of what `clipped_sum` carries of each example per unit of its
+        clip factor, given `sq` as the rule computed it (None: `sq` is the squared norm of what is
+        summed, the per-example gradients or a sum of squares)."""
         return None
 
     def held_if_instantiated(self, m, a, g) -> int:
@@ -233,19 +284,21 @@ class LinearRule(LayerRule):
         B, T, d, p = g3.shape[0], g3.shape[1], m.in_features, m.out_features
         return B * (d * p - T * (d + p))
 
-    def rounding_slack(self, m, a, g):
-        """Rounding c·(one side) to bf16 moves token t's product by δ_t with ‖δ_t‖ ≤ u·c·‖g_t‖·‖a_t‖, so
-        the example's weight gradient by at most u·c·Σ_t ‖g_t‖·‖a_t‖, whatever cancels between tokens."""
-        if not low_gemm_applies(a, g):
-            return None
-        norms = lambda x: torch.linalg.vector_norm(as_3d(x), dim=-1, dtype=torch.float32)  # noqa: E731
-        return BF16_ROUNDOFF * (norms(a) * norms(g)).sum(1)
+    def reach_sq(self, m, a, g, sq):
+        """The true ‖G‖² is within κ·S² of the Gram products' (`gram_error`; S = Σ_t ‖g_t‖·‖a_t‖). On the
+        bf16 GEMM, rounding c·(one side) to bf16 moves token t's product by δ_t with ‖δ_t‖ ≤
+        u·c·‖g_t‖·‖a_t‖, so the example's weight gradient by at most u·c·S more, whatever cancels."""
+        a3, g3 = as_3d(a), as_3d(g)
+        norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # noqa: E731
+        s = (norms(a3) * norms(g3)).sum(1)
+        true_sq = sq.clamp_min(0) + gram_error(a3.shape[-1], g3.shape[-1], g3.shape[1]) * s.square()
+        return (true_sq.sqrt() + BF16_ROUNDOFF * s).square() if low_gemm_applies(a3, g3) else true_sq
 
     def clipped_sum(self, m, a, g, factors):
         g3, a3 = as_3d(g), as_3d(a)
         scale = factors.view(-1, 1, 1)
         rows = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731  (B·T, width)
-        # As rounding_slack assumes: on the bf16 GEMM the side that carries c_i is rounded to bf16 (the
+        # As reach_sq assumes: on the bf16 GEMM the side that carries c_i is rounded to bf16 (the
         # other is bf16 already); else both sides are multiplied as they are, in fp32.
         rounded = low_gemm_applies(a3, g3)
         scaled, mm = (scaled_to_bf16, low_gemm) if rounded else (torch.mul, mm32)
@@ -297,7 +350,14 @@ class EmbeddingRule(LayerRule):
     def ghost_sq_norm(self, m, ids, g):
         g3, ids = as_3d(g), ids.reshape(g.shape[0], -1)
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g3.dtype)
-        return (same * (g3 @ g3.transpose(1, 2))).sum((1, 2))
+        return dot64(same, g3 @ g3.transpose(1, 2)).to(g3.dtype)
+
+    def reach_sq(self, m, ids, g, sq):
+        """A repeated id's gradients may cancel: each entry of g·gᵀ is within γ_p·‖g_t‖‖g_s‖, so the
+        true ‖E‖² within κ·(Σ_t ‖g_t‖)² of `sq` (the 0/1 matrix is exact: `gram_error` with d = 0)."""
+        g3 = as_3d(g)
+        s = torch.linalg.vector_norm(g3, dim=-1, dtype=torch.float32).sum(1)
+        return sq.clamp_min(0) + gram_error(0, g3.shape[-1], g3.shape[1]) * s.square()
 
     def group_views(self, m, ids, g, views):
         return ids.reshape(ids.shape[0] // views, -1), g.reshape(g.shape[0] // views, -1, g.shape[-1])
