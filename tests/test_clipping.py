@@ -490,7 +490,7 @@ class TokensThatCancel(nn.Module):
         return (self.layer(ids) * x).sum((1, 2))
 
 
-def cancelling_release_moves(layer: str, precision: str, m: float, delta: float) -> float:
+def cancelling_release_moves(layer: str, precision: str, m: float, delta: float, method="bookkeeping") -> float:
     """How far one example whose two tokens cancel (x_0 = m·e_0, x_1 = −m·e_0 + delta·e_1, one id: its
     true gradient is delta·e_1) moves a real DP step's release (noise negligible), C = 1."""
     from pipeline.privacy.engine import dp_step
@@ -505,7 +505,7 @@ def cancelling_release_moves(layer: str, precision: str, m: float, delta: float)
     def release(x):
         torch.manual_seed(0)
         model = TokensThatCancel(layer)
-        clipper = make_clipper("per_sample", model, 1.0, "bookkeeping", autocast=lambda: autocast("cpu", precision),
+        clipper = make_clipper("per_sample", model, 1.0, method, autocast=lambda: autocast("cpu", precision),
                                loss_scale=loss_scale(precision))
         plan = Plan.unaccounted("synthetic", "per_sample", sigma=1e-30, clip_norm=1.0, n=1)
         batch = type("Fixed", (), {"batch": lambda self, step: torch.arange(len(x)).numpy()})()
@@ -529,6 +529,17 @@ def test_ghost_norms_keep_an_example_whose_tokens_cancel_within_c(monkeypatch, l
     assert cancelling_release_moves(layer, precision, m, delta) <= 1 + 1e-6
     monkeypatch.setattr(layer_rules, "gram_error", lambda *_: 0.0)
     assert cancelling_release_moves(layer, precision, m, delta) > 5
+
+
+def test_opacus_ghost_lets_an_example_whose_tokens_cancel_through_so_dp_train_refuses_it():
+    """Opacus's ghost clipping takes the Gram products as exact: the same example moves its release by
+    100·C. A speed baseline (benchmarks/dp_overhead.py) only: check_clipping refuses it for training."""
+    from pipeline.privacy.engine import check_clipping
+
+    assert cancelling_release_moves("linear", "fp32", 4e6, 100.0, method="opacus-ghost") > 50
+    assert cancelling_release_moves("linear", "fp32", 4e6, 100.0, method="opacus-hooks") <= 1 + 1e-6
+    with pytest.raises(ValueError, match="opacus-ghost can let one example exceed"):
+        check_clipping("opacus-ghost", "fp32", "cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
