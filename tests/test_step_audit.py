@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch._dynamo
 from broken_engine import bug
 from ranks import on_two_ranks
@@ -64,12 +65,36 @@ def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_steps_are_consistent(precision):
+def test_low_precision_steps_are_consistent_and_their_audits_catch_a_clip_bound_of_2c(precision):
+    """The audit clips every example (in fp16 by a smaller C: its loss scale would overflow an amplified
+    loss to inf, every example dropped, and a clipper letting 2C through passed unseen). Dp-CLIP in
+    fp16 drops every batch even so (its whole-batch gradient overflows): dp-train refuses it."""
     from pipeline.distributed import World
+    from pipeline.privacy.engine import check_clipping
 
     for name in OBJECTIVES:
+        if precision == "fp16" and OBJECTIVES[name].clipping == "per_batch":
+            assert "measured nothing" in audited(name, None, World(), precision)["problems"][0]
+            with pytest.raises(ValueError, match="overflows a whole-batch loss"):
+                check_clipping("bookkeeping", precision, "cpu", mode="per_batch")
+            continue
         result = audited(name, None, World(), precision)
         assert result["verdict"] == "consistent", (name, result["problems"])
+        if OBJECTIVES[name].clipping == "per_sample":
+            assert result["sensitivity_ratio"] > 0.9, (name, result)
+            broken = audited(name, "clip bound 2C", World(), precision)
+            assert "2.00× the accounted sensitivity" in " ".join(broken["problems"]), (name, broken)
+
+
+def test_an_audit_whose_examples_were_dropped_measured_nothing_and_says_so():
+    from pipeline.privacy.plan import Plan
+    from pipeline.privacy.tools.step_audit import judge
+
+    plan = Plan.unaccounted("mae", "per_sample", 0.8, 1.0, n=16)
+    noise = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * plan.noise_std
+    assert judge(noise, 1.0, plan, 1)["verdict"] == "consistent"
+    assert "dropped 16 examples" in judge(noise, 0.0, plan, 1, dropped=16)["problems"][0]
+    assert "only 0.000× C" in judge(noise, 0.0, plan, 1)["problems"][0]
 
 
 def test_compiled_bf16_steps_are_consistent():
@@ -122,11 +147,11 @@ ACCEPTED = [(mode, method, precision) for mode, methods in (("per_sample", ("boo
             for method in methods for precision in ("fp32", "bf16", "fp16")]
 
 
-def accepted(method, precision):
+def accepted(method, precision, mode="per_sample"):
     from pipeline.privacy.engine import check_clipping
 
     try:
-        check_clipping(method, precision, "cpu")
+        check_clipping(method, precision, "cpu", mode=mode)
         return True
     except ValueError:
         return False
@@ -138,7 +163,7 @@ def test_worst_case_neighbours_reach_the_accounted_sensitivity_and_no_further(mo
     worst (C per example; 2C per batch: the clipped mean flips)."""
     from pipeline.privacy.tools.step_audit import worst_case_sensitivity
 
-    if not accepted(method, precision):
+    if not accepted(method, precision, mode):
         pytest.skip(f"{method} under {precision} is refused by dp-train")
     result = worst_case_sensitivity(mode, method, precision)
     assert result["problems"] == [] and result["ratio"] == pytest.approx(1.0, abs=2e-3), result

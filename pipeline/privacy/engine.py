@@ -46,9 +46,14 @@ CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
 
 
 def check_clipping(method: str, precision: str, device: str, encoder_share: float | None = None,
-                   views: int = 1) -> None:
-    """Refuse a clipper × precision whose clipped sum can exceed C (the accounted sensitivity), and
-    clip groups or mask views on a clipper that has one bound per row."""
+                   views: int = 1, mode: str = "per_sample") -> None:
+    """Refuse a clipper × precision whose clipped sum can exceed C (the accounted sensitivity), clip
+    groups or mask views on a clipper that has one bound per row, and fp16 for a whole-batch loss."""
+    if mode == "per_batch" and precision == "fp16":
+        # The batch's contrastive loss, scaled by fp16's fixed 2^12, overflows its gradient: every batch
+        # is dropped as non-finite and the run trains on noise alone (the step audit's measurement).
+        raise ValueError("dp.precision=fp16 overflows a whole-batch loss's gradient (Dp-CLIP) under fp16's fixed "
+                         "loss scale, so every batch would be dropped: use bf16 or fp32")
     if encoder_share is not None and method.startswith("opacus-"):
         raise ValueError(f"dp.clipping={method} has one clip bound: dp.encoder_clip_share needs bookkeeping or vmap")
     if views > 1 and method.startswith("opacus-"):

@@ -125,7 +125,8 @@ def setup(params: dict, device: str) -> "Trainer":
         raise ValueError(f"{shards}/private index has {n} usable examples but stats.json says {stats_n}")
     release.check_noise_seed(dp, params["privacy"])
     try:
-        check_clipping(dp["clipping"], dp["precision"], device, dp["encoder_clip_share"], dp["mask_views"])
+        check_clipping(dp["clipping"], dp["precision"], device, dp["encoder_clip_share"], dp["mask_views"],
+                       objective(dp["objective"]).clipping)
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
     if dp["mask_views"] > 1 and not mcfg.reads_masks(dp["objective"]):

@@ -45,7 +45,7 @@ from pipeline.train import autocast, freeze, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
 SENSITIVITY_TOL = 1e-4  # fp32 round-off allowed above K·C
-AMPLIFY = 1e4           # loss factor that makes every gradient norm far exceed C
+AMPLIFY = 1e4           # how far every gradient norm exceeds C: the loss is multiplied (C divided in fp16)
 
 
 class Amplified(nn.Module):
@@ -88,8 +88,12 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
     dp, obj = params["dp"], objective(params["dp"]["objective"])
     vocab = params["tokenizer"]["vocab_size"] if obj.tokens else None
     mcfg = ModelConfig.from_params(params["model"], dp["objective"], vocab)
+    # Every example clipped: its loss amplified, or in fp16 (whose loss scale, 2^12, would overflow the
+    # amplified gradients to inf, every example dropped and nothing measured) C divided instead.
+    fp16 = dp["precision"] == "fp16"
+    factor, clip_norm = (1.0, dp["clip_norm"] / AMPLIFY) if fp16 else (AMPLIFY, dp["clip_norm"])
     # One step over a fixed batch, divided as dp-train divides (by the expected batch size per example).
-    plan = Plan.unaccounted(dp["objective"], obj.clipping, sigma, dp["clip_norm"], n=dp["expected_batch_size"])
+    plan = Plan.unaccounted(dp["objective"], obj.clipping, sigma, clip_norm, n=dp["expected_batch_size"])
     inputs, masks = public_inputs(params, batch_size, seed)
     views = dp["mask_views"]
 
@@ -97,19 +101,21 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
         mine = masks[idx[pos]] if masks is not None else None
         return tuple(x.to(device) for x in view_rows([x[idx[pos]] for x in inputs], mine, views))
 
+    dropped = []
+
     def release(indices: np.ndarray, key: int) -> torch.Tensor:
         torch.manual_seed(seed)
         built = build_model(dp["objective"], mcfg)
         freeze(built, dp["frozen"])  # as dp-train keeps them: out of the clipping and the noise
-        model = Amplified(built, AMPLIFY).to(device)
-        clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"],
+        model = Amplified(built, factor).to(device)
+        clipper = make_clipper(obj.clipping, model, clip_norm, dp["clipping"],
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
                                encoder_share=dp["encoder_clip_share"], views=views, compiled=dp["compile"])
         if dp["compile"]:  # as dp-train compiles it
             model.compile()
-        dp_step(0, sampler=FixedBatch(indices), fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
-                physical_batch_size=max(1, dp["physical_batch_size"] // views))
+        dropped.append(dp_step(0, sampler=FixedBatch(indices), fetch=fetch, clipper=clipper, plan=plan, key=key,
+                               world=world, physical_batch_size=max(1, dp["physical_batch_size"] // views)).nonfinite)
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
 
     batch = np.arange(batch_size)
@@ -117,10 +123,13 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
     noise = (first - second) * plan.denominator / math.sqrt(2)
     moves = [float((first - release(np.delete(batch, i), seed + 1)).norm()) * plan.denominator
              for i in range(removed)]
-    return judge(noise, max(moves), plan, world.size)
+    return judge(noise, max(moves), plan, world.size, sum(dropped))
 
 
-def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int) -> dict:
+def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int, dropped: int = 0) -> dict:
+    """`dropped`: examples (per batch: batches) the steps dropped as non-finite. An audit measures a
+    step only where it clips every example: a dropped one moves nothing, and a per-example step whose
+    removed examples move it by less than 0.9·C clipped none of them (or dropped them)."""
     accounted, bound = plan.noise_std, plan.sensitivity * plan.clip_norm
     d = noise.numel()
     measured = float(noise.pow(2).mean().sqrt())
@@ -136,6 +145,11 @@ def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int)
     if largest_move > bound * (1 + SENSITIVITY_TOL):
         problems.append(f"one example moves the released sum by {largest_move:.4g}, {largest_move / bound:.2f}× "
                         f"the accounted sensitivity K·C = {bound:.4g}")
+    if dropped:
+        problems.append(f"the audit's steps dropped {dropped} examples (or batches) as non-finite: it measured nothing")
+    elif plan.clipping == "per_sample" and largest_move < 0.9 * bound:
+        problems.append(f"a removed example moved the release by only {largest_move / bound:.3f}× C: every example "
+                        f"should be clipped, so the audit measured nothing")
     return {"parameters": d, "noise_std": measured, "noise_std_accounted": accounted, "noise_ratio": measured / accounted,
             "noise_p_low": p_low, "sensitivity": largest_move, "sensitivity_accounted": bound,
             "sensitivity_ratio": largest_move / bound, "sigma_accounted": plan.sigma,
