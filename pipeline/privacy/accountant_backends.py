@@ -79,14 +79,13 @@ def _pld_step(noise: float, q: float, interval: float, adjacency: str = "add_rem
 Parts = Tuple[Tuple[float, float, int], ...]
 
 
-@functools.lru_cache(maxsize=4096)
 def _pld_eps_at(noise: float, q: float, steps: int, delta: float, interval: float,
                 adjacency: str = "add_remove") -> float:
-    """dp_accounting PLD epsilon at one fixed discretisation interval."""
+    """dp_accounting PLD epsilon of one run at one fixed discretisation interval."""
     return _pld_parts_at(((noise, q, steps),), delta, interval, adjacency)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _pld_parts_at(parts: Parts, delta: float, interval: float, adjacency: str = "add_remove") -> float:
     """PLD epsilon of the parts composed, at one fixed discretisation interval."""
     composed = None
@@ -132,14 +131,12 @@ def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tu
     RuntimeWarning.  A PLD value above RDP is likewise a numerical failure
     (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
     """
-    at = (lambda v: _pld_eps_at(*parts[0], delta, v, adjacency)) if len(parts) == 1 else (
-        lambda v: _pld_parts_at(parts, delta, v, adjacency))
     interval = PLD_START_INTERVAL
-    values = [at(interval)]
+    values = [_pld_parts_at(parts, delta, interval, adjacency)]
     diffs: List[float] = []
     while True:
         interval /= 2
-        current = at(interval)
+        current = _pld_parts_at(parts, delta, interval, adjacency)
         if not math.isfinite(current):
             return current, interval
         diffs.append(abs(values[-1] - current))
