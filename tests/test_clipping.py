@@ -263,10 +263,13 @@ def test_mixed_routes_within_the_memory_budget_are_exact(monkeypatch):
 def test_gram_products_over_token_blocks_give_the_per_example_norm(tokens, block):
     """From two blocks on, only the Gram blocks on and above the diagonal are formed (the others count
     twice); in one block, only the columns up to a multiple of GRAM_ALIGN and the corner past it. The
-    result is still ‖Σ_t g_t a_tᵀ‖² of each example, as its instantiated gradient gives it."""
+    result is still ‖Σ_t g_t a_tᵀ‖² of each example, as its instantiated gradient gives it, and S =
+    Σ_t ‖a_t‖·‖g_t‖ (the rounding bound's scale) comes from the diagonal blocks."""
     a, g = torch.randn(3, tokens, 5, dtype=torch.float64), torch.randn(3, tokens, 7, dtype=torch.float64)
     want = torch.einsum("bto,bti->boi", g, a).flatten(1).pow(2).sum(1)
-    assert torch.allclose(gram_inner(a, g, block), want, rtol=1e-10)
+    got, s = gram_inner(a, g, block)
+    assert torch.allclose(got, want, rtol=1e-10)
+    assert torch.allclose(s, (a.norm(dim=-1) * g.norm(dim=-1)).sum(1), rtol=1e-10)
 
 
 def test_ghost_clipping_over_long_sequences_is_exact():

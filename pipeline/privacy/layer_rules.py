@@ -5,8 +5,8 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
 (B, ..., d), fp32; a Linear rule also takes them in the forward's bf16, `takes_low_precision`), and gives
 
   per_sample(m, a, g)     {param attr: (B, *shape)}  the instantiated per-example gradients
-  ghost_sq_norm(m, a, g)  (B,)                       ‖per-example gradient‖² without instantiating
-                                                     it (Linear, Embedding: `has_ghost`)
+  ghost_sq_norm(m, a, g)  (B,)                       a bound on ‖per-example gradient‖² without
+                                                     instantiating it (Linear, Embedding: `has_ghost`)
   clipped_sum(m, a, g, c) {param attr: shape}        Σ_i c_i · per-example gradient i (c: the clip
                                                      factors, (B,))
   group_views(m, a, g, K) (a, g) of B examples       from B·K rows, K consecutive rows per example
@@ -18,9 +18,9 @@ A rule reads one call of its layer: the layer's input `a` and the gradient `g` o
   Broadcast   P_i = g_i                       (cls/mask tokens, CLIP's temperature)
 
 Ghost norms use ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s). In floating point that sum can lose an
-example whose tokens cancel (its terms far larger than their total), so the clip factor is taken
-against a bound, the computed value plus its worst-case rounding (`gram_error`, `reach_sq`); the
-per-example route's norm is a sum of squares and needs none. Which route a Linear layer takes is a
+example whose tokens cancel (its terms far larger than their total), so `ghost_sq_norm` gives a
+bound, the computed value plus its worst-case rounding (`gram_error`); the per-example route's norm
+is a sum of squares and needs none. Which route a Linear layer takes is a
 question of time and memory only (mixed ghost clipping):
   ghost         the Gram products, B·T²·(d+p) multiply-adds (from 128 tokens only the blocks on and above
                 the diagonal, below it aligned columns and a corner: `gram_inner`), then the clipped sum
@@ -145,27 +145,35 @@ def as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() != 2 else x.unsqueeze(1)
 
 
-def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """(B,) Σ_{t,s} (a_t·a_s)(g_t·g_s) = ‖Σ_t g_t a_tᵀ‖² per example, of a (B, T, d) and g (B, T, p);
-    `block` tokens per block (default GRAM_BLOCK, read at the call)."""
+def gram_inner(a: torch.Tensor, g: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) Σ_{t,s} (a_t·a_s)(g_t·g_s) = ‖Σ_t g_t a_tᵀ‖² per example, of a (B, T, d) and g (B, T, p), as
+    computed, and (B,) S = Σ_t ‖a_t‖·‖g_t‖ from the Gram matrices' diagonals, for the rounding bound
+    (`gram_error`); `block` tokens per block (default GRAM_BLOCK, read at the call)."""
     T, block = a.shape[1], block or GRAM_BLOCK
     width = torch.promote_types(a.dtype, torch.float32)  # fp32, or fp64 given fp64
     if T < 2 * block:
-        return gram_inner_one_block(a, g).to(width)
+        total, s = gram_inner_one_block(a, g)
+        return total.to(width), s
     cuts = [i * block for i in range(max(1, T // block))] + [T]  # the last block takes the remainder
     blocks = [(a[:, s:e], g[:, s:e]) for s, e in zip(cuts, cuts[1:])]
-    total = 0
+    total, s = 0, 0
     for i, (a_i, g_i) in enumerate(blocks):
-        total = total + gram_inner_one_block(a_i, g_i)
+        block_total, block_s = gram_inner_one_block(a_i, g_i)
+        total, s = total + block_total, s + block_s
         for a_j, g_j in blocks[i + 1:]:  # the later (perhaps longer) block as rows: the columns stay aligned
-            total = total + 2 * dot64(mm32(a_j, a_i.transpose(1, 2)), mm32(g_j, g_i.transpose(1, 2)))
-    return total.to(width)
+            total = total + 2 * row_dot(mm32(a_j, a_i.transpose(1, 2)), mm32(g_j, g_i.transpose(1, 2)))
+    return total.to(width), s
 
 
-def dot64(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """(B,) Σ p⊙q over each example's entries, summed in fp64: the Gram products' fp32 entries are
-    summed without adding a rounding error of their own that grows with T² (`gram_error`)."""
-    return (p.double() * q.double()).sum((1, 2))
+def row_dot(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(B,) Σ p⊙q over each example's entries: each row's products summed in the Gram products' precision,
+    the rows' sums in fp64, so the rounding added grows with T, not T² (`gram_error`)."""
+    return (p * q).sum(2).double().sum(1)
+
+
+def diagonal_s(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(B,) Σ_t √(P_tt·Q_tt) = Σ_t ‖a_t‖·‖g_t‖ over the square Gram matrices' tokens."""
+    return (torch.diagonal(p, dim1=1, dim2=2) * torch.diagonal(q, dim1=1, dim2=2)).clamp_min(0).sqrt().sum(1)
 
 
 # Unit roundoff of an fp32 accumulation, doubled: a GPU's tensor cores may align addends by truncation.
@@ -179,26 +187,29 @@ def gamma(n: int, u: float = ACC_ROUNDOFF) -> float:
 
 def gram_error(d: int, p: int, tokens: int) -> float:
     """κ with |gram_inner(a, g) − ‖Σ_t g_t a_tᵀ‖²| ≤ κ·S², S = Σ_t ‖a_t‖‖g_t‖, however the tokens cancel:
-    each entry of a·aᵀ (d terms) is within γ_d·‖a_t‖‖a_s‖, each of g·gᵀ within γ_p·‖g_t‖‖g_s‖, their
-    products are summed in fp64 and the total rounded to fp32 once; the margin covers S's own fp32
-    rounding. Where tokens cancel (inputs that nearly repeat with opposite gradients) the computed
-    value can be far below the true one, even 0: the clipper takes sq + κ·S² as the norm."""
-    gd, gp = gamma(d), gamma(p)
-    kappa = gd + gp + gd * gp + gamma(tokens * tokens + 1, 2.0**-53) * (1 + gd) * (1 + gp) + 2.0**-24
+    each entry of a·aᵀ (d terms) is within γ_d·‖a_t‖‖a_s‖, each of g·gᵀ within γ_p·‖g_t‖‖g_s‖, each
+    row's products are rounded and summed in fp32 (γ_T), the rows in fp64, the total rounded to fp32
+    once; the margin covers S's own rounding (from the diagonals: sums of squares, relative γ_d, γ_p).
+    Where tokens cancel (inputs that nearly repeat with opposite gradients) the computed value can be
+    far below the true one, even 0: the clipper takes sq + κ·S² as the norm."""
+    gd, gp, gt = gamma(d), gamma(p), gamma(tokens + 1)
+    kappa = (1 + gd) * (1 + gp) * (1 + gt) * (1 + gamma(tokens * tokens + 1, 2.0**-53)) * (1 + 2.0**-24) - 1
     return kappa * (1 + 8 * (d + p + tokens) * 2.0**-24)
 
 
-def gram_inner_one_block(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def gram_inner_one_block(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gram_inner with every token in one block. P = a·aᵀ and Q = g·gᵀ are symmetric, so Σ P⊙Q over
     the first m columns (every row), plus the same over rows m.. (the columns m.. above the corner,
     transposed), plus the r×r corner's, is the whole sum; m is T rounded down to GRAM_ALIGN."""
     m = a.shape[1] - a.shape[1] % GRAM_ALIGN
     if m in (0, a.shape[1]):
-        return dot64(mm32(a, a.transpose(1, 2)), mm32(g, g.transpose(1, 2)))
+        p_all, q_all = mm32(a, a.transpose(1, 2)), mm32(g, g.transpose(1, 2))
+        return row_dot(p_all, q_all), diagonal_s(p_all, q_all)
     p_cols, q_cols = mm32(a, a[:, :m].transpose(1, 2)), mm32(g, g[:, :m].transpose(1, 2))
     a_r, g_r = a[:, m:], g[:, m:]
-    return (dot64(p_cols, q_cols) + dot64(p_cols[:, m:], q_cols[:, m:])
-            + dot64(mm32(a_r, a_r.transpose(1, 2)), mm32(g_r, g_r.transpose(1, 2))))
+    p_corner, q_corner = mm32(a_r, a_r.transpose(1, 2)), mm32(g_r, g_r.transpose(1, 2))
+    return (row_dot(p_cols, q_cols) + row_dot(p_cols[:, m:], q_cols[:, m:]) + row_dot(p_corner, q_corner),
+            diagonal_s(p_cols[:, :m], q_cols[:, :m]) + diagonal_s(p_corner, q_corner))
 
 
 class LayerRule:
@@ -210,7 +221,7 @@ class LayerRule:
         raise NotImplementedError
 
     def ghost_sq_norm(self, m, a, g) -> torch.Tensor:
-        """(B,) ‖per-example gradient‖² without instantiating it (only where has_ghost)."""
+        """(B,) a bound on ‖per-example gradient‖², without instantiating it (only where has_ghost)."""
         raise NotImplementedError
 
     def ghost_is_faster(self, m, a, g) -> bool:
@@ -269,8 +280,10 @@ class LinearRule(LayerRule):
         return out
 
     def ghost_sq_norm(self, m, a, g):
+        """A bound: the Gram products and their worst-case rounding, κ·S² (`gram_error`)."""
         g3 = as_3d(g)
-        sq = gram_inner(as_3d(a), g3)
+        sq, s = gram_inner(as_3d(a), g3)
+        sq = sq.clamp_min(0) + gram_error(m.in_features, m.out_features, g3.shape[1]) * s.square()
         if m.bias is not None:
             sq = sq + sum32(g3, 1).pow(2).sum(1)
         return sq
@@ -285,14 +298,13 @@ class LinearRule(LayerRule):
         return B * (d * p - T * (d + p))
 
     def reach_sq(self, m, a, g, sq):
-        """The true ‖G‖² is within κ·S² of the Gram products' (`gram_error`; S = Σ_t ‖g_t‖·‖a_t‖). On the
-        bf16 GEMM, rounding c·(one side) to bf16 moves token t's product by δ_t with ‖δ_t‖ ≤
-        u·c·‖g_t‖·‖a_t‖, so the example's weight gradient by at most u·c·S more, whatever cancels."""
-        a3, g3 = as_3d(a), as_3d(g)
-        norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # noqa: E731
-        s = (norms(a3) * norms(g3)).sum(1)
-        true_sq = sq.clamp_min(0) + gram_error(a3.shape[-1], g3.shape[-1], g3.shape[1]) * s.square()
-        return (true_sq.sqrt() + BF16_ROUNDOFF * s).square() if low_gemm_applies(a3, g3) else true_sq
+        """On the bf16 GEMM, rounding c·(one side) to bf16 moves token t's product by δ_t with ‖δ_t‖ ≤
+        u·c·‖g_t‖·‖a_t‖, so the example's weight gradient by at most u·c·Σ_t ‖g_t‖·‖a_t‖ beyond its norm
+        (`sq`, a bound already), whatever cancels."""
+        if not low_gemm_applies(a, g):
+            return None
+        norms = lambda x: torch.linalg.vector_norm(as_3d(x), dim=-1, dtype=torch.float32)  # noqa: E731
+        return (sq.sqrt() + BF16_ROUNDOFF * (norms(a) * norms(g)).sum(1)).square()
 
     def clipped_sum(self, m, a, g, factors):
         g3, a3 = as_3d(g), as_3d(a)
@@ -348,16 +360,14 @@ class EmbeddingRule(LayerRule):
         return B * (m.num_embeddings * m.embedding_dim - T * m.embedding_dim)
 
     def ghost_sq_norm(self, m, ids, g):
+        """A bound, as a Linear's: a repeated id's gradients may cancel; each entry of g·gᵀ is within
+        γ_p·‖g_t‖‖g_s‖ and the 0/1 matrix is exact (`gram_error` with d = 0, S = Σ_t ‖g_t‖)."""
         g3, ids = as_3d(g), ids.reshape(g.shape[0], -1)
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g3.dtype)
-        return dot64(same, g3 @ g3.transpose(1, 2)).to(g3.dtype)
-
-    def reach_sq(self, m, ids, g, sq):
-        """A repeated id's gradients may cancel: each entry of g·gᵀ is within γ_p·‖g_t‖‖g_s‖, so the
-        true ‖E‖² within κ·(Σ_t ‖g_t‖)² of `sq` (the 0/1 matrix is exact: `gram_error` with d = 0)."""
-        g3 = as_3d(g)
-        s = torch.linalg.vector_norm(g3, dim=-1, dtype=torch.float32).sum(1)
-        return sq.clamp_min(0) + gram_error(0, g3.shape[-1], g3.shape[1]) * s.square()
+        q = g3 @ g3.transpose(1, 2)
+        s = torch.diagonal(q, dim1=1, dim2=2).clamp_min(0).sqrt().sum(1)
+        sq = row_dot(same, q).to(g3.dtype).clamp_min(0)
+        return sq + gram_error(0, g3.shape[-1], g3.shape[1]) * s.square()
 
     def group_views(self, m, ids, g, views):
         return ids.reshape(ids.shape[0] // views, -1), g.reshape(g.shape[0] // views, -1, g.shape[-1])
