@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.config import ParamsError, load_params, read_resolved, sections_of
-from pipeline.errors import PrivateDataError, RanksDisagree, StageBusy, Stopped, VerificationFailed
+from pipeline.errors import (BudgetCorrupt, BudgetNotHere, PrivateDataError, RanksDisagree, StageBusy, Stopped,
+                             VerificationFailed)
 from pipeline.stages import STAGES, Stage, stage
 
 
@@ -132,7 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Compose only the DP runs charged to examples the run of LEDGER trained on, "
                                    "into .dpfm/owner/composition.json (the data owner's: which sets share "
                                    "examples is a fact about the private data, and so is how long this takes, "
-                                   "so no stage computes it).")
+                                   "so no stage computes it). Examples are matched by their bytes: the same "
+                                   "images re-encoded (another shards.image_size, a new download) are not "
+                                   "matched, and runs on them are left out; the published composition, which "
+                                   "takes every run, is not.")
     p.add_argument("--ledger", default="models/dp/ledger.json", help="a run's published ledger")
     p.set_defaults(func=_owner_composition)
 
@@ -219,7 +223,7 @@ def main(argv=None) -> int:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
     # No traceback: PrivateDataError's would name what it keeps owner-only.
-    except (StageBusy, RanksDisagree, PrivateDataError) as e:
+    except (StageBusy, RanksDisagree, PrivateDataError, BudgetNotHere, BudgetCorrupt) as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 1
     except OSError as e:

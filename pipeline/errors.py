@@ -28,3 +28,11 @@ class RanksDisagree(RuntimeError):
     """The ranks of one run would start from different states (another step, other weights) or sample
     from different data: a node that does not see the run's state directory or the shards, or sees a
     stale copy of them."""
+
+
+class BudgetNotHere(RuntimeError):
+    """A privacy budget was pushed (git tracks its data/budget.dvc) but is not in this checkout."""
+
+
+class BudgetCorrupt(ValueError):
+    """A charge in the privacy budget cannot be read."""

@@ -246,6 +246,41 @@ def test_a_torn_last_line_is_ignored_and_the_next_run_is_charged(in_tmp):
     assert [e["run"] for e in budget.runs(d[0])] == ["r", "next"]
 
 
+def test_a_line_lost_before_the_last_stops_every_reader_by_name(in_tmp):
+    """Only a last line without its newline is a torn charge; a bad line before it is a charge lost (an
+    edit, two writers on a file system without locks), and composing without it would undercount."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "r")
+    charge(*d, "s")
+    path = budget.BUDGET_DIR / "runs.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0][:25] + "\n" + lines[1])
+    for read in (lambda: budget.runs(d[0]), lambda: charge(*d, "t")):
+        with pytest.raises(budget.BudgetCorrupt, match="runs.jsonl, line 1, is not a charge"):
+            read()
+
+
+def test_a_budget_that_was_pushed_but_is_not_here_is_refused_until_it_is_pulled(in_tmp):
+    """A fresh clone has git's data/budget.dvc but not the budget: starting an empty one there would
+    publish an ε that forgets every run the pushed budget holds."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "before")
+    pushed = in_tmp / "remote-copy"
+    shutil.copytree(budget.BUDGET_DIR, pushed)  # what `make push` uploads
+    shutil.rmtree(budget.BUDGET_DIR)
+    budget.BUDGET_DIR.with_suffix(".dvc").write_text("outs:\n- path: budget\n")  # what git brings
+    ledger = {**plan().header(), "run": "after", "data_identity": d[0]}
+    for start in (lambda: shard(in_tmp / "e", examples(10)), lambda: charge(*d, "after"),
+                  lambda: budget.composition(ledger, DELTA)):
+        with pytest.raises(budget.BudgetNotHere, match=r"dvc pull data/budget.dvc"):
+            start()
+    assert not budget.BUDGET_DIR.exists()  # nothing started in its place
+    shutil.copytree(pushed, budget.BUDGET_DIR)  # `dvc pull`
+    charge(*d, "after")
+    assert [e["run"] for e in budget.runs(d[0])] == ["before", "after"]
+    assert budget.composition(ledger, DELTA)["runs"] == 2
+
+
 def test_one_run_charged_by_two_processes_at_once_is_charged_once(in_tmp, monkeypatch):
     """Processes charge side by side (a run started twice): the check for a run and its line are one step.
     Each charge, once it has read the record, waits for the other to have read it too: without the
@@ -257,8 +292,8 @@ def test_one_run_charged_by_two_processes_at_once_is_charged_once(in_tmp, monkey
     ctx = multiprocessing.get_context("fork")
     both_read, parse = ctx.Barrier(2), budget._parse
 
-    def parse_then_meet(text):
-        entries = parse(text)
+    def parse_then_meet(text, path):
+        entries = parse(text, path)
         try:
             both_read.wait(timeout=3)
         except threading.BrokenBarrierError:

@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 
 from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
+from pipeline.errors import BudgetCorrupt, BudgetNotHere
 from pipeline.io import atomic_path, drop_torn_tail
 from pipeline.privacy.accountant_backends import composed_epsilon as composed_pld_epsilon
 from pipeline.privacy.plan import Plan
@@ -53,11 +54,22 @@ BUDGET_DIR = Path("data/budget")
 SKETCH_BITS = 24  # 2 MiB per set: disjoint sets of n₁ and n₂ examples share a bit with chance ≈ n₁n₂/2²⁴
 
 
+def _check_here() -> None:
+    """Refuse to start a budget, or compose one, where `make push` recorded one that is absent (a fresh
+    clone, a `dvc exp` workspace, before `make restore`): an empty budget would forget every run the
+    pushed one holds, under a new owner's key, and the ε published would leave them out."""
+    pointer = BUDGET_DIR.with_suffix(".dvc")
+    if pointer.exists() and not any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
+        raise BudgetNotHere(f"{pointer} records a privacy budget that is not in {BUDGET_DIR}/: run `dvc pull "
+                            f"{pointer}` (or `make restore`) first, so that this run composes with the runs it holds")
+
+
 def _names_key() -> bytes:
     """The data owner's key for naming private data in public: made once, never replaced (a second
     process making one at the same moment takes the first's)."""
     path = BUDGET_DIR / "names.key"
     if not path.exists():
+        _check_here()
         BUDGET_DIR.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".names.key.", dir=BUDGET_DIR)  # owner-only from its first byte
         try:
@@ -159,6 +171,7 @@ def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str) -> 
 
 def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...]) -> None:
     """Append `entry` to the budget unless an entry agrees with it on `same` (a resume)."""
+    _check_here()
     _save_sketch(identity, sketch)
     entry["recorded"] = int(time.time())  # whole seconds: a fixed width
     BUDGET_DIR.mkdir(parents=True, exist_ok=True)
@@ -169,7 +182,7 @@ def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...
             pass
         drop_torn_tail(BUDGET_DIR / "runs.jsonl")  # a charge cut by a kill: its run had not started
         f.seek(0)
-        if any(all(e.get(k) == entry[k] for k in same) for e in _parse(f.read())):
+        if any(all(e.get(k) == entry[k] for k in same) for e in _parse(f.read(), BUDGET_DIR / "runs.jsonl")):
             return  # a resume: the same batches and noise (an entry from before keys were recorded charges again)
         f.write(json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
@@ -178,18 +191,27 @@ def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...
 
 def _entries() -> list[dict]:
     """Every charged run."""
+    _check_here()
     path = BUDGET_DIR / "runs.jsonl"
-    return _parse(path.read_text()) if path.exists() else []
+    return _parse(path.read_text(), path) if path.exists() else []
 
 
-def _parse(text: str) -> list[dict]:
-    """The entries of runs.jsonl (a line torn by a kill is dropped: its run had not started)."""
+def _parse(text: str, path: Path) -> list[dict]:
+    """The entries of runs.jsonl. A last line without its newline was torn by a kill inside a charge
+    (its run had not started) and is dropped; any other line that does not read is a charge lost
+    (an edit, two writers without a lock) and stops every reader rather than leave a run uncomposed."""
+    lines = text.split("\n")
     out = []
-    for line in text.splitlines():
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            continue
+            if number == len(lines):  # no newline after it: torn
+                continue
+            raise BudgetCorrupt(f"{path}, line {number}, is not a charge: the budget cannot say what was spent; "
+                                "restore it from its DVC remote (`dvc pull`) or mend the line") from None
     return out
 
 
