@@ -51,6 +51,10 @@ from torch.func import functional_call, grad, vmap
 from pipeline.privacy import layer_rules
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, fp32_only, rule_for
 
+# The clipped sum over micro-batches and ranks: in fp32 its rounding, ~2^-24·B·C, moved the other
+# examples' part by more than the audit's tolerance when one left, growing with B (docs/privacy.md).
+SUM_DTYPE = torch.float64
+
 # Per-example gradients instantiated for speed may hold this share of the bytes the layers' inputs and
 # output gradients take (and a non-private backward holds too): memory traded for time. Bytes, not
 # floats: under bf16 autocast an fp32 per-example gradient weighs twice a bf16 output gradient. Peak live
@@ -72,14 +76,15 @@ class UnboundableModel(TypeError):
     """The model has something per-example clipping cannot bound; the message names it."""
 
 
-def reject_unboundable(model: nn.Module, per_example_rules: bool) -> None:
+def reject_unboundable(model: nn.Module, per_example_rules: bool, per_example: bool = True) -> None:
     """Refuse, before step 1, what would break the bound C: buffers that change with the data
-    (BatchNorm's running statistics leave the DP boundary un-noised), and for the hook-based clipper
-    also trainable parameters outside a registered layer and tied parameters (a weight used by two
-    layers gets a per-example norm up to √2 off)."""
-    problems = [f"{name or 'the model'} ({type(m).__name__}) keeps running statistics of its inputs"
-                for name, m in model.named_modules()
-                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    (BatchNorm's running statistics leave the DP boundary un-noised); per example, normalising over
+    the batch (one example moves the others' gradients: 20·C with a bare BatchNorm1d); for the hook-based
+    clipper also parameters outside a registered layer and tied ones (a norm up to √2 off)."""
+    problems = [f"{name or 'the model'} ({type(m).__name__}) " + ("keeps running statistics of its inputs"
+                if m.track_running_stats else "normalises over the batch, which couples the examples")
+                for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                and (m.track_running_stats or per_example and isinstance(m, nn.modules.batchnorm._BatchNorm))]
     if per_example_rules:
         owners: dict[int, list[str]] = {}
         for name, m in model.named_modules():
@@ -209,7 +214,7 @@ def examples(batch: tuple[torch.Tensor, ...], views: int) -> int:
 
 
 class ClippedSum:
-    """What every clipper shares: `sum` (name -> fp32 tensor), reset, the forward under autocast."""
+    """What every clipper shares: `sum` (name -> SUM_DTYPE tensor), reset, the forward under autocast."""
 
     mode = "per_sample"
 
@@ -226,7 +231,7 @@ class ClippedSum:
         self.sum = None
 
     def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
+        self.sum = {n: torch.zeros_like(p, dtype=SUM_DTYPE) for n, p in self.params.items()}
 
     def unscaled(self, g: torch.Tensor) -> torch.Tensor:
         """g in fp32 without the fp16 loss scale (no copy of an fp32 g without one: /1 was a pass over it)."""
@@ -445,7 +450,7 @@ class PerBatchClipper(ClippedSum):
     mode = "per_batch"
 
     def __init__(self, model: nn.Module, clip_norm: float, gather=None, **kw):
-        reject_unboundable(model, per_example_rules=False)
+        reject_unboundable(model, per_example_rules=False, per_example=False)  # the batch is coupled anyway
         super().__init__(model, clip_norm, **kw)
         if self.views > 1:
             raise ValueError("per-batch clipping has no per-example gradient to average mask views in")

@@ -23,7 +23,8 @@ Sensitivity K·C under add/remove of one example x:
                Under W ranks the parts are summed before the one clip, so the bound is the same
                for any W (clipping each rank's part and summing would give 2·W·C).
 
-All of 2-5 is fp32 outside autocast (clipping.py); only the model's forward runs in bf16/fp16.
+All of 2-5 is fp32 outside autocast (clipping.py), and the sums over micro-batches and ranks, the
+noise and the division fp64 (clipping.SUM_DTYPE); only the model's forward runs in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from pipeline.distributed import World, all_reduce_sum
-from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
+from pipeline.privacy.clipping import SUM_DTYPE, BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
 from pipeline.privacy.plan import Plan
 from pipeline.train import NOISE, step_generator
@@ -141,7 +142,7 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     for positions in micro_batches(len(indices), clipper.mode, physical_batch_size, world):
         nonfinite += clipper.accumulate(*fetch(step, indices, positions)).nonfinite
     device = next(iter(clipper.sum.values())).device
-    count = torch.tensor([float(nonfinite)], device=device)
+    count = torch.tensor([float(nonfinite)], dtype=SUM_DTYPE, device=device)
     all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
     dropped = clipper.finish(len(indices))
     add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE, device))
@@ -150,8 +151,9 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
 
 def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
     """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, in
-    place in the fp32 sums. The noise is drawn on the sums' device from the step's generator, one
-    parameter after another in a fixed order, so every rank and every re-run draws the same noise."""
+    place in the fp64 sums, rounded to the parameter's dtype last (post-processing of the noisy sum).
+    The noise is drawn in fp32 on the sums' device from the step's generator, one parameter after
+    another in a fixed order, so every rank and every re-run draws the same noise."""
     for name, total in clipper.sum.items():
         p = clipper.params[name]
         if noise_std > 0:

@@ -17,7 +17,7 @@ import torch
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 
 from pipeline.models.layers import BroadcastParameter
-from pipeline.privacy.clipping import ClipStats, clip_factors
+from pipeline.privacy.clipping import SUM_DTYPE, ClipStats, clip_factors
 
 
 class _OpacusBase:
@@ -46,7 +46,7 @@ class _OpacusBase:
             m.weight.requires_grad_(False)
 
     def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
+        self.sum = {n: torch.zeros_like(p, dtype=SUM_DTYPE) for n, p in self.params.items()}
 
     def finish(self, batch_size: int) -> int:
         return 0
