@@ -67,6 +67,45 @@ def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_di
         assert torch.equal(v, got.model[k]), k
 
 
+def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_the_same_run(data_dir, tmp_path,
+                                                                                              monkeypatch):
+    """An out-of-memory stop advises a smaller dp.physical_batch_size: the run must resume under it (and
+    under other checkpoint_every, eval_every), with its batches and noise, charged once, not start again
+    under a fresh key and charge the budget twice. A run keyed with those knobs, before they left the
+    key, resumes as well."""
+    from stage_runs import charged_runs
+
+    ref_ledger, ref = train(project(data_dir, tmp_path / "ref"))
+    real = engine.add_noise
+
+    def stopped_at_step_6(work, more=()):
+        calls = []
+
+        def crashing(*args, **kw):
+            calls.append(1)
+            if len(calls) == 6:
+                raise Crash
+            return real(*args, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(engine, "add_noise", crashing)
+            with pytest.raises(Crash):
+                train(work, more)
+
+    for name, keyed_before in (("smaller", False), ("keyed-before", True)):
+        work = project(data_dir, tmp_path / name)
+        with monkeypatch.context() as m:
+            if keyed_before:
+                m.setattr(training, "HOW_IT_RUNS", ())
+            stopped_at_step_6(work)
+        resumed = [] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2", "dp.eval_every=3"]
+        ledger, got = train(work, resumed)
+        assert [r["run"] for r in charged_runs(work)] == [ledger["run"]], name  # charged once
+        assert ledger["steps"] == 6 and ledger["batch_sizes"] == ref_ledger["batch_sizes"], name
+        for k, v in ref.model.items():  # the same step, summed in other micro-batches: rounding apart
+            assert torch.allclose(v, got.model[k], rtol=1e-4, atol=1e-6), (name, k)
+
+
 def test_the_secret_key_is_owner_only_from_its_first_byte_and_kept(tmp_path, monkeypatch):
     """Written and then chmod'ed, the key was world-readable for a moment (under a permissive
     umask): every file holding it must already be 0600 before any chmod, and whole when it appears."""

@@ -156,6 +156,10 @@ def setup(params: dict, device: str) -> "Trainer":
 
 
 NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "log_private_stats")
+# Keys of how a run is computed, not what it releases (the same batches, clip bound and noise): after an
+# out-of-memory a smaller dp.physical_batch_size, as its message advises, must resume the run, not
+# start another under a fresh key and charge the whole budget again.
+HOW_IT_RUNS = ("physical_batch_size", "data_workers", "checkpoint_every", "eval_every", "compile")
 RUN_SECTIONS = ("run", "model", "dp")  # what a DP training is: dp-train, the curve and the seeds key it by them
 
 
@@ -168,7 +172,9 @@ def work_dir(params: dict, trainer: "Trainer"):
     dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
     # The adjacency sets σ (calibrated to it): another adjacency is another mechanism, another run.
     dp["adjacency"] = params["privacy"]["adjacency"]
-    return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": dp}, inputs, name=budget.public_name)
+    keyed = [state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": form}, inputs, name=budget.public_name)
+             for form in ({k: v for k, v in dp.items() if k not in HOW_IT_RUNS}, dp)]
+    return next((path for path in keyed if path.is_dir()), keyed[0])  # or a run keyed with them, from before
 
 
 def one_process(work, world):
