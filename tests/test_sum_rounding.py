@@ -3,6 +3,7 @@ rounding alone, and by less than the step audit's tolerance above C: the clipped
 over micro-batches and summed over ranks in fp64 (clipping.SUM_DTYPE). In fp32 that rounding is
 about 2^-24·B·C and grows with B (every later micro-batch shifts when an example leaves), so the
 sensitivity the accountant is told, C, was exceeded by more than the tolerance from B ≈ 1,000 on.
+Dp-CLIP sums in fp32: its one clip, after the sum, bounds whatever the sum rounded to.
 
 Measured on the real step (`dp_step`, every example clipped, σ = 0) for every objective at 1 and 2
 ranks: R(B) − R(B∖x) − R({x}), the part of the move that is not x's own contribution."""
@@ -80,5 +81,5 @@ def test_the_others_part_of_a_large_batch_moves_by_less_than_the_audits_toleranc
 @pytest.mark.parametrize("name", [n for n, o in OBJECTIVES.items() if o.clipping == "per_sample"])
 def test_fp32_sums_move_the_others_by_more_than_the_tolerance(monkeypatch, name):
     """The measurement above can fail: with the sums kept in fp32 it reads several times the tolerance."""
-    monkeypatch.setattr(clipping, "SUM_DTYPE", torch.float32)
+    monkeypatch.setattr(clipping.ClippedSum, "sum_dtype", torch.float32)
     assert moves(name, World())["others"] > 2 * SENSITIVITY_TOL

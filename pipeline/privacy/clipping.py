@@ -51,8 +51,7 @@ from torch.func import functional_call, grad, vmap
 from pipeline.privacy import layer_rules
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, fp32_only, rule_for
 
-# The clipped sum over micro-batches and ranks: in fp32 its rounding, ~2^-24·B·C, moved the other
-# examples' part by more than the audit's tolerance when one left, growing with B (docs/privacy.md).
+# Per-example sums over micro-batches and ranks: fp32's rounding, ~2^-24·B·C, grew with B (docs/privacy.md).
 SUM_DTYPE = torch.float64
 
 # Per-example gradients instantiated for speed may hold this share of the bytes the layers' inputs and
@@ -214,9 +213,10 @@ def examples(batch: tuple[torch.Tensor, ...], views: int) -> int:
 
 
 class ClippedSum:
-    """What every clipper shares: `sum` (name -> SUM_DTYPE tensor), reset, the forward under autocast."""
+    """What every clipper shares: `sum` (name -> `sum_dtype` tensor), reset, the forward under autocast."""
 
     mode = "per_sample"
+    sum_dtype = SUM_DTYPE
 
     def __init__(self, model: nn.Module, clip_norm: float, autocast=contextlib.nullcontext, loss_scale: float = 1.0,
                  encoder_share: float | None = None, views: int = 1):
@@ -231,7 +231,7 @@ class ClippedSum:
         self.sum = None
 
     def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p, dtype=SUM_DTYPE) for n, p in self.params.items()}
+        self.sum = {n: torch.zeros_like(p, dtype=self.sum_dtype) for n, p in self.params.items()}
 
     def unscaled(self, g: torch.Tensor) -> torch.Tensor:
         """g in fp32 without the fp16 loss scale (no copy of an fp32 g without one: /1 was a pass over it)."""
@@ -448,6 +448,7 @@ class PerBatchClipper(ClippedSum):
     divides by the batch size and clips the total: C bounds the whole batch, whatever the world size."""
 
     mode = "per_batch"
+    sum_dtype = torch.float32  # the one clip after the sum bounds whatever the sum rounded to
 
     def __init__(self, model: nn.Module, clip_norm: float, gather=None, **kw):
         reject_unboundable(model, per_example_rules=False, per_example=False)  # the batch is coupled anyway
@@ -485,6 +486,7 @@ class PerBatchClipper(ClippedSum):
 
 class PlainSum(ClippedSum):
     """Σ_i ∇loss_i with no clipping: the non-private baseline of a per-example recipe (never DP)."""
+    sum_dtype = torch.float32
 
     def accumulate(self, *batch: torch.Tensor) -> ClipStats:
         examples(batch, self.views)

@@ -23,8 +23,8 @@ Sensitivity K·C under add/remove of one example x:
                Under W ranks the parts are summed before the one clip, so the bound is the same
                for any W (clipping each rank's part and summing would give 2·W·C).
 
-All of 2-5 is fp32 outside autocast (clipping.py), and the sums over micro-batches and ranks, the
-noise and the division fp64 (clipping.SUM_DTYPE); only the model's forward runs in bf16/fp16.
+All of 2-5 is fp32 outside autocast (clipping.py), and per example the sums over micro-batches and
+ranks, the noise and the division fp64 (clipping.SUM_DTYPE); only the model's forward runs in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pipeline.distributed import World, all_reduce_sum
-from pipeline.privacy.clipping import SUM_DTYPE, BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
+from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
 from pipeline.privacy.plan import Plan
 from pipeline.train import NOISE, step_generator
@@ -141,17 +141,17 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     nonfinite = 0
     for positions in micro_batches(len(indices), clipper.mode, physical_batch_size, world):
         nonfinite += clipper.accumulate(*fetch(step, indices, positions)).nonfinite
-    device = next(iter(clipper.sum.values())).device
-    count = torch.tensor([float(nonfinite)], dtype=SUM_DTYPE, device=device)
+    first = next(iter(clipper.sum.values()))
+    count = torch.tensor([float(nonfinite)], dtype=first.dtype, device=first.device)
     all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
     dropped = clipper.finish(len(indices))
-    add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE, device))
+    add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE, first.device))
     return StepResult(len(indices), int(count.item()) + dropped)
 
 
 def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
     """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, in
-    place in the fp64 sums, rounded to the parameter's dtype last (post-processing of the noisy sum).
+    place in the sums (fp64 per example), rounded to the parameter's dtype last (post-processing).
     The noise is drawn in fp32 on the sums' device from the step's generator, one parameter after
     another in a fixed order, so every rank and every re-run draws the same noise."""
     for name, total in clipper.sum.items():
