@@ -51,17 +51,17 @@ from torch.func import functional_call, grad, vmap
 from pipeline.privacy import layer_rules
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, fp32_only, rule_for
 
-# Per-example sums over micro-batches and ranks: fp32's rounding, ~2^-24·B·C, grew with B (docs/privacy.md).
-SUM_DTYPE = torch.float64
+SUM_DTYPE = torch.float64  # per-example sums of several parts: fp32's rounding grew with B (docs/privacy.md)
 
-# Per-example gradients instantiated for speed may hold this share of the bytes the layers' inputs and
-# output gradients take (and a non-private backward holds too): memory traded for time. Bytes, not
-# floats: under bf16 autocast an fp32 per-example gradient weighs twice a bf16 output gradient. Peak live
-# memory against the non-private step (benchmarks/dp_overhead.py), time in brackets, at 0 / 0.04 / 0.1:
-# the CPU recipe's captioner (width 96, batch 256) 1.085 / 1.086 / 1.14 (1.32 / ~1.26 / 1.19); the
-# 224 px captioner (ViT-S/16, batch 8) 1.011 / 1.044 / 1.11 (1.23 / ~1.21 / 1.20; the Gram blocks of
-# layer_rules.gram_inner later took it to 1.17 at 0.04). 0.04 is the most that keeps every model within
-# 1.1× memory (tests/test_clipping_memory.py checks the recipe's models).
+
+def zero_sums(params: dict, dtype: torch.dtype, parts: int) -> dict:
+    """Zeroed sums for a step adding up `parts` partial sums (micro-batches × ranks) in `dtype`; one part,
+    one fp32 product's output, is kept in fp32: no sum rounds, and it holds 4 bytes a parameter less."""
+    return {n: torch.zeros_like(p, dtype=dtype if parts > 1 else torch.float32) for n, p in params.items()}
+
+# Instantiated per-example gradients may hold this share of the bytes of the layers' inputs and output
+# gradients (which a non-private backward holds too): memory for time. 0.04 keeps every model within
+# 1.1x the non-private memory (docs/results.md, "DP overhead"; tests/test_clipping_memory.py).
 HELD_BUDGET = 0.04
 
 
@@ -230,8 +230,8 @@ class ClippedSum:
         self.bounds = torch.tensor(bounds, dtype=torch.float32, device=device)
         self.sum = None
 
-    def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p, dtype=self.sum_dtype) for n, p in self.params.items()}
+    def reset(self, parts: int = 1) -> None:
+        self.sum = zero_sums(self.params, self.sum_dtype, parts)
 
     def unscaled(self, g: torch.Tensor) -> torch.Tensor:
         """g in fp32 without the fp16 loss scale (no copy of an fp32 g without one: /1 was a pass over it)."""

@@ -23,8 +23,8 @@ Sensitivity K·C under add/remove of one example x:
                Under W ranks the parts are summed before the one clip, so the bound is the same
                for any W (clipping each rank's part and summing would give 2·W·C).
 
-All of 2-5 is fp32 outside autocast (clipping.py), and per example the sums over micro-batches and
-ranks, the noise and the division fp64 (clipping.SUM_DTYPE); only the model's forward runs in bf16/fp16.
+All of 2-5 is fp32 outside autocast (clipping.py), and per example a sum over several micro-batches or
+ranks, its noise and division fp64 (clipping.SUM_DTYPE); only the model's forward runs in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -137,9 +137,10 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     indices = sampler.batch(step)
     if ledger is not None:
         ledger.record_step(step, len(indices))
-    clipper.reset()
+    parts = list(micro_batches(len(indices), clipper.mode, physical_batch_size, world))
+    clipper.reset(max(1, len(parts)) * world.size)  # partial sums to add up: fp64 from two on (clipping.SUM_DTYPE)
     nonfinite = 0
-    for positions in micro_batches(len(indices), clipper.mode, physical_batch_size, world):
+    for positions in parts:
         nonfinite += clipper.accumulate(*fetch(step, indices, positions)).nonfinite
     first = next(iter(clipper.sum.values()))
     count = torch.tensor([float(nonfinite)], dtype=first.dtype, device=first.device)
@@ -151,7 +152,7 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
 
 def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
     """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, in
-    place in the sums (fp64 per example), rounded to the parameter's dtype last (post-processing).
+    place in the sums (fp64 per example over several parts), rounded to the parameter's dtype last.
     The noise is drawn in fp32 on the sums' device from the step's generator, one parameter after
     another in a fixed order, so every rank and every re-run draws the same noise."""
     for name, total in clipper.sum.items():

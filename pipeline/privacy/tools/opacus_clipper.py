@@ -17,7 +17,7 @@ import torch
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 
 from pipeline.models.layers import BroadcastParameter
-from pipeline.privacy.clipping import SUM_DTYPE, ClipStats, clip_factors
+from pipeline.privacy.clipping import SUM_DTYPE, ClipStats, clip_factors, zero_sums
 
 
 class _OpacusBase:
@@ -45,8 +45,8 @@ class _OpacusBase:
         for m in self.broadcast:
             m.weight.requires_grad_(False)
 
-    def reset(self) -> None:
-        self.sum = {n: torch.zeros_like(p, dtype=SUM_DTYPE) for n, p in self.params.items()}
+    def reset(self, parts: int = 1) -> None:
+        self.sum = zero_sums(self.params, SUM_DTYPE, parts)
 
     def finish(self, batch_size: int) -> int:
         return 0
