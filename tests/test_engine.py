@@ -297,13 +297,14 @@ def test_unknown_layers_and_batchnorm_are_refused_by_name():
         BookKeepingClipper(conv, 1.0)
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     for make in (lambda: BookKeepingClipper(bn, 1.0), lambda: VmapClipper(bn, 1.0),
-                 lambda: make_clipper("per_batch", bn, 1.0)):
+                 lambda: make_clipper("per_sample", bn, 1.0, "opacus-hooks"), lambda: make_clipper("per_batch", bn, 1.0)):
         with pytest.raises(UnboundableModel, match=r"1 \(BatchNorm1d\) keeps running statistics"):
             make()
     # Without parameters or running statistics it still normalises over the batch: one example moves the
     # others' gradients, so a per-example clipper refuses it; the per-batch clip bounds the batch anyway.
     bare = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False, track_running_stats=False), nn.Linear(4, 1))
-    for make in (lambda: BookKeepingClipper(bare, 1.0), lambda: VmapClipper(bare, 1.0)):
+    for make in (lambda: BookKeepingClipper(bare, 1.0), lambda: VmapClipper(bare, 1.0),
+                 lambda: make_clipper("per_sample", bare, 1.0, "opacus-hooks")):
         with pytest.raises(UnboundableModel, match=r"1 \(BatchNorm1d\) normalises over the batch"):
             make()
     make_clipper("per_batch", bare, 1.0)

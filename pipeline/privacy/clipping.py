@@ -32,7 +32,7 @@ one example (and of masks drawn from the secret key), so one example still moves
 C: the same ε. Averaging K masks removes the masking's own noise from each example's gradient, so
 the clipped mean carries more signal against the same σC (benchmarks/gradient_norms.py --views).
 
-Only the model's forward runs under autocast. Norms, clip factors and sums are fp32 with autocast
+Only the model's forward runs under autocast. Norms, clip factors, sums: fp32 (fp64) with autocast
 switched off, whatever the caller's context: in bf16 a clipped contribution could exceed C, and in
 fp16 the ghost-norm Gram products overflow. fp16 multiplies the loss by a fixed `loss_scale` (not
 one that reacts to overflows: that would depend on private data); an example whose norm is not
@@ -55,13 +55,12 @@ SUM_DTYPE = torch.float64  # per-example sums of several parts: fp32's rounding 
 
 
 def zero_sums(params: dict, dtype: torch.dtype, parts: int) -> dict:
-    """Zeroed sums for a step adding up `parts` partial sums (micro-batches × ranks) in `dtype`; one part,
-    one fp32 product's output, is kept in fp32: no sum rounds, and it holds 4 bytes a parameter less."""
+    """Zeroed sums adding up `parts` partial sums (micro-batches × ranks) in `dtype`; one part stays fp32."""
     return {n: torch.zeros_like(p, dtype=dtype if parts > 1 else torch.float32) for n, p in params.items()}
 
+
 # Instantiated per-example gradients may hold this share of the bytes of the layers' inputs and output
-# gradients (which a non-private backward holds too): memory for time. 0.04 keeps every model within
-# 1.1x the non-private memory (docs/results.md, "DP overhead"; tests/test_clipping_memory.py).
+# gradients: memory for time. 0.04 keeps a one-part step within 1.1x (tests/test_clipping_memory.py).
 HELD_BUDGET = 0.04
 
 
@@ -231,6 +230,7 @@ class ClippedSum:
         self.sum = None
 
     def reset(self, parts: int = 1) -> None:
+        self.sum = None  # the last step's sums go before the new ones come (fp64: 8 bytes a parameter)
         self.sum = zero_sums(self.params, self.sum_dtype, parts)
 
     def unscaled(self, g: torch.Tensor) -> torch.Tensor:

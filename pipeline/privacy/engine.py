@@ -24,7 +24,7 @@ Sensitivity K·C under add/remove of one example x:
                for any W (clipping each rank's part and summing would give 2·W·C).
 
 All of 2-5 is fp32 outside autocast (clipping.py), and per example a sum over several micro-batches or
-ranks, its noise and division fp64 (clipping.SUM_DTYPE); only the model's forward runs in bf16/fp16.
+ranks, its noise's addition and division fp64 (clipping.SUM_DTYPE); only the forward is in bf16/fp16.
 """
 
 from __future__ import annotations

@@ -172,9 +172,14 @@ def work_dir(params: dict, trainer: "Trainer"):
     dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
     # The adjacency sets σ (calibrated to it): another adjacency is another mechanism, another run.
     dp["adjacency"] = params["privacy"]["adjacency"]
-    keyed = [state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": form}, inputs, name=budget.public_name)
-             for form in ({k: v for k, v in dp.items() if k not in HOW_IT_RUNS}, dp)]
-    return next((path for path in keyed if path.is_dir()), keyed[0])  # or a run keyed with them, from before
+    def keyed(form: dict) -> Path:
+        return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": form}, inputs, name=budget.public_name)
+
+    path = keyed({k: v for k, v in dp.items() if k not in HOW_IT_RUNS})
+    if path.is_dir():
+        return path
+    before = keyed(dp)  # a run keyed with them, before they left the key: it resumes under its old values
+    return before if before.is_dir() else path
 
 
 def one_process(work, world):

@@ -17,7 +17,7 @@ import torch
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 
 from pipeline.models.layers import BroadcastParameter
-from pipeline.privacy.clipping import SUM_DTYPE, ClipStats, clip_factors, zero_sums
+from pipeline.privacy.clipping import SUM_DTYPE, ClipStats, clip_factors, reject_unboundable, zero_sums
 
 
 class _OpacusBase:
@@ -26,6 +26,7 @@ class _OpacusBase:
     def __init__(self, model: torch.nn.Module, clip_norm: float, autocast=contextlib.nullcontext, loss_scale=1.0):
         if loss_scale != 1.0:
             raise ValueError("the Opacus baselines have no loss scale: use dp.clipping=bookkeeping for fp16")
+        reject_unboundable(model, per_example_rules=False)
         self.model, self.clip_norm, self.autocast = model, clip_norm, autocast
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.broadcast = [m for m in model.modules() if isinstance(m, BroadcastParameter) and m.weight.requires_grad]
@@ -46,6 +47,7 @@ class _OpacusBase:
             m.weight.requires_grad_(False)
 
     def reset(self, parts: int = 1) -> None:
+        self.sum = None
         self.sum = zero_sums(self.params, SUM_DTYPE, parts)
 
     def finish(self, batch_size: int) -> int:
