@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from ranks import on_two_ranks
+from stage_runs import MICRO
 
 from pipeline.config import load_params
 from pipeline.distributed import World, gather_with_grad
@@ -28,9 +29,6 @@ from pipeline.privacy.plan import Plan
 from pipeline.privacy.tools.step_audit import AMPLIFY, SENSITIVITY_TOL, Amplified, FixedBatch, public_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = ["model.size=micro", "model.img_size=16", "model.decoder_width=32", "model.decoder_depth=1",
-         "model.decoder_heads=2", "model.text_width=32", "model.text_depth=1", "model.text_heads=2",
-         "model.max_caption_len=8", "tokenizer.vocab_size=64"]
 BATCH, PHYSICAL, C = 2048, 8, 1.0  # 256 micro-batches on one rank
 
 
