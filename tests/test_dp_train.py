@@ -67,18 +67,20 @@ def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_di
         assert torch.equal(v, got.model[k]), k
 
 
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip", "clip-public"])
 def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_the_same_run(data_dir, tmp_path,
-                                                                                              monkeypatch):
+                                                                                              monkeypatch, objective_name):
     """An out-of-memory stop advises a smaller dp.physical_batch_size: the run must resume under it (and
     under other checkpoint_every, eval_every), with its batches and noise, charged once, not start again
     under a fresh key and charge the budget twice. A run keyed with those knobs, before they left the
-    key, resumes as well."""
+    key, resumes as well; so does the finished run on 2 ranks."""
     from stage_runs import charged_runs
 
-    ref_ledger, ref = train(project(data_dir, tmp_path / "ref"))
+    obj = [f"dp.objective={objective_name}"]
+    ref_ledger, ref = train(project(data_dir, tmp_path / "ref"), obj)
     real = engine.add_noise
 
-    def stopped_at_step_6(work, more=()):
+    def stopped_at_step_6(work):
         calls = []
 
         def crashing(*args, **kw):
@@ -90,20 +92,29 @@ def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_t
         with monkeypatch.context() as m:
             m.setattr(engine, "add_noise", crashing)
             with pytest.raises(Crash):
-                train(work, more)
+                train(work, obj)
 
+    finished = None
     for name, keyed_before in (("smaller", False), ("keyed-before", True)):
         work = project(data_dir, tmp_path / name)
         with monkeypatch.context() as m:
             if keyed_before:
                 m.setattr(training, "HOW_IT_RUNS", ())
             stopped_at_step_6(work)
-        resumed = [] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2", "dp.eval_every=3"]
+        resumed = obj + ([] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2", "dp.eval_every=3"])
         ledger, got = train(work, resumed)
         assert [r["run"] for r in charged_runs(work)] == [ledger["run"]], name  # charged once
         assert ledger["steps"] == 6 and ledger["batch_sizes"] == ref_ledger["batch_sizes"], name
         for k, v in ref.model.items():  # the same step, summed in other micro-batches: rounding apart
             assert torch.allclose(v, got.model[k], rtol=1e-4, atol=1e-6), (name, k)
+        if not keyed_before:
+            finished = (work, ledger["run"])
+    # The finished run (keyed the new way), started again on 2 ranks under yet another micro-batch: the same
+    # run, not charged again.
+    work, run = finished
+    torchrun(work, "dp-train", obj + ["dp.physical_batch_size=3"])
+    assert json.loads((work / "models/dp/ledger.json").read_text())["run"] == run
+    assert [r["run"] for r in charged_runs(work)] == [run]
 
 
 def test_the_secret_key_is_owner_only_from_its_first_byte_and_kept(tmp_path, monkeypatch):
