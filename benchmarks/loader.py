@@ -37,6 +37,7 @@ from pipeline.data.transforms import encode_jpeg  # noqa: E402
 from pipeline.models import build_model  # noqa: E402
 from pipeline.privacy.engine import dp_step, make_clipper  # noqa: E402
 from pipeline.privacy.plan import Plan  # noqa: E402
+from pipeline.privacy.sampling import FixedBatch  # noqa: E402
 from pipeline.train import autocast  # noqa: E402
 
 TARGET_RATIO = 3.0
@@ -86,7 +87,7 @@ def dp_stepper(res: int, size: str, device: str, precision: str):
     def step(x: torch.Tensor) -> None:
         rows = np.arange(len(x))
         noise = torch.rand(len(x), (res // 16) ** 2, device=device)  # the masks' noise, drawn where training draws it
-        dp_step(0, sampler=type("Whole", (), {"batch": lambda self, step: rows})(),
+        dp_step(0, sampler=FixedBatch(rows),
                 fetch=lambda s, idx, pos: (x[pos], noise[pos]), clipper=clipper, plan=plan, key=0,
                 physical_batch_size=len(x))
         opt.step()

@@ -13,9 +13,9 @@ from pipeline.models import CLIP
 from pipeline.privacy import clipping, engine
 
 
-def every_rank_takes_the_whole_batch(batch_size, mode, physical, world):
+def every_rank_takes_the_whole_batch(indices, sampler, mode, physical, world):
     """Every example counted W times (the old per-batch DDP path did this, then clipped per rank)."""
-    return [np.arange(batch_size)]
+    return [np.arange(len(indices))]
 
 
 def local_negatives_only(self, imgs, tokens, gather=None):

@@ -498,6 +498,7 @@ def cancelling_release_moves(layer: str, precision: str, m: float, delta: float,
     true gradient is delta·e_1) moves a real DP step's release (noise negligible), C = 1."""
     from pipeline.privacy.engine import dp_step
     from pipeline.privacy.plan import Plan
+    from pipeline.privacy.sampling import FixedBatch
     from pipeline.train import loss_scale
 
     others = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
@@ -511,8 +512,8 @@ def cancelling_release_moves(layer: str, precision: str, m: float, delta: float,
         clipper = make_clipper("per_sample", model, 1.0, method, autocast=lambda: autocast("cpu", precision),
                                loss_scale=loss_scale(precision))
         plan = Plan.unaccounted("synthetic", "per_sample", sigma=1e-30, clip_norm=1.0, n=1)
-        batch = type("Fixed", (), {"batch": lambda self, step: torch.arange(len(x)).numpy()})()
-        dp_step(0, sampler=batch, fetch=lambda s, i, p: (x[i[p]], ids[i[p]]), clipper=clipper, plan=plan, key=1)
+        sampler = FixedBatch(torch.arange(len(x)).numpy(), len(others) + 1)  # neighbours: the same buckets
+        dp_step(0, sampler=sampler, fetch=lambda s, i, p: (x[i[p]], ids[i[p]]), clipper=clipper, plan=plan, key=1)
         return model.layer.weight.grad.double().flatten()
 
     return float((release(torch.cat([others, joiner])) - release(others)).norm())

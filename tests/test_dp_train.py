@@ -381,7 +381,7 @@ def test_streamed_batches_are_the_in_memory_batches(data_dir, objective_name, wo
         try:
             for step in range(1, 5):  # starts past step 0, as after a resume
                 indices = sampler.batch(step)
-                for positions in engine.micro_batches(len(indices), mode, 16, world):
+                for positions in engine.micro_batches(indices, sampler, mode, 16, world):
                     got = stream(step, indices, positions)
                     assert len(got) == len(whole)
                     for g, w in zip(got, whole):

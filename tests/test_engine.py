@@ -30,19 +30,15 @@ from pipeline.privacy import clipping
 from pipeline.privacy.clipping import BookKeepingClipper, UnboundableModel, VmapClipper
 from pipeline.privacy.engine import dp_step, make_clipper
 from pipeline.privacy.plan import Plan
+from pipeline.privacy.sampling import FixedBatch
 
 N, Q, C, SIGMA, KEY = 40, 0.3, 0.05, 1.3, 11
 CFG = {"size": "micro", "vocab_size": 50, "max_len": 8}
 
 
-class FixedSampler:
-    """Every step draws the same batch: the examples `indices`."""
-
-    def __init__(self, indices):
-        self.indices = np.asarray(indices, dtype=np.int64)
-
-    def batch(self, step):
-        return self.indices
+def FixedSampler(indices):
+    """Every step draws the same batch: the examples `indices` of range(N)."""
+    return FixedBatch(np.asarray(indices, dtype=np.int64), N)
 
 
 def data():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pipeline.privacy.sampling import PoissonSampler
+from pipeline.privacy.sampling import BUCKET_MICRO_BATCHES, PoissonSampler, bucket_count, split_by_index
 
 N, Q, STEPS, KEY = 400, 0.3, 3000, 20240611
 ALPHA = 1e-3  # the fixed keys make these deterministic: a pass is a pass on every run
@@ -246,6 +246,52 @@ def test_split_covers_batch_disjointly_with_equal_chunk_counts(size, physical, w
     assert all(len(c) <= physical for chunks in per_rank for c in chunks)
     if world == 1:
         assert sum(1 for c in per_rank[0] if len(c)) == -(-size // physical)
+
+
+@pytest.mark.parametrize("n, expected, physical, world", [(1000, 0, 4, 3), (1000, 1, 4, 3), (1000, 300, 4, 1),
+                                                          (1000, 300, 5, 4), (100_000, 9_000, 16, 2), (1000, 64, 8, 8)])
+def test_split_by_index_covers_the_batch_disjointly_in_micro_batches(n, expected, physical, world):
+    batch = PoissonSampler(n, max(expected, 1) / n, KEY).batch(0)[:expected or None]
+    per_rank = [split_by_index(batch, n, max(expected, 1), physical, r, world) for r in range(world)]
+    flat = np.concatenate([c for chunks in per_rank for c in chunks] or [np.array([], dtype=int)])
+    assert sorted(flat.tolist()) == list(range(len(batch)))
+    assert all(0 < len(c) <= physical for chunks in per_rank for c in chunks)
+    buckets = bucket_count(max(expected, 1), physical, world)
+    assert buckets % world == 0 and max(expected, 1) / buckets <= BUCKET_MICRO_BATCHES * physical
+    if expected > 1000:  # ranks share the work evenly (the buckets' Binomial spread aside)
+        assert max(sum(map(len, chunks)) for chunks in per_rank) < 1.1 * len(batch) / world
+
+
+def positional(indices, n, expected, physical, rank=0, world_size=1):
+    """The split by place in the batch (every micro-batch after the example shifts when it leaves)."""
+    return PoissonSampler.split(np.arange(len(indices)), physical, rank, world_size)
+
+
+@pytest.mark.parametrize("split, locality", [(split_by_index, True), (positional, False)])
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_neighbour_regroups_its_own_bucket_and_no_other(split, locality, world):
+    """Removing one example leaves every micro-batch outside its bucket the same examples, on every rank,
+    so the fp32 rounding of those micro-batches' sums is unchanged (tests/test_sum_rounding.py); the
+    split by place regroups every later micro-batch."""
+    n, expected, physical = 50_000, 4_000, 16
+    batch = PoissonSampler(n, expected / n, KEY).batch(3)
+    buckets = bucket_count(expected, physical, world)
+    assert buckets >= 16  # enough buckets that locality means something
+    local = []
+    for x in batch[[0, len(batch) // 3, -1]]:
+        neighbour = batch[batch != x]
+        for rank in range(world):
+            parts = {tuple(batch[p]) for p in split(batch, n, expected, physical, rank, world)}
+            others = {tuple(neighbour[p]) for p in split(neighbour, n, expected, physical, rank, world)}
+            moved = {i for part in parts ^ others for i in part}
+            local.append(all(i * buckets // n == x * buckets // n for i in moved))
+    assert all(local) == locality
+
+
+def test_split_by_index_refuses_what_is_not_a_sorted_sample_of_the_range():
+    for bad in (np.array([3, 1]), np.array([1, 1]), np.array([-1, 2]), np.array([2, 10])):
+        with pytest.raises(ValueError, match=r"increasing indices in range\(10\)"):
+            split_by_index(bad, 10, 2, 4)
 
 
 # -- bad arguments -----------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ One logical step t:
   1. sample   B_t: Poisson with rate q, drawn from (secret key, t), the same on every rank;
               charged to the ledger before anything else (so the count never trails the updates)
   2. clip     each rank runs its share of B_t through the clipper:
-                per example: Σ_{i in share} min(1, C/‖g_i‖)·g_i, in micro-batches
+                per example: Σ_{i in share} min(1, C/‖g_i‖)·g_i, in micro-batches cut by index range
+                             (one example in or out regroups its own range only: `rank_share`)
                 per batch:   its part of ∇Σ_{i in B_t} loss_i (the loss all-gathers what couples
                              the examples, with gradient, so the parts add up to the whole)
   3. sum      one all-reduce over ranks: every rank holds the sum over the whole of B_t, each
@@ -101,21 +102,24 @@ def make_clipper(mode: str, model: torch.nn.Module, clip_norm: float, method: st
     return clipper(model, clip_norm, encoder_share=encoder_share, views=views, **kw)
 
 
-def rank_share(batch_size: int, mode: str, physical_batch_size: int, world: World) -> list[np.ndarray]:
-    """This rank's positions in the logical batch, as micro-batches. Per example: round-robin
-    micro-batches (every rank the same count). Per batch: one part per rank (the loss needs the
-    whole part at once)."""
-    from pipeline.privacy.sampling import PoissonSampler
+def rank_share(indices: np.ndarray, sampler, mode: str, physical_batch_size: int, world: World) -> list[np.ndarray]:
+    """This rank's positions in the logical batch `indices` (from `sampler`: its n and rate q), as
+    micro-batches. Per example: buckets of the index range (sampling.split_by_index), so an example
+    in or out regroups its own bucket only. Per batch: one part per rank, by place (the loss needs the
+    whole part at once, and every rank joins its gathers)."""
+    from pipeline.privacy.sampling import PoissonSampler, split_by_index
 
-    physical = max(1, batch_size) if mode == "per_batch" else physical_batch_size
-    return PoissonSampler.split(np.arange(batch_size), physical, world.rank, world.size)
+    if mode == "per_batch":
+        return PoissonSampler.split(np.arange(len(indices)), max(1, len(indices)), world.rank, world.size)
+    return split_by_index(indices, sampler.n, sampler.n * sampler.q, physical_batch_size, world.rank, world.size)
 
 
-def micro_batches(batch_size: int, mode: str, physical_batch_size: int, world: World) -> Iterator[np.ndarray]:
+def micro_batches(indices: np.ndarray, sampler, mode: str, physical_batch_size: int,
+                  world: World) -> Iterator[np.ndarray]:
     """The positions in the logical batch that this rank's clipper computes, one array per call of
     `fetch`: a streaming loader decodes exactly these, in this order, ahead of the step."""
-    for positions in rank_share(batch_size, mode, physical_batch_size, world):
-        if len(positions) or mode == "per_batch" and batch_size:  # a per-batch part joins the gathers
+    for positions in rank_share(indices, sampler, mode, physical_batch_size, world):
+        if len(positions) or mode == "per_batch" and len(indices):  # a per-batch part joins the gathers
             yield positions
 
 
@@ -137,7 +141,7 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     indices = sampler.batch(step)
     if ledger is not None:
         ledger.record_step(step, len(indices))
-    parts = list(micro_batches(len(indices), clipper.mode, physical_batch_size, world))
+    parts = list(micro_batches(indices, sampler, clipper.mode, physical_batch_size, world))
     clipper.reset(max(1, len(parts)) * world.size)  # partial sums to add up: fp64 from two on (clipping.SUM_DTYPE)
     nonfinite = 0
     for positions in parts:

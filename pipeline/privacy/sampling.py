@@ -8,9 +8,15 @@ O(n): about 15 ms and a few MB at n = 233M, q·n = 98,304 (benchmarks/sampling.p
 Deterministic from (key, t) alone: a resumed run, or any data-parallel rank, redraws the same batch
 without replaying earlier steps. The key must stay secret: privacy amplification by sampling
 assumes nobody knows who was sampled.
+
+Then the batch is cut into each rank's micro-batches: a per-example sum by index range
+(`split_by_index`), so that one example in or out regroups only its own range; a per-batch loss by
+place (`PoissonSampler.split`).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -39,16 +45,71 @@ class PoissonSampler:
 
     @staticmethod
     def split(indices: np.ndarray, physical_batch_size: int, rank: int = 0, world_size: int = 1) -> list[np.ndarray]:
-        """This rank's share of a logical batch, cut into physical micro-batches.
+        """This rank's share of a logical batch, cut into physical micro-batches, by place in the batch.
 
         Every rank gets the same number of micro-batches (the last ones may be short or empty), so
-        ranks that synchronise per micro-batch stay in step; the shares are disjoint and cover the batch.
+        ranks that synchronise per micro-batch stay in step (Dp-CLIP's gathers); the shares are
+        disjoint and cover the batch.
         """
-        if physical_batch_size < 1:
-            raise ValueError(f"physical batch size must be >= 1, got {physical_batch_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        _check_split(physical_batch_size, rank, world_size)
         mine = indices[rank::world_size]
         largest_share = -(-len(indices) // world_size)
         chunks = -(-largest_share // physical_batch_size)
         return [mine[i * physical_batch_size:(i + 1) * physical_batch_size] for i in range(chunks)]
+
+
+class FixedBatch:
+    """A sampler that gives `indices` at every step, out of range(n), each example expected (q = 1): two
+    neighbours given the same n are cut into the same buckets (`split_by_index`)."""
+
+    def __init__(self, indices: np.ndarray, n: int | None = None):
+        self.indices, self.n, self.q = indices, len(indices) if n is None else n, 1.0
+
+    def batch(self, step: int) -> np.ndarray:
+        return self.indices
+
+
+# Micro-batches per bucket (expected). A per-example sum is cut by the examples' indices, not their
+# places in the batch, so one example leaving regroups its own bucket only: the others' rounding is
+# then that of one bucket, whatever B (docs/privacy.md, "Mixed precision"). Larger buckets waste less
+# (a bucket's last micro-batch is part-filled: about 1/(2·16) more micro-batches than B/P).
+BUCKET_MICRO_BATCHES = 16
+
+
+def bucket_count(expected_batch_size: float, physical_batch_size: int, world_size: int) -> int:
+    """Buckets of the index range: a multiple of the world size (every rank as many), each expecting
+    at most BUCKET_MICRO_BATCHES micro-batches. From public settings only, so the same for neighbours."""
+    per_rank = expected_batch_size / (world_size * BUCKET_MICRO_BATCHES * physical_batch_size)
+    return world_size * max(1, math.ceil(per_rank))
+
+
+def split_by_index(indices: np.ndarray, n: int, expected_batch_size: float, physical_batch_size: int,
+                   rank: int = 0, world_size: int = 1) -> list[np.ndarray]:
+    """Positions in `indices` (a step's sorted sample from range(n)) that this rank sums, as micro-batches.
+
+    The index range is cut into `bucket_count` equal buckets, dealt to the ranks in turn; each bucket's
+    examples are cut into the fewest micro-batches of at most `physical_batch_size`, of equal size to
+    one. Which micro-batch an example joins depends on its own bucket's examples alone, so a neighbour
+    (one example in or out) changes one bucket's micro-batches and no other's, on any rank. The
+    shares are disjoint and cover the batch; ranks may get different numbers of micro-batches.
+    """
+    _check_split(physical_batch_size, rank, world_size)
+    indices = np.asarray(indices, dtype=np.int64)
+    if len(indices) and (indices[0] < 0 or indices[-1] >= n or np.any(indices[1:] <= indices[:-1])):
+        raise ValueError(f"a batch to split must be increasing indices in range({n})")
+    buckets = bucket_count(expected_batch_size, physical_batch_size, world_size)
+    of = indices * buckets // n  # non-decreasing: the indices are sorted
+    edges = np.searchsorted(of, np.arange(buckets + 1))
+    parts = []
+    for b in range(rank, buckets, world_size):
+        start, stop = int(edges[b]), int(edges[b + 1])
+        if stop > start:
+            parts += np.array_split(np.arange(start, stop), -(-(stop - start) // physical_batch_size))
+    return parts
+
+
+def _check_split(physical_batch_size: int, rank: int, world_size: int) -> None:
+    if physical_batch_size < 1:
+        raise ValueError(f"physical batch size must be >= 1, got {physical_batch_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")

@@ -81,7 +81,7 @@ class StreamedBatches:
     def _plan(self, start: int):
         for step in range(start, self.steps):
             indices = self.sampler.batch(step)
-            for positions in micro_batches(len(indices), self.mode, self.physical, self.world):
+            for positions in micro_batches(indices, self.sampler, self.mode, self.physical, self.world):
                 yield indices[positions]
 
     def __call__(self, step: int, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, ...]:

@@ -41,6 +41,7 @@ from pipeline.objectives import SENSITIVITY
 from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.engine import dp_step, make_clipper
 from pipeline.privacy.plan import Plan
+from pipeline.privacy.sampling import FixedBatch
 from pipeline.train import autocast, freeze, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
@@ -58,14 +59,6 @@ class Amplified(nn.Module):
 
     def forward(self, *batch, **kw):
         return self.model(*batch, **kw) * self.factor
-
-
-class FixedBatch:
-    def __init__(self, indices: np.ndarray):
-        self.indices = indices
-
-    def batch(self, step: int) -> np.ndarray:
-        return self.indices
 
 
 def public_inputs(params: dict, count: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -114,7 +107,7 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
                                encoder_share=dp["encoder_clip_share"], views=views, compiled=dp["compile"])
         if dp["compile"]:  # as dp-train compiles it
             model.compile()
-        dropped.append(dp_step(0, sampler=FixedBatch(indices), fetch=fetch, clipper=clipper, plan=plan, key=key,
+        dropped.append(dp_step(0, sampler=FixedBatch(indices, batch_size), fetch=fetch, clipper=clipper, plan=plan, key=key,
                                world=world, physical_batch_size=max(1, dp["physical_batch_size"] // views)).nonfinite)
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
 
@@ -200,8 +193,9 @@ def worst_case_sensitivity(mode: str, method: str, precision: str, clip_norm: fl
                                loss_scale=loss_scale(precision),
                                gather=gather_with_grad(world) if mode == "per_batch" else None,
                                encoder_share=encoder_share, views=views)
-        dp_step(0, sampler=FixedBatch(np.arange(len(grads))), fetch=lambda s, idx, pos: view_rows([grads[idx[pos]]], None, views),
-                clipper=clipper, plan=plan, key=7, world=world)
+        dp_step(0, sampler=FixedBatch(np.arange(len(grads)), len(large)),
+                fetch=lambda s, idx, pos: view_rows([grads[idx[pos]]], None, views), clipper=clipper, plan=plan, key=7,
+                world=world)
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters()])
 
     move = float((release(large) - release(small)).norm())
