@@ -41,7 +41,7 @@ from pipeline.objectives import SENSITIVITY
 from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.engine import dp_step, make_clipper
 from pipeline.privacy.plan import Plan
-from pipeline.privacy.sampling import FixedBatch
+from pipeline.privacy.sampling import FixedBatch, bucket_count
 from pipeline.train import autocast, freeze, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
@@ -117,6 +117,48 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
     moves = [float((first - release(np.delete(batch, i), seed + 1)).norm()) * plan.denominator
              for i in range(removed)]
     return judge(noise, max(moves), plan, world.size, sum(dropped))
+
+
+def rounding_moves(params: dict, batch_size: int, physical_batch_size: int, world: World = World(),
+                   clip_norm: float = 1.0) -> dict:
+    """What rounding moves when one example x leaves a batch of `batch_size` public random examples, on
+    the real step (every example clipped, σ = 0, divided by 1), in units of C. Per example: the others'
+    part, R(B) − R(B∖x) − R({x}), and what x moves outside its bucket (sampling.split_by_index),
+    R(B) − R(B∖x) − (R(b) − R(b∖x)) for x's bucket b alone (the same micro-batches: the same n and
+    settings). Per batch: both releases' norms (a clipped mean, within C whatever the sum rounded to)."""
+    name, views = params["dp"]["objective"], params["dp"]["mask_views"]
+    obj = objective(name)
+    mcfg = ModelConfig.from_params(params["model"], name, params["tokenizer"]["vocab_size"] if obj.tokens else None)
+    # The rounding grows with the sum's norm (at most B·C): per example, every example has one caption,
+    # which turns the text side's gradients one way; per batch, distinct ones (a contrastive loss).
+    inputs, masks = public_inputs(params, batch_size, seed=0)
+    plan = Plan.unaccounted(name, obj.clipping, 0.0, clip_norm, n=1)
+
+    def fetch(step: int, idx: np.ndarray, pos: np.ndarray) -> tuple:
+        rows = idx[pos]
+        texts = rows if obj.clipping == "per_batch" else np.zeros_like(rows)
+        picked = [inputs[0][rows], *(t[texts] for t in inputs[1:])]
+        return view_rows(picked, masks[rows] if masks is not None else None, views)
+
+    def release(indices: np.ndarray) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Amplified(build_model(name, mcfg), AMPLIFY)  # every example clipped
+        clipper = make_clipper(obj.clipping, model, clip_norm, "bookkeeping", views=views,
+                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
+        dp_step(0, sampler=FixedBatch(indices, batch_size), fetch=fetch, clipper=clipper, plan=plan, key=1,
+                world=world, physical_batch_size=max(1, physical_batch_size // views))
+        return torch.cat([v.flatten().double() for v in clipper.sum.values()]) / clip_norm  # before the cast
+
+    everyone, x = np.arange(batch_size), batch_size // 3
+    full, rest = release(everyone), release(np.delete(everyone, x))
+    if obj.clipping == "per_batch":
+        return {"full": float(full.norm()), "rest": float(rest.norm())}
+    own = release(np.array([x]))
+    buckets = bucket_count(batch_size, max(1, physical_batch_size // views), world.size)
+    bucket = everyone[everyone * buckets // batch_size == x * buckets // batch_size]
+    local = release(bucket) - release(np.delete(bucket, np.searchsorted(bucket, x)))
+    return {"others": float((full - rest - own).norm()), "own": float(own.norm()), "sum": float(full.norm()),
+            "beyond_bucket": float((full - rest - local).norm()), "bucket_size": len(bucket)}
 
 
 def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int, dropped: int = 0) -> dict:
