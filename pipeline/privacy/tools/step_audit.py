@@ -120,13 +120,16 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
 
 
 def rounding_moves(params: dict, batch_size: int, physical_batch_size: int, world: World = World(),
-                   clip_norm: float = 1.0) -> dict:
+                   clip_norm: float = 1.0, device: str = "cpu") -> dict:
     """What rounding moves when one example x leaves a batch of `batch_size` public random examples, on
     the real step (every example clipped, σ = 0, divided by 1), in units of C. Per example: the others'
     part, R(B) − R(B∖x) − R({x}), and what x moves outside its bucket (sampling.split_by_index),
     R(B) − R(B∖x) − (R(b) − R(b∖x)) for x's bucket b alone (the same micro-batches: the same n and
-    settings). Per batch: both releases' norms (a clipped mean, within C whatever the sum rounded to)."""
-    name, views = params["dp"]["objective"], params["dp"]["mask_views"]
+    settings). Per batch: both releases' norms (a clipped mean, within C whatever the sum rounded to).
+    The forward runs in dp.precision (bf16 on a GPU: its kernels' batch dependence shows here too)."""
+    name, views, precision = params["dp"]["objective"], params["dp"]["mask_views"], params["dp"]["precision"]
+    if precision == "fp16":
+        raise ValueError("rounding_moves amplifies the loss past fp16's range: measure with fp32 or bf16")
     obj = objective(name)
     mcfg = ModelConfig.from_params(params["model"], name, params["tokenizer"]["vocab_size"] if obj.tokens else None)
     # The rounding grows with the sum's norm (at most B·C): per example, every example has one caption,
@@ -138,16 +141,17 @@ def rounding_moves(params: dict, batch_size: int, physical_batch_size: int, worl
         rows = idx[pos]
         texts = rows if obj.clipping == "per_batch" else np.zeros_like(rows)
         picked = [inputs[0][rows], *(t[texts] for t in inputs[1:])]
-        return view_rows(picked, masks[rows] if masks is not None else None, views)
+        return tuple(x.to(device) for x in view_rows(picked, masks[rows] if masks is not None else None, views))
 
     def release(indices: np.ndarray) -> torch.Tensor:
         torch.manual_seed(0)
-        model = Amplified(build_model(name, mcfg), AMPLIFY)  # every example clipped
+        model = Amplified(build_model(name, mcfg), AMPLIFY).to(device)  # every example clipped
         clipper = make_clipper(obj.clipping, model, clip_norm, "bookkeeping", views=views,
+                               autocast=lambda: autocast(device, precision), loss_scale=loss_scale(precision),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None)
         dp_step(0, sampler=FixedBatch(indices, batch_size), fetch=fetch, clipper=clipper, plan=plan, key=1,
                 world=world, physical_batch_size=max(1, physical_batch_size // views))
-        return torch.cat([v.flatten().double() for v in clipper.sum.values()]) / clip_norm  # before the cast
+        return torch.cat([v.flatten().double().cpu() for v in clipper.sum.values()]) / clip_norm  # before the cast
 
     everyone, x = np.arange(batch_size), batch_size // 3
     full, rest = release(everyone), release(np.delete(everyone, x))
