@@ -262,6 +262,16 @@ def test_split_by_index_covers_the_batch_disjointly_in_micro_batches(n, expected
         assert max(sum(map(len, chunks)) for chunks in per_rank) < 1.1 * len(batch) / world
 
 
+def test_the_bucket_count_does_not_follow_the_rounding_of_n_times_q():
+    """dp_step reads the expected batch size back as n·q, which is above it in its last bit for about a
+    quarter of n (16,000 as 16,000.000000000002): neither more buckets nor other ones for n ± 1."""
+    expected, physical = 16_000, 250  # 4 buckets' worth of micro-batches on one rank
+    above = [n for n in range(10**6, 10**6 + 200) if n * (expected / n) > expected]
+    assert above  # the case arises
+    assert {bucket_count(n * (expected / n), physical, w) for n in above for w in (1, 2, 4)} == {4}
+    assert bucket_count(expected + 1, physical, 1) == 5
+
+
 def positional(indices, n, expected, physical, rank=0, world_size=1):
     """The split by place in the batch (every micro-batch after the example shifts when it leaves)."""
     return PoissonSampler.split(np.arange(len(indices)), physical, rank, world_size)

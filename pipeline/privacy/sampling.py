@@ -80,7 +80,9 @@ def bucket_count(expected_batch_size: float, physical_batch_size: int, world_siz
     """Buckets of the index range: a multiple of the world size (every rank as many), each expecting
     at most BUCKET_MICRO_BATCHES micro-batches. From public settings only, so the same for neighbours."""
     per_rank = expected_batch_size / (world_size * BUCKET_MICRO_BATCHES * physical_batch_size)
-    return world_size * max(1, math.ceil(per_rank))
+    # n·q recomputes the expected batch size with a rounding of its own (4096 as 4096.000000001): not a
+    # reason for twice the buckets, nor for neighbours (n ± 1) to get different ones.
+    return world_size * max(1, math.ceil(per_rank - 1e-9))
 
 
 def split_by_index(indices: np.ndarray, n: int, expected_batch_size: float, physical_batch_size: int,
