@@ -3,7 +3,8 @@
     python benchmarks/sampling.py [--n 233000000] [--batch 98304] [--draws 20]
 
 Times PoissonSampler.batch(t) (Binomial size, then a uniform subset, sorted) plus the split into
-8 data-parallel ranks of 256-example micro-batches, and measures the peak memory of one draw with
+8 data-parallel ranks of 256-example micro-batches (by index range, as dp-train cuts a per-example
+sum: sampling.split_by_index), and measures the peak memory of one draw with
 tracemalloc (numpy reports its buffers to it). Beside it, the baseline that needs no cleverness:
 one Bernoulli(q) coin per example, streamed in 16M-example chunks (O(n) time, bounded memory).
 Prints a table, then ONE JSON line with the figures and the ratios to targets and baseline.
@@ -21,7 +22,7 @@ import tracemalloc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipeline.privacy.sampling import PoissonSampler  # noqa: E402
+from pipeline.privacy.sampling import PoissonSampler, split_by_index  # noqa: E402
 
 TARGET_SECONDS = 1.0
 TARGET_MB = 200.0
@@ -68,7 +69,7 @@ def main(argv=None) -> dict:
     def draw_and_split(step):
         batch = sampler.batch(step)
         for rank in range(8):
-            sampler.split(batch, 256, rank, 8)
+            split_by_index(batch, args.n, args.batch, 256, rank, 8)
         return batch
 
     draw_and_split(0)  # warm-up

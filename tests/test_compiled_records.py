@@ -14,6 +14,7 @@ from pipeline.models import ModelConfig, build_model
 from pipeline.privacy.clipping import BookKeepingClipper, view_rows
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
 from pipeline.privacy.engine import make_clipper
+from pipeline.privacy.sampling import PoissonSampler, split_by_index
 
 CFG = {"size": "micro", "vocab_size": 50, "max_len": 8}
 CASES = {"mae": {}, "caption": {}, "caption-masked": {"mask_ratio": 0.5}, "clip-public": {}}
@@ -59,6 +60,27 @@ def test_one_graph_for_every_micro_batch_and_the_eager_sums(name):
         assert relative_gap(compiled.sum, eager.sum) <= 1e-5
     # one graph for the full micro-batches, one (dynamic in the batch) for all the smaller ones
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_the_steps_own_micro_batches_add_no_graph_per_size():
+    """The sizes dp_step's split gives (by index range: full micro-batches and each bucket's remainder,
+    several buckets a step, on either rank) trace two graphs: full micro-batches and every smaller size
+    (and a third for one example, a size Dynamo specialises). Cut into equal parts, as first written,
+    every larger bucket opened graphs of its own until Dynamo's limit, whose warning then printed sizes
+    that follow the private buckets' counts."""
+    n, expected, physical = 4000, 1400, 40  # 3 buckets a step on one rank, 2 per rank on 2
+    sampler = PoissonSampler(n, expected / n, key=3)
+    sizes = [len(part) for step in range(2) for world in (1, 2) for rank in range(world)
+             for part in split_by_index(sampler.batch(step), n, expected, physical, rank, world)]
+    assert len(set(sizes)) >= 4 and sizes[0] == physical
+    _, compiled = twin_clippers("mae", CFG, clip_norm=0.05)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for i, rows in enumerate(sizes):
+        compiled.reset()
+        compiled.accumulate(*batch_of("mae", CFG, rows, seed=i))
+    # (cut into equal parts: 4 graphs here, 39 rows first, then 40, then the rest; more the more sizes)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 + (1 in sizes)
 
 
 @pytest.mark.parametrize("name", ["mae", "caption-masked"])

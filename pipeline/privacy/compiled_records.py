@@ -19,8 +19,8 @@ The slots' layout (which module each call is, its output's shape past the batch 
 once per shape of the batch's inputs by an eager forward of one and two examples; every call must
 then come in that order with that shape, or the step stops (a wrong pairing of inputs and gradients
 would misreport norms). Probes are sized for the largest micro-batch seen; a smaller one (the last of
-a Poisson batch) adds a slice of them, and its batch dimension is left dynamic: one more graph, not
-one per size.
+a bucket of the Poisson batch: sampling.split_by_index) adds a slice of them, and its batch dimension
+is left dynamic: one more graph, not one per size.
 
 A layer that the eager clipper reduces to its per-example gradients inside the backward (every
 LayerNorm, and any layer whose per-example gradients take no more bytes than its output gradient:
@@ -182,7 +182,7 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
             self._layouts[key] = self._find_layout(batch)
         self._layout = self._layouts[key]
         capacity, self._probe_set = self._probes_for(key, rows, batch[0].device)
-        if rows < capacity:  # the last micro-batch of a Poisson batch has any size: one more graph for
+        if rows < capacity:  # a bucket's last micro-batch has any size: one more graph for
             for t in batch:  # all of them, not one per size
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         self._inputs = [None] * len(self._layout)

@@ -398,7 +398,7 @@ class Trainer:
                 if not out_of_memory(e):
                     raise
                 # The allocator names the size it was asked for, which follows the micro-batch: the last
-                # one of a step holds what is left of the realised batch size.
+                # one of each bucket holds what is left of that bucket's realised count.
                 where = owner.note("dp-train", f"step {step}: {type(e).__name__}: {e}")
                 raise PrivateDataError(f"step {step}: out of memory in the DP step (lower dp.physical_batch_size); "
                                        f"the allocator's message names sizes that follow the realised batch size, "
