@@ -50,7 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     by_index, rows = engine.rank_share, []
     print(f"the others' part of the move when one example leaves, in units of C (the audit allows {SENSITIVITY_TOL:g})")
-    print(f"{'objective':<12} {'B':>6}  {'by index':>9} {'by place':>9} {'place/index':>11}  {'outside bucket':>14}  seconds")
+    print(f"{'objective':<12} {'B':>6}  {'by index':>9} {'by place':>9} {'place/index':>11}  "
+          f"{'outside bucket':>14}  seconds")
     for name in args.objectives:
         params = load_params(ROOT / "params.yaml", [*MICRO, f"dp.objective={name}", f"dp.precision={args.precision}"])
         for batch in args.batches:

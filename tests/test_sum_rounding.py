@@ -38,7 +38,8 @@ BEYOND_BUCKET_TOL = 1e-9
 
 def moves(name: str, world: World) -> dict:
     """step_audit.rounding_moves on the shared micro profile, at B = 2,048 in micro-batches of 8."""
-    return rounding_moves(load_params(ROOT / "params.yaml", [*MICRO, f"dp.objective={name}"]), BATCH, PHYSICAL, world, C)
+    params = load_params(ROOT / "params.yaml", [*MICRO, f"dp.objective={name}"])
+    return rounding_moves(params, BATCH, PHYSICAL, world, C)
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))

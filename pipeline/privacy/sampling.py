@@ -85,22 +85,27 @@ def bucket_count(expected_batch_size: float, physical_batch_size: int, world_siz
     return world_size * max(1, math.ceil(per_rank - 1e-9))
 
 
+def bucket_of(indices: np.ndarray, n: int, buckets: int) -> np.ndarray:
+    """The bucket of each index of range(n) cut into `buckets` equal ranges (non-decreasing in the index)."""
+    return np.asarray(indices, dtype=np.int64) * buckets // n
+
+
 def split_by_index(indices: np.ndarray, n: int, expected_batch_size: float, physical_batch_size: int,
                    rank: int = 0, world_size: int = 1) -> list[np.ndarray]:
     """Positions in `indices` (a step's sorted sample from range(n)) that this rank sums, as micro-batches.
 
     The index range is cut into `bucket_count` equal buckets, dealt to the ranks in turn; each bucket's
     examples are cut in order into micro-batches of `physical_batch_size`, the last one of the bucket
-    holding the rest. Which micro-batch an example joins depends on its own bucket's examples alone, so a neighbour
-    (one example in or out) changes one bucket's micro-batches and no other's, on any rank. The
-    shares are disjoint and cover the batch; ranks may get different numbers of micro-batches.
+    holding the rest. Which micro-batch an example joins depends on its own bucket's examples alone,
+    so a neighbour (one example in or out) changes one bucket's micro-batches and no other's, on any
+    rank. The shares are disjoint and cover the batch; ranks may get different numbers of micro-batches.
     """
     _check_split(physical_batch_size, rank, world_size)
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) and (indices[0] < 0 or indices[-1] >= n or np.any(indices[1:] <= indices[:-1])):
         raise ValueError(f"a batch to split must be increasing indices in range({n})")
     buckets = bucket_count(expected_batch_size, physical_batch_size, world_size)
-    of = indices * buckets // n  # non-decreasing: the indices are sorted
+    of = bucket_of(indices, n, buckets)  # non-decreasing: the indices are sorted
     edges = np.searchsorted(of, np.arange(buckets + 1))
     parts = []
     for b in range(rank, buckets, world_size):

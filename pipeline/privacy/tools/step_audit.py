@@ -41,7 +41,7 @@ from pipeline.objectives import SENSITIVITY
 from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.engine import dp_step, make_clipper
 from pipeline.privacy.plan import Plan
-from pipeline.privacy.sampling import FixedBatch, bucket_count
+from pipeline.privacy.sampling import FixedBatch, bucket_count, bucket_of
 from pipeline.train import autocast, freeze, loss_scale
 
 LEVEL = 1e-6            # significance of the noise test: a correct step fails it once in a million
@@ -107,8 +107,9 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
                                encoder_share=dp["encoder_clip_share"], views=views, compiled=dp["compile"])
         if dp["compile"]:  # as dp-train compiles it
             model.compile()
-        dropped.append(dp_step(0, sampler=FixedBatch(indices, batch_size), fetch=fetch, clipper=clipper, plan=plan, key=key,
-                               world=world, physical_batch_size=max(1, dp["physical_batch_size"] // views)).nonfinite)
+        dropped.append(dp_step(0, sampler=FixedBatch(indices, batch_size), fetch=fetch, clipper=clipper, plan=plan,
+                               key=key, world=world,
+                               physical_batch_size=max(1, dp["physical_batch_size"] // views)).nonfinite)
         return torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
 
     batch = np.arange(batch_size)
@@ -159,7 +160,7 @@ def rounding_moves(params: dict, batch_size: int, physical_batch_size: int, worl
         return {"full": float(full.norm()), "rest": float(rest.norm())}
     own = release(np.array([x]))
     buckets = bucket_count(batch_size, max(1, physical_batch_size // views), world.size)
-    bucket = everyone[everyone * buckets // batch_size == x * buckets // batch_size]
+    bucket = everyone[bucket_of(everyone, batch_size, buckets) == bucket_of(x, batch_size, buckets)]
     local = release(bucket) - release(np.delete(bucket, np.searchsorted(bucket, x)))
     return {"others": float((full - rest - own).norm()), "own": float(own.norm()), "sum": float(full.norm()),
             "beyond_bucket": float((full - rest - local).norm()), "bucket_size": len(bucket)}
