@@ -43,7 +43,8 @@ import torch
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import layer_rules
-from pipeline.privacy.engine import make_clipper
+from benchmarks.noise_draw import seconds_per_step as noise_seconds
+from pipeline.privacy.engine import add_noise as engine_add_noise, make_clipper
 from pipeline.train import autocast
 
 ENGINES = ("plain", "bookkeeping", "bookkeeping-fp32", "bookkeeping-one-block")
@@ -117,14 +118,7 @@ def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, pr
             times.append(time.perf_counter() - t0)
     s = statistics.median(times)
     params = [p for p in model.parameters() if p.requires_grad]
-    sums = [torch.zeros_like(p) for p in params]
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(5):  # the noise of one logical step: one normal draw per parameter, on the device
-        for g in sums:
-            g.add_(torch.randn_like(g), alpha=1e-3)
-    sync(device)
-    noise_ms = (time.perf_counter() - t0) / 5 * 1000
+    noise_ms = noise_seconds(engine_add_noise, model, device, 5) * 1000  # one logical step's, on the device
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     # the last step's sum, one vector on the host: a compiled engine is checked against its eager twin
     summed = torch.cat([v.detach().float().flatten().cpu() for v in clipper.sum.values()])

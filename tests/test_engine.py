@@ -47,12 +47,12 @@ def data():
             torch.rand(N, 16, generator=g))
 
 
-def fetcher(name):
+def fetcher(name, dtype=torch.float32):
     imgs, tokens, noise = data()
 
     def fetch(step, indices, positions):
         rows = indices[positions]
-        return (imgs[rows], noise[rows]) if ModelConfig.of(CFG).reads_masks(name) else (imgs[rows], tokens[rows])
+        return (imgs[rows].to(dtype), noise[rows]) if ModelConfig.of(CFG).reads_masks(name) else (imgs[rows].to(dtype), tokens[rows])
     return fetch
 
 
@@ -222,6 +222,51 @@ def test_the_noise_check_catches_noise_that_depends_on_more(tmp_path, name, bug_
                                             ("clip", "noise x0.7"), ("mae", "clip bound 2C"), ("clip", "clip bound 2C")])
 def test_noise_and_sensitivity_check_catches_broken_steps(tmp_path, name, bug_name):
     assert check_noise_and_signal(name, *on_two_ranks(tmp_path, _noise_and_signal, name, bug_name)) != []
+
+
+# ---- the noise is drawn finer than fp32 -------------------------------------------------------------
+
+def drawn_noise(name, bug_name, world):
+    """The step's noise in units of its std, read off the release of a model held in fp64 (noisy
+    less noiseless), so nothing rounds it to fp32 on the way out."""
+    indices, plan = np.arange(0, N, 3), plan_for(name)
+
+    def release(sigma):
+        model = model_for(name).double()
+        dp_step(0, sampler=FixedSampler(indices), fetch=fetcher(name, torch.float64),
+                clipper=clipper_for(name, model, world), plan=plan_for(name, sigma), key=KEY, world=world,
+                physical_batch_size=4)
+        return grads(model)
+
+    with bug(bug_name):
+        return (release(SIGMA) - release(0.0)) * plan.denominator / plan.noise_std
+
+
+def _drawn_noise(name, bug_name, world):
+    return drawn_noise(name, world=world, bug_name=bug_name)
+
+
+def share_on_the_fp32_grid(z):
+    """The share of values within a thousandth of an fp32 spacing of an fp32 number. fp32 normals
+    (scaled and added in fp64) all are; a draw resolved finer is, by chance, about 0.2% of the time."""
+    nearest = z.float()
+    spacing = (torch.nextafter(nearest.abs(), torch.tensor(float("inf"))) - nearest.abs()).double()
+    return float(((z - nearest.double()).abs() <= 1e-3 * spacing).double().mean())
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_the_noise_is_drawn_finer_than_fp32_on_one_and_two_ranks(tmp_path, name):
+    """fp32 normals (Box-Muller on 24-bit uniforms) never pass 5.77 std: a released coordinate past
+    that edge would show an example was in (docs/privacy.md, "Floating-point noise")."""
+    one, two = drawn_noise(name, None, World()), on_two_ranks(tmp_path, _drawn_noise, name, None)
+    assert share_on_the_fp32_grid(one) < 0.02 and share_on_the_fp32_grid(two) < 0.02
+    assert abs(float(one.std()) - 1) < 0.05 and relative(two, one) < 1e-9  # the same draw on both
+
+
+@pytest.mark.parametrize("name", ["mae", "clip"])
+def test_the_fp32_grid_check_catches_fp32_noise(tmp_path, name):
+    assert share_on_the_fp32_grid(drawn_noise(name, "noise drawn in fp32", World())) > 0.98
+    assert share_on_the_fp32_grid(on_two_ranks(tmp_path, _drawn_noise, name, "noise drawn in fp32")) > 0.98
 
 
 # ---- precision: the privacy arithmetic is fp32 under autocast ----------------------------------------

@@ -12,8 +12,8 @@ One logical step t:
   3. sum      one all-reduce over ranks: every rank holds the sum over the whole of B_t, each
               example in it exactly once whatever the world size W
               (per batch: now divided by |B_t| and clipped to C, once)
-  4. noise    z ~ N(0, (σ·K·C)²) from the generator of (key, t), drawn on the device: identical on
-              every rank, so it is added once, not W times
+  4. noise    z ~ N(0, (σ·K·C)²) from the generator of (key, t), drawn on the device in fp64 with a tail
+              to 12.1 std (noise.py): identical on every rank, so it is added once, not W times
   5. divide   by the expected batch size q·n (per example; never the realised |B_t|, which is
               private) or 1 (per batch: the clipped quantity is already a mean)
 
@@ -25,7 +25,8 @@ Sensitivity K·C under add/remove of one example x:
                for any W (clipping each rank's part and summing would give 2·W·C).
 
 All of 2-5 is fp32 outside autocast (clipping.py), and per example a sum over several micro-batches or
-ranks, its noise's addition and division fp64 (clipping.SUM_DTYPE); only the forward is in bf16/fp16.
+ranks fp64 (clipping.SUM_DTYPE); the noise is drawn, added and divided in fp64 (noise.py); only the
+forward is in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from pipeline.distributed import World, all_reduce_sum
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
+from pipeline.privacy.noise import gaussian
 from pipeline.privacy.plan import Plan
 from pipeline.train import NOISE, step_generator
 
@@ -155,13 +157,12 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
 
 
 def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
-    """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, in
-    place in the sums (fp64 per example over several parts), rounded to the parameter's dtype last.
-    The noise is drawn in fp32 on the sums' device from the step's generator, one parameter after
+    """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, in fp64,
+    rounded to the parameter's dtype last. The noise comes from the step's generator on the sums' device
+    (noise.gaussian: its tail reaches 12.1 std, where fp32 draws stop at 5.77), one parameter after
     another in a fixed order, so every rank and every re-run draws the same noise."""
     for name, total in clipper.sum.items():
         p = clipper.params[name]
         if noise_std > 0:
-            total.add_(torch.randn(total.shape, generator=generator, device=total.device, dtype=torch.float32),
-                       alpha=noise_std)
+            total = gaussian(total.shape, generator, total.device).mul_(noise_std).add_(total)
         p.grad = total.div_(denominator).to(p.dtype)

@@ -241,7 +241,8 @@ def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float]
             sigma = accounting.calibrate_sigma(epsilon, q, steps, delta, accountant=accountant, adjacency=adjacency)
             rows.append({"batch": batch, "sample_rate": q, "epochs": e, "steps": steps, "sigma": sigma,
                          "noise_per_coordinate": sigma * sensitivity / batch,
-                         "noise_over_run": sigma * sensitivity / batch / math.sqrt(steps)})
+                         "noise_over_run": sigma * sensitivity / batch / math.sqrt(steps),
+                         "noise_edge_floor": accounting.noise_edge_floor(sigma, q, steps)})
     return rows
 
 
@@ -276,7 +277,9 @@ def _run_plan(args) -> int:
              + (f" {'hours':>8}" if args.examples_per_s else "")]
     for r in rows:
         lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {r['sigma']:>8.3f} "
-                     f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s else ""))
+                     f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s else "")
+                     + ("  refused by dp-train: sigma too small for the noise's edge (docs/privacy.md)"
+                        if r["noise_edge_floor"] > delta / 10 else ""))
     _emit(args, {"command": "plan", "n": args.n, "epsilon": args.epsilon, "delta": delta,
                  "sensitivity": args.sensitivity, "schedules": rows}, lines)
     return 0

@@ -1,0 +1,44 @@
+"""The DP noise's draw: standard normals in fp64 whose tail reaches 12.1 std.
+
+Every normal sampler on floats has an edge: torch's draws by Box-Muller, |z| = sqrt(-2 ln u)·|cos θ|, so
+|z| never passes sqrt(-2 ln u_min) for the smallest uniform u_min it can give: 5.77 std in fp32 on the
+CPU (24-bit uniforms), 6.76 on CUDA, 8.57 in fp64. A released coordinate past the edge is possible only
+when the example that moved it was in the batch, so an adversary who knows the rest learns that for
+certain (docs/privacy.md, "Floating-point noise"). Here u is built from two fp64 uniforms, the second
+filling in below the first's 2^-53 resolution, so u reaches 2^-106 and |z| reaches 12.1 std
+(accounting.NOISE_EDGE): past it a Gaussian goes once in 1e33 draws.
+
+Drawn from the step's generator in a fixed order: the same on every rank and on every re-run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FINE = 2.0 ** -53  # an fp64 uniform's resolution
+# Where torch's own normals stop (Box-Muller on its smallest uniform), for comparison.
+TORCH_EDGES = {"torch fp32, CPU": math.sqrt(-2 * math.log(2.0 ** -24)),
+               "torch fp32, CUDA": math.sqrt(-2 * math.log(2.0 ** -33)),
+               "torch fp64": math.sqrt(-2 * math.log(2.0 ** -53))}
+
+
+def box_muller(coarse: torch.Tensor, fine: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Two normals per triple of uniforms in [0, 1): u = coarse + (1 - fine)·2^-53 lies in (0, 1] down to
+    2^-106, radius sqrt(-2 ln u), angle 2π·angle. Works in place on its inputs."""
+    u = coarse.add_(fine.neg_().add_(1.0).mul_(FINE))
+    radius = u.log_().mul_(-2.0).sqrt_()
+    turn = angle.mul_(2 * math.pi)
+    out = torch.empty(2 * len(turn), dtype=turn.dtype, device=turn.device)
+    torch.cos(turn, out=out[:len(turn)]).mul_(radius)
+    torch.sin(turn, out=out[len(turn):]).mul_(radius)
+    return out
+
+
+def gaussian(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """fp64 standard normals of `shape` from `generator` (which lives on `device`)."""
+    count = math.prod(shape)
+    half = (count + 1) // 2
+    uniforms = [torch.rand(half, generator=generator, device=device, dtype=torch.float64) for _ in range(3)]
+    return box_muller(*uniforms)[:count].view(shape)

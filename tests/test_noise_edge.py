@@ -1,0 +1,84 @@
+"""The noise's floating-point edge (docs/privacy.md, "Floating-point noise"): dp-train's normals reach
+12.1 std, the floor the edge puts under δ is what an adversary sees, and a plan whose σ brings an example's
+coordinate too close to the edge is refused. The engine's draw itself: tests/test_engine.py
+(`test_the_noise_is_drawn_finer_than_fp32_…`), for every objective at 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from pipeline.privacy import accounting
+from pipeline.privacy.noise import FINE, TORCH_EDGES, box_muller, gaussian
+from pipeline.privacy.plan import plan_mechanism
+from pipeline.privacy.tools.accounting_cli import main
+
+DP = {"expected_batch_size": 128, "delta": "1/2n", "sigma": None, "epsilon": 8.0, "steps": 40, "accountant": "pld",
+      "clip_norm": 1.0, "objective": "mae"}
+
+
+def uniforms(count, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(count, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_the_noise_is_standard_normal():
+    z = gaussian(torch.Size([1000, 1000]), torch.Generator().manual_seed(2), torch.device("cpu"))
+    assert z.dtype == torch.float64 and stats.kstest(z.flatten().numpy(), "norm").pvalue > 1e-3
+
+
+def test_the_normality_check_catches_a_radius_and_angle_from_one_uniform():
+    coarse, fine, _ = uniforms(500_000, 3)
+    broken = box_muller(coarse.clone(), fine, coarse.clone())  # the angle reuses the radius's uniform
+    assert stats.kstest(broken.numpy(), "norm").pvalue < 1e-6
+
+
+def test_the_smallest_uniforms_give_the_edge_the_accounting_checks_against():
+    zero = torch.zeros(1, dtype=torch.float64)
+    largest = float(box_muller(zero.clone(), torch.full((1,), 1 - FINE, dtype=torch.float64), zero.clone())[0])
+    assert largest == pytest.approx(accounting.NOISE_EDGE, rel=1e-12)
+    assert largest > TORCH_EDGES["torch fp64"] + 3 > TORCH_EDGES["torch fp32, CPU"] + 5
+    # one uniform alone stops where torch's fp64 draws do
+    one_uniform = float(box_muller(torch.full((1,), FINE, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
+                                   zero.clone())[0])
+    assert one_uniform == pytest.approx(TORCH_EDGES["torch fp64"], rel=1e-12)
+
+
+def test_the_edge_floor_is_the_rate_an_informed_adversary_sees():
+    """Simulated runs with torch's fp32 normals, whose edge (5.77 std) is near enough to watch: x sampled
+    with rate q in each of T steps, its coordinate moved by 1/σ; the adversary flags a run whose release
+    passes the edge. Without x no release passes it; with x the flagged share is noise_edge_floor."""
+    runs, steps, q, sigma = 40_000, 50, 0.2, 1 / 2.9
+    edge = TORCH_EDGES["torch fp32, CPU"]
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(runs, steps, generator=g)
+    assert float(z.max()) <= edge  # without x: never
+    sampled = torch.rand(runs, steps, generator=g) < q
+    flagged = ((z + 1 / sigma > edge) & sampled).any(dim=1).double().mean().item()
+    want = accounting.noise_edge_floor(sigma, q, steps, edge)
+    assert abs(flagged - want) < 4 * math.sqrt(want * (1 - want) / runs)
+    assert want > 0.01  # the test has events to count
+
+
+def test_a_plan_too_close_to_the_noise_edge_is_refused():
+    plan_mechanism(DP, 1258, "replace_one")  # the default run passes
+    with pytest.raises(ValueError, match=r"never passes 12\.12 std.*dp\.sigma"):
+        plan_mechanism({**DP, "sigma": 0.1, "epsilon": 1e4}, 1258, "replace_one")
+
+
+def test_the_edge_check_would_have_refused_torchs_fp32_draws():
+    """The scale table's MAE at ε = 8 (σ 1.198, B = 2,048 of 60,000, 800 steps): with fp32 draws its edge
+    alone gave away more than the δ printed; with dp-train's it is 1e-23 of it."""
+    q, delta = 2048 / 60_000, 1 / 120_000
+    assert accounting.noise_edge_floor(1.198, q, 800, TORCH_EDGES["torch fp32, CPU"]) > delta
+    assert accounting.noise_edge_floor(1.198, q, 800) < 1e-20 * delta
+
+
+def test_dpfm_plan_marks_what_dp_train_would_refuse(capsys):
+    main(["plan", "--n", "1000", "--epsilon", "300", "--delta", "1e-4", "--epochs", "1", "--batch-sizes", "100"])
+    assert "refused by dp-train" in capsys.readouterr().out  # σ ≈ 0.1: the floor is 0.03
+    main(["plan", "--n", "1000", "--epsilon", "8", "--delta", "1e-4", "--epochs", "1", "--batch-sizes", "100"])
+    assert "refused" not in capsys.readouterr().out
