@@ -118,10 +118,10 @@ def plan_mechanism(dp: dict, n: int, adjacency: str) -> Plan:
     acc = {"accountant": dp["accountant"], "adjacency": adjacency}
     sigma = dp["sigma"] or accounting.calibrate_sigma(dp["epsilon"], q, dp["steps"], delta, **acc)
     eps = accounting.epsilon(sigma, q, dp["steps"], delta, **acc)
-    accounting.check_noise_edge(sigma, q, dp["steps"], delta)
     if eps > dp["epsilon"]:
         raise ValueError(f"dp.sigma={sigma} gives ε={eps:.3f} after {dp['steps']} steps, above the target "
                          f"dp.epsilon={dp['epsilon']}: raise sigma or lower steps")
+    accounting.check_noise_edge(sigma, q, dp["steps"], delta)
     return Plan(objective=dp["objective"], clipping=objective(dp["objective"]).clipping, n=n, sample_rate=q,
                 sigma=sigma, clip_norm=dp["clip_norm"], steps=dp["steps"], delta=delta, accountant=dp["accountant"],
                 adjacency=adjacency, target_epsilon=dp["epsilon"], epsilon=eps)
