@@ -117,9 +117,9 @@ def _measure(objective: str, cfg: dict, engine: str, batch: int, device: str, pr
         if i >= 2:
             times.append(time.perf_counter() - t0)
     s = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")  # the step's, not the noise's
     params = [p for p in model.parameters() if p.requires_grad]
     noise_ms = noise_seconds(engine_add_noise, model, device, 5) * 1000  # one logical step's, on the device
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     # the last step's sum, one vector on the host: a compiled engine is checked against its eager twin
     summed = torch.cat([v.detach().float().flatten().cpu() for v in clipper.sum.values()])
     del clipper, model, inputs
