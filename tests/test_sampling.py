@@ -262,6 +262,22 @@ def test_split_by_index_covers_the_batch_disjointly_in_micro_batches(n, expected
         assert max(sum(map(len, chunks)) for chunks in per_rank) < 1.1 * len(batch) / world
 
 
+@pytest.mark.parametrize("physical, world", [(3, 1), (8, 2), (16, 1)])
+def test_no_micro_batch_holds_one_example_unless_its_bucket_does(physical, world):
+    """Dynamo specialises a batch of one (a third compiled graph): a bucket's remainder of one shares its
+    last full micro-batch, in two halves, each of at least two examples and at most a full one."""
+    n, expected = 20_000, 60 * physical
+    remainders = set()
+    for step in range(40):
+        batch = PoissonSampler(n, expected / n, KEY).batch(step)
+        buckets = bucket_count(expected, physical, world)
+        counts = np.bincount(bucket_of(batch, n, buckets), minlength=buckets)
+        remainders |= {int(c % physical) for c in counts if c > physical}
+        sizes = [len(p) for r in range(world) for p in split_by_index(batch, n, expected, physical, r, world)]
+        assert all(2 <= size <= physical for size in sizes) or 1 in counts
+    assert 1 in remainders  # the case arose
+
+
 def test_the_bucket_count_does_not_follow_the_rounding_of_n_times_q():
     """dp_step reads the expected batch size back as n·q, which is above it in its last bit for about a
     quarter of n (16,000 as 16,000.000000000002): neither more buckets nor other ones for n ± 1."""

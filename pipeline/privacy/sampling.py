@@ -96,7 +96,7 @@ def split_by_index(indices: np.ndarray, n: int, expected_batch_size: float, phys
 
     The index range is cut into `bucket_count` equal buckets, dealt to the ranks in turn; each bucket's
     examples are cut in order into micro-batches of `physical_batch_size`, the last one of the bucket
-    holding the rest. Which micro-batch an example joins depends on its own bucket's examples alone,
+    holding the rest (a rest of one shares the last full micro-batch's examples, in two halves). Which micro-batch an example joins depends on its own bucket's examples alone,
     so a neighbour (one example in or out) changes one bucket's micro-batches and no other's, on any
     rank. The shares are disjoint and cover the batch; ranks may get different numbers of micro-batches.
     """
@@ -112,8 +112,12 @@ def split_by_index(indices: np.ndarray, n: int, expected_batch_size: float, phys
         start, stop = int(edges[b]), int(edges[b + 1])
         # Full micro-batches and one remainder, as the compiled step expects (compiled_records.py: one
         # graph for full micro-batches, one dynamic in the batch for every smaller size).
-        parts += [np.arange(first, min(first + physical_batch_size, stop))
-                  for first in range(start, stop, physical_batch_size)]
+        cut = list(range(start, stop, physical_batch_size)) + [stop]
+        if stop - start > physical_batch_size >= 3 and (stop - start) % physical_batch_size == 1:
+            # A remainder of one example: Dynamo specialises size 1 (a third graph, compiled again in each
+            # run), so the last full micro-batch and that example are cut into two halves instead.
+            cut[-2] = cut[-3] + (physical_batch_size + 1) // 2
+        parts += [np.arange(first, last) for first, last in zip(cut, cut[1:])]
     return parts
 
 
