@@ -4,7 +4,8 @@
 
 1. The edge. A Box-Muller normal never passes sqrt(-2 ln u_min) std for its smallest uniform u_min:
    torch's fp32 draws stop at 5.77 std on the CPU, where a Gaussian passes once in 1.2e8 draws. Draws
-   `--tail-draws` normals each from torch in fp32, torch in fp64 and dp-train's (noise.gaussian, edge 12.1) and counts those past 5.77, beside a Gaussian's expected count.
+   `--tail-draws` normals each from torch in fp32, torch in fp64 and dp-train's (noise.gaussian, edge
+   12.1) and counts those past 5.77, beside a Gaussian's expected count.
 2. What an edge gives away (accounting.noise_edge_floor): an informed adversary sees a released
    coordinate past it only if example x was in; with x's clipped gradient along one coordinate, about
    epochs·Q(edge - 1/σ) over a run. A floor under the run's true δ, set beside the δ printed.

@@ -159,7 +159,12 @@ def check_delta(delta: float, n: int) -> float:
 # The noise (privacy/noise.py) is drawn by Box-Muller, |z| <= sqrt(-2 ln u), from uniforms never below 2^-106:
 # no draw passes NOISE_EDGE std (12.1), where a Gaussian passes once in 1e33 draws. torch's own fp32 draws stop
 # at 5.77 std on the CPU (24-bit uniforms), 6.76 on CUDA, its fp64 draws at 8.57.
-NOISE_EDGE = math.sqrt(-2 * math.log(2.0 ** -106))
+def box_muller_edge(smallest_uniform: float) -> float:
+    """The largest |z| Box-Muller gives: its radius sqrt(-2 ln u) at the smallest uniform u it can draw."""
+    return math.sqrt(-2 * math.log(smallest_uniform))
+
+
+NOISE_EDGE = box_muller_edge(2.0 ** -106)
 
 
 def noise_edge_floor(sigma: float, sample_rate: float, steps: int, edge: float = NOISE_EDGE) -> float:

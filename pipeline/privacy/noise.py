@@ -17,11 +17,12 @@ import math
 
 import torch
 
+from pipeline.privacy.accounting import box_muller_edge
+
 FINE = 2.0 ** -53  # an fp64 uniform's resolution
 # Where torch's own normals stop (Box-Muller on its smallest uniform), for comparison.
-TORCH_EDGES = {"torch fp32, CPU": math.sqrt(-2 * math.log(2.0 ** -24)),
-               "torch fp32, CUDA": math.sqrt(-2 * math.log(2.0 ** -33)),
-               "torch fp64": math.sqrt(-2 * math.log(2.0 ** -53))}
+TORCH_EDGES = {"torch fp32, CPU": box_muller_edge(2.0 ** -24), "torch fp32, CUDA": box_muller_edge(2.0 ** -33),
+               "torch fp64": box_muller_edge(2.0 ** -53)}
 
 
 def box_muller(coarse: torch.Tensor, fine: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
