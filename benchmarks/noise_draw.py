@@ -6,7 +6,7 @@
    torch's fp32 draws stop at 5.77 std on the CPU, where a Gaussian passes once in 1.2e8 draws. Draws
    `--tail-draws` normals each from torch in fp32, torch in fp64 and dp-train's (noise.gaussian, edge
    12.1) and counts those past 5.77, beside a Gaussian's expected count.
-2. What an edge gives away (accounting.noise_edge_floor): an informed adversary sees a released
+2. What an edge gives away (noise_edge.noise_edge_floor): an informed adversary sees a released
    coordinate past it only if example x was in; with x's clipped gradient along one coordinate, about
    epochs·Q(edge - 1/σ) over a run. A floor under the run's true δ, set beside the δ printed.
 3. The cost: one logical step's noise through the real add_noise against the same with torch's fp32
@@ -28,7 +28,7 @@ import torch
 from benchmarks.dp_overhead import MODELS
 from pipeline.models import build_model
 from pipeline.privacy import engine
-from pipeline.privacy.accounting import NOISE_EDGE, noise_edge_floor
+from pipeline.privacy.noise_edge import NOISE_EDGE, noise_edge_floor
 from pipeline.privacy.noise import TORCH_EDGES, gaussian
 from pipeline.train import NOISE, step_generator
 

@@ -379,7 +379,7 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
         name = f"{obj}-n{size}-eps{eps:g}"
         p_size = size_params({**params, "dp": {**params["dp"], "objective": obj}}, size, n_full)
         size_dir = work / f"n-{size}"
-        kept = rows.get(name)
+        kept = usable(rows.get(name), name, eps)
         seeds = range(args.seeds if kept is None else len(kept["probe"]))
         extend = complete(kept) and args.seeds > len(kept["probe"])  # more seeds asked for: train the missing ones
         if complete(kept) and not extend:
@@ -430,6 +430,16 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
     return table, te, chance, scorer.es.name
 
 
+def usable(kept: dict | None, name: str, eps: float) -> dict | None:
+    """A kept row, or None where it must be trained again: a DP row kept without the noise's edge drew
+    torch's fp32 normals, whose edge gave away more than its δ (docs/privacy.md, "Floating-point noise")."""
+    if kept is None or not math.isfinite(eps) or "noise_edge" in kept["meta"]:
+        return kept
+    print(f"scale_utility: {name}: kept row drew fp32 noise (its printed ε does not hold at its δ): training it again",
+          flush=True)
+    return None
+
+
 def with_seeds(kept: dict, probe: np.ndarray, zero: np.ndarray | None, refits: np.ndarray | None,
                seconds: float) -> tuple:
     """Rows.put's arguments for a kept row with more seeds after its own: outcomes, zero-shot and refits
@@ -473,8 +483,10 @@ def schedule(p: dict, n: int, eps: float) -> dict:
     # What decides utility: the noise std on one coordinate of the released averaged gradient. Per
     # example σ·C/B, falling with the batch; Dp-CLIP's clipped batch mean carries 2σC whatever B is.
     noise = plan.noise_std / plan.denominator if plan else 0.0
+    # Where the noise stops (noise_edge.py): the training's ledger holds the plan's edge, or it is not resumed.
     return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
-            "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2)}
+            "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2),
+            "noise_edge": plan.noise_edge if plan else None}
 
 
 if __name__ == "__main__":

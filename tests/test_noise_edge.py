@@ -5,15 +5,19 @@ coordinate too close to the edge is refused. The engine's draw itself: tests/tes
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
 import torch
 from scipy import stats
 
-from pipeline.privacy import accounting
+from pipeline.privacy import noise_edge
 from pipeline.privacy.noise import FINE, TORCH_EDGES, box_muller, gaussian
-from pipeline.privacy.plan import plan_mechanism
+from pipeline.privacy.engine import dp_step
+from pipeline.privacy.ledger import Ledger, LedgerError
+from pipeline.privacy.plan import Plan, plan_mechanism
 from pipeline.privacy.tools.accounting_cli import main
 
 DP = {"expected_batch_size": 128, "delta": "1/2n", "sigma": None, "epsilon": 8.0, "steps": 40, "accountant": "pld",
@@ -39,7 +43,7 @@ def test_the_normality_check_catches_a_radius_and_angle_from_one_uniform():
 def test_the_smallest_uniforms_give_the_edge_the_accounting_checks_against():
     zero = torch.zeros(1, dtype=torch.float64)
     largest = float(box_muller(zero.clone(), torch.full((1,), 1 - FINE, dtype=torch.float64), zero.clone())[0])
-    assert largest == pytest.approx(accounting.NOISE_EDGE, rel=1e-12)
+    assert largest == pytest.approx(noise_edge.NOISE_EDGE, rel=1e-12)
     assert largest > TORCH_EDGES["torch fp64"] + 3 > TORCH_EDGES["torch fp32, CPU"] + 5
     # one uniform alone stops where torch's fp64 draws do
     one_uniform = float(box_muller(torch.full((1,), FINE, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
@@ -58,7 +62,7 @@ def test_the_edge_floor_is_the_rate_an_informed_adversary_sees():
     assert float(z.max()) <= edge  # without x: never
     sampled = torch.rand(runs, steps, generator=g) < q
     flagged = ((z + 1 / sigma > edge) & sampled).any(dim=1).double().mean().item()
-    want = accounting.noise_edge_floor(sigma, q, steps, edge)
+    want = noise_edge.noise_edge_floor(sigma, q, steps, edge)
     assert abs(flagged - want) < 4 * math.sqrt(want * (1 - want) / runs)
     assert want > 0.01  # the test has events to count
 
@@ -73,8 +77,8 @@ def test_the_edge_check_would_have_refused_torchs_fp32_draws():
     """The scale table's MAE at ε = 8 (σ 1.198, B = 2,048 of 60,000, 800 steps): with fp32 draws its edge
     alone gave away more than the δ printed; with dp-train's it is 1e-23 of it."""
     q, delta = 2048 / 60_000, 1 / 120_000
-    assert accounting.noise_edge_floor(1.198, q, 800, TORCH_EDGES["torch fp32, CPU"]) > delta
-    assert accounting.noise_edge_floor(1.198, q, 800) < 1e-20 * delta
+    assert noise_edge.noise_edge_floor(1.198, q, 800, TORCH_EDGES["torch fp32, CPU"]) > delta
+    assert noise_edge.noise_edge_floor(1.198, q, 800) < 1e-20 * delta
 
 
 def test_dpfm_plan_marks_what_dp_train_would_refuse(capsys):
@@ -82,3 +86,22 @@ def test_dpfm_plan_marks_what_dp_train_would_refuse(capsys):
     assert "refused by dp-train" in capsys.readouterr().out  # σ ≈ 0.1: the floor is 0.03
     main(["plan", "--n", "1000", "--epsilon", "8", "--delta", "1e-4", "--epochs", "1", "--batch-sizes", "100"])
     assert "refused" not in capsys.readouterr().out
+
+
+def test_a_ledger_from_before_the_noise_recorded_its_edge_is_not_resumed(tmp_path):
+    """Its steps drew torch's fp32 normals: dp-train refuses to add steps of another noise to them, and the
+    report and verify read its edge as fp32's."""
+    plan = plan_mechanism(DP, 1258, "replace_one")
+    path = tmp_path / "ledger.jsonl"
+    Ledger(path, plan).record_step(0, 130)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["header"]["noise_edge"] == noise_edge.NOISE_EDGE
+    del header["header"]["noise_edge"]
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    with pytest.raises(LedgerError, match="different mechanism"):
+        Ledger(path, plan)
+    assert Plan.from_header(header["header"]).noise_edge == noise_edge.UNRECORDED_EDGE
+    with pytest.raises(RuntimeError, match="noise stops at 5.77 std"):
+        dp_step(0, sampler=None, fetch=None, clipper=None, key=0,
+                plan=dataclasses.replace(plan, noise_edge=noise_edge.UNRECORDED_EDGE))

@@ -10,9 +10,11 @@ import pytest
 
 from benchmarks.scale_report import FULL, check_targets, combined_figure, paired_gain, probe_ci, report
 from benchmarks.scale_utility import (RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, recipe_id, schedule,
-                                      size_params, untrained_id, validation_folds, with_seeds)
+                                      size_params, untrained_id, usable, validation_folds,
+                                      with_seeds)
 from pipeline.config import load_params
 from pipeline.eval.stats import difference_ci
+from pipeline.privacy.noise_edge import NOISE_EDGE
 
 EPSILONS = [1.0, 8.0, math.inf]
 
@@ -141,6 +143,19 @@ def test_a_kept_row_takes_more_seeds_after_its_own(tmp_path):
     assert np.array_equal(back["refits"][1:], refits) and back["meta"]["seconds"] == row["meta"]["seconds"] == 350.0
     with pytest.raises(SystemExit, match="refits"):
         with_seeds(kept, probe, zero, None, 250.0)
+
+
+def test_a_kept_dp_row_that_drew_fp32_noise_is_trained_again(tmp_path):
+    """A DP row kept before rows recorded the noise's edge drew torch's fp32 normals: its δ did not
+    hold, so it is trained again; its ε = ∞ twin, and a row that drew dp-train's noise, are kept."""
+    rows, outcome = Rows(tmp_path), np.ones((1, 5), bool)
+    old = rows.put("mae-nfull-eps8", outcome, None, None, {"n": 60000})
+    new = rows.put("mae-nfull-eps1", outcome, None, None, {"n": 60000, "noise_edge": NOISE_EDGE})
+    nonprivate = rows.put("mae-nfull-epsinf", outcome, None, None, {"n": 60000})
+    assert usable(old, "mae-nfull-eps8", 8.0) is None
+    assert usable(new, "mae-nfull-eps1", 1.0) is new and usable(nonprivate, "mae-nfull-epsinf", math.inf) is nonprivate
+    params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], "dp.objective=mae", "dp.epsilon=8"])
+    assert schedule(params, 60000, 8.0)["noise_edge"] == NOISE_EDGE  # what a new row records
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])

@@ -17,6 +17,7 @@ from pipeline.io import read_json, write_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.privacy import accounting, run_checks as V
 from pipeline.privacy.ledger import Ledger
+from pipeline.privacy.noise_edge import NOISE_EDGE
 from pipeline.artifacts import artifact
 from pipeline.stages.verify import failure_report
 
@@ -73,7 +74,7 @@ def run_verify(ledger, steps=None, dp=None):
 def test_realistic_run_passes_every_check(valid, dp):
     result = run_verify(valid, dp=dp)
     assert failed(result) == set(), result["checks"]
-    assert len(result["checks"]) == 11
+    assert len(result["checks"]) == 12
     assert result["epsilon_reported"] == pytest.approx(valid["epsilon"], rel=1e-3)
     assert result["epsilon"]["pld"] <= result["epsilon"]["rdp"]
     assert result["epsilon_reported"] <= dp["epsilon"]
@@ -156,10 +157,23 @@ DOCTORED = {
         {"ledger_matches_params"}),
     "σ other than the params' fixed σ": (lambda L, dp: (L, None, {**dp, "sigma": 2 * L["sigma"]}),
                                         {"ledger_matches_params"}),
+    "noise drawn with a coarser edge than the ledger's σ allows": (
+        lambda L, dp: (_with(L, noise_edge=4.0), None, dp), {"noise_edge_within_delta"}),
     "replace-one accounted by an add/remove-only accountant": (
         lambda L, dp: (_with(L, adjacency="replace_one", accountant="rdp"), None, {**dp, "accountant": "rdp"}),
         {"accountant_supports_adjacency", "claimed_epsilon_reproduced", "epsilon_within_target"}),
 }
+
+
+def test_a_ledger_that_records_no_noise_edge_is_checked_at_torchs_fp32_edge(tmp_path, dp):
+    """The scale table's MAE at ε = 8 (σ 1.198, B = 2,048 of 60,000, 800 steps): its δ holds with the
+    edge dp-train's noise has, and not at torch's fp32 edge, which a ledger without the field drew."""
+    mae = {**dp, "objective": "mae", "epsilon": 8.0, "expected_batch_size": 2048, "steps": 800}
+    ledger = realistic_ledger(tmp_path, mae, n=60_000, adjacency="replace_one")
+    assert ledger["noise_edge"] == NOISE_EDGE
+    assert failed(V.verify(ledger, 800, mae, ACCOUNTANTS, ALPHA, "replace_one")) == set()
+    before = {k: v for k, v in ledger.items() if k != "noise_edge"}
+    assert failed(V.verify(before, 800, mae, ACCOUNTANTS, ALPHA, "replace_one")) == {"noise_edge_within_delta"}
 
 
 def test_every_check_has_a_doctored_case(valid):

@@ -42,8 +42,6 @@ __all__ = [
     "steps_to_reach",
     "parse_delta",
     "check_delta",
-    "noise_edge_floor",
-    "check_noise_edge",
 ]
 
 ACCOUNTANTS = ("pld", "rdp", "prv")
@@ -154,38 +152,6 @@ def check_delta(delta: float, n: int) -> float:
             "leaking whole records; use delta < 1/n, e.g. 1/(2n)"
         )
     return delta
-
-
-# The noise (privacy/noise.py) is drawn by Box-Muller, |z| <= sqrt(-2 ln u), from uniforms never below 2^-106:
-# no draw passes NOISE_EDGE std (12.1), where a Gaussian passes once in 1e33 draws. torch's own fp32 draws stop
-# at 5.77 std on the CPU (24-bit uniforms), 6.76 on CUDA, its fp64 draws at 8.57.
-def box_muller_edge(smallest_uniform: float) -> float:
-    """The largest |z| Box-Muller gives: its radius sqrt(-2 ln u) at the smallest uniform u it can draw."""
-    return math.sqrt(-2 * math.log(smallest_uniform))
-
-
-NOISE_EDGE = box_muller_edge(2.0 ** -106)
-
-
-def noise_edge_floor(sigma: float, sample_rate: float, steps: int, edge: float = NOISE_EDGE) -> float:
-    """The chance that a run shows an informed adversary (who knows everything but whether example x was
-    in) a released coordinate past the noise's edge, which only x's presence allows: x's clipped
-    gradient along one coordinate moves it by 1/σ noise stds in each of the steps that sample x.
-    The DP guarantee fails outright on that event, so it is a floor under the run's true δ."""
-    per_step = sample_rate * 0.5 * math.erfc((edge - 1.0 / sigma) / math.sqrt(2))
-    return -math.expm1(steps * math.log1p(-min(per_step, 1.0 - 1e-16)))
-
-
-def check_noise_edge(sigma: float, sample_rate: float, steps: int, delta: float) -> None:
-    """Refuse a mechanism whose noise edge alone gives away more than a tenth of δ (docs/privacy.md,
-    "Floating-point noise"): a small σ moves x's coordinate too close to the edge."""
-    floor = noise_edge_floor(sigma, sample_rate, steps)
-    if floor > delta / 10:
-        raise ValueError(
-            f"sigma={sigma:.4g} over {steps} steps at q={sample_rate:.3g}: the noise as drawn never "
-            f"passes {NOISE_EDGE:.2f} std, so with probability {floor:.2g} the run shows an informed adversary "
-            f"a coordinate that only one example's presence allows, above delta/10 = {delta / 10:.2g}; "
-            "lower dp.epsilon, raise dp.sigma or take fewer steps")
 
 
 def epsilon(

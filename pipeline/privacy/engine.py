@@ -43,6 +43,7 @@ from pipeline.distributed import World, all_reduce_sum
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
 from pipeline.privacy.noise import gaussian
+from pipeline.privacy.noise_edge import NOISE_EDGE
 from pipeline.privacy.plan import Plan
 from pipeline.train import NOISE, step_generator
 
@@ -140,6 +141,9 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     `ledger.record_step(step, |B_t|)` (rank 0) charges the step before it is computed."""
     if step >= plan.steps:  # budget guard: ε was paid for plan.steps steps, no more
         raise RuntimeError(f"refusing step {step}: ε was accounted for {plan.steps} steps")
+    if plan.noise_edge != NOISE_EDGE:  # a ledger from before the noise reached it: another mechanism
+        raise RuntimeError(f"refusing step {step}: the plan's noise stops at {plan.noise_edge:.2f} std, this step's "
+                           f"at {NOISE_EDGE:.2f}")
     indices = sampler.batch(step)
     if ledger is not None:
         ledger.record_step(step, len(indices))

@@ -6,7 +6,7 @@ CPU (24-bit uniforms), 6.76 on CUDA, 8.57 in fp64. A released coordinate past th
 when the example that moved it was in the batch, so an adversary who knows the rest learns that for
 certain (docs/privacy.md, "Floating-point noise"). Here u is built from two fp64 uniforms, the second
 filling in below the first's 2^-53 resolution, so u reaches 2^-106 and |z| reaches 12.1 std
-(accounting.NOISE_EDGE): past it a Gaussian goes once in 1e33 draws.
+(noise_edge.NOISE_EDGE): past it a Gaussian goes once in 1e33 draws.
 
 Drawn from the step's generator in a fixed order: the same on every rank and on every re-run.
 """
@@ -17,11 +17,11 @@ import math
 
 import torch
 
-from pipeline.privacy.accounting import box_muller_edge
+from pipeline.privacy.noise_edge import UNRECORDED_EDGE, box_muller_edge
 
 FINE = 2.0 ** -53  # an fp64 uniform's resolution
 # Where torch's own normals stop (Box-Muller on its smallest uniform), for comparison.
-TORCH_EDGES = {"torch fp32, CPU": box_muller_edge(2.0 ** -24), "torch fp32, CUDA": box_muller_edge(2.0 ** -33),
+TORCH_EDGES = {"torch fp32, CPU": UNRECORDED_EDGE, "torch fp32, CUDA": box_muller_edge(2.0 ** -33),
                "torch fp64": box_muller_edge(2.0 ** -53)}
 
 

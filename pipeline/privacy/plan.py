@@ -19,6 +19,7 @@ from pipeline.distributed import broadcast_floats
 from pipeline.io import atomic_path
 from pipeline.objectives import SENSITIVITY, objective
 from pipeline.privacy import accounting
+from pipeline.privacy.noise_edge import NOISE_EDGE, UNRECORDED_EDGE, check_noise_edge
 from pipeline.privacy.sampling import PoissonSampler
 
 
@@ -39,6 +40,7 @@ class Plan:
     target_epsilon: float
     epsilon: float         # what σ, q and `steps` give under `accountant` and `adjacency`
     sampler: str = PoissonSampler.name
+    noise_edge: float = NOISE_EDGE  # where the noise's draws stop, in stds (noise.py): verify checks what it gives away
 
     @property
     def sensitivity(self) -> float:
@@ -80,6 +82,7 @@ class Plan:
         """The plan a ledger header (or the published ledger.json) was written for; its derived values
         must be what the plan derives."""
         names = {f.name for f in dataclasses.fields(cls)} - {"steps", "epsilon"}
+        header = {"noise_edge": UNRECORDED_EDGE, **header}  # written before the ledger recorded the edge
         plan = cls(**{k: header[k] for k in names if k in header}, steps=header["planned_steps"],
                    epsilon=header["epsilon_planned"])
         for derived in ("sensitivity", "noise_std"):
@@ -121,7 +124,7 @@ def plan_mechanism(dp: dict, n: int, adjacency: str) -> Plan:
     if eps > dp["epsilon"]:
         raise ValueError(f"dp.sigma={sigma} gives ε={eps:.3f} after {dp['steps']} steps, above the target "
                          f"dp.epsilon={dp['epsilon']}: raise sigma or lower steps")
-    accounting.check_noise_edge(sigma, q, dp["steps"], delta)
+    check_noise_edge(sigma, q, dp["steps"], delta)
     return Plan(objective=dp["objective"], clipping=objective(dp["objective"]).clipping, n=n, sample_rate=q,
                 sigma=sigma, clip_norm=dp["clip_norm"], steps=dp["steps"], delta=delta, accountant=dp["accountant"],
                 adjacency=adjacency, target_epsilon=dp["epsilon"], epsilon=eps)

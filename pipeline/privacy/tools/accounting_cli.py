@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 from pipeline.privacy import accounting
 from pipeline.privacy.accountant_backends import supports
+from pipeline.privacy.noise_edge import SHARE_OF_DELTA, noise_edge_floor
 
 _ACCOUNTANT_CHOICES = list(accounting.ACCOUNTANTS) + ["all"]
 
@@ -242,7 +243,7 @@ def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float]
             rows.append({"batch": batch, "sample_rate": q, "epochs": e, "steps": steps, "sigma": sigma,
                          "noise_per_coordinate": sigma * sensitivity / batch,
                          "noise_over_run": sigma * sensitivity / batch / math.sqrt(steps),
-                         "noise_edge_floor": accounting.noise_edge_floor(sigma, q, steps)})
+                         "noise_edge_floor": noise_edge_floor(sigma, q, steps)})
     return rows
 
 
@@ -279,7 +280,7 @@ def _run_plan(args) -> int:
         lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {r['sigma']:>8.3f} "
                      f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s else "")
                      + ("  refused by dp-train: sigma too small for the noise's edge (docs/privacy.md)"
-                        if r["noise_edge_floor"] > delta / 10 else ""))
+                        if r["noise_edge_floor"] > SHARE_OF_DELTA * delta else ""))
     _emit(args, {"command": "plan", "n": args.n, "epsilon": args.epsilon, "delta": delta,
                  "sensitivity": args.sensitivity, "schedules": rows}, lines)
     return 0
