@@ -95,6 +95,7 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
                  "82.2 (77.4–86.7)", "90.0", "80.4", "50.0", "30.0 ± 5.0", "Zero-shot", "1-shot", "10-shot",
                  "DP (DP-Cap)", "Raw pixels (no encoder)", "41.0 (35.2–47.0)",
                  "per averaged coordinate std/B = 0.00533 (σ/B = 0.00533)",  # 0.67 / (0.1 · 1258)
+                 "drawn to 12.12 std",  # the noise's edge (privacy/noise_edge.py)
                  "over its 40 steps std/(B·√T) = 0.000842"):  # ÷ √40
         assert text in page and text in md, text
     # Rows keep the evaluate stage's order (the JSON itself is key-sorted).

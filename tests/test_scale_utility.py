@@ -350,6 +350,8 @@ def scale_table_mismatches(text: str) -> list[str]:
         if row is None:
             wrong.append(f"{label}: no one kept row {name} under benchmarks/scale_rows")
             continue
+        if eps_text != "∞" and "noise_edge" not in row["meta"] and "fp32 noise" not in label:
+            wrong.append(f"{label}: drew fp32 noise (its ε does not hold at its δ) and does not say so")
         seeds = re.search(r"\((\w+) seeds?\)", label)
         if seeds and SEEDS_IN_WORDS[seeds.group(1)] != len(row["probe"]):
             wrong.append(f"{label}: {len(row['probe'])} kept seeds")

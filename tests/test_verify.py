@@ -230,6 +230,7 @@ def test_broken_accountant_is_caught(valid, monkeypatch):
     (lambda L: L.update(batch_sizes=L["batch_sizes"][:-1] + [-1]), "batch_sizes must lie in [0, n="),
     (lambda L: L.update(sample_rate=1.5), "sample_rate=1.5 must be in (0, 1]"),
     (lambda L: L.update(accountant="moments"), "accountant='moments' must be one of"),
+    (lambda L: L.update(noise_edge="12"), "noise_edge='12' must be a finite number > 0"),
 ])
 def test_malformed_ledger_is_refused_with_its_reason(valid, doctor, message):
     ledger = copy.deepcopy(valid)

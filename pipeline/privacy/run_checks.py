@@ -50,6 +50,8 @@ def ledger_problems(ledger: dict) -> list[str]:
         problems.append(f"delta={ledger['delta']!r} must be in (0, 1)")
     if not real(ledger["epsilon"]):
         problems.append(f"epsilon={ledger['epsilon']!r} must be a finite number")
+    if "noise_edge" in ledger and not (real(ledger["noise_edge"]) and ledger["noise_edge"] > 0):
+        problems.append(f"noise_edge={ledger['noise_edge']!r} must be a finite number > 0")
     if ledger["accountant"] not in accounting.ACCOUNTANTS:
         problems.append(f"accountant={ledger['accountant']!r} must be one of {', '.join(accounting.ACCOUNTANTS)}")
     sizes = ledger["batch_sizes"]

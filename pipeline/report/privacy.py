@@ -54,7 +54,8 @@ def noise_text(ver: dict, plan: Plan) -> str:
     else:
         per = (f"per averaged coordinate std/B = {std / batch:.3g} (σ/B = {ver['sigma'] / batch:.3g}); "
                f"over its {plan.steps} steps std/(B·√T) = {std / batch / math.sqrt(plan.steps):.3g}")
-    return f"σ = {ver['sigma']:.4f} (std {std:.4f}); {per}"
+    # Where the draws stop (privacy/noise_edge.py): 12.12 std now, 5.77 for a ledger from fp32 noise.
+    return f"σ = {ver['sigma']:.4f} (std {std:.4f}, drawn to {plan.noise_edge:.2f} std); {per}"
 
 
 def delta_text(delta: float, param) -> str:
