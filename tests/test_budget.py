@@ -3,6 +3,7 @@ overlapping sets compose, a resumed run is charged once, and the record survives
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -230,10 +231,25 @@ def test_a_composition_that_pld_cannot_resolve_falls_back_to_a_bound_not_to_roun
     assert composed == _rdp_parts_bound(((0.8, 4.2e-4, 300_000),) * 2, 1e-10, "replace_one")
 
 
+def test_a_run_whose_noise_stops_at_fp32s_edge_makes_the_composition_infinite(in_tmp):
+    """A run charged before the budget recorded its noise's edge drew torch's fp32 normals, which stop at
+    5.77 std: at this σ, q and T (an edge floor of 4.7·δ) no ε holds at δ for any run composed with it."""
+    identity, sketch = shard(in_tmp / "d", examples(30))
+    charge(identity, sketch, "earlier")
+    ledger = {**plan().header(), "run": "later", "data_identity": identity}
+    assert budget.composition(ledger, DELTA)["epsilon"] < float("inf")  # the edge it recorded: 12.1 std
+    path = budget.BUDGET_DIR / "runs.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "noise_edge"}) + "\n" for e in lines))
+    later = budget.composition(ledger, DELTA)
+    assert later["epsilon"] == float("inf") and "stops short" in later["outside_dp"][0]
+    assert later["epsilon_dp_runs"] < float("inf")
+
+
 def entry(run, p):
     """A budget entry as `budget.record` writes it."""
     return {"run": run, "objective": p.objective, "sigma": p.sigma, "sample_rate": p.sample_rate, "steps": p.steps,
-            "delta": p.delta, "n": p.n}
+            "delta": p.delta, "n": p.n, "noise_edge": p.noise_edge}
 
 
 def test_a_torn_last_line_is_ignored_and_the_next_run_is_charged(in_tmp):

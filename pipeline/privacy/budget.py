@@ -48,6 +48,7 @@ from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.errors import BudgetCorrupt, BudgetNotHere
 from pipeline.io import atomic_path, drop_torn_tail
 from pipeline.privacy.accountant_backends import composed_epsilon as composed_pld_epsilon
+from pipeline.privacy.noise_edge import SHARE_OF_DELTA, UNRECORDED_EDGE, noise_edge_floor
 from pipeline.privacy.plan import Plan
 
 BUDGET_DIR = Path("data/budget")
@@ -158,7 +159,8 @@ def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int) ->
     (once per run and key; fsynced before training)."""
     _append(identity, sketch, {"run": run, "key": key_fingerprint(key), "set": identity, "objective": plan.objective,
                                "sigma": plan.sigma, "sample_rate": plan.sample_rate, "steps": plan.steps,
-                               "delta": plan.delta, "n": plan.n, "adjacency": plan.adjacency}, same=("run", "key"))
+                               "delta": plan.delta, "n": plan.n, "adjacency": plan.adjacency,
+                               "noise_edge": plan.noise_edge}, same=("run", "key"))
 
 
 def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str) -> None:
@@ -242,6 +244,18 @@ def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_re
     return composed_pld_epsilon([(e["sigma"], e["sample_rate"], e["steps"]) for e in entries], delta, adjacency)
 
 
+def edges_problem(entries: list[dict], delta: float) -> str | None:
+    """Why the composed runs' noise edges void every ε at δ (privacy/noise_edge.py), or None. Each run's
+    edge shows an informed adversary an example was in with probability noise_edge_floor, and over
+    runs these add up; a run charged before the budget recorded its edge drew torch's fp32 normals."""
+    floor = sum(noise_edge_floor(e["sigma"], e["sample_rate"], e["steps"], e.get("noise_edge", UNRECORDED_EDGE))
+                if e["sigma"] > 0 else 1.0 for e in entries)
+    if floor <= SHARE_OF_DELTA * delta:
+        return None
+    return (f"noise that stops short of a Gaussian's tail: its edges show that an example was in with probability "
+            f"{floor:.2g}, above δ/10 = {SHARE_OF_DELTA * delta:.2g}")
+
+
 def composition(ledger: dict, delta: float) -> dict:
     """The published composition: ε of every DP run charged to this budget, on whatever examples,
     composed; this run is counted even if the budget record was lost. Only the runs on sets that
@@ -273,7 +287,9 @@ def _composed(ledger: dict, entries: list[dict], delta: float) -> dict:
     entries = [e for e in entries if "outside_dp" not in e]
     if not any(e["run"] == ledger.get("run") for e in entries):
         entries.append({"run": ledger.get("run"), "objective": plan.objective, "sigma": plan.sigma,
-                        "sample_rate": plan.sample_rate, "steps": plan.steps})
+                        "sample_rate": plan.sample_rate, "steps": plan.steps, "noise_edge": plan.noise_edge})
+    edges = edges_problem(entries, delta)
+    outside += [edges] if edges else []
     dp_runs = composed_epsilon(entries, delta, plan.adjacency)
     return {"epsilon": math.inf if outside else dp_runs, "epsilon_dp_runs": dp_runs, "outside_dp": outside,
             "runs": len(entries), "adjacency": plan.adjacency, "data_identity": ledger.get("data_identity"),
