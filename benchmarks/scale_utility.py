@@ -38,7 +38,8 @@ Targets (paired 95% intervals):
 probe fit on the other two folds) and never touches the probe-test part: that is where a recipe is
 chosen. Scoring all of probe-train, not a third, narrows the paired intervals a choice rests on.
 Resumable: every finished row is kept under DIR/rows/ (or --rows), every training checkpoints in its state
-directory, so a killed run started again continues where it stopped. Prints one line per row as it
+directory, so a killed run started again continues where it stopped; a kept DP row that drew fp32 noise (kept
+before rows recorded their noise's edge) is trained again. Prints one line per row as it
 goes, the table, the scaling figure's numbers (DIR/scaling.png) and ONE JSON line, the last line of
 stdout, in the format of benchmarks/utility.py with "n" per row.
 """
