@@ -71,7 +71,8 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
             r.update(batch=m["batch"], steps=m["steps"], sigma=round(m["sigma"], 4), sigma_over_b=m["sigma_over_b"],
                      noise_per_coordinate=m["noise_per_coordinate"],
                      noise_over_run=m["noise_per_coordinate"] / math.sqrt(m["steps"]),
-                     epsilon_spent=m["epsilon_spent"], seconds=m["seconds"])
+                     epsilon_spent=m["epsilon_spent"], seconds=m["seconds"],
+                     fp32_noise=eps != math.inf and "noise_edge" not in m)  # its ε does not hold at its δ
             if name != "synthetic":
                 d = paired_gain(row, table["synthetic"])
                 r["gain_over_synthetic"] = {"diff": d["diff"], "ci": d["ci"]}
@@ -91,7 +92,8 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
         print(f"  {(r['objective'] or r['init']):<9} {sched}  {100 * r['acc']:5.1f}%  "
               f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"
               + (f"   {100 * gain['diff']:+.1f} ({100 * gain['ci'][0]:+.1f} to {100 * gain['ci'][1]:+.1f})" if gain else "")
-              + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else ""))
+              + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else "")
+              + ("   fp32 noise: ε not at its δ" if r.get("fp32_noise") else ""))
     scaling = [r for r in out_rows if r["n"] and r["epsilon"] == 8.0]
     if scaling:
         plot_scaling(scaling, work / "scaling.png")
@@ -168,8 +170,14 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
         n = np.array([r["n"] for r in rs])
         g = np.array([[r["gain_over_synthetic"]["diff"], *r["gain_over_synthetic"]["ci"]] for r in rs]) * 100
         label = f"{obj} (B = {rs[-1]['batch']:,} × {rs[-1]['steps']} steps at n = {rs[-1]['n']:,})"
-        gain_ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3, label=label)
+        line = gain_ax.errorbar(n, g[:, 0], yerr=[g[:, 0] - g[:, 1], g[:, 2] - g[:, 0]], marker="o", capsize=3,
+                                label=label)
+        fp32 = np.array([bool(r.get("fp32_noise")) for r in rs])
+        if fp32.any():  # hollow: drawn with fp32 noise, whose ε does not hold at its δ
+            gain_ax.plot(n[fp32], g[fp32, 0], "o", color=line[0].get_color(), mfc="white", zorder=3)
         noise_ax.plot(n, [r["noise_per_coordinate"] for r in rs], marker="o", label=label)
+    if any(r.get("fp32_noise") for r in rows):
+        gain_ax.plot([], [], "o", color="grey", mfc="white", label="hollow: fp32 noise (its ε not at its δ)")
     gain_ax.axhline(0, color="grey", lw=0.8)
     sizes = sorted({r["n"] for r in rows})  # one labelled tick per size: log-scale minor labels collide
     for ax in (gain_ax, noise_ax):

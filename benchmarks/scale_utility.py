@@ -261,6 +261,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--probe-refits", type=int, default=20,
                     help="probes refit on resamples of probe-train per row and seed, for the intervals (0: none)")
+    ap.add_argument("--reuse-fp32-rows", action="store_true",
+                    help="report kept DP rows that drew fp32 noise (kept before rows recorded their noise's edge) as "
+                         "they are, marked, instead of training them again: their accuracies stand, their ε does not "
+                         "hold at their δ")
     ap.add_argument("--validate", action="store_true", help="score probe-train by cross-fitting (choosing a recipe)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override the recipe (as `dpfm --set`)")
@@ -380,7 +384,7 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
         name = f"{obj}-n{size}-eps{eps:g}"
         p_size = size_params({**params, "dp": {**params["dp"], "objective": obj}}, size, n_full)
         size_dir = work / f"n-{size}"
-        kept = usable(rows.get(name), name, eps)
+        kept = usable(rows.get(name), name, eps, args.reuse_fp32_rows)
         seeds = range(args.seeds if kept is None else len(kept["probe"]))
         extend = complete(kept) and args.seeds > len(kept["probe"])  # more seeds asked for: train the missing ones
         if complete(kept) and not extend:
@@ -431,14 +435,15 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
     return table, te, chance, scorer.es.name
 
 
-def usable(kept: dict | None, name: str, eps: float) -> dict | None:
+def usable(kept: dict | None, name: str, eps: float, reuse_fp32: bool = False) -> dict | None:
     """A kept row, or None where it must be trained again: a DP row kept without the noise's edge drew
-    torch's fp32 normals, whose edge gave away more than its δ (docs/privacy.md, "Floating-point noise")."""
+    torch's fp32 normals, whose edge gave away more than its δ (docs/privacy.md, "Floating-point noise").
+    `reuse_fp32` (--reuse-fp32-rows) reports such a row as it is: the report marks it."""
     if kept is None or not math.isfinite(eps) or "noise_edge" in kept["meta"]:
         return kept
-    print(f"scale_utility: {name}: kept row drew fp32 noise (its printed ε does not hold at its δ): training it again",
-          flush=True)
-    return None
+    print(f"scale_utility: {name}: kept row drew fp32 noise (its printed ε does not hold at its δ): "
+          + ("reported as it is, marked" if reuse_fp32 else "training it again"), flush=True)
+    return kept if reuse_fp32 else None
 
 
 def with_seeds(kept: dict, probe: np.ndarray, zero: np.ndarray | None, refits: np.ndarray | None,

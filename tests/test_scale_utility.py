@@ -152,7 +152,7 @@ def test_a_kept_dp_row_that_drew_fp32_noise_is_trained_again(tmp_path):
     old = rows.put("mae-nfull-eps8", outcome, None, None, {"n": 60000})
     new = rows.put("mae-nfull-eps1", outcome, None, None, {"n": 60000, "noise_edge": NOISE_EDGE})
     nonprivate = rows.put("mae-nfull-epsinf", outcome, None, None, {"n": 60000})
-    assert usable(old, "mae-nfull-eps8", 8.0) is None
+    assert usable(old, "mae-nfull-eps8", 8.0) is None and usable(old, "mae-nfull-eps8", 8.0, reuse_fp32=True) is old
     assert usable(new, "mae-nfull-eps1", 1.0) is new and usable(nonprivate, "mae-nfull-epsinf", math.inf) is nonprivate
     params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["mae"], "dp.objective=mae", "dp.epsilon=8"])
     assert schedule(params, 60000, 8.0)["noise_edge"] == NOISE_EDGE  # what a new row records
@@ -208,9 +208,11 @@ def test_the_report_prints_the_table_and_one_json_line_with_refit_intervals(tmp_
     args = argparse.Namespace(objectives=["caption"], seeds=1, probe_refits=4)
     with pytest.raises(SystemExit) as exit_code:
         report(t, args, [8.0], [FULL], 0.1, 400, tmp_path, 1.0, "cpu", "fashion-mnist", {})
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out
+    out = json.loads(printed.strip().splitlines()[-1])
     row = next(r for r in out["rows"] if r["objective"] == "caption")
     assert out["probe_refits"] == 4 and row["n"] == 60000 and row["sigma_over_b"] == 6.8e-4
+    assert row["fp32_noise"] and "fp32 noise: ε not at its δ" in printed  # its meta records no noise edge
     refit = difference_ci(strong, weak, refits_a=t[f"caption-n{FULL}-eps8"]["refits"], refits_b=t["synthetic"]["refits"])
     plain = difference_ci(strong, weak)
     assert row["gain_over_synthetic"]["ci"] == [round(x, 4) for x in refit["ci"]]
@@ -350,7 +352,7 @@ def scale_table_mismatches(text: str) -> list[str]:
         if row is None:
             wrong.append(f"{label}: no one kept row {name} under benchmarks/scale_rows")
             continue
-        if eps_text != "∞" and "noise_edge" not in row["meta"] and "fp32 noise" not in label:
+        if name not in UNTRAINED and eps_text != "∞" and "noise_edge" not in row["meta"] and "fp32 noise" not in label:
             wrong.append(f"{label}: drew fp32 noise (its ε does not hold at its δ) and does not say so")
         seeds = re.search(r"\((\w+) seeds?\)", label)
         if seeds and SEEDS_IN_WORDS[seeds.group(1)] != len(row["probe"]):
@@ -379,3 +381,4 @@ def test_the_readme_scale_table_is_what_the_committed_rows_give():
     # The check can fail: one figure moved by a tenth, or a seed count that is not the rows', is caught.
     assert any("gain" in m for m in scale_table_mismatches(text.replace("| +3.6 (", "| +3.7 (", 1)))
     assert any("kept seeds" in m for m in scale_table_mismatches(re.sub(r"\(one seed\)", "(two seeds)", text, count=1)))
+    assert any("drew fp32 noise" in m for m in scale_table_mismatches(text.replace(", fp32 noise (", " (")))
