@@ -2,7 +2,7 @@
 
     python -m benchmarks.scale_utility [--dir DIR] [--objectives mae caption clip [clip-public]] [--sizes 2000 6000 20000 full]
                                        [--epsilons 1 8 inf] [--seeds 1] [--probe-refits 20] [--validate]
-                                       [--set SECTION.KEY=VALUE ...]
+                                       [--set SECTION.KEY=VALUE ...] [--rows DIR] [--reuse-fp32-rows]
     python -m benchmarks.scale_utility --dir DIR --figure-from OUTPUT [OUTPUT ...]
 
 Fashion-MNIST (`make fashion-mnist` first) stands in for the private data: its 60,000-image private
