@@ -15,8 +15,8 @@
 # Each part runs under LIMIT seconds (default 500) and appends to four files in OUT_DIR (a call brings
 # back 8 at most): figures.txt (every part's output, under a header), util.csv (the GPU's utilisation
 # every 0.5 s, by part: TAG, default PART), scale.log (the scale parts' whole output, a clock time on
-# every line, to place the training in the samples) and work.tgz (rows and training state: carry it
-# to the next call to resume).
+# every line, to place the training in the samples), rows.tgz (the finished rows) and work.tgz (rows and
+# training state: carry it to the next call to resume; STATE=0 skips it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1 part=$2
@@ -62,8 +62,11 @@ case $part in
       | grep --line-buffered -v -e absl -e 'step/s' -e 'steps$' -e Warning -e worker_number | tee -a "$out/figures.txt"
     wait $bench
     rm -f "$out/raw"
-    # rows and every training's state (not the shards, which the next call rebuilds)
-    tar czf "$out/work.tgz" -C "$work" --exclude='data/shards' --exclude='data/synthetic' rows $(cd "$work" && ls -d n-*) ;;
+    tar czf "$out/rows.tgz" -C "$work" rows  # the finished rows alone: small, they always come back
+    # and every training's state (not the shards, which the next call rebuilds); STATE=0 skips it where
+    # the models outgrow what a call brings back (a ViT-S/16 and its optimiser: hundreds of MB)
+    [ "${STATE:-1}" = 0 ] || tar czf "$out/work.tgz" -C "$work" --exclude='data/shards' --exclude='data/synthetic' \
+      rows $(cd "$work" && ls -d n-*) ;;
 esac
 kill $sampler 2>/dev/null; pkill -f "nvidia-smi --query-gpu=timestamp" 2>/dev/null
 true
