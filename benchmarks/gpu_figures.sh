@@ -36,6 +36,8 @@ fi
 tag=${TAG:-$part}
 echo "== $tag: $(date +%T) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader) $*" \
   | tee -a "$out/figures.txt"
+python3 -c 'import sys, torch, sentencepiece, numpy; print("   python", sys.version.split()[0], "torch", torch.__version__,
+  "sentencepiece", sentencepiece.__version__, "numpy", numpy.__version__)' 2>&1 | tee -a "$out/figures.txt"
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 \
   | sed -u "s/^/$tag, /" >> "$out/util.csv" &
 sampler=$!

@@ -11,6 +11,8 @@ from pipeline.io import atomic_dir, atomic_path, write_json
 def run(params: dict, ctx) -> None:
     cfg = params["tokenizer"]
     corpus = public_corpus()
+    # said before the work, so that a stall shows where it is (SentencePiece prints nothing meanwhile)
+    print(f"tokenizer: training {cfg['vocab_size']} {cfg['model_type']} pieces on {len(corpus)} public lines", flush=True)
     model = train_model(corpus, cfg["vocab_size"], cfg["model_type"])
     digest = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
     with atomic_dir(ctx.stage.output("tokenizer")) as out:
