@@ -12,7 +12,7 @@
 # PART: throughput [gpu_throughput args; --profile BATCH for a per-op table] | loader [loader args] |
 # routes [clipping_routes args: the GPU's WRITE_COST] | rounding [sum_rounding args: the others' rounding in
 # bf16 on CUDA] | noise [noise_draw args: the noise's edge and cost on CUDA] | table|validate [scale_utility args].
-# Each part runs under LIMIT seconds (default 500) and appends to four files in OUT_DIR (a call brings
+# Each part runs under LIMIT seconds (default 500) and appends to files in OUT_DIR (a call brings
 # back 8 at most): figures.txt (every part's output, under a header), util.csv (the GPU's utilisation
 # every 0.5 s, by part: TAG, default PART), scale.log (the scale parts' whole output, a clock time on
 # every line, to place the training in the samples), rows.tgz (the finished rows) and work.tgz (rows and
