@@ -331,9 +331,12 @@ def kept_row(name: str, objective: str) -> dict | None:
     return Rows(found[0].parent).get(name) if len(found) == 1 else None
 
 
+def readme_scale_section(text: str) -> str:
+    return text.split("## Results at scale", 1)[1].split("\n## ", 1)[0]
+
+
 def readme_scale_rows(text: str) -> list[list[str]]:
-    section = text.split("## Results at scale", 1)[1].split("\n## ", 1)[0]
-    lines = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    lines = [line for line in readme_scale_section(text).splitlines() if line.startswith("| ") and "---" not in line]
     return [[cell.strip().replace("**", "") for cell in line.strip("|").split("|")] for line in lines[1:]]
 
 
@@ -421,7 +424,7 @@ def scaling_sentence_mismatches(text: str) -> list[str]:
         wrong.append(f"MAE's scaling points read {min(gains['mae']):+.1f} to {max(gains['mae']):+.1f}")
     fp32 = [f"{obj} n = {size}" for obj in ("caption", "mae", "clip", "clip-public")
             for size, row in zip(SCALING_SIZES, scaling_points(obj)) if "noise_edge" not in row["meta"]]
-    if bool(fp32) != ("hollow" in text.split("## Results at scale", 1)[1].split("\n## ", 1)[0]):
+    if bool(fp32) != ("hollow" in readme_scale_section(text)):
         wrong.append(f"README's hollow points do not match the fp32-noise scaling points {fp32}")
     return wrong
 
