@@ -1,5 +1,5 @@
-"""The three training objectives in one table: what each model reads, how DP-SGD clips it, and how
-it classifies zero-shot. Code asks this table instead of testing the objective's name."""
+"""The training objectives in one table (the three recipes and `clip-public`): what each model
+reads, how DP-SGD clips it, and how it classifies zero-shot. Code asks this table instead of testing the objective's name."""
 
 from __future__ import annotations
 

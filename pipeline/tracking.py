@@ -250,8 +250,8 @@ def _retry(fn, attempts: int = 8):
 
 @contextmanager
 def stage_run(stage, params: dict, experiment: str):
-    """Open the stage's MLflow run (nested under the pipeline's parent run when there is one); training
-    stages on public data also record system metrics (CPU, memory, GPU) while they run."""
+    """Open the stage's MLflow run (nested under the pipeline's parent run when there is one), tagged with
+    the git commit, the SLURM job and the DVC hashes of the stage's inputs."""
     mlflow = _mlflow(experiment)
     parent = os.environ.get(PARENT_ENV)
     tags = {"dpfm.stage": stage.name, "mlflow.source.git.commit": git_commit()}
