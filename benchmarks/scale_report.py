@@ -79,17 +79,18 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
         if row.get("zero") is not None:
             r.update(zero_shot=float(row["zero"].mean()), zero_shot_ci=accuracy_ci(row["zero"]))
         out_rows.append(r)
-    print(f"\nscale_utility: linear probe on {set_name} ({n_test} test images, {args.seeds} seed(s), "
+    # A kept row may hold more seeds than this invocation asked for: each row says its own.
+    print(f"\nscale_utility: linear probe on {set_name} ({n_test} test images, "
           f"{args.probe_refits} probe refits, {device})")
-    print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8} {'noise':>8} {'/√T':>8}  {'acc':>6}  95% CI       "
-          "gain over synthetic")
+    print(f"  {'objective':<9} {'n':>6} {'ε':>4} {'B':>5} {'T':>4} {'σ':>6} {'σ/B':>8} {'noise':>8} {'/√T':>8} {'seeds':>5}  {'acc':>6}  "
+          "95% CI       gain over synthetic")
     for r in out_rows:
         eps = "—" if r["epsilon"] is None else ("∞" if r["epsilon"] == "inf" else f"{r['epsilon']:g}")
         sched = (f"{r['n']:>6} {eps:>4} {r['batch']:>5} {r['steps']:>4} {r['sigma']:>6.3f} {r['sigma_over_b']:>8.2e}"
                  f" {r['noise_per_coordinate']:>8.2e} {r['noise_over_run']:>8.2e}"
                  if r["n"] else f"{'':>6} {eps:>4} {'':>5} {'':>4} {'':>6} {'':>8} {'':>8} {'':>8}")
         gain = r.get("gain_over_synthetic")
-        print(f"  {(r['objective'] or r['init']):<9} {sched}  {100 * r['acc']:5.1f}%  "
+        print(f"  {(r['objective'] or r['init']):<9} {sched} {r['seeds']:>5}  {100 * r['acc']:5.1f}%  "
               f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"
               + (f"   {100 * gain['diff']:+.1f} ({100 * gain['ci'][0]:+.1f} to {100 * gain['ci'][1]:+.1f})" if gain else "")
               + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else "")
