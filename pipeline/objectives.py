@@ -1,5 +1,6 @@
 """The training objectives in one table (the three recipes and `clip-public`): what each model
-reads, how DP-SGD clips it, and how it classifies zero-shot. Code asks this table instead of testing the objective's name."""
+reads, how DP-SGD clips it, and how it classifies zero-shot. Code asks this table instead of testing
+the objective's name."""
 
 from __future__ import annotations
 
