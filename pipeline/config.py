@@ -29,6 +29,7 @@ ADDED_KNOBS = (
     ("dp", "ema_decay", 0.0),
     ("dp", "frozen", []),
     ("model", "public_negatives", 256),     # 2026-11-27
+    ("dp", "nonprivate_clipped", False),    # 2026-11-30
 )
 
 

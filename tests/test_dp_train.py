@@ -167,6 +167,28 @@ def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
     assert ledger["steps"] == 6  # the baseline is not charged to the private ledger
 
 
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
+def test_a_clipped_twin_goes_through_the_dp_runs_clipper_without_noise(data_dir, tmp_path, objective):
+    """dp.nonprivate_clipped: one plain-SGD step of the twin moves the weights by lr × its clipped sum
+    / (q·n), so by at most lr·C/q (lr·C per batch for clip) however large the gradients; the unclipped
+    twin's same step moves them far more. Its state is its own: neither twin resumes the other."""
+    work = project(data_dir, tmp_path)
+    lr, clip_norm = 0.05, 1e-4
+    sets = [f"dp.objective={objective}", "dp.nonprivate_baseline=true", "dp.init=random", "dp.optimizer=sgd",
+            "dp.weight_decay=0", f"dp.lr={lr}", f"dp.clip_norm={clip_norm}", "dp.nonprivate.steps=1",
+            "dp.nonprivate.warmup_steps=0"]
+    start = flat(initial_weights(work, sets))
+    moved = {}
+    for clipped in ("false", "true", "false"):
+        ledger, _ = train(work, [*sets, f"dp.nonprivate_clipped={clipped}"])
+        twin = flat(checkpoints.load(work / "models/dp/nonprivate.pt").model)
+        moved.setdefault(clipped, []).append(float((twin - start).norm()))
+    bound = lr * clip_norm / ledger["sample_rate"]
+    assert 0 < moved["true"][0] <= bound * (1 + 1e-4) < moved["false"][0] / 10
+    assert moved["false"][1] == moved["false"][0]  # the plain twin again: its own state, resumed as it was
+    assert len(list((work / ".dpfm/state").glob("dp-train-*/nonprivate*/checkpoint.pt"))) == 2
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
 def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_private(data_dir, tmp_path,

@@ -310,8 +310,10 @@ def test_without_a_curve_the_report_has_no_curve_section(project):
 def test_the_curve_caption_says_when_the_non_private_point_has_a_schedule_of_its_own():
     from pipeline.report.curves import twin_text
 
-    recipe = {"steps": 40, "lr": 5e-4, "nonprivate": {"steps": None, "lr": None}}
+    recipe = {"steps": 40, "lr": 5e-4, "nonprivate": {"steps": None, "lr": None}, "nonprivate_clipped": False}
     assert twin_text(recipe) == "∞ is the same recipe without clipping or noise"
+    assert twin_text({**recipe, "nonprivate_clipped": True}) == \
+        "∞ is the same recipe without noise, clipped as the DP points are"
     own = twin_text({**recipe, "nonprivate": {"steps": 600, "lr": 1e-3, "warmup_steps": None}})
     assert "steps 600, lr 0.001" in own and "the DP points: steps 40, lr 0.0005" in own
 

@@ -155,7 +155,7 @@ def setup(params: dict, device: str) -> "Trainer":
     return Trainer(params, mcfg, tokenizer, held_inputs, plan, world, device, stats.get("source"))
 
 
-NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "log_private_stats")
+NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "nonprivate_clipped", "log_private_stats")
 # Keys of how a run is computed, not what it releases (the same batches, clip bound and noise): after an
 # out-of-memory a smaller dp.physical_batch_size, as its message advises, must resume the run, not
 # start another under a fresh key and charge the whole budget again.
@@ -264,13 +264,14 @@ def nonprivate_params(params: dict) -> dict:
 
 
 def train_nonprivate(params: dict, trainer: "Trainer", ctx):
-    """The recipe without clipping or noise (ε = ∞): for comparison only, never to be published.
-    Noise does not limit it, so `dp.nonprivate` may give it a longer schedule of its own."""
+    """The recipe without noise (ε = ∞), and without clipping unless `dp.nonprivate_clipped`: for
+    comparison only, never to be published. Noise does not limit it, so `dp.nonprivate` may give it a
+    longer schedule of its own."""
     release.check_nonprivate(params["privacy"], trainer.source, "the ε = ∞ twin")
     p = nonprivate_params(params)
     twin = Trainer(p, trainer.mcfg, trainer.tokenizer, trainer.held, trainer.plan.without_noise(p["dp"]["steps"]),
                    trainer.world, trainer.device, trainer.source)
-    work = work_dir(p, trainer) / "nonprivate"
+    work = work_dir(p, trainer) / ("nonprivate-clipped" if p["dp"]["nonprivate_clipped"] else "nonprivate")
     with one_process(work, trainer.world):
         if trainer.world.is_main:  # charged before its first step, as a DP run is
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
@@ -355,7 +356,8 @@ class Trainer:
         # A warm-started encoder moves at encoder_lr_scale × lr (its features are what the run is for).
         optimizer = make_optimizer(model, dp["optimizer"], dp["lr"], dp["weight_decay"],
                                    dp["encoder_lr_scale"] if dp["init"] == "pretrain" else 1.0)
-        clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if private else "plain",
+        clips = private or dp["nonprivate_clipped"]  # a twin may clip without noise (which of the two costs)
+        clipper = make_clipper(obj.clipping, model, dp["clip_norm"], dp["clipping"] if clips else "plain",
                                autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
                                encoder_share=dp["encoder_clip_share"], views=dp["mask_views"], compiled=dp["compile"])

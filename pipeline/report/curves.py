@@ -57,11 +57,13 @@ def curve_order(epsilon) -> float:
 
 
 def twin_text(dp: dict) -> str:
-    """What the ε = ∞ point is: the DP recipe without clipping or noise, on its own schedule if set."""
+    """What the ε = ∞ point is: the DP recipe without noise (and without clipping unless
+    `dp.nonprivate_clipped`), on its own schedule if set."""
+    without = "without noise, clipped as the DP points are" if dp.get("nonprivate_clipped") else "without clipping or noise"
     own = {k: v for k, v in dp.get("nonprivate", {}).items() if v is not None and v != dp.get(k)}
     if not own:
-        return "∞ is the same recipe without clipping or noise"
-    return ("∞ is the recipe without clipping or noise, on a schedule of its own (dp.nonprivate: "
+        return f"∞ is the same recipe {without}"
+    return (f"∞ is the recipe {without}, on a schedule of its own (dp.nonprivate: "
             + ", ".join(f"{k} {v:g}" for k, v in own.items()) + f"; the DP points: steps {dp['steps']}, lr {dp['lr']:g})")
 
 
