@@ -76,6 +76,10 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
             if name != "synthetic":
                 d = paired_gain(row, table["synthetic"])
                 r["gain_over_synthetic"] = {"diff": d["diff"], "ci": d["ci"]}
+            twin = name.replace(f"-eps{eps_text}", "-epsinf")
+            if eps != math.inf and twin in table:  # what privacy costs at this n: the no-DP twin minus this row
+                d = paired_gain(table[twin], row)
+                r["price_of_privacy"] = {"diff": d["diff"], "ci": d["ci"]}
         if row.get("zero") is not None:
             r.update(zero_shot=float(row["zero"].mean()), zero_shot_ci=accuracy_ci(row["zero"]))
         out_rows.append(r)
@@ -95,15 +99,18 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
               + (f"   {100 * gain['diff']:+.1f} ({100 * gain['ci'][0]:+.1f} to {100 * gain['ci'][1]:+.1f})" if gain else "")
               + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else "")
               + ("   fp32 noise: ε not at its δ" if r.get("fp32_noise") else ""))
-    scaling = [r for r in out_rows if r["n"] and r["epsilon"] == 8.0]
-    if scaling:
+    scaling = [r for r in out_rows if r["n"] and r["epsilon"] in (8.0, "inf")]
+    if any(r["epsilon"] == 8.0 for r in scaling):
         plot_scaling(scaling, work / "scaling.png")
-        print(f"\nscale_utility: scaling figure ({work / 'scaling.png'}): DP gain over synthetic-only at ε = 8")
-        for r in sorted(scaling, key=lambda r: (r["objective"], r["n"])):
-            g = r["gain_over_synthetic"]
-            print(f"  {r['objective']:<8} n={r['n']:>6} B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e} "
-                  f"noise/coord={r['noise_per_coordinate']:.2e}  "
-                  f"{100 * g['diff']:+.1f} points (95% CI {100 * g['ci'][0]:+.1f} to {100 * g['ci'][1]:+.1f})")
+        print(f"\nscale_utility: scaling figure ({work / 'scaling.png'}): DP gain over synthetic-only at ε = 8"
+              + (", its no-DP twin's and what privacy costs (twin − DP, paired)" if any(
+                  "price_of_privacy" in r for r in scaling) else ""))
+        for r in sorted(scaling, key=lambda r: (r["objective"], r["n"], r["epsilon"] == "inf")):
+            g, p = r["gain_over_synthetic"], r.get("price_of_privacy")
+            print(f"  {r['objective']:<8} n={r['n']:>6} {'ε=∞' if r['epsilon'] == 'inf' else 'ε=8':<4}"
+                  f" B={r['batch']:>5} σ/B={r['sigma_over_b']:.2e} noise/coord={r['noise_per_coordinate']:.2e}  "
+                  f"{100 * g['diff']:+.1f} points ({interval(g)})"
+                  + (f"   privacy costs {100 * p['diff']:+.1f} ({interval(p)})" if p else ""))
     public_vs_batch = [(f"clip-public-n{FULL}-eps{e:g}", f"clip-n{FULL}-eps{e:g}") for e in epsilons]
     public_vs_batch = [(a, b) for a, b in public_vs_batch if a in table and b in table]
     if public_vs_batch:
@@ -126,7 +133,11 @@ def report(table, args, epsilons, sizes, chance, n_test, work: Path, seconds: fl
     sys.exit(0 if all(t["passed"] for t in targets.values()) else 1)
 
 
-ROUNDED = ("acc", "ci", "zero_shot", "zero_shot_ci", "gain_over_synthetic")
+def interval(d: dict) -> str:
+    return f"95% CI {100 * d['ci'][0]:+.1f} to {100 * d['ci'][1]:+.1f}"
+
+
+ROUNDED = ("acc", "ci", "zero_shot", "zero_shot_ci", "gain_over_synthetic", "price_of_privacy")
 
 
 def rounded(rows: list[dict], places: int = 4) -> list[dict]:
@@ -140,13 +151,13 @@ def rounded(rows: list[dict], places: int = 4) -> list[dict]:
 
 
 def combined_figure(outputs: list[Path], work: Path) -> None:
-    """The scaling rows (ε = 8, every n) of each output's JSON line, in one figure."""
+    """The scaling rows (ε = 8 and the no-DP twins, every n) of each output's JSON line, in one figure."""
     rows = []
     for path in outputs:
         lines = [line for line in path.read_text().splitlines() if line.startswith('{"benchmark": "scale_utility"')]
         if not lines:
             raise SystemExit(f"{path}: no scale_utility JSON line (the last line a finished run prints)")
-        found = [r for r in json.loads(lines[-1])["rows"] if r["n"] and r["epsilon"] == 8.0]
+        found = [r for r in json.loads(lines[-1])["rows"] if r["n"] and r["epsilon"] in (8.0, "inf")]
         if any("noise_per_coordinate" not in r for r in found):
             raise SystemExit(f"{path}: printed before the noise column existed; run its command again (rows are kept)")
         rows += found
@@ -156,9 +167,10 @@ def combined_figure(outputs: list[Path], work: Path) -> None:
 
 
 def plot_scaling(rows: list[dict], path: Path) -> None:
-    """The papers' message in one figure: the DP gain over the warm start as n (and B) grow, beside
-    the noise on the released averaged gradient that explains it (σ·C/B per example; Dp-CLIP's
-    per-batch 2σC does not shrink with B)."""
+    """The papers' message in one figure: the DP gain over the warm start as n (and B) grow, with the
+    no-DP twins' gain dashed where they were trained at more than one n (the gap between the two is
+    what privacy costs), beside the noise on the released averaged gradient that explains it
+    (σ·C/B per example; Dp-CLIP's per-batch 2σC does not shrink with B)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,6 +178,9 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
     import matplotlib.ticker
 
     fig, (gain_ax, noise_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    twins = [r for r in rows if r["epsilon"] == "inf"]
+    rows = [r for r in rows if r["epsilon"] != "inf"]
+    dashed = False
     for obj in sorted({r["objective"] for r in rows}):
         rs = sorted((r for r in rows if r["objective"] == obj), key=lambda r: r["n"])
         n = np.array([r["n"] for r in rs])
@@ -177,6 +192,13 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
         if fp32.any():  # hollow: drawn with fp32 noise, whose ε does not hold at its δ
             gain_ax.plot(n[fp32], g[fp32, 0], "o", color=line[0].get_color(), mfc="white", zorder=3)
         noise_ax.plot(n, [r["noise_per_coordinate"] for r in rs], marker="o", label=label)
+        ts = sorted((r for r in twins if r["objective"] == obj), key=lambda r: r["n"])
+        if len(ts) > 1:
+            gain_ax.plot([r["n"] for r in ts], [100 * r["gain_over_synthetic"]["diff"] for r in ts], "s--",
+                         color=line[0].get_color(), alpha=0.6, ms=4)
+            dashed = True
+    if dashed:
+        gain_ax.plot([], [], "s--", color="grey", ms=4, label="dashed: its no-DP twin (ε = ∞, same schedule)")
     if any(r.get("fp32_noise") for r in rows):
         gain_ax.plot([], [], "o", color="grey", mfc="white", label="hollow: fp32 noise (its ε not at its δ)")
     gain_ax.axhline(0, color="grey", lw=0.8)
@@ -187,8 +209,9 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("private examples n (expected batch B = q·n, q and steps fixed)")
         ax.legend(fontsize=7)
-    gain_ax.set_ylabel("linear probe: DP ε=8 − synthetic-only (points)")
-    gain_ax.set_title("DP gain over the synthetic warm start (95% CI)")
+    gain_ax.set_ylabel("linear probe: trained − synthetic-only (points)")
+    gain_ax.set_title("Gain over the synthetic warm start: DP at ε = 8 (95% CI)" + (", no DP dashed" if dashed else ""),
+                      fontsize=10)
     noise_ax.set_yscale("log")
     noise_ax.set_ylabel("noise std per coordinate of the released mean")
     noise_ax.set_title("per example σC/B falls with n; per batch (clip) 2σC stays")

@@ -1,7 +1,7 @@
 """Does DP training on the private data beat its synthetic warm start once n and the batch are large?
 
     python -m benchmarks.scale_utility [--dir DIR] [--objectives mae caption clip [clip-public]] [--sizes 2000 6000 20000 full]
-                                       [--epsilons 1 8 inf] [--seeds 1] [--probe-refits 20] [--validate]
+                                       [--epsilons 1 8 inf] [--scaling-epsilons 8 [inf]] [--seeds 1] [--probe-refits 20] [--validate]
                                        [--set SECTION.KEY=VALUE ...] [--rows DIR] [--reuse-fp32-rows]
     python -m benchmarks.scale_utility --dir DIR --figure-from OUTPUT [OUTPUT ...]
 
@@ -18,7 +18,9 @@ recipe without clipping or noise, on the same schedule.
 Rows, every objective on the same probe-train / probe-test split of the eval set (chosen once):
 raw pixels; random init; synthetic-only (the warm start, untrained on private data); DP from the
 synthetic warm start at each ε on the full private split; and, for the scaling figure, DP at ε = 8
-on private splits of each size in --sizes (the eval set unchanged: `shards.private_limit`).
+on private splits of each size in --sizes (the eval set unchanged: `shards.private_limit`), with
+`--scaling-epsilons 8 inf` each point's no-DP twin too: what the objective gains at that n without
+noise, and so what privacy costs there.
 Every probe is the evaluate stage's, its C cross-validated on probe-train for each row (a fixed C
 favours some rows: C = 1 read the pixels 4 points low). Caption and clip rows also get zero-shot
 accuracy. Intervals are 95% bootstraps over test images, over the probe-train images the probe is
@@ -256,6 +258,8 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["2000", "6000", "20000", FULL],
                     help=f"private-split sizes of the scaling figure ({FULL}: the whole split)")
     ap.add_argument("--epsilons", nargs="+", default=["1", "8", "inf"], help="ε of the full-size rows")
+    ap.add_argument("--scaling-epsilons", nargs="+", default=["8"],
+                    help="ε of the smaller sizes' points (inf adds each point's no-DP twin)")
     ap.add_argument("--rows", type=Path, help="where finished rows are kept (default DIR/rows): point it at "
                     "committed rows (benchmarks/scale_rows) to reuse them, or to keep new ones past this machine")
     ap.add_argument("--seeds", type=int, default=1)
@@ -378,8 +382,12 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
 
     # The headline rows first (ε = 8, then ∞, then the rest), the smaller sizes last: a run stopped
     # early has the rows that matter most.
-    order = sorted(epsilons, key=lambda e: (e != 8.0, e != math.inf, e))
-    points = [(FULL, eps) for eps in order] + [(size, 8.0) for size in reversed(sizes) if size != FULL]
+    def order(eps):
+        return sorted(eps, key=lambda e: (e != 8.0, e != math.inf, e))
+
+    scaling = order({parse_epsilon(e) for e in args.scaling_epsilons})
+    points = [(FULL, eps) for eps in order(epsilons)] + [
+        (size, eps) for eps in scaling for size in reversed(sizes) if size != FULL]
     for size, eps in points:
         name = f"{obj}-n{size}-eps{eps:g}"
         p_size = size_params({**params, "dp": {**params["dp"], "objective": obj}}, size, n_full)

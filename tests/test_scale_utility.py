@@ -182,7 +182,7 @@ def test_one_figure_from_several_runs(tmp_path):
         rows = [{"objective": None, "init": "synthetic", "epsilon": None, "n": None}]
         rows += [{"objective": obj, "epsilon": 8.0, "n": n, "batch": n // 60, "steps": 300, "noise_per_coordinate": noise(n),
                   "gain_over_synthetic": {"diff": 0.01, "ci": [0.0, 0.02]}} for n in (2000, 60000)]
-        rows.append({**rows[-1], "epsilon": "inf"})  # not a scaling row
+        rows.append({**rows[-1], "epsilon": "inf"})  # a twin at one n only: not drawn
         path = tmp_path / f"{obj}.out"
         path.write_text("progress lines\n" + json.dumps({"benchmark": "scale_utility", "rows": rows}) + "\n")
         return path
@@ -220,6 +220,28 @@ def test_the_report_prints_the_table_and_one_json_line_with_refit_intervals(tmp_
     assert out["targets"] == {"a_caption_eps8_above_synthetic": True, "d_best_vs_pixels": True,
                               "e_caption_zero_shot_3x_chance": True} and exit_code.value.code == 0
     assert (tmp_path / "scaling.png").exists()
+
+
+def test_a_scaling_point_with_its_no_dp_twin_reports_what_privacy_costs_there(tmp_path, capsys):
+    """--scaling-epsilons 8 inf: each point's twin is reported beside it, and the twin minus the DP row,
+    paired image by image, is what privacy costs at that n (here the twin is right wherever DP is)."""
+    weak, strong = outcomes()
+    meta = {"n": 2000, "batch": 34, "steps": 1200, "sigma": 0.8, "sigma_over_b": 2.4e-2, "noise_per_coordinate": 2.4e-2,
+            "epsilon_spent": 8.0, "seconds": 1.0, "noise_edge": NOISE_EDGE}
+    t = {name: {"probe": probe, "zero": None, "refits": None, "meta": m} for name, probe, m in (
+        ("pixels", weak, {}), ("synthetic", weak, {}), ("mae-n2000-eps8", weak, meta),
+        ("mae-n2000-epsinf", strong, {**meta, "sigma": 0.0, "sigma_over_b": 0.0, "noise_per_coordinate": 0.0}),
+        (f"mae-n{FULL}-eps8", strong, {**meta, "n": 60000}))}
+    args = argparse.Namespace(objectives=["mae"], seeds=1, probe_refits=0)
+    with pytest.raises(SystemExit):
+        report(t, args, [8.0], ["2000", FULL], 0.1, 400, tmp_path, 1.0, "cpu", "fashion-mnist", {})
+    printed = capsys.readouterr().out
+    rows = {r["epsilon"]: r for r in json.loads(printed.strip().splitlines()[-1])["rows"] if r["n"] == 2000}
+    price = difference_ci(strong, weak)
+    assert price["diff"] > 0.1 and rows[8.0]["price_of_privacy"]["diff"] == pytest.approx(price["diff"], abs=1e-4)
+    assert rows[8.0]["price_of_privacy"]["ci"] == [round(x, 4) for x in price["ci"]]
+    assert "price_of_privacy" not in rows["inf"]
+    assert f"privacy costs {100 * price['diff']:+.1f}" in printed and "ε=∞" in printed
 
 
 def test_rows_set_against_another_recipes_kept_rows_pair_image_by_image(tmp_path):
@@ -449,3 +471,30 @@ def test_the_readme_scaling_sentence_is_what_the_committed_scaling_points_give(m
     monkeypatch.setitem(globals(), "kept_row", changed)
     assert any("does not grow" in m for m in scaling_sentence_mismatches(text))
     assert any("hollow" in m for m in scaling_sentence_mismatches(text))
+
+
+# README's sentence on the no-DP twins along n, checked against the committed twins: the captioner's
+# twin's gain at the ends, and the range of what privacy costs (twin minus DP, paired) from 6,000 on.
+def twin_sentence_mismatches(text: str) -> list[str]:
+    found = re.search(rf"twins \(dashed\) grow too, the captioner's from {SIGNED} to {SIGNED}: what privacy costs, "
+                      rf"twin minus DP, stays\s+{SIGNED} to {SIGNED} points from n = 6,000 to 60,000", text)
+    if found is None:
+        return ["README: no sentence on the no-DP twins along n"]
+    printed = [number(found.group(i)) for i in range(1, 5)]
+    synthetic = kept_row("synthetic", "mae")
+    twin = [100 * paired_gain(kept_row(f"caption-n{size}-epsinf", "caption"), synthetic)["diff"] for size in SCALING_SIZES]
+    price = [100 * paired_gain(kept_row(f"{obj}-n{size}-epsinf", obj), kept_row(f"{obj}-n{size}-eps8", obj))["diff"]
+             for obj in ("mae", "caption") for size in SCALING_SIZES[1:]]
+    wrong = []
+    if max(abs(printed[0] - twin[0]), abs(printed[1] - twin[-1])) > 0.051:
+        wrong.append(f"the captioner's twin reads {twin[0]:+.1f} to {twin[-1]:+.1f}")
+    if max(abs(printed[2] - min(price)), abs(printed[3] - max(price))) > 0.051:
+        wrong.append(f"what privacy costs reads {min(price):+.1f} to {max(price):+.1f}")
+    return wrong
+
+
+def test_the_readme_twin_sentence_is_what_the_committed_twins_give():
+    text = (ROOT / "README.md").read_text()
+    assert twin_sentence_mismatches(text) == []
+    assert any("twin reads" in m for m in twin_sentence_mismatches(text.replace("captioner's from −0.8", "captioner's from −0.3")))
+    assert any("privacy costs" in m for m in twin_sentence_mismatches(text.replace("to +4.2 points", "to +3.2 points")))
