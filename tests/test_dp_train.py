@@ -187,6 +187,12 @@ def test_a_clipped_twin_goes_through_the_dp_runs_clipper_without_noise(data_dir,
     assert 0 < moved["true"][0] <= bound * (1 + 1e-4) < moved["false"][0] / 10
     assert moved["false"][1] == moved["false"][0]  # the plain twin again: its own state, resumed as it was
     assert len(list((work / ".dpfm/state").glob("dp-train-*/nonprivate*/checkpoint.pt"))) == 2
+    from pipeline.privacy import budget
+
+    with inside(work):  # each twin is its own release without DP, recorded under its own name
+        outside = [e["run"] for e in budget.runs(budget.examples_identity("data/shards/private")[0])
+                   if e.get("outside_dp") == "a training without DP on them"]
+    assert sorted(name.rsplit("-", 1)[-1] for name in outside) == ["clipped", "nonprivate"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -275,7 +275,7 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
     with one_process(work, trainer.world):
         if trainer.world.is_main:  # charged before its first step, as a DP run is
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
-            budget.record_outside_dp(data_id, sketch, work.parent.name + "-nonprivate", "a training without DP on them")
+            budget.record_outside_dp(data_id, sketch, f"{work.parent.name}-{work.name}", "a training without DP on them")
         return twin.train(params["run"]["seed"], work, ctx, private=False)[0]
 
 
