@@ -490,14 +490,17 @@ def twin_sentence_mismatches(text: str) -> list[str]:
         wrong.append(f"the captioner's twin reads {twin[0]:+.1f} to {twin[-1]:+.1f}")
     if max(abs(printed[2] - min(price)), abs(printed[3] - max(price))) > 0.051:
         wrong.append(f"what privacy costs reads {min(price):+.1f} to {max(price):+.1f}")
-    # The captioner's twin clipped without noise: its own recipe, so its own folder of rows.
-    params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES["caption"], "dp.nonprivate_clipped=true"])
-    clipped = Rows(ROOT / "benchmarks" / "scale_rows" / recipe_id(params)).get(f"caption-n{FULL}-epsinf")
-    said = re.search(r"clipped without noise, the\s+captioner's twin reads ([\d.]+)%, above the unclipped one", text)
-    unclipped = kept_row(f"caption-n{FULL}-epsinf", "caption")
-    if clipped is None or said is None or abs(float(said.group(1)) - 100 * clipped["probe"].mean()) > 0.051 \
-            or paired_gain(clipped, unclipped)["ci"][0] <= 0:
-        wrong.append("the clipped twin's sentence is not what its kept row gives")
+    # The twins clipped without noise: their own recipes, so their own folders of rows. The captioner's
+    # reads above its unclipped twin (the paired interval above 0), MAE's level with it (0 inside).
+    said = re.search(r"clipped without noise, the\s+captioner's twin reads ([\d.]+)%, above the unclipped one, "
+                     r"and\s+MAE's ([\d.]+)%, level\s+with it", text)
+    for obj, group, above in (("caption", 1, True), ("mae", 2, False)):
+        params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[obj], "dp.nonprivate_clipped=true"])
+        clipped = Rows(ROOT / "benchmarks" / "scale_rows" / recipe_id(params)).get(f"{obj}-n{FULL}-epsinf")
+        low, high = paired_gain(clipped, kept_row(f"{obj}-n{FULL}-epsinf", obj))["ci"] if clipped else (0, 0)
+        if clipped is None or said is None or abs(float(said.group(group)) - 100 * clipped["probe"].mean()) > 0.051 \
+                or (low > 0) != above or (not above and high < 0):
+            wrong.append(f"the {obj} clipped twin's sentence is not what its kept row gives")
     return wrong
 
 
@@ -506,4 +509,5 @@ def test_the_readme_twin_sentence_is_what_the_committed_twins_give():
     assert twin_sentence_mismatches(text) == []
     assert any("twin reads" in m for m in twin_sentence_mismatches(text.replace("captioner's from −0.8", "captioner's from −0.3")))
     assert any("privacy costs" in m for m in twin_sentence_mismatches(text.replace("to +4.2 points", "to +3.2 points")))
-    assert any("clipped twin" in m for m in twin_sentence_mismatches(text.replace("twin reads 88.5%", "twin reads 86.5%")))
+    assert any("caption clipped twin" in m for m in twin_sentence_mismatches(text.replace("twin reads 88.5%", "twin reads 86.5%")))
+    assert any("mae clipped twin" in m for m in twin_sentence_mismatches(text.replace("MAE's 84.0%", "MAE's 85.0%")))
