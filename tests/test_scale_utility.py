@@ -494,12 +494,13 @@ def twin_sentence_mismatches(text: str) -> list[str]:
     # reads above its unclipped twin (the paired interval above 0), MAE's level with it (0 inside).
     said = re.search(r"clipped without noise, the\s+captioner's twin reads ([\d.]+)%, above the unclipped one, "
                      r"and\s+MAE's ([\d.]+)%, level\s+with it", text)
-    for obj, group, above in (("caption", 1, True), ("mae", 2, False)):
+    for obj, group, word in (("caption", 1, "above"), ("mae", 2, "level")):
         params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[obj], "dp.nonprivate_clipped=true"])
         clipped = Rows(ROOT / "benchmarks" / "scale_rows" / recipe_id(params)).get(f"{obj}-n{FULL}-epsinf")
         low, high = paired_gain(clipped, kept_row(f"{obj}-n{FULL}-epsinf", obj))["ci"] if clipped else (0, 0)
+        verdict = "above" if low > 0 else "below" if high < 0 else "level"
         if clipped is None or said is None or abs(float(said.group(group)) - 100 * clipped["probe"].mean()) > 0.051 \
-                or (low > 0) != above or (not above and high < 0):
+                or verdict != word:
             wrong.append(f"the {obj} clipped twin's sentence is not what its kept row gives")
     return wrong
 
