@@ -362,11 +362,28 @@ def readme_scale_rows(text: str) -> list[list[str]]:
     return [[cell.strip().replace("**", "") for cell in line.strip("|").split("|")] for line in lines[1:]]
 
 
+def as_printed(value: float, text: str) -> float:
+    """`value` rounded the way `text` prints it: to its decimals, or to its mantissa in 5.8e-4 form."""
+    if "e" in text:
+        return float(f"{value:.{len(text.split('e')[0].split('.')[-1])}e}")
+    return round(value, len(text.split(".")[1]) if "." in text else 0)
+
+
+def noise_mismatches(label: str, sigma_text: str, noise_text: str, meta: dict) -> list[str]:
+    """σ and the noise per averaged coordinate (σ/B, or Dp-CLIP's 2σC) as the kept row's run drew them."""
+    wrong = []
+    noise_text = noise_text.removeprefix("2σC = ")
+    for column, printed, value in (("σ", sigma_text, meta["sigma"]), ("σ/B", noise_text, meta["noise_per_coordinate"])):
+        if number(printed) != as_printed(value, printed):
+            wrong.append(f"{label}: {column} {printed} against {value:.4g}")
+    return wrong
+
+
 def scale_table_mismatches(text: str) -> list[str]:
     """Every figure of README's scale table that the committed rows do not give (rounded as printed)."""
     wrong = []
     synthetic = kept_row("synthetic", "mae")
-    for label, eps_text, _sigma, _per_b, acc_text, gain_text in readme_scale_rows(text):
+    for label, eps_text, sigma_text, noise_text, acc_text, gain_text in readme_scale_rows(text):
         objective = next((v for k, v in README_LABELS.items() if k in label), None)
         assert objective is not None, f"README scale table: no row for {label!r}"
         if objective in UNTRAINED:
@@ -379,6 +396,8 @@ def scale_table_mismatches(text: str) -> list[str]:
             continue
         if name not in UNTRAINED and eps_text != "∞" and "noise_edge" not in row["meta"] and "fp32 noise" not in label:
             wrong.append(f"{label}: drew fp32 noise (its ε does not hold at its δ) and does not say so")
+        if name not in UNTRAINED:
+            wrong += noise_mismatches(label, sigma_text, noise_text, row["meta"])
         seeds = re.search(r"\((\w+) seeds?\)", label)
         if seeds and SEEDS_IN_WORDS[seeds.group(1)] != len(row["probe"]):
             wrong.append(f"{label}: {len(row['probe'])} kept seeds")
@@ -406,6 +425,11 @@ def test_the_readme_scale_table_is_what_the_committed_rows_give(monkeypatch):
     # The check can fail: one figure moved by a tenth, or a seed count that is not the rows', is caught.
     assert any("gain" in m for m in scale_table_mismatches(text.replace("| +3.6 (", "| +3.7 (", 1)))
     assert any("kept seeds" in m for m in scale_table_mismatches(re.sub(r"\(one seed\)", "(two seeds)", text, count=1)))
+    # ... and so is a σ or σ/B the run did not draw: MAE's 1.1977 / 2,048 = 5.85e-4 prints as 5.8e-4, not
+    # as σ rounded first (1.20 / 2,048 = 5.9e-4), and Dp-CLIP's 2σC is checked beside its σ.
+    assert any("σ/B 5.9e-4" in m for m in scale_table_mismatches(text.replace("| 5.8e-4 |", "| 5.9e-4 |", 1)))
+    assert any("σ 0.46" in m for m in scale_table_mismatches(text.replace("| 0.44 | 2σC", "| 0.46 | 2σC", 1)))
+    assert any("σ/B 0.91" in m for m in scale_table_mismatches(text.replace("2σC = 0.89", "2σC = 0.91", 1)))
     # ... and so is a row that drew fp32 noise without saying so: a kept row without its noise's edge
     def without_edge(name, objective, kept=kept_row):
         row = kept(name, objective)
