@@ -70,6 +70,11 @@ def test_seed_rows_pair_by_seed_and_against_a_single_row():
     assert d["diff"] == pytest.approx(a[:, :40].mean() * 40 / 500) and d["ci"][0] > 0
     single = difference_ci(a, a[0])  # e.g. the untrained encoder: one row, against each seed
     assert single["diff"] == pytest.approx(a.mean() - a[0].mean())
+    # Two seeds against four: each of the two meets two of the four; the means' difference is kept.
+    four = rng.random((4, 500)) < 0.6
+    assert difference_ci(a[:2], four)["diff"] == pytest.approx(a[:2].mean() - four.mean())
+    with pytest.raises(ValueError, match="same seeds or a multiple, got 3 and 4"):
+        difference_ci(a, four)
     with pytest.raises(ValueError, match="examples"):
         accuracy_ci(np.ones((2, 3, 4), bool))
 

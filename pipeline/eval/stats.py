@@ -86,14 +86,16 @@ def accuracy_ci(correct, seed: int = 0, resamples: int = RESAMPLES, level: float
 
 
 def _paired(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Two models' outcomes with one seed axis: a model without seeds is set against each seed."""
+    """Two models' outcomes with one seed axis, seed s against seed s. A model with k seeds against one
+    with a multiple of k repeats its rows to meet each of the other's (k = 1: a model without seeds
+    against each seed), so the difference's mean is still the two models' means' difference."""
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"paired outcomes need the same test examples, got {a.shape} and {b.shape}")
-    if a.shape[0] != b.shape[0]:  # a model with seeds against one without: the single row against each seed
-        if min(a.shape[0], b.shape[0]) != 1:
-            raise ValueError(f"paired outcomes need the same seeds, got {a.shape[0]} and {b.shape[0]} rows")
-        a, b = (a, np.broadcast_to(b, a.shape)) if b.shape[0] == 1 else (np.broadcast_to(a, b.shape), b)
-    return a, b
+    fewer, more = sorted((a.shape[0], b.shape[0]))
+    if more % fewer:
+        raise ValueError(f"paired outcomes need the same seeds or a multiple, got {a.shape[0]} and {b.shape[0]} rows")
+    tile = (more // fewer,) + (1,) * (a.ndim - 1)
+    return (np.tile(a, tile), b) if a.shape[0] == fewer else (a, np.tile(b, tile))
 
 
 def difference_ci(correct_a, correct_b, seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL,
