@@ -88,7 +88,9 @@ def accuracy_ci(correct, seed: int = 0, resamples: int = RESAMPLES, level: float
 def _paired(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two models' outcomes with one seed axis, seed s against seed s. A model with k seeds against one
     with a multiple of k repeats its rows to meet each of the other's (k = 1: a model without seeds
-    against each seed), so the difference's mean is still the two models' means' difference."""
+    against each seed), so the difference's mean is still the two models' means' difference. The seed
+    resample then draws the repeated rows as often as the other's, so the interval reads a little less
+    of the fewer-seeded model's seed spread than its own count would (the test images dominate here)."""
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"paired outcomes need the same test examples, got {a.shape} and {b.shape}")
     fewer, more = sorted((a.shape[0], b.shape[0]))
