@@ -451,10 +451,22 @@ def scaling_points(objective: str) -> list[dict]:
     return [kept_row(f"{objective}-n{size}-eps8", objective) for size in SCALING_SIZES]
 
 
+def scaling_gains(objective: str, eps: str = "8") -> list[float]:
+    """Each scaling point's gain over synthetic-only, in points, paired."""
+    synthetic = kept_row("synthetic", "mae")
+    return [100 * paired_gain(kept_row(f"{objective}-n{size}-eps{eps}", objective), synthetic)["diff"]
+            for size in SCALING_SIZES]
+
+
+def prices_of_privacy(objective: str, sizes=SCALING_SIZES) -> list[float]:
+    """What privacy costs at each point, in points: its no-DP twin minus DP at ε = 8, paired."""
+    return [100 * paired_gain(kept_row(f"{objective}-n{size}-epsinf", objective),
+                              kept_row(f"{objective}-n{size}-eps8", objective))["diff"] for size in sizes]
+
+
 def scaling_sentence_mismatches(text: str) -> list[str]:
     wrong = []
-    synthetic = kept_row("synthetic", "mae")
-    gains = {obj: [100 * paired_gain(row, synthetic)["diff"] for row in scaling_points(obj)] for obj in ("caption", "mae")}
+    gains = {obj: scaling_gains(obj) for obj in ("caption", "mae")}
     caption = re.search(rf"the captioner's gain grows from {SIGNED} to {SIGNED}, its zero-shot from (\d+)% to (\d+)%", text)
     if caption is None:
         return ["README: no sentence on the captioner's scaling points"]
@@ -512,10 +524,8 @@ def twin_sentence_mismatches(text: str) -> list[str]:
     if found is None:
         return ["README: no sentence on the no-DP twins along n"]
     printed = [number(found.group(i)) for i in range(1, 5)]
-    synthetic = kept_row("synthetic", "mae")
-    twin = [100 * paired_gain(kept_row(f"caption-n{size}-epsinf", "caption"), synthetic)["diff"] for size in SCALING_SIZES]
-    price = [100 * paired_gain(kept_row(f"{obj}-n{size}-epsinf", obj), kept_row(f"{obj}-n{size}-eps8", obj))["diff"]
-             for obj in ("mae", "caption") for size in SCALING_SIZES[1:]]
+    twin = scaling_gains("caption", "inf")
+    price = prices_of_privacy("mae", SCALING_SIZES[1:]) + prices_of_privacy("caption", SCALING_SIZES[1:])
     wrong = []
     if max(abs(printed[0] - twin[0]), abs(printed[1] - twin[-1])) > 0.051:
         wrong.append(f"the captioner's twin reads {twin[0]:+.1f} to {twin[-1]:+.1f}")
@@ -554,15 +564,6 @@ def test_the_readme_twin_sentence_is_what_the_committed_twins_give():
 # for readers who skip README: held to the same committed rows, point by point.
 def results_summary_mismatches(text: str) -> list[str]:
     section = text.split("### Where it stands", 1)[1].split("\n### ", 1)[0]
-    synthetic = kept_row("synthetic", "mae")
-
-    def gains(objective: str, eps: str) -> list[float]:
-        return [100 * paired_gain(kept_row(f"{objective}-n{size}-eps{eps}", objective), synthetic)["diff"]
-                for size in SCALING_SIZES]
-
-    def prices(objective: str) -> list[float]:
-        return [100 * paired_gain(kept_row(f"{objective}-n{size}-epsinf", objective),
-                                  kept_row(f"{objective}-n{size}-eps8", objective))["diff"] for size in SCALING_SIZES]
 
     def off(printed, given, tolerance=0.051) -> bool:
         return len(printed) != len(given) or max(abs(number(p) - g) for p, g in zip(printed, given)) > tolerance
@@ -574,19 +575,19 @@ def results_summary_mismatches(text: str) -> list[str]:
     if points is None:
         return ["results.md: no sentence on the scaling points in 'Where it stands'"]
     zero = [100 * kept_row(f"caption-n{size}-eps8", "caption")["zero"].mean() for size in SCALING_SIZES]
-    for what, printed, given, tolerance in (("captioner's gains", points.groups()[:4], gains("caption", "8"), 0.051),
+    for what, printed, given, tolerance in (("captioner's gains", points.groups()[:4], scaling_gains("caption"), 0.051),
                                             ("captioner's zero-shot", points.groups()[4:8], zero, 0.51),
-                                            ("MAE's gains", points.groups()[8:], gains("mae", "8"), 0.051)):
+                                            ("MAE's gains", points.groups()[8:], scaling_gains("mae"), 0.051)):
         if off(printed, given, tolerance):
             wrong.append(f"{what} {list(printed)} against {[round(g, 1) for g in given]}")
     twins = re.search(rf"no-DP twin grows with n as well \(the captioner's {SIGNED} to {SIGNED}\).*?"
                       rf"{SIGNED} to {SIGNED} points for MAE,\s+{SIGNED} to {SIGNED} for the\s+captioner", section, re.S)
     if twins is None:
         return wrong + ["results.md: no sentence on the twins and the price of privacy in 'Where it stands'"]
-    twin = gains("caption", "inf")
+    twin, mae_price, caption_price = scaling_gains("caption", "inf"), prices_of_privacy("mae"), prices_of_privacy("caption")
     for what, printed, given in (("captioner's twin", twins.groups()[:2], [twin[0], twin[-1]]),
-                                 ("MAE's price", twins.groups()[2:4], [min(prices("mae")), max(prices("mae"))]),
-                                 ("captioner's price", twins.groups()[4:], [min(prices("caption")), max(prices("caption"))])):
+                                 ("MAE's price", twins.groups()[2:4], [min(mae_price), max(mae_price)]),
+                                 ("captioner's price", twins.groups()[4:], [min(caption_price), max(caption_price)])):
         if off(printed, given):
             wrong.append(f"{what} {list(printed)} against {[round(g, 1) for g in given]}")
     full = re.search(r"the ε = ∞ twins read ([\d.]+)% \(captioner\), ([\d.]+)% \(MAE\) and ([\d.]+)% \(CLIP\)", section)
