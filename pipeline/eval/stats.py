@@ -44,20 +44,28 @@ def _as_fits(refits, seeds: int, examples: int) -> np.ndarray:
     return np.broadcast_to(refits, (seeds, *refits.shape[1:]))
 
 
-def _resampled_means(values: np.ndarray, seed: int, resamples: int, chunk: int = 100) -> np.ndarray:
-    """The mean of `values` (seeds, fits, n) over `resamples` draws of its examples with replacement
-    (the same draws for every model of a set, seeded by its size), with several seeds of its seeds,
-    and with several fits of one fit for all seeds, made `chunk` at a time to bound memory."""
-    s, f, n = values.shape
-    rng, seed_rng = np.random.default_rng([seed, n]), np.random.default_rng([seed, n, s])
-    fit_rng = np.random.default_rng([seed, n, s, f])
+def _resampled_means(models: list[np.ndarray], seed: int, resamples: int, chunk: int = 100) -> np.ndarray:
+    """Over `resamples` draws of the test examples with replacement (the same draws for every model of
+    a set, seeded by their count), of one fit for all seeds and of several seeds of each model's seeds:
+    the mean of `models[0]` (seeds, fits, n), minus that of `models[1]` when given. Two models with as
+    many seeds draw the same seeds, paired seed s with seed s (the way a sweep trains them); with
+    unequal counts each model draws from its own, so each interval reads its own seeds' spread. Made
+    `chunk` draws at a time to bound memory."""
+    f, n = models[0].shape[1:]
+    most = max(len(m) for m in models)
+    rng, fit_rng = np.random.default_rng([seed, n]), np.random.default_rng([seed, n, most, f])
+    seed_rngs = {len(m): np.random.default_rng([seed, n, len(m)] + ([most] if len(m) < most else []))
+                 for m in models}
+    signs = (1.0, -1.0)[:len(models)]
     out = []
     for i in range(0, resamples, chunk):
         k = min(chunk, resamples - i)
         cols = rng.integers(0, n, size=(k, n))
-        rows = seed_rng.integers(0, s, size=(k, s)) if s > 1 else np.zeros((k, 1), np.int64)
+        rows = {s: g.integers(0, s, size=(k, s)) if s > 1 else np.zeros((k, 1), np.int64)
+                for s, g in seed_rngs.items()}
         fits = fit_rng.integers(0, f, size=k) if f > 1 else np.zeros(k, np.int64)
-        out.append(np.stack([values[r, j][:, c].mean() for r, j, c in zip(rows, fits, cols)]))
+        out.append(np.array([sum(sign * m[rows[len(m)][d], fits[d]][:, cols[d]].mean()
+                                 for sign, m in zip(signs, models)) for d in range(k)]))
     return np.concatenate(out)
 
 
@@ -66,12 +74,15 @@ def _interval(values: np.ndarray, level: float, shift: float = 0.0) -> list[floa
     return [float(lo + shift), float(hi + shift)]
 
 
-def _bootstrap(full: np.ndarray, refits, seed: int, resamples: int, level: float) -> list[float]:
-    """The interval of the mean of `full` (seeds, n), its spread from `refits` when given."""
+def _bootstrap(full: list[np.ndarray], refits: list | None, seed: int, resamples: int, level: float) -> list[float]:
+    """The interval of the mean of `full[0]` (seeds, n), minus that of `full[1]` when given; their
+    spread from probe refits when `refits` holds each model's."""
+    sign = np.array([1.0, -1.0][:len(full)])
     if refits is None:
-        return _interval(_resampled_means(full[:, None], seed, resamples), level)
-    fits = _as_fits(refits, *full.shape)
-    return _interval(_resampled_means(fits, seed, resamples), level, float(full.mean() - fits.mean()))
+        return _interval(_resampled_means([x[:, None] for x in full], seed, resamples), level)
+    fits = [_as_fits(r, *x.shape) for r, x in zip(refits, full)]
+    shift = sign @ [x.mean() for x in full] - sign @ [x.mean() for x in fits]
+    return _interval(_resampled_means(fits, seed, resamples), level, float(shift))
 
 
 def accuracy_ci(correct, seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL,
@@ -81,42 +92,26 @@ def accuracy_ci(correct, seed: int = 0, resamples: int = RESAMPLES, level: float
     correct = _as_rows(correct).astype(bool)
     if correct.size == 0:
         raise ValueError("an accuracy needs at least one test example")
-    lo, hi = _bootstrap(correct, None if refits is None else np.asarray(refits, bool), seed, resamples, level)
+    lo, hi = _bootstrap([correct], None if refits is None else [np.asarray(refits, bool)], seed, resamples, level)
     return [max(lo, 0.0), min(hi, 1.0)]  # the shift to the full fit can carry an end past what an accuracy can be
-
-
-def _paired(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Two models' outcomes with one seed axis, seed s against seed s. A model with k seeds against one
-    with a multiple of k repeats its rows to meet each of the other's (k = 1: a model without seeds
-    against each seed), so the difference's mean is still the two models' means' difference. The seed
-    resample then draws the repeated rows as often as the other's, so the interval reads a little less
-    of the fewer-seeded model's seed spread than its own count would (the test images dominate here)."""
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(f"paired outcomes need the same test examples, got {a.shape} and {b.shape}")
-    fewer, more = sorted((a.shape[0], b.shape[0]))
-    if more % fewer:
-        raise ValueError(f"paired outcomes need the same seeds or a multiple, got {a.shape[0]} and {b.shape[0]} rows")
-    tile = (more // fewer,) + (1,) * (a.ndim - 1)
-    return (np.tile(a, tile), b) if a.shape[0] == fewer else (a, np.tile(b, tile))
 
 
 def difference_ci(correct_a, correct_b, seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL,
                   refits_a=None, refits_b=None) -> dict:
     """Accuracy of a minus accuracy of b on the same test examples: {"diff", "ci": [lo, hi]}.
 
-    With one row per seed, a's and b's rows are paired by seed (seed s of each model), the way a
-    sweep trains them. With refits (both or neither), refit r of a is paired with refit r of b: the
+    With one row per seed, two models with as many seeds are paired by seed (seed s of each), the way
+    a sweep trains them; with unequal counts (one, two or four seeds) each model's seeds are
+    resampled on their own. With refits (both or neither), refit r of a is paired with refit r of b: the
     two probes were fit on the same resample."""
-    a, b = _paired(_as_rows(correct_a).astype(np.int8), _as_rows(correct_b).astype(np.int8))
-    delta = a - b
+    a, b = (_as_rows(x).astype(np.int8) for x in (correct_a, correct_b))
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"paired outcomes need the same test examples, got {a.shape} and {b.shape}")
     if (refits_a is None) != (refits_b is None):
         raise ValueError("a paired difference needs the refits of both models or of neither")
     refits = None
     if refits_a is not None:
-        fa, fb = (_as_fits(np.asarray(r, bool), len(x), x.shape[1]).astype(np.int8)
-                  for r, x in ((refits_a, _as_rows(correct_a)), (refits_b, _as_rows(correct_b))))
-        if fa.shape[1] != fb.shape[1]:
-            raise ValueError(f"paired refits need the same resamples, got {fa.shape[1]} and {fb.shape[1]} fits")
-        fa, fb = _paired(fa, fb)
-        refits = fa - fb
-    return {"diff": float(delta.mean()), "ci": _bootstrap(delta, refits, seed, resamples, level)}
+        refits = [_as_fits(np.asarray(r, bool), *x.shape).astype(np.int8) for r, x in ((refits_a, a), (refits_b, b))]
+        if refits[0].shape[1] != refits[1].shape[1]:
+            raise ValueError(f"paired refits need the same resamples, got {refits[0].shape[1]} and {refits[1].shape[1]} fits")
+    return {"diff": float(a.mean() - b.mean()), "ci": _bootstrap([a, b], refits, seed, resamples, level)}
