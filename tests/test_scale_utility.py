@@ -580,6 +580,9 @@ def results_summary_mismatches(text: str) -> list[str]:
                                             ("MAE's gains", points.groups()[8:], scaling_gains("mae"), 0.051)):
         if off(printed, given, tolerance):
             wrong.append(f"{what} {list(printed)} against {[round(g, 1) for g in given]}")
+    clip, clip_gains = re.search(rf"CLIP's stays flat \({SIGNED} to {SIGNED}", section), scaling_gains("clip")
+    if clip is None or off(clip.groups(), [min(clip_gains), max(clip_gains)]):
+        wrong.append(f"CLIP's gains read {min(clip_gains):+.1f} to {max(clip_gains):+.1f}")
     twins = re.search(rf"no-DP twin grows with n as well \(the captioner's {SIGNED} to {SIGNED}\).*?"
                       rf"{SIGNED} to {SIGNED} points for MAE,\s+{SIGNED} to {SIGNED} for the\s+captioner", section, re.S)
     if twins is None:
@@ -607,6 +610,7 @@ def test_the_results_summary_is_what_the_committed_rows_give():
     assert any("captioner's gains" in m for m in moved(rf"grows {SIGNED},", "grows +9.9,"))
     assert any("zero-shot" in m for m in moved(r"zero-shot (\d+)%", "zero-shot 99%"))
     assert any("MAE's gains" in m for m in moved(rf"MAE's reads {SIGNED},", "MAE's reads +9.9,"))
+    assert any("CLIP's gains" in m for m in moved(rf"flat \({SIGNED} to", "flat (+9.9 to"))
     assert any("captioner's twin" in m for m in moved(rf"\(the captioner's {SIGNED} to", "(the captioner's +9.9 to"))
     assert any("MAE's price" in m for m in moved(rf"{SIGNED} to {SIGNED} points for MAE", "+9.9 to +9.9 points for MAE"))
     assert any("captioner's price" in m for m in moved(rf"{SIGNED} to {SIGNED} for the(\s+)captioner", r"+9.9 to +9.9 for the\3captioner"))
