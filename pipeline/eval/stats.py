@@ -77,6 +77,8 @@ def _interval(values: np.ndarray, level: float, shift: float = 0.0) -> list[floa
 def _bootstrap(full: list[np.ndarray], refits: list | None, seed: int, resamples: int, level: float) -> list[float]:
     """The interval of the mean of `full[0]` (seeds, n), minus that of `full[1]` when given; their
     spread from probe refits when `refits` holds each model's."""
+    if len(full) == 2 and len(full[0]) == len(full[1]):  # paired seed by seed: one model of differences
+        full, refits = [full[0] - full[1]], None if refits is None else [refits[0] - refits[1]]
     sign = np.array([1.0, -1.0][:len(full)])
     if refits is None:
         return _interval(_resampled_means([x[:, None] for x in full], seed, resamples), level)
