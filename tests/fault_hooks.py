@@ -182,6 +182,17 @@ if "oom" in faults:  # the k-th step runs out of memory on every rank, the alloc
         return real_add_noise(*args)
     engine.add_noise = add_noise
 
+if "mismatch" in faults:  # the k-th step fails on every rank with a shape error naming a micro-batch's rows
+    import pipeline.privacy.engine as engine
+    real_add_noise, calls = engine.add_noise, [0]
+    def add_noise(*args):
+        calls[0] += 1
+        if calls[0] == int(faults["mismatch"]):
+            raise RuntimeError(f"The size of tensor a ({MISMATCH_ROWS}) must match the size of tensor b (64) "
+                               "at non-singleton dimension 0")
+        return real_add_noise(*args)
+    engine.add_noise = add_noise
+
 if "fetching" in faults:  # a download worker is fetching image k; the shard holding it is half written
     from pipeline.data import sources
     real_fetch = sources._fetch_row
@@ -194,7 +205,8 @@ if "fetching" in faults:  # a download worker is fetching image k; the shard hol
 """
 UNREADABLE = "sampled-example-"  # how the `unreadable` fault names the example it could not read
 OOM_MIB = "4321.25"  # the size the `oom` fault's allocator was asked for
-RUN_DPFM = (f"UNREADABLE = {UNREADABLE!r}\nOOM_MIB = {OOM_MIB!r}\n" + FAULT_HOOKS
+MISMATCH_ROWS = "37"  # the micro-batch rows the `mismatch` fault's shape error names
+RUN_DPFM = (f"UNREADABLE = {UNREADABLE!r}\nOOM_MIB = {OOM_MIB!r}\nMISMATCH_ROWS = {MISMATCH_ROWS!r}\n" + FAULT_HOOKS
             + "from pipeline.cli import main\nsys.exit(main(sys.argv[1:]))\n")
 
 

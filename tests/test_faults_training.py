@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fault_hooks import (BIN, MARKER, OOM_MIB, STEPS, UNREADABLE, check_same_as_uninterrupted, complete, dp_outcome,
-                         dp_state, dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs, with_sets)
+from fault_hooks import (BIN, MARKER, MISMATCH_ROWS, OOM_MIB, STEPS, UNREADABLE, check_same_as_uninterrupted, complete,
+                         dp_outcome, dp_state, dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs, with_sets)
 from pretrain_project import make_project, micro_sets, saved
 from shard_data import write_set
 from stage_runs import project, train
@@ -213,10 +213,11 @@ def test_ranks_that_see_different_private_data_stop_before_anything_is_charged(d
 
 
 # What fails, the line the stage stops with, and what the failure's own message names: a read names
-# what the step sampled (its key, its bytes); an allocator the size it was asked for, which follows the
-# micro-batch and so the realised batch size.
+# what the step sampled (its key, its bytes); an allocator the size it was asked for, and any other
+# error a tensor's shape, both of which follow the micro-batch and so the realised batch size.
 FAILURES = {"unreadable:3": ("reading the sampled private examples failed (ShardReadError)", (UNREADABLE, "4096")),
-            "oom:3": ("out of memory in the DP step", (OOM_MIB,))}
+            "oom:3": ("out of memory in the DP step", (OOM_MIB,)),
+            "mismatch:3": ("the DP step failed (RuntimeError)", (f"tensor a ({MISMATCH_ROWS})",))}
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -224,8 +225,8 @@ FAILURES = {"unreadable:3": ("reading the sampled private examples failed (Shard
 @pytest.mark.parametrize("fault", FAILURES)
 def test_a_step_that_fails_on_private_data_names_what_failed_to_the_data_owner_only(data_dir, tmp_path, objective,
                                                                                    ranks, fault):
-    """A step that fails on the private data (a read, memory) would name private facts: printed, they
-    would reach logs/dp-train.log. The stage stops with a message that says where the details are."""
+    """A step that fails on the private data (a read, memory, a tensor's shape) would name private facts:
+    printed, its message and traceback would reach logs/dp-train.log. The stage stops with a message that says where the details are."""
     work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
     line, named = FAILURES[fault]
     if ranks == 1:

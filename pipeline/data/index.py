@@ -428,12 +428,12 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     results = scan_shards(urls, cache_dir, workers, check_size)
     good = [(p, info) for p, info in results if p is not None]
     skipped = [info for p, info in results if p is None]
-    if not good:
-        raise ParamsError([f"none of the {len(urls)} shards could be read; first error: {skipped[0]['error']}"],
-                          source="shards source")
     # What could not be read, and what was damaged, are facts about the private data: the owner's log.
     for info in skipped:
         owner.note("shards", f"skipped {info['url']}: {info['error']}")
+    if not good:
+        raise ParamsError([f"none of the {len(urls)} shards could be read; why each failed is listed for the data "
+                           f"owner only: {owner.OWNER_DIR}/shards.log"], source="shards source")
     damaged = [{"url": i["url"], "problem": i["problem"]} for _, i in good if i.get("problem")]
     for d in damaged:
         owner.note("shards", f"{d['url']} {d['problem']}")

@@ -132,6 +132,10 @@ class StepResult:
     nonfinite: int    # examples (per batch: batches) dropped as non-finite, summed over ranks: private
 
 
+class StepRefused(RuntimeError):
+    """A guard refused the step before it sampled: its message names the plan alone, not the data."""
+
+
 def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray], Iterable[torch.Tensor]],
             clipper, plan: Plan, key: int, world: World = World(), physical_batch_size: int = 1 << 30,
             ledger=None) -> StepResult:
@@ -140,9 +144,9 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     `fetch(step, indices, positions)` gives the model inputs of the examples `indices[positions]`;
     `ledger.record_step(step, |B_t|)` (rank 0) charges the step before it is computed."""
     if step >= plan.steps:  # budget guard: ε was paid for plan.steps steps, no more
-        raise RuntimeError(f"refusing step {step}: ε was accounted for {plan.steps} steps")
+        raise StepRefused(f"refusing step {step}: ε was accounted for {plan.steps} steps")
     if plan.noise_edge != NOISE_EDGE:  # a ledger from before the noise reached it: another mechanism
-        raise RuntimeError(f"refusing step {step}: the plan's noise stops at {plan.noise_edge:.2f} std, this step's "
+        raise StepRefused(f"refusing step {step}: the plan's noise stops at {plan.noise_edge:.2f} std, this step's "
                            f"at {NOISE_EDGE:.2f}")
     indices = sampler.batch(step)
     if ledger is not None:

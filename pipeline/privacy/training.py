@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -40,8 +41,8 @@ from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
 from pipeline.privacy.clipping import group_bounds, view_rows
-from pipeline.privacy.engine import check_clipping, dp_step, make_clipper, micro_batches
-from pipeline.privacy.ledger import Ledger
+from pipeline.privacy.engine import StepRefused, check_clipping, dp_step, make_clipper, micro_batches
+from pipeline.privacy.ledger import Ledger, LedgerError
 from pipeline.privacy.plan import agreed_plan, plan_mechanism, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
@@ -62,6 +63,20 @@ def split_loader(split: str, mcfg: ModelConfig, tokenizer: Tokenizer | None, wor
 def out_of_memory(e: BaseException) -> bool:
     """A GPU's allocator raises OutOfMemoryError; the CPU's a RuntimeError that says so."""
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def kept_for_owner(step: int, e: Exception) -> PrivateDataError:
+    """The line `dpfm` prints for a failure inside the DP step. Its message and traceback can name
+    private facts: an allocator's request or a tensor's shape follows the micro-batch, whose last one
+    in each bucket holds what is left of the realised batch. They go to the owner's log with the step
+    (which step failed first tells when an example was sampled); the line names neither."""
+    where = owner.note("dp-train", f"step {step}: " + "".join(traceback.format_exception(e)))
+    if out_of_memory(e):
+        return PrivateDataError(f"out of memory in the DP step (lower dp.physical_batch_size); the allocator's "
+                                f"message names sizes that follow the realised batch size, so it is kept for the "
+                                f"data owner only: {where}")
+    return PrivateDataError(f"the DP step failed ({type(e).__name__}); its message and traceback can name sizes that "
+                            f"follow the realised batch size, so they are kept for the data owner only: {where}")
 
 
 class StreamedBatches:
@@ -91,8 +106,8 @@ class StreamedBatches:
             ids, inputs = next(self._stream)
         except Exception as e:  # a failed read names an example this step sampled (its key, its bytes)
             where = owner.note("dp-train", f"step {step}: {type(e).__name__}: {e}")
-            raise PrivateDataError(f"step {step}: reading the sampled private examples failed ({type(e).__name__}); "
-                                   f"what failed names them, so it is kept for the data owner only: {where}") from None
+            raise PrivateDataError(f"reading the sampled private examples failed ({type(e).__name__}); what failed "
+                                   f"names them, so it is kept for the data owner only: {where}") from None
         if not np.array_equal(ids, indices[positions]):
             raise RuntimeError(f"step {step}: the loader decoded other examples than the step sampled")
         return inputs
@@ -396,15 +411,10 @@ class Trainer:
             try:
                 result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
                                  physical_batch_size=physical, ledger=ledger)
+            except (PrivateDataError, LedgerError, StepRefused):  # their messages are written to be published
+                raise
             except Exception as e:
-                if not out_of_memory(e):
-                    raise
-                # The allocator names the size it was asked for, which follows the micro-batch: the last
-                # one of each bucket holds what is left of that bucket's realised count.
-                where = owner.note("dp-train", f"step {step}: {type(e).__name__}: {e}")
-                raise PrivateDataError(f"step {step}: out of memory in the DP step (lower dp.physical_batch_size); "
-                                       f"the allocator's message names sizes that follow the realised batch size, "
-                                       f"so it is kept for the data owner only: {where}") from None
+                raise kept_for_owner(step, e) from None
             counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
             optimizer.step()
             metrics = {}
