@@ -171,25 +171,20 @@ if "unreadable" in faults:  # the k-th read of sampled private examples fails, n
         return real_getitem(self, indices)
     data_loader._Decoded.__getitem__ = getitem
 
-if "oom" in faults:  # the k-th step runs out of memory on every rank, the allocator naming the size asked for
+# The k-th step fails on every rank inside the DP step, its error naming a size that follows the
+# micro-batch: the allocator the size it was asked for (`oom`), a shape error a micro-batch's rows (`mismatch`).
+STEP_ERRORS = {"oom": lambda: torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {OOM_MIB} MiB"),
+               "mismatch": lambda: RuntimeError(f"The size of tensor a ({MISMATCH_ROWS}) must match the size of "
+                                                "tensor b (64) at non-singleton dimension 0")}
+failing = [name for name in STEP_ERRORS if name in faults]
+if failing:
     import pipeline.privacy.engine as engine
     import torch
     real_add_noise, calls = engine.add_noise, [0]
     def add_noise(*args):
         calls[0] += 1
-        if calls[0] == int(faults["oom"]):
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {OOM_MIB} MiB")
-        return real_add_noise(*args)
-    engine.add_noise = add_noise
-
-if "mismatch" in faults:  # the k-th step fails on every rank with a shape error naming a micro-batch's rows
-    import pipeline.privacy.engine as engine
-    real_add_noise, calls = engine.add_noise, [0]
-    def add_noise(*args):
-        calls[0] += 1
-        if calls[0] == int(faults["mismatch"]):
-            raise RuntimeError(f"The size of tensor a ({MISMATCH_ROWS}) must match the size of tensor b (64) "
-                               "at non-singleton dimension 0")
+        if calls[0] == int(faults[failing[0]]):
+            raise STEP_ERRORS[failing[0]]()
         return real_add_noise(*args)
     engine.add_noise = add_noise
 
