@@ -226,7 +226,8 @@ FAILURES = {"unreadable:3": ("reading the sampled private examples failed (Shard
 def test_a_step_that_fails_on_private_data_names_what_failed_to_the_data_owner_only(data_dir, tmp_path, objective,
                                                                                    ranks, fault):
     """A step that fails on the private data (a read, memory, a tensor's shape) would name private facts:
-    printed, its message and traceback would reach logs/dp-train.log. The stage stops with a message that says where the details are."""
+    printed, its message and traceback would reach logs/dp-train.log. The stage stops with a message
+    that says where the details are."""
     work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
     line, named = FAILURES[fault]
     if ranks == 1:
