@@ -82,11 +82,13 @@ def test_http_shards_are_scanned_and_read_by_range(tmp_path, serve):
     assert all(torch.equal(a, b) for a, b in zip(over_http, on_disk)) and len(over_http) == 2
 
 
-def test_a_server_that_ignores_range_requests_is_refused_clearly(tmp_path, serve):
+def test_a_server_that_ignores_range_requests_is_refused_and_the_owner_is_told_why(tmp_path, serve):
     write_set(tmp_path / "w", n=3)
     server = serve(tmp_path / "w", ignore_range=True)
-    with pytest.raises(ValueError, match="ignores HTTP Range"):
+    with pytest.raises(ValueError, match="none of the 1 shards could be read.*owner only") as refused:
         scan([f"{server.url}/s-000000.tar"], tmp_path)
+    assert "ignores HTTP Range" not in str(refused.value)  # why a shard failed is the owner's to read
+    assert "ignores HTTP Range requests" in (tmp_path / ".dpfm/owner/shards.log").read_text()
 
 
 def test_unreachable_urls_are_skipped_and_counted(tmp_path, serve):

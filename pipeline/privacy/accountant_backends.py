@@ -27,6 +27,9 @@ PLD_REL_TOL = 1e-3
 _PLD_MIN_INTERVAL = 1e-6
 _PLD_MAX_GRID = 2_000_000  # one-step PLD points; bounds memory of the FFT
 _PLD_NOISE_TOL = 0.01  # spread of the last values tolerated at a noise floor
+# dp_accounting composes T steps by raising the one-step PLD's FFT to the power T: every point's mass
+# carries round-off of about T * 2^-52. Past a tenth of delta no grid resolves epsilon at delta.
+_PLD_ROUND_OFF_SHARE = 0.1
 # Coarse intervals used only to steer searches, never to report a number.
 _PLD_SEARCH_INTERVALS = (1e-2, 1e-3)
 
@@ -123,7 +126,10 @@ def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tu
     composes by raising the FFT of the one-step PLD to the power T, so
     round-off of ~T * 1e-16 in probability mass competes with delta.  At
     T ~ 3e5, delta ~ 2e-9 this is ~0.1% noise in epsilon; at T ~ 2e6,
-    delta ~ 1e-10 the values are garbage in *both* directions.  When a
+    delta ~ 1e-10 the values are garbage in *both* directions, and at
+    T = 6e5 they drift by 3% around the true value, so that two successive
+    ones could agree by chance below it: once T * 2^-52 exceeds delta / 10
+    the ladder is not run and RDP is reported.  When a
     refinement changes epsilon more than the previous one did (noise floor)
     or the grid gets huge, the ladder stops: if its last three values agree
     to 1% it reports their maximum (conservative), otherwise PLD cannot be
@@ -132,6 +138,12 @@ def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tu
     (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
     """
     interval = PLD_START_INTERVAL
+    steps = sum(t for *_, t in parts)
+    if steps * np.finfo(float).eps > _PLD_ROUND_OFF_SHARE * delta:
+        # The values drift with the grid in both directions, and two can agree by chance below the
+        # true epsilon (how the noise falls depends on the CPU's FFT): not worth asking.
+        return _unstable(parts, delta, adjacency, f"round-off of about {steps * np.finfo(float).eps:.2g} "
+                         f"per point of the composed loss against delta"), interval
     values = [_pld_parts_at(parts, delta, interval, adjacency)]
     diffs: List[float] = []
     while True:
@@ -152,14 +164,15 @@ def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tu
             recent = values[-3:]
             if max(recent) - min(recent) <= _PLD_NOISE_TOL * max(recent):
                 return _capped_by_rdp(max(recent), parts, delta, adjacency), interval
-            warnings.warn(
-                f"PLD accounting is numerically unstable here (steps={sum(t for *_, t in parts)}, "
-                f"delta={delta:g}: epsilon varies {min(recent):.4g}..{max(recent):.4g} "
-                "with the grid); reporting the RDP upper bound instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return _rdp_parts_bound(parts, delta, adjacency), interval
+            return _unstable(parts, delta, adjacency, f"epsilon varies {min(recent):.4g}..{max(recent):.4g} "
+                             "with the grid"), interval
+
+
+def _unstable(parts: Parts, delta: float, adjacency: str, why: str) -> float:
+    """The RDP bound, with a warning that PLD could not resolve these parts."""
+    warnings.warn(f"PLD accounting is numerically unstable here (steps={sum(t for *_, t in parts)}, "
+                  f"delta={delta:g}: {why}); reporting the RDP upper bound instead", RuntimeWarning, stacklevel=3)
+    return _rdp_parts_bound(parts, delta, adjacency)
 
 
 def _rdp_bound(noise: float, q: float, steps: int, delta: float, adjacency: str = "add_remove") -> float:
