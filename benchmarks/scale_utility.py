@@ -124,7 +124,7 @@ RECIPE_SECTIONS = ("model", "dp", "privacy", "evaluate", "synthetic", "pretrain"
 
 # How a recipe is computed, not what: decoding processes, the micro-batch (the mechanism samples
 # the logical batch), compilation and checkpoint cadence. A GPU run keeps the CPU run's rows.
-HOW_NOT_WHAT = {"dp": ("compile", "data_workers", "physical_batch_size", "checkpoint_every"),
+HOW_NOT_WHAT = {"dp": ("compile", "compile_backend", "data_workers", "physical_batch_size", "checkpoint_every"),
                 "pretrain": ("data_workers", "checkpoint_every", "log_every")}
 
 

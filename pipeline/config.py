@@ -30,6 +30,7 @@ ADDED_KNOBS = (
     ("dp", "frozen", []),
     ("model", "public_negatives", 256),     # 2026-11-27
     ("dp", "nonprivate_clipped", False),    # 2026-11-30
+    ("dp", "compile_backend", "inductor"),  # 2026-12-02
 )
 
 

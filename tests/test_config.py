@@ -33,7 +33,7 @@ def test_each_violation_names_key_and_allowed_values(in_tmp, override, expected)
 
 def test_unknown_key_lists_allowed_keys(in_tmp):
     (problem,) = errors_for("dp.epsilom=3")
-    assert problem.startswith("unknown key dp.epsilom (allowed keys: accountant, checkpoint_every, clip_norm, clipping, compile, data_workers, delta,")
+    assert problem.startswith("unknown key dp.epsilom (allowed keys: accountant, checkpoint_every, clip_norm, clipping, compile, compile_backend, data_workers, delta,")
 
 
 def test_unknown_section(in_tmp):

@@ -174,7 +174,7 @@ NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "nonprivate_clipped"
 # Keys of how a run is computed, not what it releases (the same batches, clip bound and noise): after an
 # out-of-memory a smaller dp.physical_batch_size, as its message advises, must resume the run, not
 # start another under a fresh key and charge the whole budget again.
-HOW_IT_RUNS = ("physical_batch_size", "data_workers", "checkpoint_every", "eval_every", "compile")
+HOW_IT_RUNS = ("physical_batch_size", "data_workers", "checkpoint_every", "eval_every", "compile", "compile_backend")
 RUN_SECTIONS = ("run", "model", "dp")  # what a DP training is: dp-train, the curve and the seeds key it by them
 
 
@@ -377,7 +377,7 @@ class Trainer:
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
                                encoder_share=dp["encoder_clip_share"], views=dp["mask_views"], compiled=dp["compile"])
         if dp["compile"]:  # after the clipper's hooks, which the compiled call runs (same numbers)
-            model.compile()
+            model.compile(backend=dp["compile_backend"])
         if not private and plan.sigma:
             raise ValueError("a non-private training takes its plan's without_noise()")
         ledger = Ledger(work / "ledger.jsonl", plan) if private and world.is_main else None

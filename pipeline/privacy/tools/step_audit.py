@@ -106,7 +106,7 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
                                gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
                                encoder_share=dp["encoder_clip_share"], views=views, compiled=dp["compile"])
         if dp["compile"]:  # as dp-train compiles it
-            model.compile()
+            model.compile(backend=dp["compile_backend"])
         dropped.append(dp_step(0, sampler=FixedBatch(indices, batch_size), fetch=fetch, clipper=clipper, plan=plan,
                                key=key, world=world,
                                physical_batch_size=max(1, dp["physical_batch_size"] // views)).nonfinite)
