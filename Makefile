@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint restore push clean fashion-mnist
+.PHONY: run test test-compiled install lint restore push clean fashion-mnist
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,7 +21,11 @@ run: $(STAMP)
 	snakemake --cores all
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not compiled"
+
+# dp.compile's tests: Dynamo's tracing, about 15 minutes on 2 cores (.ci/run adds them when it has the time).
+test-compiled: $(STAMP)
+	$(PY) -m pytest -q -m compiled
 
 lint: $(STAMP)
 	snakemake --lint
