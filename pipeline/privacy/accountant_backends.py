@@ -138,12 +138,12 @@ def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tu
     (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
     """
     interval = PLD_START_INTERVAL
-    steps = sum(t for *_, t in parts)
-    if steps * np.finfo(float).eps > _PLD_ROUND_OFF_SHARE * delta:
+    round_off = sum(t for *_, t in parts) * np.finfo(float).eps
+    if round_off > _PLD_ROUND_OFF_SHARE * delta:
         # The values drift with the grid in both directions, and two can agree by chance below the
         # true epsilon (how the noise falls depends on the CPU's FFT): not worth asking.
-        return _unstable(parts, delta, adjacency, f"round-off of about {steps * np.finfo(float).eps:.2g} "
-                         f"per point of the composed loss against delta"), interval
+        return _unstable(parts, delta, adjacency, f"round-off of about {round_off:.2g} per point of the "
+                         "composed loss against delta"), interval
     values = [_pld_parts_at(parts, delta, interval, adjacency)]
     diffs: List[float] = []
     while True:
