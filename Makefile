@@ -23,7 +23,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not compiled"
 
-# dp.compile's tests: Dynamo's tracing, about 17 minutes on 2 cores (.ci/run adds them when it has the time).
+# dp.compile's tests: Dynamo's tracing, about 7 minutes on 2 cores (.ci/run adds them when it has the time).
 test-compiled: $(STAMP)
 	$(PY) -m pytest -q -m compiled
 

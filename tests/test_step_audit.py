@@ -34,8 +34,8 @@ def params(name, *more):
 
 
 def audited(name, bug_name, world, precision="fp32", more=()):
-    if "dp.compile=true" in more:  # each release compiles a fresh model: past Dynamo's recompile limit
-        torch._dynamo.reset()      # (8 per forward, in this process) the later ones would run eager
+    if "dp.compile=true" in more:  # each audit compiles a model of its own: past Dynamo's recompile
+        torch._dynamo.reset()      # limit (8 per forward, in this process) the later ones would run eager
     with bug(bug_name):
         return audit_step(params(name, f"dp.precision={precision}", *more), sigma=0.8, world=world)
 

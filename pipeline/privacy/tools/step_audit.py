@@ -94,19 +94,22 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
         mine = masks[idx[pos]] if masks is not None else None
         return tuple(x.to(device) for x in view_rows([x[idx[pos]] for x in inputs], mine, views))
 
+    # One model and clipper for every release, as dp-train keeps them across its steps (compiled: its
+    # graphs too). A release leaves the weights as they were: dp_step only writes p.grad.
+    torch.manual_seed(seed)
+    built = build_model(dp["objective"], mcfg)
+    freeze(built, dp["frozen"])  # as dp-train keeps them: out of the clipping and the noise
+    model = Amplified(built, factor).to(device)
+    clipper = make_clipper(obj.clipping, model, clip_norm, dp["clipping"],
+                           autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
+                           gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
+                           encoder_share=dp["encoder_clip_share"], views=views, compiled=dp["compile"])
+    if dp["compile"]:  # as dp-train compiles it
+        model.compile(backend=dp["compile_backend"])
     dropped = []
 
     def release(indices: np.ndarray, key: int) -> torch.Tensor:
         torch.manual_seed(seed)
-        built = build_model(dp["objective"], mcfg)
-        freeze(built, dp["frozen"])  # as dp-train keeps them: out of the clipping and the noise
-        model = Amplified(built, factor).to(device)
-        clipper = make_clipper(obj.clipping, model, clip_norm, dp["clipping"],
-                               autocast=lambda: autocast(device, dp["precision"]), loss_scale=loss_scale(dp["precision"]),
-                               gather=gather_with_grad(world) if obj.clipping == "per_batch" else None,
-                               encoder_share=dp["encoder_clip_share"], views=views, compiled=dp["compile"])
-        if dp["compile"]:  # as dp-train compiles it
-            model.compile(backend=dp["compile_backend"])
         dropped.append(dp_step(0, sampler=FixedBatch(indices, batch_size), fetch=fetch, clipper=clipper, plan=plan,
                                key=key, world=world,
                                physical_batch_size=max(1, dp["physical_batch_size"] // views)).nonfinite)
