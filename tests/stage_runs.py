@@ -42,8 +42,8 @@ def run_in_process(name, overrides, tracked: bool = False):
 
 
 def project(data_dir, tmp_path) -> Path:
-    """A fresh project dir sharing the data (its own state and outputs)."""
-    for item in ("schemas", "params.yaml", "data", "models"):
+    """A fresh project dir sharing the data (its own state and outputs) and an empty MLflow store."""
+    for item in ("schemas", "params.yaml", "data", "models", "mlflow.db"):
         (shutil.copytree if (data_dir / item).is_dir() else shutil.copy)(data_dir / item, tmp_path / item)
     return tmp_path
 
