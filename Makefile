@@ -20,12 +20,16 @@ install: $(STAMP)
 run: $(STAMP)
 	snakemake --cores all
 
+# Test files side by side, one worker per core (pytest-xdist). A file stays on one worker, so its module
+# fixtures (a whole DAG, a SLURM cluster) are built once. 2 cores: 49 min, 59 one file at a time (docs/pipeline.md).
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not compiled"
+	$(PYTEST) -m "not compiled"
 
 # dp.compile's tests: Dynamo's tracing, about 7 minutes on 2 cores (.ci/run adds them when it has the time).
 test-compiled: $(STAMP)
-	$(PY) -m pytest -q -m compiled
+	$(PYTEST) -m compiled
 
 lint: $(STAMP)
 	snakemake --lint
