@@ -27,7 +27,7 @@ PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 test: $(STAMP)
 	$(PYTEST) -m "not compiled"
 
-# dp.compile's tests: Dynamo's tracing, about 7 minutes on 2 cores (.ci/run adds them when it has the time).
+# dp.compile's tests: Dynamo's tracing, 10-18 minutes on 2 cores (.ci/run adds them when it has the time).
 test-compiled: $(STAMP)
 	$(PYTEST) -m compiled
 
