@@ -92,3 +92,18 @@ def progress_clock(monkeypatch):
     clock.advance = lambda s: setattr(clock, "now", clock.now + s)
     monkeypatch.setattr(tqdm.std, "time", lambda: clock.now)
     return clock
+
+
+@pytest.fixture
+def one_update_more(monkeypatch):
+    """one_update_more(): from then on every private training reports one optimizer update more than its
+    ledger charged, the bug that verification must stop."""
+    from pipeline.privacy import training
+
+    real = training.train_private
+
+    def one_extra_update(*args, **kw):
+        model, counters, record = real(*args, **kw)
+        return model, {**counters, "applied_updates": counters["applied_updates"] + 1}, record
+
+    return lambda: monkeypatch.setattr(training, "train_private", one_extra_update)

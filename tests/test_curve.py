@@ -48,16 +48,10 @@ def test_the_point_that_repeats_dp_train_is_the_same_run_and_charged_once(data_d
     assert result["points"][0]["epsilon_spent"] == pytest.approx(ledger["epsilon"])
 
 
-def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, monkeypatch):
+def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, one_update_more):
     """The bug flipped on: the optimizer applies one update more than the ledger charged."""
     work = project(data_dir, tmp_path)
-    real = training.train_private
-
-    def one_extra_update(*args, **kw):
-        model, counters, record = real(*args, **kw)
-        return model, {**counters, "applied_updates": counters["applied_updates"] + 1}, record
-
-    monkeypatch.setattr(training, "train_private", one_extra_update)
+    one_update_more()
     with pytest.raises(VerificationFailed, match="ledger_steps_match_optimizer"):
         run_curve(work, ["curve.epsilons=[2]"])
     assert not (work / artifact("curve")).exists()

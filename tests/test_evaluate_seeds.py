@@ -8,7 +8,6 @@ import pytest
 from stage_runs import charged_runs, inside, project, run_in_process, train
 
 from pipeline.errors import VerificationFailed
-from pipeline.privacy import training
 
 BASELINES = "evaluate.baselines=[pixels, random, nonprivate]"  # no pretrain at micro scale (dp.init=random)
 
@@ -46,18 +45,12 @@ def test_trained_rows_take_every_seed_and_each_dp_seed_is_charged(data_dir, tmp_
     assert len(charged_runs(work)) == 3
 
 
-def test_an_extra_seed_that_fails_verification_stops_the_stage(data_dir, tmp_path, monkeypatch):
+def test_an_extra_seed_that_fails_verification_stops_the_stage(data_dir, tmp_path, one_update_more):
     """The bug flipped on for the extra seeds only: one update more than the ledger charged."""
     work = project(data_dir, tmp_path)
     train(work, [BASELINES])
     run_stages(work, ["verify"], [])
-    real = training.train_private
-
-    def one_extra_update(*args, **kw):
-        model, counters, record = real(*args, **kw)
-        return model, {**counters, "applied_updates": counters["applied_updates"] + 1}, record
-
-    monkeypatch.setattr(training, "train_private", one_extra_update)
+    one_update_more()
     with pytest.raises(VerificationFailed, match="ledger_steps_match_optimizer"):
         run_stages(work, ["evaluate"], [BASELINES, "evaluate.seeds=2"])
     assert not (work / "results/eval/metrics.json").exists()
