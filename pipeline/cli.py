@@ -97,28 +97,30 @@ def run_stage(name: str, params_path: str = "params.yaml", overrides=(), resolve
         run(params, StageContext(st, tracker, threads, device))
 
 
+def add_params_arguments(p: argparse.ArgumentParser, threads: str | None = None) -> None:
+    """--params and --set, for a command that reads params.yaml; with `threads` (its help), also what
+    Snakemake passes the jobs it runs: --resolved and --threads."""
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one parameter (repeatable); the value is parsed as YAML")
+    if threads is not None:
+        p.add_argument("--resolved", help=argparse.SUPPRESS)  # the params Snakemake validated (rules/common.smk)
+        p.add_argument("--threads", type=int, default=0, help=threads)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpfm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for st in STAGES:
         p = sub.add_parser(st.name, help=st.summary, description=st.summary)
-        p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one parameter (repeatable); the value is parsed as YAML")
-        p.add_argument("--resolved", help=argparse.SUPPRESS)  # the params Snakemake validated (rules/common.smk)
-        p.add_argument("--threads", type=int, default=0, help="CPU threads (default: run.threads or all)")
+        add_params_arguments(p, threads="CPU threads (default: run.threads or all)")
         p.set_defaults(func=lambda a, name=st.name: run_stage(name, a.params, a.set, a.resolved, a.threads))
 
     p = sub.add_parser("scan-shards", help="scan one group of a web source's shards into the scan cache",
                        description="One job of Snakemake's scatter of the shards stage (rules/scan.smk): scan "
                                    "group GROUP of GROUPS of the shard list into shards.cache_dir, where "
                                    "`dpfm shards` then finds every scan.")
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one parameter (repeatable); the value is parsed as YAML")
-    p.add_argument("--resolved", help=argparse.SUPPRESS)  # the params Snakemake validated (rules/common.smk)
-    p.add_argument("--threads", type=int, default=0, help="scan processes when shards.workers is 0 "
-                                                          "(default: run.threads or all cores)")
+    add_params_arguments(p, threads="scan processes when shards.workers is 0 (default: run.threads or all cores)")
     p.add_argument("--group", type=int, required=True)
     p.add_argument("--groups", type=int, required=True)
     p.add_argument("--summary", help="write the group's summary here (JSON)")
@@ -144,8 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_print_stages)
 
     p = sub.add_parser("validate", help="validate params.yaml (with --set overrides) and exit")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_params_arguments(p)
     p.set_defaults(func=lambda a: print(f"{a.params}: ok") if load_params(a.params, a.set) else None)
 
     try:
