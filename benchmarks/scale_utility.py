@@ -61,7 +61,7 @@ import torch
 from sklearn.model_selection import StratifiedKFold
 
 from benchmarks.scale_report import FULL, combined_figure, paired_gain, report
-from benchmarks.utility import Scorer, inside, parse_epsilon
+from benchmarks.utility import Scorer, inside, parse_epsilon, read_plan
 from pipeline import checkpoints
 from pipeline.cli import StageContext, resolve_device, runner
 from pipeline.config import ADDED_KNOBS, load_params
@@ -477,30 +477,6 @@ def same_model(name: str, scored: np.ndarray, kept: np.ndarray) -> None:
                          "the model it scored. Move the row aside to score it afresh")
     if differ:
         print(f"scale_utility: {name}: scored again, {100 * differ:.2f}% of its outcomes differ (kept as they were)")
-
-
-def read_plan(size_dir: Path, p: dict, eps: float) -> dict:
-    """The point's schedule and noise: B, T and σ as dp-train plans them (σ = 0 at ε = ∞)."""
-    with inside(size_dir):
-        n = read_json("data/shards/stats.json")["private"]["usable"]
-    return schedule(p, n, eps)
-
-
-def schedule(p: dict, n: int, eps: float) -> dict:
-    """B, T, σ and the noise per released coordinate of the point at ε on n private examples."""
-    from pipeline.privacy.plan import plan_mechanism
-
-    dp = training.point_params(p, "pretrain", eps)["dp"]
-    batch, steps = dp["expected_batch_size"], dp["steps"]
-    plan = plan_mechanism(dp, n, p["privacy"]["adjacency"]) if math.isfinite(eps) else None
-    sigma = plan.sigma if plan else 0.0
-    # What decides utility: the noise std on one coordinate of the released averaged gradient. Per
-    # example σ·C/B, falling with the batch; Dp-CLIP's clipped batch mean carries 2σC whatever B is.
-    noise = plan.noise_std / plan.denominator if plan else 0.0
-    # Where the noise stops (noise_edge.py): the training's ledger holds the plan's edge, or it is not resumed.
-    return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
-            "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2),
-            "noise_edge": plan.noise_edge if plan else None}
 
 
 if __name__ == "__main__":

@@ -12,14 +12,17 @@ encoder is probed with the `evaluate` protocol of params.yaml on the first eval 
 probe-train / probe-test split (chosen once, seed 0), so rows pair example by example and seed by
 seed. Rows with "epsilon": null are the untrained random-init and the synthetic-only encoders.
 
-Each row's accuracy is the mean over seeds; its 95% interval a two-level bootstrap over seeds and
-test images (pipeline/eval/stats.py). The targets compare rows by paired intervals:
+Each row's accuracy is the mean over seeds; its 95% interval a bootstrap over seeds, test images and
+the probe's refits on resamples of probe-train (evaluate.probe_refits, as the evaluate stage's;
+pipeline/eval/stats.py). Each trained row shows its schedule's σ, σ/B and the noise on one coordinate
+of the released averaged gradient, and every encoder its gain over synthetic-only, paired by seed,
+test image and probe resample. The targets compare rows by paired intervals:
   a  ε = ∞ from synthetic beats the random-init encoder, per objective
   b  at ε = 8, DP from synthetic beats DP from random init, per objective
   c  synthetic-init rows: ε = ∞ ≥ ε = 8 ≥ ε = 1 (no step significantly down)
   d  the best encoder row's interval reaches the raw-pixel accuracy
   e  DP-Cap's zero-shot at ε = 8 is above chance wherever its non-private twin's is
-Prints a table as it goes and ONE JSON line, the last line of stdout. About 17 minutes on 2 cores.
+Prints a table as it goes and ONE JSON line, the last line of stdout (and to --json). About 29 minutes on 2 cores.
 
 A second public set, Fashion-MNIST (`make fashion-mnist` first). Its encoders need a non-private
 twin that trains longer than the 40-step DP recipe (`dp.nonprivate`, the ε = ∞ rows):
@@ -48,9 +51,10 @@ from pipeline import checkpoints
 from pipeline.cli import StageContext, runner
 from pipeline.config import load_params
 from pipeline.eval.evalsets import load_eval_set
-from pipeline.eval.probe import features, linear_probe
+from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
+from pipeline.io import atomic_path, read_json
 from pipeline.models import build_encoder
 from pipeline.privacy import training
 from pipeline.stages import stage
@@ -93,9 +97,11 @@ class Scorer:
         self.es = load_eval_set(self.cfg["sets"][0], image_size)
         self.split = self.es.split(self.cfg["probe_fraction"], 0)
 
-    def probe(self, encoder, seed: int) -> np.ndarray:
+    def probe(self, encoder, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The evaluate stage's probe: whether it is right on each probe-test image, and the same for
+        its refits on resamples of probe-train ((evaluate.probe_refits, images); None without)."""
         x = features(encoder, self.es.images, self.cfg, "cpu")
-        return linear_probe(x, self.es.labels, self.split, self.cfg, seed)
+        return probe_outcomes(x, self.es.labels, self.split, self.cfg, seed)
 
     def zero_shot(self, model, objective: str, tokenizer, max_len: int, te: np.ndarray | None = None,
                   device: str = "cpu") -> np.ndarray:
@@ -106,17 +112,51 @@ class Scorer:
         return scores.argmax(axis=1) == self.es.labels[te]
 
 
-def summarise(outcomes: dict) -> dict:
-    """{key: (seeds, examples) bool} -> {key: {"acc", "ci"}}."""
-    return {k: {"acc": float(np.mean(v)), "ci": accuracy_ci(v)} for k, v in outcomes.items()}
+def read_plan(size_dir: Path, p: dict, eps: float) -> dict:
+    """The point's schedule and noise: B, T and σ as dp-train plans them (σ = 0 at ε = ∞)."""
+    with inside(size_dir):
+        n = read_json("data/shards/stats.json")["private"]["usable"]
+    return schedule(p, n, eps)
 
 
-def check_targets(probe: dict, zero: dict, pixels_acc: float, objectives, epsilons) -> dict:
-    """The issue's targets, each with the paired interval it rests on."""
-    targets = {}
+def schedule(p: dict, n: int, eps: float) -> dict:
+    """B, T, σ and the noise per released coordinate of the point at ε on n private examples."""
+    from pipeline.privacy.plan import plan_mechanism
+
+    dp = training.point_params(p, "pretrain", eps)["dp"]
+    batch, steps = dp["expected_batch_size"], dp["steps"]
+    plan = plan_mechanism(dp, n, p["privacy"]["adjacency"]) if math.isfinite(eps) else None
+    sigma = plan.sigma if plan else 0.0
+    # What decides utility: the noise std on one coordinate of the released averaged gradient. Per
+    # example σ·C/B, falling with the batch; Dp-CLIP's clipped batch mean carries 2σC whatever B is.
+    noise = plan.noise_std / plan.denominator if plan else 0.0
+    # Where the noise stops (noise_edge.py): the training's ledger holds the plan's edge, or it is not resumed.
+    return {"batch": batch, "steps": steps, "sigma": sigma, "sigma_over_b": sigma / batch,
+            "noise_per_coordinate": noise, "epochs": round(batch * steps / n, 2),
+            "noise_edge": plan.noise_edge if plan else None}
+
+
+def summarise(outcomes: dict, refits: dict | None = None) -> dict:
+    """{key: (seeds, examples) bool} -> {key: {"acc", "ci"}}, the interval over the probe's refits too
+    where `refits` has the key's."""
+    refits = refits or {}
+    return {k: {"acc": float(np.mean(v)), "ci": accuracy_ci(v, refits=refits.get(k))} for k, v in outcomes.items()}
+
+
+def paired_difference(probe: dict, refits: dict, a, b) -> dict:
+    """Row a's accuracy minus row b's, paired by test image, seed and (where both have them) probe refit."""
+    both = a in refits and b in refits
+    return difference_ci(probe[a], probe[b], refits_a=refits[a] if both else None,
+                         refits_b=refits[b] if both else None)
+
+
+def check_targets(probe: dict, zero: dict, pixels_acc: float, objectives, epsilons, refits: dict | None = None) -> dict:
+    """The issue's targets, each with the paired interval it rests on (over the probes' refits too, with
+    `refits`: {row key: (seeds, fits, examples)})."""
+    targets, refits = {}, refits or {}
 
     def paired(a, b) -> dict:
-        return difference_ci(probe[a], probe[b])
+        return paired_difference(probe, refits, a, b)
 
     for obj in objectives:
         if math.inf in epsilons:
@@ -131,7 +171,7 @@ def check_targets(probe: dict, zero: dict, pixels_acc: float, objectives, epsilo
             targets[f"c_{obj}_{lo:g}_to_{hi:g}"] = {"passed": d["ci"][1] >= 0, "diff": d}
     encoders = {k: v for k, v in probe.items() if k[1] != "pixels"}
     best = max(encoders, key=lambda k: np.mean(encoders[k]))
-    best_ci = accuracy_ci(encoders[best])
+    best_ci = accuracy_ci(encoders[best], refits=refits.get(best))
     targets["d_best_vs_pixels"] = {"passed": best_ci[1] >= pixels_acc, "best": row_name(best), "ci": best_ci,
                                    "pixels": pixels_acc}
     if ("caption", "synthetic", 8.0) in zero and ("caption", "synthetic", math.inf) in zero:
@@ -157,6 +197,48 @@ def row_name(key) -> str:
     return f"{obj or 'encoder'}/{init}" + ("" if eps is None else f"/ε={eps:g}")
 
 
+def table_rows(probe: dict, refits: dict, zero: dict, noise: dict, n: int) -> list[dict]:
+    """The JSON rows, pixels first: accuracy and interval; for trained rows the schedule's σ, B and σ/B;
+    for every encoder the gain over synthetic-only, paired (same seeds, test images and probe resamples)."""
+    stats = summarise(probe, refits)
+    zstats = summarise({k: v for k, v in zero.items() if k != "chance"})
+    synthetic = (None, "synthetic", None)
+    rows = []
+    for key in [(None, "pixels", None)] + [k for k in stats if k[1] != "pixels"]:
+        obj, init, eps = key
+        s = stats[key]
+        row = {"objective": obj, "init": init, "epsilon": None if eps is None else ("inf" if eps == math.inf else eps),
+               "acc": round(s["acc"], 4), "ci": [round(x, 4) for x in s["ci"]],
+               "seeds": len(probe[key]), "n": n}
+        if key in noise:
+            m = noise[key]
+            row.update(sigma=round(m["sigma"], 4), batch=m["batch"], steps=m["steps"],
+                       sigma_over_b=float(f"{m['sigma_over_b']:.3g}"),
+                       noise_per_coordinate=float(f"{m['noise_per_coordinate']:.3g}"))
+        if key != synthetic and init != "pixels":
+            d = paired_difference(probe, refits, key, synthetic)
+            row["gain_over_synthetic"] = {"diff": round(d["diff"], 4), "ci": [round(x, 4) for x in d["ci"]]}
+        if key in zstats:
+            z = zstats[key]
+            row.update(zero_shot=round(z["acc"], 4), zero_shot_ci=[round(x, 4) for x in z["ci"]])
+        rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    # σ/B, and the noise std on one coordinate of the released averaged gradient: σC/B, or Dp-CLIP's 2σC.
+    print(f"  {'objective':<9} {'init':<10} {'ε':>5} {'σ':>6} {'σ/B':>8} {'noise':>8}  {'acc':>6}  {'95% CI':<11}"
+          "  gain over synthetic-only")
+    for r in rows:
+        eps = "—" if r["epsilon"] is None else ("∞" if r["epsilon"] == "inf" else f"{r['epsilon']:g}")
+        sigma, per_b, noise = ((f"{r['sigma']:.3f}", f"{r['sigma_over_b']:.2e}", f"{r['noise_per_coordinate']:.2e}")
+                               if "sigma" in r else ("", "", ""))
+        ci, gain = f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}", r.get("gain_over_synthetic")
+        print(f"  {r['objective'] or '—':<9} {r['init']:<10} {eps:>5} {sigma:>6} {per_b:>8} {noise:>8}  {100 * r['acc']:5.1f}%  {ci:<11}"
+              + (f"  {100 * gain['diff']:+.1f} ({100 * gain['ci'][0]:+.1f} to {100 * gain['ci'][1]:+.1f})" if gain else "")
+              + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="working directory (default: a temporary one)")
@@ -165,6 +247,8 @@ def main() -> None:
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override params.yaml (as `dpfm --set`)")
+    ap.add_argument("--json", type=Path, metavar="PATH",
+                    help="also write the JSON line here (benchmarks/utility_rows/digits.json holds README's run)")
     args = ap.parse_args()
     epsilons = sorted(parse_epsilon(e) for e in args.epsilons)
     params = load_params(str(ROOT / "params.yaml"), [*args.set, "run.device=cpu"])
@@ -179,10 +263,17 @@ def main() -> None:
     from pipeline.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(work / "models/tokenizer")
-    probe, zero = {}, {}
+    n = read_json(work / "data/shards/stats.json")["private"]["usable"]
+    probe, refits, zero, noise = {}, {}, {}, {}
 
     def add(table: dict, key, outcome: np.ndarray) -> None:
         table.setdefault(key, []).append(outcome)
+
+    def score(key, encoder, seed: int) -> None:
+        correct, refit = scorer.probe(encoder, seed)
+        add(probe, key, correct)
+        if refit is not None:
+            add(refits, key, refit)
 
     scorer = None
     for seed in range(args.seeds):
@@ -201,10 +292,9 @@ def main() -> None:
             warm = checkpoints.load("models/pretrain/checkpoint.pt")
             mcfg = warm.model_cfg
             scorer = scorer or Scorer(p, mcfg["img_size"])
-            synthetic = warm.build_encoder()
-            add(probe, (None, "synthetic", None), scorer.probe(synthetic, seed))
+            score((None, "synthetic", None), warm.build_encoder(), seed)
             torch.manual_seed(seed)
-            add(probe, (None, "random", None), scorer.probe(build_encoder(mcfg), seed))
+            score((None, "random", None), build_encoder(mcfg), seed)
             for obj in args.objectives:
                 po = {**p, "dp": {**p["dp"], "objective": obj}}
                 for init in ("pretrain", "random"):
@@ -212,43 +302,35 @@ def main() -> None:
                         t0 = time.time()
                         model, spent, _ = training.train_point(po, context("curve"), init, eps)
                         key = (obj, INIT_NAMES[init], eps)
-                        add(probe, key, scorer.probe(model.encoder, seed))
+                        noise[key] = schedule(po, n, eps)  # the same for every seed
+                        score(key, model.encoder, seed)
                         if obj in ZERO_SHOT_OBJECTIVES and init == "pretrain":
                             add(zero, key, scorer.zero_shot(model, obj, tokenizer, p["model"]["max_caption_len"]))
                         print(f"utility: seed {seed} {row_name(key):<24} probe {np.mean(probe[key][-1]):.3f}"
                               + (f" zero-shot {np.mean(zero[key][-1]):.3f}" if key in zero else "")
                               + f"  ({time.time() - t0:.0f} s, {time.time() - started:.0f} s in all)", flush=True)
-    probe = {k: np.stack(v) for k, v in probe.items()}
-    zero = {k: np.stack(v) for k, v in zero.items()}
+    probe, refits, zero = ({k: np.stack(v) for k, v in table.items()} for table in (probe, refits, zero))
     te = scorer.split[1]
-    pixels = scorer.probe(None, 0)
+    pixels, pixel_refits = scorer.probe(None, 0)
     probe[None, "pixels", None] = pixels[None]
+    if pixel_refits is not None:
+        refits[None, "pixels", None] = pixel_refits[None]
     zero["chance"] = float(np.bincount(scorer.es.labels[te]).max() / len(te))
-    targets = check_targets(probe, zero, float(pixels.mean()), args.objectives, epsilons)
-    stats = summarise({k: v for k, v in probe.items() if k[1] != "pixels"})
-    zstats = summarise({k: v for k, v in zero.items() if k != "chance"})
-    rows = []
-    for (obj, init, eps), s in stats.items():
-        row = {"objective": obj, "init": init, "epsilon": None if eps is None else ("inf" if eps == math.inf else eps),
-               "acc": round(s["acc"], 4), "ci": [round(x, 4) for x in s["ci"]], "seeds": args.seeds}
-        if (obj, init, eps) in zstats:
-            z = zstats[obj, init, eps]
-            row.update(zero_shot=round(z["acc"], 4), zero_shot_ci=[round(x, 4) for x in z["ci"]])
-        rows.append(row)
-    print("\nutility: linear probe on", scorer.es.name, f"({len(te)} probe-test images, {args.seeds} seeds)")
-    print(f"  {'objective':<9} {'init':<10} {'ε':>5}  {'acc':>6}  95% CI")
-    for r in [{"objective": None, "init": "pixels", "epsilon": None, "acc": float(pixels.mean()),
-               "ci": accuracy_ci(pixels)}] + rows:
-        eps = "—" if r["epsilon"] is None else ("∞" if r["epsilon"] == "inf" else f"{r['epsilon']:g}")
-        print(f"  {r['objective'] or '—':<9} {r['init']:<10} {eps:>5}  {100 * r['acc']:5.1f}%  "
-              f"{100 * r['ci'][0]:.1f}–{100 * r['ci'][1]:.1f}"
-              + (f"   zero-shot {100 * r['zero_shot']:.1f}%" if "zero_shot" in r else ""))
+    targets = check_targets(probe, zero, float(pixels.mean()), args.objectives, epsilons, refits)
+    rows = table_rows(probe, refits, zero, noise, n)
+    print("\nutility: linear probe on", scorer.es.name, f"({len(te)} probe-test images, {args.seeds} seeds; "
+          f"intervals over them{' and the probe refits' if refits else ''}); n = {n} private examples")
+    print_rows(rows)
     print_targets("utility", targets)
     print(f"utility: {time.time() - started:.0f} s")
-    print(json.dumps({"benchmark": "utility", "dataset": scorer.es.name, "n_probe_test": int(len(te)),
-                      "pixels": {"acc": round(float(pixels.mean()), 4), "ci": [round(x, 4) for x in accuracy_ci(pixels)]},
-                      "rows": rows, "targets": {k: bool(t["passed"]) for k, t in targets.items()},
-                      "seconds": round(time.time() - started)}))
+    line = json.dumps({"benchmark": "utility", "dataset": scorer.es.name, "n_probe_test": int(len(te)),
+                       "probe_refits": scorer.cfg["probe_refits"], "pixels": rows[0],
+                       "rows": rows[1:], "targets": {k: bool(t["passed"]) for k, t in targets.items()},
+                       "seconds": round(time.time() - started)})
+    if args.json:  # written whole or not at all
+        with atomic_path(args.json) as tmp:
+            tmp.write_text(line + "\n")
+    print(line)
     sys.exit(0 if all(t["passed"] for t in targets.values()) else 1)
 
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from benchmarks.scale_report import FULL, check_targets, combined_figure, paired_gain, probe_ci, report
-from benchmarks.scale_utility import (RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, recipe_id, schedule,
+from benchmarks.scale_utility import (RECIPE, ROOT, SCHEDULES, VALIDATION_FOLDS, Rows, against, recipe_id,
                                       size_params, untrained_id, usable, validation_folds,
                                       with_seeds)
+from benchmarks.utility import schedule
 from pipeline.config import load_params
 from pipeline.eval.stats import difference_ci
 from pipeline.privacy.noise_edge import NOISE_EDGE

@@ -37,3 +37,23 @@ def test_each_target_fails_when_its_comparison_breaks():
     assert not passed(probe, 0.5)["b_mae"]
     probe, _, _ = outcomes()
     assert not passed(probe, 1.0)["d_best_vs_pixels"]  # pixels out of every encoder's reach
+
+
+def test_the_intervals_cover_the_probe_refits():
+    """With refits, the paired intervals cover which images the probe was fit on: refits that disagree
+    wildly (half the probes wrong everywhere) widen a clear gain's interval past 0; refits that repeat
+    the full probe leave the verdict as it was."""
+    probe, weak, strong = outcomes()
+    fits = 10
+    steady = {k: np.repeat(v[:, None], fits, axis=1) for k, v in probe.items() if k[1] != "pixels"}
+    wild = dict(steady)
+    for e in EPSILONS:
+        r = steady["mae", "synthetic", e].copy()
+        r[:, ::2] = False  # every other refit of the trained rows gets nothing right
+        wild["mae", "synthetic", e] = r
+
+    def verdicts(refits):
+        return {k: t["passed"] for k, t in check_targets(probe, {}, 0.5, ["mae"], EPSILONS, refits).items()}
+
+    assert verdicts(steady)["a_mae"] and verdicts(None)["a_mae"]
+    assert not verdicts(wild)["a_mae"]
