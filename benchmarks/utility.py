@@ -302,7 +302,8 @@ def main() -> None:
                         t0 = time.time()
                         model, spent, _ = training.train_point(po, context("curve"), init, eps)
                         key = (obj, INIT_NAMES[init], eps)
-                        noise[key] = schedule(po, n, eps)  # the same for every seed
+                        if key not in noise:  # the same for every seed (a σ calibration, 0.3 s)
+                            noise[key] = schedule(po, n, eps)
                         score(key, model.encoder, seed)
                         if obj in ZERO_SHOT_OBJECTIVES and init == "pretrain":
                             add(zero, key, scorer.zero_shot(model, obj, tokenizer, p["model"]["max_caption_len"]))

@@ -33,6 +33,11 @@ def digits_table(text: str, heading: str) -> list[dict]:
     return [dict(zip(COLUMNS, row)) for row in cells[2:]]
 
 
+def off(printed, values) -> bool:
+    """Whether figures printed in percent (or points) are further from the kept fractions than rounding allows."""
+    return max(abs(number(p) - 100 * v) for p, v in zip(printed, values)) > 0.051
+
+
 def mismatches(table: list[dict]) -> list[str]:
     """Every figure of `table` the kept run does not give, and every DP row without its noise."""
     kept, wrong = kept_rows(), []
@@ -43,8 +48,7 @@ def mismatches(table: list[dict]) -> list[str]:
         if row is None:
             wrong.append(f"{label}: not in {KEPT.name}")
             continue
-        acc, lo, hi = map(number, PERCENT_CI.search(cells["linear probe (95% CI)"]).groups())
-        if max(abs(p - 100 * v) for p, v in zip((acc, lo, hi), (row["acc"], *row["ci"]))) > 0.051:
+        if off(PERCENT_CI.search(cells["linear probe (95% CI)"]).groups(), (row["acc"], *row["ci"])):
             wrong.append(f"{label}: probe {cells['linear probe (95% CI)']} against {100 * row['acc']:.1f}%")
         if "sigma" in row:
             noise = cells["σ/B"]
@@ -56,14 +60,13 @@ def mismatches(table: list[dict]) -> list[str]:
                 wrong.append(f"{label}: σ {cells['σ'] or 'missing'} against {row['sigma']:.4g}")
         gain = cells["gain over synthetic-only (paired 95% CI)"]
         if gain:
-            printed = list(map(number, GAIN_CI.search(gain).groups()))
             g = row["gain_over_synthetic"]
-            if max(abs(p - 100 * v) for p, v in zip(printed, (g["diff"], *g["ci"]))) > 0.051:
+            if off(GAIN_CI.search(gain).groups(), (g["diff"], *g["ci"])):
                 wrong.append(f"{label}: gain {gain} against {100 * g['diff']:+.1f}")
         zero = PERCENT_CI.fullmatch(cells["zero-shot"])
         if cells["zero-shot"] and not zero:
             wrong.append(f"{label}: zero-shot {cells['zero-shot']} without its interval")
-        elif zero and max(abs(number(p) - 100 * v) for p, v in zip(zero.groups(), (row["zero_shot"], *row["zero_shot_ci"]))) > 0.051:
+        elif zero and off(zero.groups(), (row["zero_shot"], *row["zero_shot_ci"])):
             wrong.append(f"{label}: zero-shot {cells['zero-shot']} against {100 * row['zero_shot']:.1f}%")
     return wrong
 
