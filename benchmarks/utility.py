@@ -22,7 +22,7 @@ test image and probe resample. The targets compare rows by paired intervals:
   c  synthetic-init rows: ε = ∞ ≥ ε = 8 ≥ ε = 1 (no step significantly down)
   d  the best encoder row's interval reaches the raw-pixel accuracy
   e  DP-Cap's zero-shot at ε = 8 is above chance wherever its non-private twin's is
-Prints a table as it goes and ONE JSON line, the last line of stdout (and to --json). About 29 minutes on 2 cores.
+Prints a table as it goes and ONE JSON line, the last line of stdout (and to --json). About 23 minutes on 2 cores.
 
 A second public set, Fashion-MNIST (`make fashion-mnist` first). Its encoders need a non-private
 twin that trains longer than the 40-step DP recipe (`dp.nonprivate`, the ε = ∞ rows):

@@ -14,7 +14,7 @@ from pipeline.data.transforms import to_tensor
 from pipeline.errors import VerificationFailed
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
-from pipeline.eval.probe import SOLVERS, extract_features, logreg_probe, probe_accuracy
+from pipeline.eval.probe import SOLVERS, extract_features, logreg_estimator, logreg_probe, probe_accuracy
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
 from pipeline.models import build_encoder, build_model
 from pipeline.stages import stage
@@ -56,6 +56,42 @@ def test_probe_is_at_chance_on_shuffled_labels(solver):
     y = np.random.default_rng(1).permutation(y)  # labels no longer depend on the features
     acc = probe_accuracy(*halves(x, y), solver=solver, train_cfg=FAST_TRAIN.get(solver), seed=0)
     assert abs(acc - 0.1) < 0.04  # 1000 test points: the std of chance accuracy is 0.0095
+
+
+def tightly_fit(train_x, train_y, c, row_space: bool, basis=None):
+    """logreg_estimator's probe solved to a tolerance far below its default, so two routes to the same
+    optimum meet; `basis` replaces the row space's own (a broken projection)."""
+    probe = logreg_estimator(train_x, train_y, c, row_space=row_space)
+    model = probe.steps[-1][0]
+    probe.set_params(**{f"{model}__tol": 1e-12, f"{model}__max_iter": 100_000})
+    probe.fit(train_x, train_y)
+    if basis is not None:
+        probe[1].basis_ = basis
+        probe[-1].fit(probe[:-1].transform(train_x), train_y)
+    return probe
+
+
+@pytest.mark.parametrize("c", [0.3, "auto"])
+def test_logreg_on_the_training_rows_span_is_the_same_fit_with_fewer_weights(c):
+    """Fewer images than features: the probe fits on coordinates in the span of its training rows
+    (r <= n weights per class instead of d). The optimum, its test logits and, under auto, every fold's
+    accuracy at every C are those of the fit on all d features, measured on fits solved far below the
+    default tolerance; a basis that misses part of the span gives other logits."""
+    rng = np.random.default_rng(3)
+    x, y = blobs(n_per_class=12, classes=3, dim=80, spread=1.5)
+    x = x + rng.normal(0, 1, x.shape)  # not separable: a finite optimum; float64, as the span's coordinates are
+    train_x, train_y, test_x, _ = halves(x, y)
+    spanned, full = tightly_fit(train_x, train_y, c, True), tightly_fit(train_x, train_y, c, False)
+    assert [name for name, _ in spanned.steps] == ["standardscaler", "trainingrowspace", full.steps[-1][0]]
+    assert spanned[1].basis_.shape == (80, len(train_x) - 1)  # 18 rows, centred by the scaler: r = 17
+    if c == "auto":
+        assert np.array_equal(spanned[-1].scores_[1], full[-1].scores_[1]) and np.array_equal(spanned[-1].C_, full[-1].C_)
+    np.testing.assert_allclose(spanned.decision_function(test_x), full.decision_function(test_x), atol=1e-4)
+    half = spanned[1].basis_[:, ::2]  # half of the span: the fit can no longer reach the optimum
+    broken = tightly_fit(train_x, train_y, 0.3, True, basis=half)
+    assert np.abs(broken.decision_function(test_x) - full.decision_function(test_x)).max() > 0.1
+    many, labels = blobs(n_per_class=30, classes=3, dim=80)
+    assert logreg_estimator(many, labels).steps[1][0] == "logisticregression"  # 90 images >= 80 features: as before
 
 
 def test_features_are_the_encoder_output_and_last_k_blocks_concatenate():

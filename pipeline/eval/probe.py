@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from joblib import Parallel, delayed
 from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold
+from sklearn.base import BaseEstimator, TransformerMixin
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
@@ -88,7 +89,8 @@ AUTO_FOLDS = 3
 # refits from 100k (269 digits × 768 features, `make run`'s probe: 2.2 s in turn, 1.4 s in two started
 # workers; 5,000 images: minutes), auto's 3 folds, which share a worker's start among fewer fits, from
 # 2M (898 digits × 768 features: 5.3 s in workers against 4.1 s in turn; 5,000 × 768: 73 s against
-# 243 s; benchmarks/probe_speed.py).
+# 243 s; benchmarks/probe_speed.py; all timed before fits with fewer images than features moved to
+# TrainingRowSpace).
 PARALLEL_FIT_FLOATS = 100_000
 PARALLEL_FOLD_FLOATS = 2_000_000
 
@@ -99,11 +101,34 @@ def fit_workers(fits: int) -> int:
     return max(1, min(fits, torch.get_num_threads()))
 
 
-def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold_jobs: int | None = None):
-    """logreg_probe's probe, not yet fitted: standardised features + L2 logistic regression (L-BFGS).
+class TrainingRowSpace(TransformerMixin, BaseEstimator):
+    """Coordinates in the span of the training rows (an orthonormal basis from their SVD).
+
+    An L2 logistic regression's weights lie in that span (its gradient is a sum of training rows, and
+    any part outside it only adds penalty), and a row's logits depend only on its projection onto the
+    span: on these coordinates the fit is the same problem, with r ≤ n instead of d weights per class.
+    With fewer images than features (few-shot; `make run`'s 269 probe-train digits against 768 or 3,072
+    features) L-BFGS then takes cheaper steps and stops nearer the optimum (benchmarks/probe_speed.py)."""
+
+    def fit(self, x, y=None):
+        x = np.asarray(x, np.float64)
+        _, s, vt = np.linalg.svd(x, full_matrices=False)
+        rank = int((s > s[:1].max(initial=0) * max(x.shape) * np.finfo(np.float64).eps).sum())  # duplicates: lower
+        self.basis_ = vt[:rank].T
+        return self
+
+    def transform(self, x):
+        return np.asarray(x, np.float64) @ self.basis_
+
+
+def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold_jobs: int | None = None,
+                     row_space: bool | None = None):
+    """logreg_probe's probe, not yet fitted: standardised features + L2 logistic regression (L-BFGS),
+    on TrainingRowSpace's coordinates when `row_space` (default: fewer images than features).
     c="auto" picks C from AUTO_CS by stratified cross-validated accuracy on (train_x, train_y), its
     folds in `fold_jobs` processes (default: one per core for a large enough problem); with fewer than
-    2 examples of some class (1-shot) there is nothing to validate on, and C falls back to 1."""
+    2 examples of some class (1-shot) there is nothing to validate on, and C falls back to 1. Each
+    fold's rows span part of the whole set's span, so one basis serves every fold."""
     counts = np.unique(train_y, return_counts=True)[1]
     folds = min(AUTO_FOLDS, int(counts.min()) if len(counts) else 0)
     if c == "auto" and folds >= 2:
@@ -113,7 +138,9 @@ def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold
                                      scoring="accuracy", max_iter=3000, random_state=seed, n_jobs=fold_jobs)
     else:
         model = LogisticRegression(C=1.0 if c == "auto" else c, max_iter=3000, random_state=seed)
-    return make_pipeline(StandardScaler(), model)
+    if row_space is None:
+        row_space = len(train_x) < math.prod(np.shape(train_x)[1:])
+    return make_pipeline(StandardScaler(), *([TrainingRowSpace()] if row_space else []), model)
 
 
 def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
