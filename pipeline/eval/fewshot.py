@@ -45,7 +45,7 @@ def summarise(accs: list[float]) -> dict:
 
 def fewshot_logreg(train_x, train_y, test_x, test_y, shots, repeats: int, c: float | str, seed: int) -> dict:
     """{k: {"mean", "std", "runs"}} of K-shot logistic-regression test accuracy. Under c="auto" each fit
-    cross-validates its C (8 strengths × 3 folds: about a second on the default run's features), so the
+    cross-validates its C (8 strengths × 3 folds: about half a second on the default run's features), so the
     fits go one per core: the evaluate stage of `make run` spent about 43 of its 78 s on them in turn."""
     tasks = [(k, s) for k in shots for s in kshot_subsets(train_y, k, repeats, seed)]
     jobs = fit_workers(len(tasks)) if c == "auto" else 1
