@@ -20,9 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from joblib import Parallel, delayed
+from sklearn.base import BaseEstimator, TransformerMixin
 from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold
-from sklearn.base import BaseEstimator, TransformerMixin
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
@@ -114,7 +114,8 @@ class TrainingRowSpace(TransformerMixin, BaseEstimator):
         x = np.asarray(x, np.float64)
         _, s, vt = np.linalg.svd(x, full_matrices=False)
         rank = int((s > s[:1].max(initial=0) * max(x.shape) * np.finfo(np.float64).eps).sum())  # duplicates: lower
-        self.basis_ = vt[:rank].T
+        # At least one column: constant features (all zero once standardised) still fit their intercept.
+        self.basis_ = vt[:max(rank, 1)].T
         return self
 
     def transform(self, x):
