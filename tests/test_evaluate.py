@@ -90,10 +90,13 @@ def test_logreg_on_the_training_rows_span_is_the_same_fit_with_fewer_weights(c):
     half = spanned[1].basis_[:, ::2]  # half of the span: the fit can no longer reach the optimum
     broken = tightly_fit(train_x, train_y, 0.3, True, basis=half)
     assert np.abs(broken.decision_function(test_x) - full.decision_function(test_x)).max() > 0.1
-    flat = logreg_probe(np.ones((6, 20), np.float32), np.array([0, 0, 0, 0, 1, 1]), 1.0)  # a collapsed encoder
-    assert (flat.predict(np.ones((2, 20), np.float32)) == 0).all()  # its intercept: the majority class
+
+
+def test_logreg_takes_the_span_only_below_d_images_and_keeps_an_intercept_for_constant_features():
     many, labels = blobs(n_per_class=30, classes=3, dim=80)
     assert logreg_estimator(many, labels).steps[1][0] == "logisticregression"  # 90 images >= 80 features: as before
+    flat = logreg_probe(np.ones((6, 20), np.float32), np.array([0, 0, 0, 0, 1, 1]), 1.0)  # a collapsed encoder
+    assert (flat.predict(np.ones((2, 20), np.float32)) == 0).all()  # its intercept: the majority class
 
 
 def test_features_are_the_encoder_output_and_last_k_blocks_concatenate():
