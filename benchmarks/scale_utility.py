@@ -350,7 +350,8 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
         refit = np.empty((args.probe_refits, len(te)), bool) if args.probe_refits else None
         for fold in folds:
             at = np.searchsorted(te, fold[1])
-            cfg = with_chosen_c(x, labels, fold[0], scorer.cfg, seed)  # auto's C, once for the probe and its refits
+            # auto's C, once for the probe and its refits
+            cfg = with_chosen_c(x, labels, fold[0], scorer.cfg, seed, device)
             correct[at] = linear_probe(x, labels, fold, cfg, seed, device)
             if refit is not None:
                 refit[:, at] = refit_correct(x, labels, fold, cfg, args.probe_refits, seed, device)

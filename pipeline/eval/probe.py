@@ -5,7 +5,8 @@ optionally concatenated over the last k blocks. Probes:
 * `logreg` — standardised features (the BatchNorm-without-affine of the protocol, in closed
   form) and L2 logistic regression: exact and fast on small sets, the default. Its strength C is
   given, or `auto`: chosen by cross-validation on the probe's training part alone (never the test
-  part), so every encoder gets its best probe and none is favoured by one fixed C;
+  part), so every encoder gets its best probe and none is favoured by one fixed C. On a GPU the
+  same problem is solved there (device_logreg), in seconds where the CPU's fits take minutes;
 * `lars` / `adamw` — BatchNorm1d(affine=False) + Linear trained by minibatch SGD with LARS (as
   ViP/MAE) or AdamW, with warmup and a cosine schedule: for large sets.
 """
@@ -28,6 +29,7 @@ from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
 from pipeline.data.transforms import to_tensor
+from pipeline.eval import device_logreg
 from pipeline.eval.images import Images
 
 SOLVERS = ("logreg", "lars", "adamw")
@@ -122,6 +124,19 @@ class TrainingRowSpace(TransformerMixin, BaseEstimator):
         return np.asarray(x, np.float64) @ self.basis_
 
 
+def on_gpu(device: str) -> bool:
+    """Whether the logreg probe is solved on `device` (device_logreg) instead of by scikit-learn's CPU fits."""
+    return torch.device(device).type == "cuda"
+
+
+def auto_folds(train_y, seed: int) -> StratifiedKFold | None:
+    """auto's cross-validation folds on the probe's training part; None with fewer than 2 examples of
+    some class (1-shot), where there is nothing to validate on."""
+    counts = np.unique(train_y, return_counts=True)[1]
+    folds = min(AUTO_FOLDS, int(counts.min()) if len(counts) else 0)
+    return StratifiedKFold(folds, shuffle=True, random_state=seed) if folds >= 2 else None
+
+
 def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold_jobs: int | None = None,
                      row_space: bool | None = None):
     """logreg_probe's probe, not yet fitted: standardised features + L2 logistic regression (L-BFGS),
@@ -130,13 +145,12 @@ def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold
     folds in `fold_jobs` processes (default: one per core for a large enough problem); with fewer than
     2 examples of some class (1-shot) there is nothing to validate on, and C falls back to 1. Each
     fold's rows span part of the whole set's span, so one basis serves every fold."""
-    counts = np.unique(train_y, return_counts=True)[1]
-    folds = min(AUTO_FOLDS, int(counts.min()) if len(counts) else 0)
-    if c == "auto" and folds >= 2:
+    cv = auto_folds(train_y, seed) if c == "auto" else None
+    if cv is not None:
         if fold_jobs is None:
-            fold_jobs = fit_workers(folds) if np.size(train_x) >= PARALLEL_FOLD_FLOATS else 1
-        model = LogisticRegressionCV(Cs=list(AUTO_CS), cv=StratifiedKFold(folds, shuffle=True, random_state=seed),
-                                     scoring="accuracy", max_iter=3000, random_state=seed, n_jobs=fold_jobs)
+            fold_jobs = fit_workers(cv.n_splits) if np.size(train_x) >= PARALLEL_FOLD_FLOATS else 1
+        model = LogisticRegressionCV(Cs=list(AUTO_CS), cv=cv, scoring="accuracy", max_iter=3000, random_state=seed,
+                                     n_jobs=fold_jobs)
     else:
         model = LogisticRegression(C=1.0 if c == "auto" else c, max_iter=3000, random_state=seed)
     if row_space is None:
@@ -144,8 +158,14 @@ def logreg_estimator(train_x, train_y, c: float | str = 1.0, seed: int = 0, fold
     return make_pipeline(StandardScaler(), *([TrainingRowSpace()] if row_space else []), model)
 
 
-def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
-    """logreg_estimator's probe, fitted on (train_x, train_y)."""
+def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0, device: str = "cpu"):
+    """logreg_estimator's probe, fitted on (train_x, train_y); on a GPU, device_logreg's fit of the
+    same problem (C chosen on the same folds)."""
+    if on_gpu(device):
+        cv = auto_folds(train_y, seed) if c == "auto" else None
+        if cv is None:
+            return device_logreg.fit(train_x, train_y, 1.0 if c == "auto" else c, device)
+        return device_logreg.fit(train_x, train_y, None, device, list(cv.split(train_x, train_y)), AUTO_CS)
     probe = logreg_estimator(train_x, train_y, c, seed)
     # One BLAS thread per fit, the cores spread over independent fits instead: L-BFGS's products have
     # one column per class, too thin for a thread pool to pay its synchronisation (2 cores, 5,000
@@ -156,9 +176,12 @@ def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0):
         return probe.fit(train_x, train_y)
 
 
-def chosen_c(train_x, train_y, seed: int = 0) -> float:
+def chosen_c(train_x, train_y, seed: int = 0, device: str = "cpu") -> float:
     """The C that `logreg_probe(..., c="auto")` picks on (train_x, train_y)."""
-    model = logreg_probe(train_x, train_y, "auto", seed)[-1]
+    probe = logreg_probe(train_x, train_y, "auto", seed, device)
+    if on_gpu(device):
+        return probe.C_
+    model = probe[-1]
     return float(model.C_[0]) if hasattr(model, "C_") else float(model.C)
 
 
@@ -235,7 +258,7 @@ def probe_correct(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c
     """Per test example, whether a linear probe fit on (train_x, train_y) classifies it right: what
     the accuracy and its bootstrap interval (eval/stats.py) are computed from."""
     if solver == "logreg":
-        pred = logreg_probe(train_x, train_y, c, seed).predict(test_x)
+        pred = logreg_probe(train_x, train_y, c, seed, device).predict(test_x)
     else:
         num_classes = int(max(np.max(train_y), np.max(test_y))) + 1
         head = train_linear_head(train_x, train_y, num_classes, solver, seed=seed, device=device, **(train_cfg or {}))
@@ -259,11 +282,12 @@ def linear_probe(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int,
                          train_cfg=cfg["probe_train"], seed=seed, device=device)
 
 
-def with_chosen_c(x: np.ndarray, labels: np.ndarray, tr: np.ndarray, cfg: dict, seed: int = 0) -> dict:
+def with_chosen_c(x: np.ndarray, labels: np.ndarray, tr: np.ndarray, cfg: dict, seed: int = 0,
+                  device: str = "cpu") -> dict:
     """The protocol `cfg` with `auto`'s C chosen on the probe-train part `tr`, so that a probe and its
     refits (refit_correct) share one choice: it costs about ten fits (on 3,072 pixel features, two minutes)."""
     if cfg["probe_solver"] == "logreg" and cfg["probe_c"] == "auto":
-        return {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed)}
+        return {**cfg, "probe_c": chosen_c(x[tr], labels[tr], seed, device)}
     return cfg
 
 
@@ -272,7 +296,7 @@ def probe_outcomes(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: in
     """linear_probe's outcomes and, with cfg["probe_refits"], refit_correct's, with `auto`'s C chosen
     once on the probe-train part for both (choosing it inside each again gave the same C at the cost
     of another cross-validation)."""
-    cfg = with_chosen_c(x, labels, split[0], cfg, seed)
+    cfg = with_chosen_c(x, labels, split[0], cfg, seed, device)
     correct = linear_probe(x, labels, split, cfg, seed, device)
     fits = cfg["probe_refits"]
     return correct, (refit_correct(x, labels, split, cfg, fits, seed, device) if fits else None)
@@ -287,18 +311,28 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
     tr, te = split
     # C is chosen once, on the probe-train part itself: cross-validating on a resample would put its
     # duplicated images on both sides of a fold and choose too weak a penalty.
-    cfg = with_chosen_c(x, labels, tr, cfg, seed)
-    # The logistic fits are independent, single-threaded and on the CPU: one per core. The torch
-    # solvers share one device, so they run in turn.
+    cfg = with_chosen_c(x, labels, tr, cfg, seed, device)
+    if cfg["probe_solver"] == "logreg" and on_gpu(device) and fits:
+        # On a GPU the refits are one batch of problems on probe-train's rows, each weighing them by
+        # how often its resample drew them (a class its resample missed keeps a column it never wins).
+        counts = np.stack([np.bincount(resample(tr, r), minlength=len(x))[tr] for r in range(fits)])
+        probes = device_logreg.fit(x[tr], labels[tr], cfg["probe_c"], device, rows=counts)
+        return probes.predict_all(x[te]) == labels[te]
+    # scikit-learn's logistic fits are independent, single-threaded and on the CPU: one per core. The
+    # torch solvers share one device, so they run in turn.
     parallel = cfg["probe_solver"] == "logreg" and len(tr) * math.prod(x.shape[1:]) >= PARALLEL_FIT_FLOATS
     jobs = fit_workers(fits) if parallel else 1
     out = Parallel(n_jobs=jobs)(delayed(_refit)(x, labels, tr, te, cfg, r, seed, device) for r in range(fits))
     return np.stack(out) if out else np.empty((0, len(te)), bool)
 
 
+def resample(tr: np.ndarray, r: int) -> np.ndarray:
+    """Bootstrap resample r of the probe-train part, drawn from r alone."""
+    return np.random.default_rng([len(tr), r]).choice(tr, size=len(tr), replace=True)
+
+
 def _refit(x, labels, tr, te, cfg, r: int, seed: int, device: str) -> np.ndarray:
-    resample = np.random.default_rng([len(tr), r]).choice(tr, size=len(tr), replace=True)
-    return linear_probe(x, labels, (resample, te), cfg, seed, device)
+    return linear_probe(x, labels, (resample(tr, r), te), cfg, seed, device)
 
 
 def probe_accuracy(train_x, train_y, test_x, test_y, **kw) -> float:
