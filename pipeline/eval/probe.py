@@ -314,7 +314,9 @@ def refit_correct(x: np.ndarray, labels: np.ndarray, split, cfg: dict, fits: int
     cfg = with_chosen_c(x, labels, tr, cfg, seed, device)
     if cfg["probe_solver"] == "logreg" and on_gpu(device) and fits:
         # On a GPU the refits are one batch of problems on probe-train's rows, each weighing them by
-        # how often its resample drew them (a class its resample missed keeps a column it never wins).
+        # how often its resample drew them. A class a resample missed keeps its column there, pushed
+        # down by the data and held by the penalty, where scikit-learn drops it: at 10 classes in
+        # hundreds of images a resample misses one with odds below 1e-10.
         counts = np.stack([np.bincount(resample(tr, r), minlength=len(x))[tr] for r in range(fits)])
         probes = device_logreg.fit(x[tr], labels[tr], cfg["probe_c"], device, rows=counts)
         return probes.predict_all(x[te]) == labels[te]
