@@ -53,8 +53,8 @@ def baseline_probe(train_x, train_y, c, seed: int = 0):
 def solution(probe) -> dict:
     """A fitted probe of either route, as the comparison reads it: C, logits, labels and weights."""
     if isinstance(probe, DeviceLogreg):
-        return {"c": probe.C_, "logits": lambda x: probe.logits(x).cpu().numpy(), "classes": probe.classes,
-                "weights": probe.weights[:-1].cpu().numpy()}
+        return {"c": probe.C_, "logits": lambda x: probe.logits(x)[0].cpu().numpy(), "classes": probe.classes,
+                "weights": probe.weights[0, :-1].cpu().numpy()}
     model = probe[-1]
     c = model.C_[0] if hasattr(model, "C_") else model.C
     return {"c": float(c), "logits": probe.decision_function,

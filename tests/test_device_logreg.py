@@ -97,3 +97,30 @@ def test_the_probe_on_a_gpu_is_the_cpu_probe():
     cfg = {"probe_solver": "logreg", "probe_c": "auto", "probe_train": None, "probe_refits": 3}
     cpu, gpu = probe.probe_outcomes(x, y, split, cfg), probe.probe_outcomes(x, y, split, cfg, 0, "cuda")
     assert (cpu[0] != gpu[0]).sum() <= 1 and (cpu[1] != gpu[1]).sum() <= 3
+
+
+def test_probe_speeds_gpu_comparison_runs_its_device_route(monkeypatch, capsys):
+    """`probe_speed --device cuda`'s path, its device route taken on the CPU: it compares the two
+    routes' solutions at one C (the objectives equal to 1e-3, the outcomes within one image)."""
+    import json
+    import sys
+
+    from benchmarks import probe_speed
+
+    calls = []
+
+    def on_the_device(train_x, train_y, c):  # logreg_probe's GPU route, taken on the CPU
+        calls.append(c)
+        with monkeypatch.context() as m:
+            m.setattr(probe, "on_gpu", lambda device: True)
+            return probe.logreg_probe(train_x, train_y, c)
+
+    monkeypatch.setattr(probe_speed, "on_gpu", lambda device: True)
+    monkeypatch.setattr(probe_speed, "partial", lambda *a, **kw: on_the_device)
+    monkeypatch.setattr(sys, "argv", ["probe_speed", "--set", "digits", "--n", "240", "--features", "pixels"])
+    probe_speed.main()
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pixels"]
+    assert calls == ["auto", out["now"]["c"]]  # the new probe's two fits went the device route
+    assert out["now"]["c"] == out["before"]["c"]
+    assert abs(out["now"]["objective"] - out["before"]["objective"]) < 1e-3 * out["before"]["objective"]
+    assert out["outcomes_differ"] * 120 <= 1
