@@ -114,9 +114,12 @@ def solve(x: torch.Tensor, y: torch.Tensor, classes: int, rows: torch.Tensor, cs
             d += (a - rho * (yv * d).sum(1))[:, None] * s
         d = -d
         slope = (g * d).sum(1)
-        lost = slope >= 0  # rounding turned the direction uphill: start that problem's history again
-        d = torch.where(lost[:, None], -gamma[:, None] * g, d)
-        slope = (g * d).sum(1)
+        lost = slope >= 0  # rounding turned the direction uphill: that problem starts its history again
+        if lost.any():
+            d = torch.where(lost[:, None], -gamma[:, None] * g, d)
+            slope = (g * d).sum(1)
+            pairs = [(s.where(~lost[:, None], 0), yv.where(~lost[:, None], 0), rho.where(~lost, 0))
+                     for s, yv, rho in pairs]
         t = torch.ones(b, dtype=torch.float64, device=x.device)
         todo = active.clone()
         flat = theta.reshape(b, -1)
@@ -141,30 +144,46 @@ def solve(x: torch.Tensor, y: torch.Tensor, classes: int, rows: torch.Tensor, cs
     return theta
 
 
-def fit(train_x, train_y, c: float, device: str, folds=(), cs=(), rows=None, tol: float = TOL) -> DeviceLogreg:
-    """The probe at inverse strength `c` on (train_x, train_y). With `folds` ((fit, held-out) index
-    pairs) and candidates `cs`, at the candidate whose summed held-out accuracy is highest (the first
-    of ties), as LogisticRegressionCV chooses: every fold and candidate is one problem of a batch on
-    the features standardised once, on all the rows, as scikit-learn's pipeline does. With `rows`
-    ((b, n) weights: a resample's counts), b probes at `c`, each standardised on its own rows."""
-    classes, y = np.unique(np.asarray(train_y), return_inverse=True)
-    x = torch.as_tensor(np.asarray(train_x), dtype=torch.float64, device=device)
-    y = torch.as_tensor(y, device=device)
-    every = torch.ones(1, len(x), dtype=torch.float64, device=device)
+def choose_c(train_x, train_y, device: str, folds, cs, tol: float = TOL) -> tuple[float, np.ndarray]:
+    """auto's C: the candidate in `cs` whose summed held-out accuracy over `folds` ((fit, held-out)
+    index pairs) is highest (the first of ties), as LogisticRegressionCV chooses; and the accuracies
+    (folds, candidates). Every fold and candidate is one problem of a batch on the features
+    standardised once, on all the rows, as scikit-learn's pipeline does."""
+    classes, x, y = problem(train_x, train_y, device)
+    mean, scale = (s.expand(len(folds) * len(cs), -1) for s in standardisers(x, every_row(x)))
+    fold_rows = torch.zeros(len(folds), len(cs), len(x), dtype=torch.float64, device=device)
+    for f, (tr, _) in enumerate(folds):
+        fold_rows[f, :, torch.as_tensor(tr, device=device)] = 1
+    cand = torch.tensor(cs, dtype=torch.float64, device=device).repeat(len(folds))
+    theta = solve(x, y, len(classes), fold_rows.reshape(-1, len(x)), cand, mean, scale, tol)
+    z = class_logits(theta, x, mean, scale).reshape(len(folds), len(cs), len(x), -1)
+    scores = np.array([[(z[f, i, held].argmax(1) == y[held]).double().mean().item() for i in range(len(cs))]
+                       for f, held in enumerate(torch.as_tensor(h, device=device) for _, h in folds)])
+    return float(cs[int(np.argmax(scores.sum(0)))]), scores
+
+
+def fit(train_x, train_y, c: float | None, device: str, folds=(), cs=(), rows=None,
+        tol: float = TOL) -> DeviceLogreg:
+    """The probe at inverse strength `c` on (train_x, train_y), or at choose_c's choice among `cs`
+    with `folds`. With `rows` ((b, n) weights: a resample's counts), b probes at `c`, each
+    standardised on its own rows."""
     scores = None
     if folds:
-        mean, scale = (s.expand(len(folds) * len(cs), -1) for s in standardisers(x, every))
-        fold_rows = torch.zeros(len(folds), len(cs), len(x), dtype=torch.float64, device=device)
-        for f, (tr, _) in enumerate(folds):
-            fold_rows[f, :, torch.as_tensor(tr, device=device)] = 1
-        cand = torch.tensor(cs, dtype=torch.float64, device=device).repeat(len(folds))
-        theta = solve(x, y, len(classes), fold_rows.reshape(-1, len(x)), cand, mean, scale, tol)
-        z = class_logits(theta, x, mean, scale).reshape(len(folds), len(cs), len(x), -1)
-        scores = np.array([[(z[f, i, held].argmax(1) == y[held]).double().mean().item() for i in range(len(cs))]
-                           for f, held in enumerate(torch.as_tensor(h, device=device) for _, h in folds)])
-        c = cs[int(np.argmax(scores.sum(0)))]
-    rows = every if rows is None else torch.as_tensor(np.asarray(rows), dtype=torch.float64, device=device)
+        c, scores = choose_c(train_x, train_y, device, folds, cs, tol)
+    classes, x, y = problem(train_x, train_y, device)
+    rows = every_row(x) if rows is None else torch.as_tensor(np.asarray(rows), dtype=torch.float64, device=device)
     mean, scale = standardisers(x, rows)
     cand = torch.full((len(rows),), float(c), dtype=torch.float64, device=device)
     theta = solve(x, y, len(classes), rows, cand, mean, scale, tol)
     return DeviceLogreg(mean, scale, theta, classes, cand.tolist(), scores)
+
+
+def problem(train_x, train_y, device: str) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """The class labels, and the rows (float64) and their class indices on `device`."""
+    classes, y = np.unique(np.asarray(train_y), return_inverse=True)
+    x = torch.as_tensor(np.asarray(train_x), dtype=torch.float64, device=device)
+    return classes, x, torch.as_tensor(y, device=device)
+
+
+def every_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.ones(1, len(x), dtype=torch.float64, device=x.device)

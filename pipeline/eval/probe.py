@@ -178,10 +178,11 @@ def logreg_probe(train_x, train_y, c: float | str = 1.0, seed: int = 0, device: 
 
 def chosen_c(train_x, train_y, seed: int = 0, device: str = "cpu") -> float:
     """The C that `logreg_probe(..., c="auto")` picks on (train_x, train_y)."""
-    probe = logreg_probe(train_x, train_y, "auto", seed, device)
-    if on_gpu(device):
-        return probe.C_
-    model = probe[-1]
+    if on_gpu(device):  # the choice alone: the probe at it is fit where it is used
+        cv = auto_folds(train_y, seed)
+        return device_logreg.choose_c(train_x, train_y, device, list(cv.split(train_x, train_y)), AUTO_CS)[0] \
+            if cv is not None else 1.0
+    model = logreg_probe(train_x, train_y, "auto", seed)[-1]
     return float(model.C_[0]) if hasattr(model, "C_") else float(model.C)
 
 
