@@ -1,6 +1,7 @@
 """benchmarks/scale_utility.py: its targets can fail, its sizes keep q and T, and its rows resume."""
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -348,10 +349,17 @@ def kept_row(name: str, objective: str) -> dict | None:
     base = ROOT / "benchmarks" / "scale_rows"
     found = sorted(base.glob(f"*/{name}.npz"))
     if len(found) > 1:
-        params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[objective]])
-        folder = untrained_id(params) if name in UNTRAINED else recipe_id(params)
-        found = [p for p in found if p.parent.name == folder]
+        untrained, trained = rows_folders(objective)
+        found = [p for p in found if p.parent.name == (untrained if name in UNTRAINED else trained)]
     return Rows(found[0].parent).get(name) if len(found) == 1 else None
+
+
+@functools.cache
+def rows_folders(objective: str) -> tuple[str, str]:
+    """The folders the benchmark keeps `objective`'s untrained and trained rows in (reading params.yaml
+    once, not once a row)."""
+    params = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[objective]])
+    return untrained_id(params), recipe_id(params)
 
 
 def readme_scale_section(text: str) -> str:
@@ -563,7 +571,17 @@ def test_the_readme_twin_sentence_is_what_the_committed_twins_give():
 
 # docs/results.md's "Where it stands" restates the scaling points, the twins and the price of privacy
 # for readers who skip README: held to the same committed rows, point by point.
-def results_summary_mismatches(text: str) -> list[str]:
+def results_summary_figures() -> dict:
+    """What results.md's summary says, from the committed rows: computed once for the checks of every
+    moved text (each is 24 paired bootstraps)."""
+    return {"caption": scaling_gains("caption"), "mae": scaling_gains("mae"), "clip": scaling_gains("clip"),
+            "zero": [100 * kept_row(f"caption-n{size}-eps8", "caption")["zero"].mean() for size in SCALING_SIZES],
+            "twin": scaling_gains("caption", "inf"), "mae_price": prices_of_privacy("mae"),
+            "caption_price": prices_of_privacy("caption"),
+            "full": [100 * kept_row(f"{obj}-n{FULL}-epsinf", obj)["probe"].mean() for obj in ("caption", "mae", "clip")]}
+
+
+def results_summary_mismatches(text: str, figures: dict) -> list[str]:
     section = text.split("### Where it stands", 1)[1].split("\n### ", 1)[0]
 
     def off(printed, given, tolerance=0.051) -> bool:
@@ -575,39 +593,38 @@ def results_summary_mismatches(text: str) -> list[str]:
                        rf"MAE's reads {four}", section)
     if points is None:
         return ["results.md: no sentence on the scaling points in 'Where it stands'"]
-    zero = [100 * kept_row(f"caption-n{size}-eps8", "caption")["zero"].mean() for size in SCALING_SIZES]
-    for what, printed, given, tolerance in (("captioner's gains", points.groups()[:4], scaling_gains("caption"), 0.051),
-                                            ("captioner's zero-shot", points.groups()[4:8], zero, 0.51),
-                                            ("MAE's gains", points.groups()[8:], scaling_gains("mae"), 0.051)):
+    for what, printed, given, tolerance in (("captioner's gains", points.groups()[:4], figures["caption"], 0.051),
+                                            ("captioner's zero-shot", points.groups()[4:8], figures["zero"], 0.51),
+                                            ("MAE's gains", points.groups()[8:], figures["mae"], 0.051)):
         if off(printed, given, tolerance):
             wrong.append(f"{what} {list(printed)} against {[round(g, 1) for g in given]}")
-    clip, clip_gains = re.search(rf"CLIP's stays flat \({SIGNED} to {SIGNED}", section), scaling_gains("clip")
+    clip, clip_gains = re.search(rf"CLIP's stays flat \({SIGNED} to {SIGNED}", section), figures["clip"]
     if clip is None or off(clip.groups(), [min(clip_gains), max(clip_gains)]):
         wrong.append(f"CLIP's gains read {min(clip_gains):+.1f} to {max(clip_gains):+.1f}")
     twins = re.search(rf"no-DP twin grows with n as well \(the captioner's {SIGNED} to {SIGNED}\).*?"
                       rf"{SIGNED} to {SIGNED} points for MAE,\s+{SIGNED} to {SIGNED} for the\s+captioner", section, re.S)
     if twins is None:
         return wrong + ["results.md: no sentence on the twins and the price of privacy in 'Where it stands'"]
-    twin, mae_price, caption_price = scaling_gains("caption", "inf"), prices_of_privacy("mae"), prices_of_privacy("caption")
+    twin, mae_price, caption_price = figures["twin"], figures["mae_price"], figures["caption_price"]
     for what, printed, given in (("captioner's twin", twins.groups()[:2], [twin[0], twin[-1]]),
                                  ("MAE's price", twins.groups()[2:4], [min(mae_price), max(mae_price)]),
                                  ("captioner's price", twins.groups()[4:], [min(caption_price), max(caption_price)])):
         if off(printed, given):
             wrong.append(f"{what} {list(printed)} against {[round(g, 1) for g in given]}")
     full = re.search(r"the ε = ∞ twins read ([\d.]+)% \(captioner\), ([\d.]+)% \(MAE\) and ([\d.]+)% \(CLIP\)", section)
-    accuracies = [100 * kept_row(f"{obj}-n{FULL}-epsinf", obj)["probe"].mean() for obj in ("caption", "mae", "clip")]
+    accuracies = figures["full"]
     if full is None or off(full.groups(), accuracies):
         wrong.append(f"the ε = ∞ twins at 60,000 read {[round(a, 1) for a in accuracies]}")
     return wrong
 
 
 def test_the_results_summary_is_what_the_committed_rows_give():
-    text = (ROOT / "docs" / "results.md").read_text()
-    assert results_summary_mismatches(text) == []
+    text, figures = (ROOT / "docs" / "results.md").read_text(), results_summary_figures()
+    assert results_summary_mismatches(text, figures) == []
     # The check can fail: each kind of figure, moved, is caught by name.
     section = text.split("### Where it stands", 1)[1].split("\n### ", 1)[0]
     def moved(pattern: str, new: str) -> list[str]:
-        return results_summary_mismatches(text.replace(section, re.sub(pattern, new, section, count=1)))
+        return results_summary_mismatches(text.replace(section, re.sub(pattern, new, section, count=1)), figures)
     assert any("captioner's gains" in m for m in moved(rf"grows {SIGNED},", "grows +9.9,"))
     assert any("zero-shot" in m for m in moved(r"zero-shot (\d+)%", "zero-shot 99%"))
     assert any("MAE's gains" in m for m in moved(rf"MAE's reads {SIGNED},", "MAE's reads +9.9,"))
