@@ -114,13 +114,13 @@ if "lazy-ledger" in faults:  # BROKEN on purpose: steps kept in memory, not on d
     real_append = Ledger._append
     Ledger._append = lambda self, rec: real_append(self, rec) if "header" in rec else None
 if "shards" in faults:  # exactly k synthetic shards are staged and collected; the others never start
-    from concurrent.futures import Future
-    real_submit = synthetic_stage.ProcessPoolExecutor.submit
+    from concurrent.futures import Future, ProcessPoolExecutor
+    real_submit = ProcessPoolExecutor.submit
     def submit(self, fn, *args, **kw):  # args: (staging, shard, cfg, seed)
         if fn is synthetic_stage.build_shard and args[1] >= int(faults["shards"]):
             return Future()  # never scheduled: the workers fall idle after shard k-1
         return real_submit(self, fn, *args, **kw)
-    synthetic_stage.ProcessPoolExecutor.submit = submit
+    ProcessPoolExecutor.submit = submit
     real_build = synthetic_stage.build_shards
     def build_shards(*args, **kw):
         for i, record in enumerate(real_build(*args, **kw)):

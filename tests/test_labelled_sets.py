@@ -147,6 +147,38 @@ def test_fashion_mnist_shards_with_a_limit(in_tmp):
     assert sorted(ShardDataset("data/shards/private").index["key"]) != keys
 
 
+def test_several_processes_write_the_shards_one_process_writes(in_tmp, monkeypatch):
+    """The same bytes (tars and indexes) from 3 writer processes as from this one, and every caption the
+    one drawn in the set's order from seed + 1: no caption depends on which process wrote its shard."""
+    write_fashion(DEFAULT_DIR, per_class=30)
+    monkeypatch.setattr(shards_stage, "WORKER_SAMPLES", 1)  # 300 images would otherwise stay in this process
+    spread = []
+    real = shards_stage.processes.unordered
+    monkeypatch.setattr(shards_stage.processes, "unordered", lambda fn, jobs, workers: spread.append(workers) or real(fn, jobs, workers))
+
+    def written(workers: int) -> dict[str, bytes]:
+        run_shards("shards.image_size=16", "shards.samples_per_shard=16", f"shards.workers={workers}")
+        return {str(f): f.read_bytes() for f in sorted(Path("data/shards").rglob("*")) if f.is_file()}
+
+    one, three = written(1), written(3)
+    assert spread == [1, 3]
+    assert one == three and len([f for f in one if f.endswith(".tar")]) == 14 + 6  # 210 private, 90 eval
+    rng, (_, labels) = np.random.default_rng(0 + 1), FASHION_MNIST.load(DEFAULT_DIR)
+    for split in ("private", "eval"):
+        ds = ShardDataset(f"data/shards/{split}")
+        assert [ds.caption(i) for i in range(len(ds))] == [
+            FASHION_MNIST.caption_for(labels[ds.meta(i)["source_index"]], rng) for i in range(len(ds))]
+
+
+def test_the_writer_benchmark_times_each_worker_count_on_the_same_bytes(capsys):
+    from benchmarks import labelled_shards
+
+    rows = labelled_shards.main(["--source", "digits", "--workers", "1", "2"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["images"] == 1797 and line["same_bytes"] and [r["workers"] for r in line["rows"]] == [1, 2]
+    assert rows == line["rows"] and rows[0]["speedup"] == 1.0 and all(r["seconds"] > 0 for r in rows)
+
+
 def test_private_limit_shrinks_the_private_split_and_keeps_the_eval_split(in_tmp):
     write_fashion(DEFAULT_DIR)
     run_shards("shards.image_size=16")

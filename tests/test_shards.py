@@ -428,7 +428,7 @@ def test_batch_loader_in_workers_matches_in_process_and_keeps_order(tmp_path):
 
 def run_digits(eval_fraction=0.3) -> None:
     params = {"run": {"seed": 0}, "shards": {"source": "digits", "path": None, "limit": None, "image_size": 8,
-                                              "eval_fraction": eval_fraction, "samples_per_shard": 300}}
+                                              "eval_fraction": eval_fraction, "samples_per_shard": 300, "workers": 0}}
     tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
     shards_stage.run(params, types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
 

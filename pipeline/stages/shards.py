@@ -17,17 +17,21 @@ read and every excluded row by reason are statistics of the private data, kept o
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline import processes
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets, sources
-from pipeline.data.index import INDEX_NAME, build_index, scan_group
+from pipeline.data.index import INDEX_NAME, build_index, scan_group, write_index
 from pipeline.data.shards import ShardWriter, encode_png
 from pipeline.io import atomic_dir, atomic_path, write_json
 from pipeline.privacy import owner
+from pipeline.progress import untimed_bar
 from pipeline.stages import SCAN_GROUP_SOURCES
 from pipeline.tracking import input_tag
 
@@ -45,9 +49,15 @@ def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[
     return np.sort(np.array(train, dtype=np.int64)), np.sort(np.array(held, dtype=np.int64))
 
 
-def write_labelled(cfg: dict, seed: int, out: Path) -> dict:
+# A writer process starts in about a second, the time some 2,500 samples take to write: each worker
+# gets at least this many samples, so a small set (digits) is written in this process.
+WORKER_SAMPLES = 4096
+
+
+def write_labelled(cfg: dict, seed: int, out: Path, workers: int = 1) -> dict:
     """A labelled set as shards: `limit` examples (seeded, stratified), split by class, each captioned
-    from the set's public templates; keys and `source_index` are positions in the whole set."""
+    from the set's public templates; keys and `source_index` are positions in the whole set. The shards
+    are written by up to `workers` processes, the same bytes whatever their number."""
     lset = labelled_sets.get(cfg["source"])
     grey, labels = lset.load(cfg["path"])
     keep = labelled_sets.subsample(labels, cfg["limit"], seed + 2)
@@ -58,18 +68,46 @@ def write_labelled(cfg: dict, seed: int, out: Path) -> dict:
         raise ValueError(f"shards.limit={cfg['limit']} leaves the {lset.name} eval split empty (eval_fraction "
                          f"{cfg['eval_fraction']} of each class rounds to 0): raise shards.limit")
     rng = np.random.default_rng(seed + 1)
+    per, jobs = cfg["samples_per_shard"], []
+    for split, idx in zip(SPLITS, (train_idx, eval_idx)):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        # Drawn here, in one order, so that no caption depends on which process writes its shard.
+        captions = [lset.caption_for(int(labels[i]), rng) for i in idx]
+        for number, start in enumerate(range(0, len(idx), per)):
+            part = idx[start:start + per]
+            jobs.append((out / split, number, part, np.asarray(grey[part]), labels[part],
+                         captions[start:start + per], cfg["image_size"]))
+    total = len(train_idx) + len(eval_idx)
+    workers = max(1, min(workers, len(jobs), total // WORKER_SAMPLES))
+    written = {}
+    # Counted in shards, not images: the counts drawn do not depend on which shard finished first.
+    with untimed_bar(len(jobs), "shards", unit="shards") as bar:
+        for directory, number, rows, shard in processes.unordered(write_labelled_shard, jobs, workers):
+            written[directory.name, number] = rows, shard
+            bar.update()
     stats = {}
     for split, idx in zip(SPLITS, (train_idx, eval_idx)):
-        with ShardWriter(out / split, prefix=split, samples_per_shard=cfg["samples_per_shard"]) as w:
-            for i in idx:
-                label = int(labels[i])
-                image = labelled_sets.rgb(grey[i:i + 1], cfg["image_size"])[0]
-                w.write(f"{split}-{i:06d}", encode_png(image), lset.caption_for(label, rng),
-                        {"label": label, "source_index": int(i)})
-        stats[split] = {"usable": len(idx), "rows": len(idx), "excluded": {},
-                        "shards": -(-len(idx) // cfg["samples_per_shard"]),
+        parts = [written[split, number] for number in range(-(-len(idx) // per))]
+        write_index(out / split / INDEX_NAME, [row for rows, _ in parts for row in rows], [shard for _, shard in parts])
+        stats[split] = {"usable": len(idx), "rows": len(idx), "excluded": {}, "shards": len(parts),
                         "classes": int(len(np.unique(labels[idx])))}
     return stats
+
+
+def write_labelled_shard(directory: Path, number: int, indices: np.ndarray, grey: np.ndarray, labels: np.ndarray,
+                         captions: list[str], image_size: int) -> tuple[Path, int, list[dict], dict]:
+    """Shard `number` of a labelled split (the split is the directory's name): its index rows and its
+    {url, size}. It is written whole beside its place, then renamed into it."""
+    split = directory.name
+    name = f"{split}-{number:06d}.tar"
+    images = labelled_sets.rgb(grey, image_size)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=f".{name}.", suffix=".tmp") as tmp:
+        with ShardWriter(tmp, prefix=split, samples_per_shard=len(indices)) as w:
+            for i, image, label, caption in zip(indices, images, labels, captions):
+                w.write(f"{split}-{i:06d}", encode_png(image), caption, {"label": int(label), "source_index": int(i)})
+        [shard] = w.shards  # numbered from 0 by the writer: renamed to its place in the split
+        os.replace(Path(tmp) / shard["url"], directory / name)
+    return directory, number, [{**row, "shard": name, "shard_id": number} for row in w.rows], {**shard, "url": name}
 
 
 def resolve_source(cfg: dict) -> tuple[list[str], dict]:
@@ -145,7 +183,7 @@ def run(params: dict, ctx) -> None:
     out_dir = ctx.stage.output("shards")
     with atomic_dir(out_dir) as out:
         if labelled:
-            stats.update(write_labelled({**cfg, "eval_fraction": fraction}, seed, out))
+            stats.update(write_labelled({**cfg, "eval_fraction": fraction}, seed, out, cfg["workers"] or ctx.threads))
         else:
             urls, source_stats = resolve_source(cfg)
             stats.update(source_stats)

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-import multiprocessing
 import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from pipeline import processes
 from pipeline.data import splitmix, synthetic
 from pipeline.data.index import INDEX_NAME, SCHEMA, index_writer
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
@@ -109,28 +108,9 @@ def completed_shards(staging: Path, cfg: dict) -> dict[int, dict]:
     return done
 
 
-def _one_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)  # one core per worker process
-
-
 def build_shards(staging: Path, todo: list[int], cfg: dict, seed: int, workers: int):
     """Yield each shard's record as it completes (in any order)."""
-    if workers <= 1:
-        for shard in todo:
-            yield build_shard(staging, shard, cfg, seed)
-        return
-    # forkserver: workers start from a clean process, not a fork of one whose OpenMP pool is running.
-    mp = multiprocessing.get_context("forkserver")
-    mp.set_forkserver_preload([__name__])
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp, initializer=_one_thread)
-    try:
-        futures = [pool.submit(build_shard, staging, shard, cfg, seed) for shard in todo]
-        for future in as_completed(futures):
-            yield future.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # on error: finish running shards, drop the rest
+    return processes.unordered(build_shard, [(staging, shard, cfg, seed) for shard in todo], workers)
 
 
 def quality_sample(out: Path, n: int, seed: int) -> np.ndarray:
