@@ -8,7 +8,9 @@
 #   bash benchmarks/gpu_figures.sh OUT_DIR PART [args]
 # The table at 224 px has a warm start of its own, so a DIR of its own (the benchmark refuses a DIR whose
 # warm start another recipe made): SCALE_DIR=/tmp/scale224 ... table --set model.size=tiny
-#   --set model.img_size=224 --set model.patch_size=16 --set synthetic.resolution=224 [--objectives ...]
+#   --set model.img_size=224 --set model.patch_size=16 --set synthetic.resolution=224
+#   --set synthetic.samples_per_shard=125 [--objectives ...]  (the 2,000 shader images in 16 shards, a core
+#   each, not 2: the same images in the same order, so the same warm start)
 # PART: throughput [gpu_throughput args; --profile BATCH for a per-op table] | loader [loader args] |
 # routes [clipping_routes args: the GPU's WRITE_COST] | rounding [sum_rounding args: the others' rounding in
 # bf16 on CUDA] | noise [noise_draw args: the noise's edge and cost on CUDA] | probe [probe_speed args: the
