@@ -359,6 +359,14 @@ def test_every_shown_command_parses(snakemake_help):
     assert not problems, "commands that do not parse:\n" + "\n".join(problems)
 
 
+def test_every_dpfm_command_prints_its_help_as_written():
+    """argparse formats an option's help with %, never a description: a `%%` there is printed as is."""
+    commands = next(a for a in dpfm_parser()._actions if a.dest == "command").choices
+    shown = {name: sub.format_help() for name, sub in commands.items()}
+    assert "plan" in shown and "1-10% of n" in shown["plan"]
+    assert not [name for name, text in shown.items() if "%%" in text]
+
+
 def test_every_params_key_named_exists():
     problems = [p for path in DOCS for p in key_problems(path, path.read_text())]
     assert not problems, "params keys the docs name that params.yaml lacks:\n" + "\n".join(problems)

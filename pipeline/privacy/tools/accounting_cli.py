@@ -82,7 +82,7 @@ def add_accounting_commands(subparsers) -> None:
                     "epochs*n/B and the sigma that reaches --epsilon, with the noise on one coordinate of the "
                     "averaged gradient, sigma*sensitivity/B (in units of C). At a fixed compute budget "
                     "(epochs), a larger B means fewer but far less noisy steps; the papers train with B of "
-                    "1-10%% of n over a few thousand steps. Pick the largest B that still leaves the "
+                    "1-10% of n over a few thousand steps. Pick the largest B that still leaves the "
                     "optimizer enough steps (a few hundred).",
     )
     plan.add_argument("--n", type=int, required=True, help="usable private examples")
