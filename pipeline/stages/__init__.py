@@ -86,7 +86,8 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("shards", "write private-train and held-out eval webdataset shards with an index",
-          ("run", "shards"), outputs=("shards", "shards_digest"), resources=Resources(threads=1, mem_mb=2000)),
+          # 2 threads: a labelled set's writer processes (shards.workers 0), as the synthetic stage's
+          ("run", "shards"), outputs=("shards", "shards_digest"), resources=Resources(threads=2, mem_mb=2000)),
     Stage("synthetic", "render Shaders21k-style procedural images into shards",
           ("run", "synthetic"), outputs=("synthetic",), resources=Resources(threads=2, mem_mb=4000)),
     Stage("tokenizer", "train SentencePiece on public text (never the private captions)",
