@@ -12,6 +12,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 from PIL import Image
@@ -23,7 +24,8 @@ from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
 from pipeline.privacy import owner
 
-__all__ = ["INDEX_NAME", "IndexMismatch", "ShardDataset", "ShardReadError", "ShardWriter", "TarShard", "encode_png"]
+__all__ = ["INDEX_NAME", "IndexMismatch", "ShardDataset", "ShardReadError", "ShardWriter", "TarShard", "encode_png",
+           "write_shard"]
 
 HEADER = tarfile.BLOCKSIZE
 
@@ -87,22 +89,10 @@ class ShardWriter:
 
     def write(self, key: str, image_png: bytes, caption: str, meta: dict, image_ext: str = "png") -> None:
         """Add one sample; `image_png` holds the encoded image (PNG unless `image_ext` says otherwise)."""
-        if key in self._keys:
-            raise ValueError(f"duplicate sample key {key!r}: each example must be written once")
-        if "." in key.rsplit("/", 1)[-1]:
-            raise ValueError(f"sample key {key!r} contains a dot, which webdataset reads as an extension")
-        self._keys.add(key)
         if self._shard is None or self._count_in_shard >= self.samples_per_shard:
             self._open_next()
-        row = {"key": key, "shard": self.shards[-1]["url"], "shard_id": len(self.shards) - 1,
-               "image_ext": image_ext, "caption_len": len(caption), "status": "ok",
-               "content_hash": content_hash(image_png, caption.encode("utf-8"))}
-        payloads = (("image", image_ext, image_png), ("txt", "txt", caption.encode("utf-8")),
-                    ("json", "json", json.dumps(meta, sort_keys=True).encode("utf-8")))
-        for member, ext, payload in payloads:
-            row[f"{member}_offset"] = self._shard.add(f"{key}.{ext}", payload)
-            row[f"{member}_size"] = len(payload)
-        self.rows.append(row)
+        self.rows.append({"shard": self.shards[-1]["url"], "shard_id": len(self.shards) - 1,
+                          **add_sample(self._shard, self._keys, key, image_png, caption, meta, image_ext)})
         self._count_in_shard += 1
 
     def close(self) -> Path:
@@ -118,6 +108,38 @@ class ShardWriter:
         elif self._shard is not None:
             self._shard.abort(exc_type, exc, tb)
             self._shard = None
+
+
+def add_sample(shard: TarShard, keys: set[str], key: str, image: bytes, caption: str, meta: dict,
+               image_ext: str = "png") -> dict:
+    """Write one sample's members into `shard`; its index row (less which shard it is in). `keys` holds
+    the keys written so far, and gains this one."""
+    if key in keys:
+        raise ValueError(f"duplicate sample key {key!r}: each example must be written once")
+    if "." in key.rsplit("/", 1)[-1]:
+        raise ValueError(f"sample key {key!r} contains a dot, which webdataset reads as an extension")
+    keys.add(key)
+    row = {"key": key, "image_ext": image_ext, "caption_len": len(caption), "status": "ok",
+           "content_hash": content_hash(image, caption.encode("utf-8"))}
+    payloads = (("image", image_ext, image), ("txt", "txt", caption.encode("utf-8")),
+                ("json", "json", json.dumps(meta, sort_keys=True).encode("utf-8")))
+    for member, ext, payload in payloads:
+        row[f"{member}_offset"] = shard.add(f"{key}.{ext}", payload)
+        row[f"{member}_size"] = len(payload)
+    return row
+
+
+def write_shard(path: Path, shard_id: int, samples: Iterable[tuple[str, bytes, str, dict]]) -> tuple[list[dict], int]:
+    """Shard `shard_id` of a set written on its own (by a worker, in any order): the (key, png, caption,
+    meta) `samples` into the tar at `path`, atomically; its index rows and its size in bytes."""
+    shard, keys, rows = TarShard(path), set(), []
+    try:
+        for key, image, caption, meta in samples:
+            rows.append({"shard": path.name, "shard_id": shard_id, **add_sample(shard, keys, key, image, caption, meta)})
+    except BaseException as e:
+        shard.abort(type(e), e, e.__traceback__)
+        raise
+    return rows, shard.close()
 
 
 def encode_png(image: np.ndarray) -> bytes:

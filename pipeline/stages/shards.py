@@ -17,8 +17,6 @@ read and every excluded row by reason are statistics of the private data, kept o
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ from pipeline import processes
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets, sources
 from pipeline.data.index import INDEX_NAME, build_index, scan_group, write_index
-from pipeline.data.shards import ShardWriter, encode_png
+from pipeline.data.shards import encode_png, write_shard
 from pipeline.io import atomic_dir, atomic_path, write_json
 from pipeline.privacy import owner
 from pipeline.progress import untimed_bar
@@ -96,18 +94,12 @@ def write_labelled(cfg: dict, seed: int, out: Path, workers: int = 1) -> dict:
 
 def write_labelled_shard(directory: Path, number: int, indices: np.ndarray, grey: np.ndarray, labels: np.ndarray,
                          captions: list[str], image_size: int) -> tuple[Path, int, list[dict], dict]:
-    """Shard `number` of a labelled split (the split is the directory's name): its index rows and its
-    {url, size}. It is written whole beside its place, then renamed into it."""
-    split = directory.name
-    name = f"{split}-{number:06d}.tar"
-    images = labelled_sets.rgb(grey, image_size)
-    with tempfile.TemporaryDirectory(dir=directory, prefix=f".{name}.", suffix=".tmp") as tmp:
-        with ShardWriter(tmp, prefix=split, samples_per_shard=len(indices)) as w:
-            for i, image, label, caption in zip(indices, images, labels, captions):
-                w.write(f"{split}-{i:06d}", encode_png(image), caption, {"label": int(label), "source_index": int(i)})
-        [shard] = w.shards  # numbered from 0 by the writer: renamed to its place in the split
-        os.replace(Path(tmp) / shard["url"], directory / name)
-    return directory, number, [{**row, "shard": name, "shard_id": number} for row in w.rows], {**shard, "url": name}
+    """Shard `number` of a labelled split (the split is the directory's name): its index rows and its {url, size}."""
+    split, name = directory.name, f"{directory.name}-{number:06d}.tar"
+    samples = ((f"{split}-{i:06d}", encode_png(image), caption, {"label": int(label), "source_index": int(i)})
+               for i, image, label, caption in zip(indices, labelled_sets.rgb(grey, image_size), labels, captions))
+    rows, size = write_shard(directory / name, number, samples)
+    return directory, number, rows, {"url": name, "size": size}
 
 
 def resolve_source(cfg: dict) -> tuple[list[str], dict]:

@@ -14,7 +14,6 @@ import hashlib
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from pipeline import processes
 from pipeline.data import splitmix, synthetic
 from pipeline.data.index import INDEX_NAME, SCHEMA, index_writer
-from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from pipeline.data.shards import ShardDataset, encode_png, write_shard
 from pipeline.io import atomic_dir, file_digest, read_json, remove_stale_temps, write_json
 from pipeline.train import state_dir
 
@@ -72,23 +71,17 @@ def staging_dir(cfg: dict, seed: int) -> Path:
 
 
 def build_shard(staging: Path, shard: int, cfg: dict, seed: int) -> dict:
-    """Render one shard, write it through ShardWriter, then record its size and sha256. The record is
+    """Render one shard, write it (atomically), then record its size and sha256. The record is
     written last, so a shard counts as done only once its tar is whole."""
     items = shard_items(cfg, shard)
     images = synthetic.render_items(items, cfg["resolution"], base_seed=seed, mix_k=cfg["mix_k"],
                                     mix_alpha=cfg["mix_alpha"], mix_pool=cfg["num_programs"]).numpy()
     name = shard_name(shard)
-    with tempfile.TemporaryDirectory(dir=staging, prefix=f".{name}.", suffix=".tmp") as tmp:
-        with ShardWriter(tmp, prefix=PREFIX, samples_per_shard=len(items)) as writer:
-            for (program, frame), image in zip(items, images):
-                writer.write(f"p{program:06d}-f{frame:03d}", encode_png(image),
-                             synthetic.describe_program(program, seed), {"program": program, "frame": frame})
-        [written] = writer.shards  # numbered from 0 by the writer: renamed to its place in the set
-        os.replace(Path(tmp) / written["url"], staging / name)
-    record = {"index": shard, "shard": name, "images": len(items), "size": (staging / name).stat().st_size,
-              "sha256": file_digest(staging / name)}
-    write_json(staging / f"{name}.json",
-               {**record, "rows": [{**row, "shard": name, "shard_id": shard} for row in writer.rows]})
+    rows, size = write_shard(staging / name, shard, (
+        (f"p{program:06d}-f{frame:03d}", encode_png(image), synthetic.describe_program(program, seed),
+         {"program": program, "frame": frame}) for (program, frame), image in zip(items, images)))
+    record = {"index": shard, "shard": name, "images": len(items), "size": size, "sha256": file_digest(staging / name)}
+    write_json(staging / f"{name}.json", {**record, "rows": rows})
     return record  # the index rows stay on disk: at 1M images they would not fit comfortably in memory
 
 
