@@ -197,9 +197,9 @@ def _scan_shards(args) -> int:
     summary = scan(params, args.group, args.groups, job_threads(args.threads, params))
     if args.summary:
         write_json(args.summary, summary)
-    # Not how many were read, skipped or found cached (only readable shards are): facts about the
-    # private data, which its summary, in the cache, says
-    print(f"scan-shards: group {args.group} of {args.groups} done ({summary['listed']} shards listed)")
+    # No count (listed, read, skipped, found cached): beside the published n, a downloaded or img2dataset
+    # list's length says how many rows failed; the summary, in the cache, is the owner's
+    print(f"scan-shards: group {args.group} of {args.groups} done")
     return 0
 
 

@@ -204,7 +204,7 @@ def test_no_readable_shard_or_empty_list_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="empty shard list"):
         build_index([], tmp_path / "o", eval_fraction=0.1, seed=0, cache_dir=tmp_path / "c", workers=1, check_size=8)
     (tmp_path / "cut.tar").write_bytes(b"not a tar archive")
-    with pytest.raises(ValueError, match="none of the 2 shards could be read") as raised:
+    with pytest.raises(ValueError, match="none of the shards could be read") as raised:
         build_index([str(tmp_path / "nope.tar"), str(tmp_path / "cut.tar")], tmp_path / "o", eval_fraction=0.1,
                     seed=0, cache_dir=tmp_path / "c", workers=1, check_size=8)
     # Why a shard failed is a fact about the private data: the owner's log has each, the error none.

@@ -85,7 +85,7 @@ def test_http_shards_are_scanned_and_read_by_range(tmp_path, serve):
 def test_a_server_that_ignores_range_requests_is_refused_and_the_owner_is_told_why(tmp_path, serve):
     write_set(tmp_path / "w", n=3)
     server = serve(tmp_path / "w", ignore_range=True)
-    with pytest.raises(ValueError, match="none of the 1 shards could be read.*owner only") as refused:
+    with pytest.raises(ValueError, match="none of the shards could be read.*owner only") as refused:
         scan([f"{server.url}/s-000000.tar"], tmp_path)
     assert "ignores HTTP Range" not in str(refused.value)  # why a shard failed is the owner's to read
     assert "ignores HTTP Range requests" in (tmp_path / ".dpfm/owner/shards.log").read_text()
@@ -206,6 +206,40 @@ def test_what_a_download_prints_does_not_depend_on_which_rows_stall_or_fail(tmp_
     assert printed[False, 40] == printed[True, 40] == printed[False, 23], printed
     assert re.findall(r"(\d+)%", printed[True, 40]) == [str(p) for p in range(101)] + ["100"], printed
     assert not re.search(r"\d\d:\d\d|/s\b", printed[True, 40]), printed
+
+
+def test_what_the_shards_stage_prints_of_a_download_does_not_depend_on_how_many_rows_failed(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Measured on the whole stage (download, scan, index): two tables with the same 12 usable rows, one
+    with no failed row and one with 20 more that fail, five more shards of 4 rows to download and scan.
+    The published n is the same, so a count of rows or shards printed would give how many failed: what
+    the stage prints is the same text. It failed with the scan's bar counting shards (3/3 against 8/8)."""
+    png = encode_png(np.random.default_rng(2).integers(0, 256, (20, 20, 3), dtype=np.uint8))
+
+    def fetch(url, timeout_s, retries):
+        if "/gone" in url:
+            raise sources.FetchFailed("http_404", transient=False)
+        return png
+
+    monkeypatch.setattr(sources, "fetch", fetch)
+    tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
+    printed = {}
+    for failed in (0, 20):
+        work = tmp_path / f"failed{failed}"
+        work.mkdir()
+        good = [f"http://host/img{i}.png,picture {i}\n" for i in range(12)]
+        gone = [f"http://host/gone{i}.png,lost {i}\n" for i in range(failed)]
+        (work / "pairs.csv").write_text("url,caption\n" + "".join(good[:6] + gone + good[6:]))
+        params = load_params(overrides=["shards.source=download", "shards.path=pairs.csv", "shards.samples_per_shard=4",
+                                        "shards.image_size=16", "shards.workers=1", "shards.download.threads=1"])
+        with contextlib.chdir(work):
+            shards_stage.run(sections_of(params, ("run", "shards")),
+                             types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
+            assert read_json("data/shards/stats.json")["private"]["usable"] == 12
+            assert read_json(".dpfm/owner/shards.json")["download"]["shards"] == 3 + 5 * (failed > 0)
+        printed[failed] = "".join(capsys.readouterr())
+    assert "download" in printed[0] and "scan shards" in printed[0], printed[0]
+    assert printed[0] == printed[20], printed
 
 
 def test_download_table_problems_are_clear_errors(tmp_path):

@@ -34,7 +34,7 @@ from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
 from pipeline.privacy import owner
-from pipeline.progress import untimed_bar
+from pipeline.progress import ShareBar
 
 INDEX_NAME = "index.parquet"
 META_KEY = b"dpfm.index"
@@ -355,7 +355,9 @@ def scan_shards(urls: list[str], cache_dir: str | Path, workers: int, check_size
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     jobs = [(u, str(cache_dir), check_size) for u in urls]
     results = []
-    with untimed_bar(len(jobs), "scan shards", unit="shards") as bar:  # a shard's scan time: its content
+    # The share done, never a count or a time: a shard's scan time is its content, and a downloaded or
+    # img2dataset list's length, beside the published n, says how many rows failed.
+    with ShareBar(len(jobs), "scan shards") as bar:
         if workers <= 1:
             mapped = map(_scan_cached, jobs)
         else:
@@ -432,7 +434,7 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     for info in skipped:
         owner.note("shards", f"skipped {info['url']}: {info['error']}")
     if not good:
-        raise ParamsError([f"none of the {len(urls)} shards could be read; why each failed is listed for the data "
+        raise ParamsError(["none of the shards could be read; why each failed is listed for the data "
                            f"owner only: {owner.OWNER_DIR}/shards.log"], source="shards source")
     damaged = [{"url": i["url"], "problem": i["problem"]} for _, i in good if i.get("problem")]
     for d in damaged:
