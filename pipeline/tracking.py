@@ -174,11 +174,11 @@ class StageRun:
         _retry(lambda: self._mlflow.log_dict(data, name))
 
     def log_dp_model(self, checkpoint: str | Path, epsilon: float, delta: float,
-                     epsilon_composed: float | None = None, private: bool = True) -> str:
+                     epsilon_composed: float | None = None, private: bool = True, budget: str | None = None) -> str:
         """The DP encoder (images -> features) as an MLflow model, registered as `dpfm-<objective>`
         with its ε and δ as version tags. Only verified models get here (the verify stage). `private`
         False: the run's outputs as a whole are not covered (release.not_private_reasons), so the
-        composed ε is tagged ∞."""
+        composed ε is tagged ∞. `budget` (budget.registry_id): the budget its examples are charged to."""
         import torch
         from mlflow.models import infer_signature
 
@@ -203,23 +203,33 @@ class StageRun:
         # curve's and the seeds' trainings); `epsilon_run` is this model's own.
         composed = math.inf if not private else epsilon if epsilon_composed is None else epsilon_composed
         for key, value in (("epsilon", f"{composed:.4f}"), ("epsilon_run", f"{epsilon:.4f}"), ("delta", f"{delta:.3e}"),
-                           ("private", str(private).lower())):
+                           ("private", str(private).lower())) + ((("budget", budget),) if budget else ()):
             _retry(lambda: client.set_model_version_tag(name, version, key, value))
         return name
 
-    def tag_dp_models(self, tags: dict) -> int:
-        """Set `tags` on the model versions registered under this pipeline's parent run; how many."""
+    def tag_dp_models(self, tags: dict, budget: str | None = None) -> int:
+        """Set `tags` (release.registry_tags) on every model version whose examples are charged to `budget`
+        (budget.registry_id), whichever run registered it, and on those registered under this pipeline's
+        parent run; how many. A version tagged NOT PRIVATE stays so (its own run may have had a reason
+        this one lacks) and keeps its reasons, and its composed ε never falls."""
         parent = os.environ.get(PARENT_ENV)
-        if not parent:
-            return 0
         client = self._mlflow.tracking.MlflowClient()
         tagged = 0
         for model in _retry(lambda: client.search_registered_models(filter_string="name LIKE 'dpfm-%'")):
             for v in _retry(lambda: client.search_model_versions(f"name='{model.name}'")):
-                if v.run_id and client.get_run(v.run_id).data.tags.get("mlflow.parentRunId") == parent:
-                    for key, value in tags.items():
-                        _retry(lambda: client.set_model_version_tag(model.name, v.version, key, str(value)))
-                    tagged += 1
+                ours = (budget is not None and v.tags.get("budget") == budget) or (
+                    parent and v.run_id and client.get_run(v.run_id).data.tags.get("mlflow.parentRunId") == parent)
+                if not ours or (v.tags.get("private") == "false" and tags.get("private") != "false"):
+                    continue
+                new = dict(tags)
+                if "epsilon" in new and "epsilon" in v.tags:
+                    new["epsilon"] = max(new["epsilon"], v.tags["epsilon"], key=float)
+                if "not_private" in new and "not_private" in v.tags:  # its own reasons kept
+                    new["not_private"] = "; ".join(dict.fromkeys(v.tags["not_private"].split("; ")
+                                                                 + new["not_private"].split("; ")))
+                for key, value in new.items():
+                    _retry(lambda: client.set_model_version_tag(model.name, v.version, key, str(value)))
+                tagged += 1
         return tagged
 
 
@@ -233,8 +243,8 @@ class NullRun:
     def log_artifact(self, path, artifact_path=None): ...
     def set_tags(self, tags): ...
     def log_dict(self, data, name): ...
-    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, private=True): ...
-    def tag_dp_models(self, tags): return 0
+    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, private=True, budget=None): ...
+    def tag_dp_models(self, tags, budget=None): return 0
 
 
 def _retry(fn, attempts: int = 8):

@@ -23,12 +23,12 @@ class RecordingTracker:
     def log_dict(self, data, name):
         self.artifacts.append((name, data))
 
-    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, private=True):
+    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, private=True, budget=None):
         self.tags["logged_model"] = (str(checkpoint), epsilon, delta)
         self.tags["logged_model_epsilon_composed"] = epsilon_composed
         self.tags["logged_model_private"] = private
 
-    def tag_dp_models(self, tags):
+    def tag_dp_models(self, tags, budget=None):
         self.tags.update({f"model.{k}": v for k, v in tags.items()})
         return 1
 

@@ -344,22 +344,45 @@ def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, va
     assert not (in_tmp / artifact("verification")).exists()
 
 
-def test_a_run_whose_examples_were_released_without_dp_is_registered_not_private(project, in_tmp):
-    """verify registers the model before the report runs (and without it, when stages are run by hand):
-    a twin trained without DP on the examples, recorded in the budget, makes it NOT PRIVATE there too,
-    with composed ε = ∞; the same run without that record is registered private."""
+def test_every_version_registered_on_the_budget_carries_what_it_composes_to_now(project, in_tmp, valid_replace_one):
+    """verify registers the model before the report runs (and without it, when stages are run by hand),
+    and the budget goes on charging runs after it. Every version registered on this budget, whichever run
+    registered it, is tagged again with what the budget composes to now. Measured with no pipeline parent
+    run (stages by hand): a second DP run charged raises the first version's composed ε to the second
+    version's; a version tagged NOT PRIVATE for its own run's reason stays so; a twin trained without DP
+    makes every version NOT PRIVATE with composed ε = ∞."""
     import mlflow
 
     from pipeline.privacy import budget
+    from pipeline.privacy.plan import Plan
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    sketch = np.zeros(1 << budget.SKETCH_BITS, dtype=bool)
+
+    def versions():
+        return sorted(client.search_model_versions("name='dpfm-mae'"), key=lambda v: int(v.version))
+
     assert cli.main(["verify"]) == 0
-    budget.record_outside_dp("earlier-set", np.zeros(1 << budget.SKETCH_BITS, dtype=bool), "twin",
-                             "a training without DP on them")
+    (first,) = versions()
+    assert first.tags["private"] == "true" and first.tags["epsilon"] == first.tags["epsilon_run"]
+    budget.record("set-b", sketch, "another", Plan.from_header(valid_replace_one), 7)
     assert cli.main(["verify"]) == 0
-    first, second = sorted(client.search_model_versions("name='dpfm-mae'"), key=lambda v: int(v.version))
-    assert first.tags["private"] == "true" and float(first.tags["epsilon"]) < float("inf")
-    assert second.tags["private"] == "false" and second.tags["epsilon"] == "inf"
+    first, second = versions()
+    assert float(first.tags["epsilon"]) > float(first.tags["epsilon_run"])
+    assert first.tags["epsilon"] == second.tags["epsilon"] and first.tags["dp_runs_on_data"] == "2"
+
+    client.set_model_version_tag("dpfm-mae", first.version, "private", "false")  # as its own run's reason would
+    client.set_model_version_tag("dpfm-mae", first.version, "epsilon", "inf")
+    budget.record("set-c", sketch, "a third", Plan.from_header(valid_replace_one), 8)
+    assert cli.main(["verify"]) == 0
+    first, second, _ = versions()
+    assert (first.tags["private"], first.tags["epsilon"]) == ("false", "inf")
+    assert second.tags["private"] == "true" and second.tags["dp_runs_on_data"] == "3"
+
+    budget.record_outside_dp("earlier-set", sketch, "twin", "a training without DP on them")
+    assert cli.main(["verify"]) == 0
+    assert {(v.tags["private"], v.tags["epsilon"]) for v in versions()} == {("false", "inf")}
+    assert all("without DP" in v.tags["not_private"] for v in versions())
 
 
 def test_verify_composes_every_run_without_reading_which_sets_overlap(project, in_tmp, valid_replace_one, monkeypatch):

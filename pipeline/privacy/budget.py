@@ -95,6 +95,12 @@ def public_name(digest: str) -> str:
     return hmac.new(_names_key(), digest.encode(), hashlib.sha256).hexdigest()[:16]
 
 
+def registry_id() -> str:
+    """This budget's publishable name: the registry's versions whose examples it charges carry it, so
+    every later composition over it can tag them all (tracking.tag_dp_models)."""
+    return public_name("dpfm budget")
+
+
 class IdentityError(ValueError):
     """The index cannot say which examples it holds."""
 

@@ -66,3 +66,10 @@ def not_private_reasons(params: dict, stats: dict, composition: dict | None = No
         reasons.append("privacy.adjacency add_remove: its ε does not cover the exact n the run publishes "
                        "(replace_one covers it)")
     return reasons
+
+
+def registry_tags(epsilon_composed: float, runs: int, reasons: list[str]) -> dict:
+    """The tags every registered model on this budget carries (tracking.tag_dp_models): what all DP runs
+    charged to it compose to now, how many, and NOT PRIVATE with its reasons once anything left DP."""
+    return ({"epsilon": "inf" if reasons else f"{epsilon_composed:.4f}", "dp_runs_on_data": runs,
+             "private": str(not reasons).lower()} | ({"not_private": "; ".join(reasons)} if reasons else {}))

@@ -8,6 +8,7 @@ experiment's runs, and the synthetic contact sheet.
 from __future__ import annotations
 
 from pipeline.io import atomic_dir, read_json, write_json
+from pipeline.privacy import budget, release
 from pipeline.privacy.plan import Plan
 from pipeline.report import content
 from pipeline.report.curves import experiment_points
@@ -37,8 +38,8 @@ def run(params: dict, ctx) -> None:
     ctx.tracker.log_metrics({"epsilon_dp_runs": final["epsilon_dp_runs"], "dp_runs_on_data": final["runs"]}
                             | ({"epsilon_composed": final["epsilon_composed"]} if final["private"] else {}))
     ctx.tracker.set_tags({"dpfm.private": str(final["private"]).lower()})
-    ctx.tracker.tag_dp_models({"epsilon": f"{final['epsilon_composed']:.4f}" if final["private"] else "inf",
-                               "dp_runs_on_data": final["runs"], "private": str(final["private"]).lower()}
-                              | ({} if final["private"] else {"not_private": "; ".join(final["not_private"])}))
+    # Every registered version on this budget, whichever run (or Snakemake invocation) registered it.
+    ctx.tracker.tag_dp_models(release.registry_tags(final["epsilon_composed"], final["runs"], final["not_private"]),
+                              budget.registry_id())
     ctx.tracker.log_artifact(str(st.output("report")), "report")
     print(f"report: {st.output('report')}/report.html")

@@ -53,8 +53,8 @@ def run(params: dict, ctx) -> None:
         print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {c['epsilon_dp_runs']:.3f} at δ = "
               f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f}; over only the runs that "
               "share examples with it, for the data owner: `dpfm owner-composition`)")
-    # epsilon_composed goes to MLflow and the registry from the report, after the curve's and the
-    # seeds' DP trainings: here it would be stale.
+    # epsilon_composed goes to MLflow from the report, after the curve's and the seeds' DP trainings:
+    # here it would be stale.
     # What was checked goes with the run: the mechanism (not the per-step batch sizes, which depend on
     # the private data), the verdict, and the verified model itself.
     ctx.tracker.log_artifact(str(out))
@@ -63,10 +63,12 @@ def run(params: dict, ctx) -> None:
         print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
         ctx.tracker.set_tags({"dpfm.private": "false"})
         return
-    # Registered as private only when nothing the run (or the budget) records left DP: the report,
-    # which knows the curve and the eval split too, tags it again (tracking.tag_dp_models).
+    # Registered as private only when nothing the run (or the budget) records left DP. Every version on
+    # this budget, earlier runs' too, is tagged with what the budget composes to now; the report, which
+    # knows the curve and the eval split too, tags them all again (tracking.tag_dp_models).
     reasons = release.not_private_reasons(params, {}, c)
     for reason in reasons:
         print(f"verify: NOT PRIVATE as a whole: {reason}")
     ctx.tracker.log_dp_model(dp_dir / "checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"],
-                             private=not reasons)
+                             private=not reasons, budget=budget.registry_id())
+    ctx.tracker.tag_dp_models(release.registry_tags(c["epsilon"], c["runs"], reasons), budget.registry_id())
