@@ -178,6 +178,9 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
               {"dvc.input.models/dp": "h2", "dpfm.objective": "mae"})
     stage_run("evaluate", "p4", {"dp_linear_probe_acc": 0.99, "epsilon": 1.0}, {"dvc.input.models/dp": "h3"},
               status="FAILED")
+    # A test run's model (a known noise key) is no DP point, whatever ε its verification computed.
+    stage_run("evaluate", "p5", {"dp_linear_probe_acc": 0.95, "epsilon": 4.0},
+              {"dvc.input.models/dp": "h4", "dpfm.objective": "mae", "dpfm.model_private": "false"})
     points, note = report_curves.experiment_points("dpfm", current_model_hash="h2")
     got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"]) for p in points)
     assert got == [(2.0, 0.6, "clip", False), (8.0, 0.75, "mae", True)]
@@ -298,6 +301,21 @@ def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
     assert "id='curve'" in page and "over 3 training seeds" in page
     assert "from the synthetic warm start, 80.0% at ε = 1 → 81.0% at ε = 8 → 85.0% at ε = ∞" in md
     assert (out / "privacy_utility_curve.png").is_file()
+
+
+def test_the_loss_caption_names_where_the_held_out_split_comes_from(project):
+    """The DP model's held-out loss is on public data unless the eval split was carved out of a web source
+    (shards.eval_fraction): then the caption says so, and that it is not covered by ε."""
+    root, params = project
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert "loss on the public held-out split" in md and "carved out" not in md
+    write_json("data/shards/stats.json", {"source": "urls", "eval_fraction": 0.1, "eval_from_private": True,
+                                          "private": {"usable": 1000}, "eval": {"usable": 100}})
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert "held-out split carved out of the private data (shards.eval_fraction: NOT covered by ε)" in md
+    assert "public held-out split" not in md
 
 
 def test_without_a_curve_the_report_has_no_curve_section(project):

@@ -142,8 +142,10 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
                        f"when trained) and random init. Each point keeps the eval protocol of its own run."),
         "eps_caption": (f"ε after each DP step at δ = {ver['delta']:.2e}, per accountant "
                         f"({ver['accountant'].upper()} is reported; the others are independent upper bounds)."),
-        "loss_caption": ("Left: MAE loss on synthetic images (non-private). Right: the DP model's loss on the public "
-                         "held-out split; the training loss on private data is never shown (it is not DP)."),
+        "loss_caption": ("Left: MAE loss on synthetic images (non-private). Right: the DP model's loss on the "
+                         + ("held-out split carved out of the private data (shards.eval_fraction: NOT covered by ε)"
+                            if (stats or {}).get("eval_from_private") else "public held-out split")
+                         + "; the training loss on private data is never shown (it is not DP)."),
         "sheet_caption": "A sample of the procedural (Shaders21k-style) images the encoder was pretrained on.",
         "footer": ("dpfm report · inputs: the verification, the evaluation metrics, the DP model's ledger and the "
                    "training histories · open report.html offline in any browser; report.md has the same content."),

@@ -13,7 +13,8 @@ def experiment_points(experiment: str, current_model_hash: str | None) -> tuple[
 
     ε comes from the evaluate run itself (it logs the verified ε it evaluated) or, for runs that
     predate that, from the finished dp-train run of the same pipeline invocation. A model
-    evaluated several times (same `dvc.input.models/dp` hash) counts once, at its latest run.
+    evaluated several times (same `dvc.input.models/dp` hash) counts once, at its latest run. A test
+    run's model (`privacy.testing`: its noise key is known) is not a DP model and is left out.
     """
     try:
         from mlflow.tracking import MlflowClient
@@ -41,7 +42,7 @@ def experiment_points(experiment: str, current_model_hash: str | None) -> tuple[
         dp_run = dp_by_parent.get(tags.get("mlflow.parentRunId"))
         eps = m.get("epsilon", dp_run.data.metrics.get("epsilon") if dp_run else None)
         acc = m.get("dp_linear_probe_acc")
-        if model in seen or eps is None or acc is None:
+        if model in seen or eps is None or acc is None or tags.get("dpfm.model_private") == "false":
             continue
         seen.add(model)
         objective = tags.get("dpfm.objective") or (dp_run.data.params.get("dp.objective") if dp_run else None)

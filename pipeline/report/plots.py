@@ -36,7 +36,7 @@ def plot_losses(pretrain_hist: dict, dp_hist: dict, path) -> None:
         axes[0].plot(*history_curve(pretrain_hist, "loss"), color=MODEL_COLORS["synthetic"])
         axes[0].set(title="Synthetic MAE pretraining (non-private)", xlabel="step", ylabel="training loss")
         axes[1].plot(*history_curve(dp_hist, "heldout_loss"), color=MODEL_COLORS["dp"], marker="o", ms=3)
-        axes[1].set(title="DP training", xlabel="step", ylabel="loss on the public eval split")
+        axes[1].set(title="DP training", xlabel="step", ylabel="loss on the held-out eval split")
         _save(fig, path)
 
 

@@ -197,7 +197,8 @@ def run(params: dict, ctx) -> None:
     verification, curve, out = st.input("verification"), st.input("curve"), st.output("metrics")
     dp_path = st.input("dp") / "checkpoint.pt"
     ver = read_json(verification)
-    dp_steps = checkpoints.load(dp_path).steps
+    dp_ckpt = checkpoints.load(dp_path)
+    dp_steps = dp_ckpt.steps
     if not ver["passed"] or ver["steps"] != dp_steps:
         raise VerificationFailed(f"{verification} does not vouch for {dp_path} (passed={ver['passed']}, "
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
@@ -230,5 +231,7 @@ def run(params: dict, ctx) -> None:
     }
     write_json(out, metrics)
     ctx.tracker.log_metrics(mlflow_metrics(metrics))
-    ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}"})
+    # A test run's model (a known noise key) is saved not private: the report plots no DP point for it.
+    ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}",
+                          "dpfm.model_private": str(dp_ckpt.private).lower()})
     ctx.tracker.log_artifact(str(out))
