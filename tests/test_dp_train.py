@@ -197,10 +197,11 @@ def test_a_clipped_twin_goes_through_the_dp_runs_clipper_without_noise(data_dir,
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
-def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_private(data_dir, tmp_path,
+def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_private(data_dir, tmp_path, capsys,
                                                                                       objective_name, ranks):
-    """The twin's release stays made when the flag is turned off: the run resumes (the same finished
-    run), and its composition, read from the budget, is ∞ with the twin named, whatever the params now say."""
+    """dp-train says NOT PRIVATE beside the ε it prints when it trains a twin. The twin's release stays made
+    when the flag is turned off: the run resumes (the same finished run), and its composition, read from
+    the budget, is ∞ with the twin named, whatever the params now say."""
     from pipeline.privacy import budget, release
 
     work = project(data_dir, tmp_path)
@@ -208,9 +209,12 @@ def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_pr
              "privacy.nonprivate_on_private_data=true"]
     if ranks == 1:
         train(work, clean + ["dp.nonprivate_baseline=true"])
+        printed = capsys.readouterr().out
     else:
-        torchrun(work, "dp-train", clean + ["dp.nonprivate_baseline=true"])
+        printed = torchrun(work, "dp-train", clean + ["dp.nonprivate_baseline=true"]).stdout
+    assert "dp-train: NOT PRIVATE as a whole: dp.nonprivate_baseline trains without DP" in printed, printed[-2000:]
     ledger, _ = train(work, clean)  # the flag off: resumed, nothing trained again
+    assert "NOT PRIVATE" not in capsys.readouterr().out  # its own params release nothing outside ε; the budget:
     with inside(work):
         c = budget.composition(ledger, ledger["delta"])
         params = load_params(work / "params.yaml", clean + ["curve.epsilons=[8]"])

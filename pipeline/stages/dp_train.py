@@ -10,6 +10,7 @@ from __future__ import annotations
 from pipeline import checkpoints
 from pipeline.distributed import barrier
 from pipeline.io import atomic_dir, write_json
+from pipeline.privacy import release
 from pipeline.privacy.training import nonprivate_params, setup, train_nonprivate, train_private
 
 
@@ -41,6 +42,11 @@ def run(params: dict, ctx) -> None:
     ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": plan.accountant})
     print(f"dp-train: {trainer.ledger.steps} steps on n={plan.n}, q={plan.sample_rate:.4f}, σ={plan.sigma:.4f}, "
           f"ε={record['epsilon']:.3f} (δ={plan.delta:.2e}, {plan.accountant}, {plan.adjacency.replace('_', '-')})")
+    reasons = release.not_private_reasons(params, {})  # what this stage itself released outside that ε
+    for reason in reasons:
+        print(f"dp-train: NOT PRIVATE as a whole: {reason}")
+    if reasons:
+        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(reasons)})
     if dp["log_private_stats"]:  # opted in: released without noise, not covered by the ε above
         nonfinite = counters["nonfinite"]
         ctx.tracker.log_metrics({"private_nonfinite_examples": nonfinite})
