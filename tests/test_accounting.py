@@ -177,6 +177,19 @@ def test_epsilon_curve_matches_pointwise(name):
     assert curve[1] == 0.0
 
 
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
+def test_the_curve_ends_at_the_reported_epsilon_where_round_off_swamps_delta(adjacency):
+    """n = 2·10⁹, B = 10⁵, T = 3·10⁵, δ = 1/2n: the PLD's round-off competes with δ, so epsilon() reports
+    the RDP bound. The published curve's points there did not: recomposed on one grid, its last point
+    read 2.37 where the reported ε is 3.51 (add/remove)."""
+    q, sigma, delta, steps = 5e-5, 0.6, 2.5e-10, [1000, 100_000, 300_000]
+    with pytest.warns(RuntimeWarning, match="numerically unstable"):
+        reported = acc.epsilon(sigma, q, steps[-1], delta, adjacency=adjacency)
+        curve = acc.epsilon_curve(sigma, q, steps, delta, adjacency=adjacency)
+    assert curve[-1] == pytest.approx(reported, rel=1e-9)
+    assert curve == sorted(curve) and curve[0] < curve[-1]
+
+
 @pytest.mark.parametrize("name", ["pld", "rdp"])
 def test_steps_to_reach_is_the_largest_admissible(name):
     q, sigma, delta, target = 0.01, 1.0, 1e-5, 2.0

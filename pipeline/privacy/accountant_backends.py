@@ -138,12 +138,11 @@ def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tu
     (the exact PLD epsilon never exceeds RDP's) and is replaced by RDP.
     """
     interval = PLD_START_INTERVAL
-    round_off = sum(t for *_, t in parts) * np.finfo(float).eps
-    if round_off > _PLD_ROUND_OFF_SHARE * delta:
+    if _round_off_swamps_delta(sum(t for *_, t in parts), delta):
         # The values drift with the grid in both directions, and two can agree by chance below the
         # true epsilon (how the noise falls depends on the CPU's FFT): not worth asking.
-        return _unstable(parts, delta, adjacency, f"round-off of about {round_off:.2g} per point of the "
-                         "composed loss against delta"), interval
+        return _unstable(parts, delta, adjacency, f"round-off of about {sum(t for *_, t in parts) * np.finfo(float).eps:.2g} "
+                         "per point of the composed loss against delta"), interval
     values = [_pld_parts_at(parts, delta, interval, adjacency)]
     diffs: List[float] = []
     while True:
@@ -166,6 +165,12 @@ def _pld_ladder(parts: Parts, delta: float, adjacency: str = "add_remove") -> Tu
                 return _capped_by_rdp(max(recent), parts, delta, adjacency), interval
             return _unstable(parts, delta, adjacency, f"epsilon varies {min(recent):.4g}..{max(recent):.4g} "
                              "with the grid"), interval
+
+
+def _round_off_swamps_delta(steps: int, delta: float) -> bool:
+    """Whether a PLD composed over `steps` carries more round-off per point than a tenth of δ: its ε is
+    then not to be trusted in either direction, and the RDP bound stands in (`_pld_ladder`)."""
+    return steps * np.finfo(float).eps > _PLD_ROUND_OFF_SHARE * delta
 
 
 def _unstable(parts: Parts, delta: float, adjacency: str, why: str) -> float:

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 # The back-ends (accountant_backends.py) import their libraries where they are used: Opacus (rdp, prv) brings
 # torch, dp_accounting (pld) scipy; so `dpfm --help` needs neither and `dpfm calibrate` only one.
 from pipeline.privacy.accountant_backends import (_PLD_SEARCH_INTERVALS, _eps_noise, _pld_eps_at, _pld_epsilon_and_interval,
-                                          check_adjacency)
+                                          _rdp_bound, _round_off_swamps_delta, check_adjacency)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -190,7 +190,9 @@ def epsilon_curve(
     interval (the finer of what :func:`epsilon` picks at the smallest and the
     largest step count) and one cached one-step PLD recomposed per point, so
     each point is at least as accurate as :func:`epsilon` (they agree to
-    within its ~0.1% accuracy).  PRV: one Opacus evaluation per point.
+    within its ~0.1% accuracy); where the round-off of so many steps swamps
+    δ, the RDP bound, as :func:`epsilon` reports.  PRV: one Opacus evaluation
+    per point.
     """
     steps_list = list(steps_list)
     sigma, q, _, delta, accountant = _validate(
@@ -205,10 +207,15 @@ def epsilon_curve(
             _pld_epsilon_and_interval(noise, q, t, delta, adjacency)[1]
             for t in {min(nonzero), max(nonzero)}
         )
-        return [
-            _pld_eps_at(noise, q, t, delta, interval, adjacency) if t > 0 else 0.0
-            for t in steps_list
-        ]
+
+        def at(t: int) -> float:
+            if t == 0:
+                return 0.0
+            if _round_off_swamps_delta(t, delta):  # epsilon() reports the RDP bound there: so does the curve
+                return _rdp_bound(noise, q, t, delta, adjacency)
+            return _pld_eps_at(noise, q, t, delta, interval, adjacency)
+
+        return [at(t) for t in steps_list]
     return [_eps_noise(noise, q, t, delta, accountant, adjacency) for t in steps_list]
 
 
