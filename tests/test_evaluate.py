@@ -357,6 +357,8 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
     assert tracker.metrics["dp_linear_probe_acc"] == digits["results"]["dp"]["linear_probe"]
     assert tracker.metrics["epsilon"] == 3.0 and tracker.tags["dpfm.objective"] == "caption"
     assert tracker.tags["dpfm.model_private"] == "true"  # the checkpoint's own flag (a test run's is false)
+    # ε is the DP model's own; how many DP trainings the row pools, and where their composition is, beside it
+    assert metrics["privacy"]["dp_trainings"] == 1 and metrics["privacy"]["epsilon_composed_in"].endswith("privacy.json")
 
 
 def test_stage_intervals_cover_the_probe_refits_and_keep_the_accuracies(tmp_path, monkeypatch):

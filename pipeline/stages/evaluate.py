@@ -224,7 +224,10 @@ def run(params: dict, ctx) -> None:
         "model_order": [c.name for c in candidates if c.seed_index == 0],  # JSON keys get sorted; tables keep this order
         "protocol": {k: cfg[k] for k in ("pool", "last_k_blocks", "probe_fraction", "probe_solver", "probe_c",
                                          "probe_refits", "fewshot", "finetune", "zero_shot", "seeds")},
-        "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"]},
+        # ε is dp-train's model's own. The DP row pools evaluate.seeds DP trainings, each charged to the
+        # budget: what every run on the examples composes to is the report's (results/report/privacy.json).
+        "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"],
+                    "dp_trainings": cfg["seeds"], "epsilon_composed_in": "results/report/privacy.json"},
         "sets": sets,
         # The privacy-utility curve (stages/curve.py), kept with the accuracies it is read beside.
         "privacy_utility": read_json(curve) if curve.exists() else None,
