@@ -53,6 +53,21 @@ def save(path: str | Path, model: torch.nn.Module, *, objective: str, model_cfg:
         torch.save(record, f)
 
 
+def weights_digest(path: str | Path) -> str:
+    """What a finished model is, not when or how it was written: its objective, its config and every
+    tensor of its state, in name order (the saved config, step count and file time left out)."""
+    import hashlib
+    import json
+
+    ckpt = load(path)
+    h = hashlib.sha256(json.dumps([ckpt.objective, ckpt.model_cfg], sort_keys=True).encode())
+    for name, tensor in sorted((ckpt.model or ckpt.encoder).items()):
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
 def load(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_file():

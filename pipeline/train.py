@@ -85,29 +85,41 @@ def state_dir(stage: str, params: dict, inputs=(), name=None) -> Path:
     kept = {s: {k: v for k, v in value.items() if k not in UNTRACKED[s]} if s in UNTRACKED else value
             for s, value in params.items()}
     digests = [input_digest(p) for p in inputs]
+    # A model input was known by its files' bytes and times until 2026-12-04: a run keyed so keeps its state.
+    file_digests = [input_digest(p, by_weights=False) for p in inputs]
 
-    def keyed(form: dict, named=True) -> Path:
-        key = json.dumps({"params": form, "inputs": digests}, sort_keys=True)
+    def keyed(form: dict, named=True, inputs=digests) -> Path:
+        key = json.dumps({"params": form, "inputs": inputs}, sort_keys=True)
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return STATE_ROOT / f"{stage}-{name(digest) if name and named else digest}"
 
     # The current key first; then a run made before a knob was added (the same run while the knob sits
     # at its neutral value), and one named plainly before runs on private data were named by `name`.
     namings = (True, False) if name else (True,)
-    candidates = [keyed(form, named) for named in namings for form in [kept, *earlier_forms(kept)]]
+    candidates = [keyed(form, named, keys) for keys in (digests, file_digests) for named in namings
+                  for form in [kept, *earlier_forms(kept)]]
     return next((path for path in candidates if path.is_dir()), candidates[0])
 
 
 SMALL_FILE = 1 << 20
 
 
-def input_digest(path: str | Path) -> str:
+def input_digest(path: str | Path, by_weights: bool = True) -> str:
     """Identifies an input file or directory cheaply at any scale: the bytes of its small files
-    (indexes, manifests, stats) and the size and modification time of large ones (shards,
-    checkpoints). A rewrite of a large file changes its mtime, so this can only make a resume less
-    likely, never wrong. usable.idx is left out: it is derived from the index.parquet beside it, and
-    an index written before it existed gets one on its first open, which must not change the key."""
+    (indexes, manifests, stats) and the size and modification time of large ones (shards). A rewrite
+    of a large file changes its mtime, so this can only make a resume less likely, never wrong.
+    usable.idx is left out: it is derived from the index.parquet beside it, and an index written
+    before it existed gets one on its first open, which must not change the key.
+
+    A finished model (a directory with a checkpoint.pt, the warm start) is known by its weights
+    (`checkpoints.weights_digest`): pretrain run again to the same weights (another log_every, a
+    resume, `--forcerun`) writes another file time, summary and history, and a DP run keyed by those
+    would not resume but train, and be charged, again."""
     path = Path(path)
+    if by_weights and path.is_dir() and (path / "checkpoint.pt").is_file():
+        from pipeline import checkpoints
+
+        return checkpoints.weights_digest(path / "checkpoint.pt")
     h = hashlib.sha256()
     files = [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file() and p.name != USABLE_NAME)
     for f in sorted(files):

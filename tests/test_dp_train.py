@@ -335,6 +335,44 @@ def test_runs_on_the_same_private_data_compose(data_dir, tmp_path, monkeypatch):
     assert first["data_identity"] == second["data_identity"] and first["run"] != second["run"]
 
 
+PUBLIC_WARM_START = ["synthetic.num_programs=4", "synthetic.frames_per_program=4", "synthetic.resolution=16",
+                     "pretrain.steps=2", "pretrain.batch_size=8", "pretrain.warmup_steps=1"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_pretrain_run_again_to_the_same_weights_resumes_the_dp_run_and_charges_it_once(data_dir, tmp_path,
+                                                                                      objective_name, ranks):
+    """A DP run is keyed by its warm start. pretrain run again to the same weights (here another log_every,
+    which only schedules) writes another file time, summary (its images/s) and history (its steps/s):
+    keyed by those files, the DP run started again under a new key and was charged a second time.
+    Keyed by the weights, it resumes; a warm start with other weights is another run, charged."""
+    from stage_runs import charged_runs
+
+    work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.init=pretrain", "dp.noise_seed=null"]
+
+    def warm_start(*more):
+        with inside(work):
+            shutil.rmtree("models/pretrain", ignore_errors=True)
+            run_in_process("pretrain", PUBLIC_WARM_START + list(more))
+
+    def dp_train():
+        train(work, sets) if ranks == 1 else torchrun(work, "dp-train", sets)
+        return json.loads((work / "models/dp/ledger.json").read_text())
+
+    with inside(work):
+        run_in_process("synthetic", PUBLIC_WARM_START)
+    warm_start()
+    first = dp_train()
+    weights = checkpoints.load(work / "models/pretrain/checkpoint.pt").model
+    warm_start("pretrain.log_every=1")
+    again = checkpoints.load(work / "models/pretrain/checkpoint.pt").model
+    assert all(torch.equal(weights[k], again[k]) for k in weights)  # the same warm start, written again
+    assert dp_train()["run"] == first["run"] and len(charged_runs(work)) == 1
+    warm_start("pretrain.steps=3")
+    assert dp_train()["run"] != first["run"] and len(charged_runs(work)) == 2
+
+
 def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_path, monkeypatch):
     """Re-sharding the same digits (another shards.samples_per_shard) once started a new, empty budget:
     verify printed one run's ε while three runs had trained on the same examples."""

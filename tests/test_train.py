@@ -90,6 +90,47 @@ def test_a_run_keyed_before_a_knob_existed_is_found_while_the_knob_is_neutral(tm
     assert train.state_dir("dp-train", now) == fresh  # the current key wins where both exist
 
 
+def test_a_warm_start_is_known_by_its_weights_and_a_run_keyed_by_its_files_keeps_its_state(tmp_path, monkeypatch):
+    """A finished model input is known by its weights: saved again with another config, summary and
+    history, and a later file time, it is the same input; one weight changed, another. A run keyed
+    before (by the files' bytes and times) is still found, so it resumes rather than starts again."""
+    import os
+
+    from pipeline import checkpoints
+
+    monkeypatch.setattr(train, "STATE_ROOT", tmp_path / "state")
+    warm = tmp_path / "pretrain"
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    model.encoder = model[0]
+
+    def write(config: dict, summary: str) -> str:
+        checkpoints.save(warm / "checkpoint.pt", model, objective="mae", model_cfg={"size": "micro"}, steps=2,
+                         private=False, config=config)
+        (warm / "summary.json").write_text(summary)
+        os.utime(warm / "checkpoint.pt", ns=(1, len(summary)))
+        return train.input_digest(warm)
+
+    warm.mkdir()
+    first = write({"pretrain": {"log_every": 20}}, '{"images_per_s": 86.7}')
+    older = train.state_dir("dp-train", {"dp": {"lr": 0.1}}, [warm])
+    assert write({"pretrain": {"log_every": 1}}, '{"images_per_s": 101.1}') == first
+    assert train.state_dir("dp-train", {"dp": {"lr": 0.1}}, [warm]) == older
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1e-6
+    assert write({"pretrain": {"log_every": 1}}, '{"images_per_s": 101.1}') != first
+    # A run keyed by the files (as before 2026-12-04) is found; the weights' key wins where both exist.
+    by_files = train.state_dir("dp-train", {"dp": {"lr": 0.2}}, [warm])
+    monkeypatch.setattr(train, "input_digest", lambda p, by_weights=True, digest=train.input_digest: digest(p, False))
+    legacy = train.state_dir("dp-train", {"dp": {"lr": 0.2}}, [warm])
+    monkeypatch.undo()
+    monkeypatch.setattr(train, "STATE_ROOT", tmp_path / "state")
+    assert legacy != by_files
+    legacy.mkdir(parents=True)
+    assert train.state_dir("dp-train", {"dp": {"lr": 0.2}}, [warm]) == legacy
+    by_files.mkdir()
+    assert train.state_dir("dp-train", {"dp": {"lr": 0.2}}, [warm]) == by_files
+
+
 def test_a_run_on_private_inputs_is_named_by_its_keyed_digest_and_keeps_a_plainly_named_state(tmp_path, monkeypatch):
     """dp-train's state directory names the run in the published ledger; its plain digest hashes the
     private index's bytes, so it is named through `name` (the owner's keyed name) instead."""
