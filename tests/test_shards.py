@@ -433,6 +433,23 @@ def run_digits(eval_fraction=0.3) -> None:
     shards_stage.run(params, types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
 
 
+def test_shards_replaced_by_a_stage_stopped_before_its_digest_have_no_digest(in_tmp, monkeypatch):
+    """The digest (what DVC tracks of the shards) vouches for the shards beside it. Run by hand and killed
+    after the new shards are in place but before their digest is written (a fault at that point), the
+    stage once left the old digest beside the new shards, so DVC took them for the old ones."""
+    run_digits()
+    assert Path("data/shards.digest").is_file()
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed before the digest")
+
+    monkeypatch.setattr(shards_stage, "input_tag", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_digits(eval_fraction=0.5)
+    assert read_json("data/shards/stats.json")["eval_fraction"] == 0.5  # the new shards are in place
+    assert not Path("data/shards.digest").exists()
+
+
 def test_digits_stage_writes_splits_and_stats(in_tmp):
     run_digits()
     stats = read_json("data/shards/stats.json")

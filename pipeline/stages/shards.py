@@ -173,6 +173,9 @@ def run(params: dict, ctx) -> None:
     stats = {"source": cfg["source"], "eval_fraction": fraction,
              "eval_from_private": not labelled and fraction > 0}
     out_dir = ctx.stage.output("shards")
+    # The digest vouches for the shards beside it: gone before they are replaced, so a stage stopped
+    # after the swap (run by hand; Snakemake and DVC delete outputs first) leaves none for the new ones.
+    ctx.stage.output("shards_digest").unlink(missing_ok=True)
     with atomic_dir(out_dir) as out:
         if labelled:
             stats.update(write_labelled({**cfg, "eval_fraction": fraction}, seed, out, cfg["workers"] or ctx.threads))
