@@ -546,6 +546,43 @@ def test_opacus_ghost_lets_an_example_whose_tokens_cancel_through_so_dp_train_re
         check_clipping("opacus-ghost", "fp32", "cpu")
 
 
+class OneWideLayer(nn.Module):
+    """One Linear of 2048 × 4096 (8.4M weights; ViT-L's fc1 has 4.2M): a per-example gradient of that length."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2048, 4096)
+
+    def forward(self, x, gather=None):
+        return (self.fc(x) ** 2).mean((1, 2)) * 1e3
+
+
+@pytest.mark.parametrize("engine", ["bookkeeping-instantiated", "vmap"])
+def test_a_wide_layers_instantiated_gradient_is_clipped_within_c(monkeypatch, engine):
+    """Measured: what one example's clipped gradient adds to the sum, through a layer of 8.4M weights
+    whose per-example gradient is instantiated. One fp32 norm over the whole row read it 8e-5 low on
+    CPU, so the example carried 1.00035·C; norms over runs, raised by their rounding bound
+    (layer_rules.bounded_sq_norms), keep it within C. Fails with the one norm put back."""
+    from pipeline.privacy import clipping
+
+    def worst() -> float:
+        torch.manual_seed(0)
+        x, model = torch.randn(2, 3, 2048), OneWideLayer()
+        clipper = VmapClipper(model, 1.0) if engine == "vmap" else BookKeepingClipper(model, 1.0, ghost=False)
+        moves = []
+        for i in range(2):  # one example at a time: its contribution alone
+            clipper.reset()
+            clipper.accumulate(x[i:i + 1])
+            clipper.finish(1)
+            moves.append(math.sqrt(sum(float(v.double().pow(2).sum()) for v in clipper.sum.values())))
+        return max(moves)
+
+    assert 0.999 <= worst() <= 1.0
+    monkeypatch.setattr(clipping, "bounded_sq_norms",
+                        lambda v: torch.linalg.vector_norm(v.reshape(len(v), -1), dim=1).square())
+    assert worst() > 1.0001
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_rounded_clipped_sums_stay_within_c_where_tokens_cancel(monkeypatch, device):
     """The one-GEMM clipped sum rounds c_i·g to bf16. Where an example's tokens cancel (‖G‖ = 0.5,

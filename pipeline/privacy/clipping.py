@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 from pipeline.privacy import layer_rules
-from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, fp32_only, rule_for
+from pipeline.privacy.layer_rules import SUPPORTED_LAYERS, bounded_sq_norms, fp32_only, rule_for
 
 SUM_DTYPE = torch.float64  # per-example sums of several parts: fp32's rounding grew with B (docs/privacy.md)
 
@@ -383,9 +383,8 @@ class BookKeepingClipper(ClippedSum):
                 for r in module_calls:
                     self._instantiate(r, reduced)
             instantiated = list(reduced.values())  # (module, per-example grads): cheaper, smaller, or reused
-            for m, per in instantiated:  # vector_norm: 3-7x pow().sum(); summed in fp32 as it is: nothing rounds
-                layers += [(self._group[id(m)], torch.linalg.vector_norm(v.reshape(len(v), -1), dim=1).square(), None)
-                           for v in per.values()]
+            for m, per in instantiated:  # bounded: never below the norm of what is summed (layer_rules)
+                layers += [(self._group[id(m)], bounded_sq_norms(v), None) for v in per.values()]
             sq, reach = group_norms(layers, len(self.bounds), batch_size, device)
             factors, finite, norms = grouped_factors(sq, self.bounds, reach)
             all_finite = bool(finite.all())  # the usual case: no row to zero, no copies for it
@@ -433,7 +432,7 @@ class VmapClipper(ClippedSum):
             grads = {n: self.unscaled(g) for n, g in grads.items()}
             sq = torch.zeros(len(self.bounds), len(per_example[0]), dtype=torch.float32, device=device)
             for n, g in grads.items():
-                sq[self.group_of[id(self.params[n])]] += torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1).square()
+                sq[self.group_of[id(self.params[n])]] += bounded_sq_norms(g)
             factors, finite, norms = grouped_factors(sq, self.bounds)
             for n, g in grads.items():
                 self.sum[n] += torch.einsum("b,b...->...", factors[self.group_of[id(self.params[n])]],
