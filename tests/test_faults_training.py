@@ -212,6 +212,20 @@ def test_ranks_that_see_different_private_data_stop_before_anything_is_charged(d
     assert done.returncode == 0 and dp_state(work)[0] == list(range(STEPS)), done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_ranks_launched_with_another_micro_batch_stop_before_anything_is_charged(data_dir, tmp_path, objective):
+    """A step's sample is cut between the ranks by dp.physical_batch_size: a rank that read another value
+    (16 here, 8 there) put 58 of 288 sampled examples into both ranks' parts (2C against C) and 78 into
+    neither. Both ranks stop before the budget is charged or a step taken; the same params, it trains."""
+    work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
+    refused = dpfm_torchrun(work, args, "othersplit:1")
+    assert refused.returncode != 0
+    assert refused.stderr.count("the ranks were launched with other DP settings") == 2, refused.stderr[-3000:]
+    assert not (work / "data/budget/runs.jsonl").exists() or not (work / "data/budget/runs.jsonl").read_text()
+    done = dpfm_torchrun(work, args)
+    assert done.returncode == 0 and dp_state(work)[0] == list(range(STEPS)), done.stderr[-3000:]
+
+
 # What fails, the line the stage stops with, and what the failure's own message names: a read names
 # what the step sampled (its key, its bytes); an allocator the size it was asked for, and any other
 # error a tensor's shape, both of which follow the micro-batch and so the realised batch size.

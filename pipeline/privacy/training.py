@@ -210,6 +210,19 @@ def one_process(work, world):
     return training_lock(work, "-".join(work.relative_to(STATE_ROOT).parts), wait=world.size == 1)
 
 
+def check_same_split(dp: dict, world) -> None:
+    """How a step's sample is cut between the ranks follows dp.physical_batch_size and dp.mask_views, and
+    each rank clips at its own C (and encoder share): ranks launched with other values (a node reading
+    its own params file) would put one example into two ranks' parts, or into none, or clip it above
+    the C the noise is drawn for. They compare them before anything is charged."""
+    share = dp["encoder_clip_share"]
+    split = [dp["physical_batch_size"], dp["mask_views"], dp["clip_norm"], -1.0 if share is None else share]
+    if not same_on_every_rank(split, world):
+        raise RanksDisagree(f"the ranks were launched with other DP settings (rank {world.rank}: dp.physical_batch_size "
+                            f"{split[0]}, mask_views {split[1]}, clip_norm {split[2]}, encoder_clip_share {share}): "
+                            "every rank must read the same params")
+
+
 def check_same_data(plan, world) -> None:
     """Every rank draws each step's Poisson sample itself and computes the part of it assigned to it. A
     rank whose n or q differs, or whose indices name other examples (a node with a stale or partial
@@ -235,6 +248,7 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     world = trainer.world
     work = work_dir(params, trainer)
     check_same_data(trainer.plan, world)
+    check_same_split(params["dp"], world)
     with one_process(work, world):
         key = 0
         if world.is_main:
