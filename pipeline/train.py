@@ -86,7 +86,7 @@ def state_dir(stage: str, params: dict, inputs=(), name=None) -> Path:
             for s, value in params.items()}
     digests = [input_digest(p) for p in inputs]
     # A model input was known by its files' bytes and times until 2026-12-04: a run keyed so keeps its state.
-    file_digests = [input_digest(p, by_weights=False) for p in inputs]
+    file_digests = [input_digest(p, by_weights=False) if is_model(p) else d for p, d in zip(inputs, digests)]
 
     def keyed(form: dict, named=True, inputs=digests) -> Path:
         key = json.dumps({"params": form, "inputs": inputs}, sort_keys=True)
@@ -96,12 +96,18 @@ def state_dir(stage: str, params: dict, inputs=(), name=None) -> Path:
     # The current key first; then a run made before a knob was added (the same run while the knob sits
     # at its neutral value), and one named plainly before runs on private data were named by `name`.
     namings = (True, False) if name else (True,)
-    candidates = [keyed(form, named, keys) for keys in (digests, file_digests) for named in namings
+    candidates = [keyed(form, named, list(keys)) for keys in dict.fromkeys(map(tuple, (digests, file_digests)))
+                  for named in namings
                   for form in [kept, *earlier_forms(kept)]]
     return next((path for path in candidates if path.is_dir()), candidates[0])
 
 
 SMALL_FILE = 1 << 20
+
+
+def is_model(path: str | Path) -> bool:
+    """A finished model's directory (the warm start): known by its weights (`input_digest`)."""
+    return Path(path).is_dir() and (Path(path) / "checkpoint.pt").is_file()
 
 
 def input_digest(path: str | Path, by_weights: bool = True) -> str:
@@ -116,7 +122,7 @@ def input_digest(path: str | Path, by_weights: bool = True) -> str:
     resume, `--forcerun`) writes another file time, summary and history, and a DP run keyed by those
     would not resume but train, and be charged, again."""
     path = Path(path)
-    if by_weights and path.is_dir() and (path / "checkpoint.pt").is_file():
+    if by_weights and is_model(path):
         from pipeline import checkpoints
 
         return checkpoints.weights_digest(path / "checkpoint.pt")
