@@ -125,6 +125,44 @@ def validate(params: dict, schema: dict | None = None, source: str = "params") -
     problems = [_describe_error(e, schema) for e in validator.iter_errors(params)]
     if problems:
         raise ParamsError(sorted(set(problems)), source=source)
+    problems = model_shape_problems(params["model"], params["dp"]["objective"])
+    if problems:
+        raise ParamsError(problems, source=source)
+
+
+def model_shape_problems(model: dict, objective: str) -> list[str]:
+    """Model settings the schema takes one by one but no model can be built from, each named by its
+    keys: the synthetic warm start always builds the MAE, and the DP objective its own model. (The
+    encoder's width and heads come from the size table, which is consistent: tests/test_models.py.)"""
+    problems = []
+    img, patch = model["img_size"], model["patch_size"]
+    if img % patch:
+        return [f"model.img_size={img} is not a multiple of model.patch_size={patch}: the image must cut into "
+                f"whole patches (the nearest that do: {' or '.join(map(str, _divisors_around(img, patch)))})"]
+    patches = (img // patch) ** 2
+    ratios = [("mask_ratio", model["mask_ratio"])]  # the MAE (pretrain) drops this share
+    if objective == "caption":
+        ratios.append(("caption_mask_ratio", model["caption_mask_ratio"]))
+    for key, ratio in ratios:
+        if int(patches * (1 - ratio)) < 1:
+            problems.append(f"model.{key}={ratio} keeps no patch of the {patches} an image cuts into "
+                            f"(model.img_size={img} / model.patch_size={patch}): lower it, or use smaller patches")
+    width, heads = model["decoder_width"], model["decoder_heads"]
+    if width % heads:
+        problems.append(f"model.decoder_width={width} does not split into model.decoder_heads={heads} heads")
+    if width % 4:  # its 2-D sin-cos position embedding gives each axis a sine and a cosine half
+        problems.append(f"model.decoder_width={width} is not a multiple of 4 (the MAE decoder's 2-D position embedding)")
+    width, heads = model["text_width"], model["text_heads"]
+    if objective in ("caption", "clip", "clip-public") and width % heads:
+        problems.append(f"model.text_width={width} does not split into model.text_heads={heads} heads "
+                        f"(the {objective} model's text tower)")
+    return problems
+
+
+def _divisors_around(n: int, k: int) -> list[int]:
+    """The largest divisor of n below k and the smallest above it (where there is one)."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return [d for d in (max(d for d in divisors if d < k), min((d for d in divisors if d > k), default=None)) if d]
 
 
 def write_resolved(params: dict, path: str | Path = RESOLVED_PATH) -> Path:

@@ -24,6 +24,9 @@ def test_default_params_are_valid(in_tmp):
     ("dp.delta=1.5", "dp.delta: 1.5 is not allowed (oneOf); allowed: number > 0 and < 1 or one of 1/n, 1/2n"),
     ("pretrain.steps=1.5", "pretrain.steps: 1.5 is not allowed (type); allowed: integer >= 0"),
     ("verify.accountants=[pld]", "verify.accountants: ['pld'] is not allowed (minItems)"),
+    ("model.patch_size=5", "model.img_size=32 is not a multiple of model.patch_size=5: the image must cut into "
+                           "whole patches (the nearest that do: 4 or 8)"),
+    ("model.decoder_heads=3", "model.decoder_width=64 does not split into model.decoder_heads=3 heads"),
 ])
 def test_each_violation_names_key_and_allowed_values(in_tmp, override, expected):
     problems = errors_for(override)
@@ -112,6 +115,8 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     assert "--sections-json" not in ok.stdout and '"epsilon"' not in ok.stdout  # no params on the shell line
     bad = dry("dp={epsilon: -2}")
     assert bad.returncode == 2 and "dp.epsilon: -2 is not allowed" in bad.stderr and "Traceback" not in bad.stderr
+    bad = dry("model={patch_size: 5}")  # settings the schema takes one by one, no model builds from
+    assert bad.returncode == 2 and "model.img_size=32 is not a multiple of model.patch_size=5" in bad.stderr
 
 
 def test_resolved_params_keep_infinity_and_templates_and_refuse_an_edit(in_tmp):

@@ -451,6 +451,41 @@ def test_the_params_model_section_is_checked_against_the_model_config():
         ModelConfig.of({"depth": 3})
 
 
+def test_validate_refuses_exactly_the_model_settings_no_model_builds_from():
+    """`dpfm validate` (and Snakemake's config check) names each model setting that would crash in a
+    stage, and no other: over random settings the schema takes, a refusal by shape iff building the
+    MAE (the warm start) or the objective's model and running it fails, the one exception being a
+    masking ratio that leaves no patch, which runs but shows the encoder none of the image."""
+    import random
+
+    from pipeline.config import model_shape_problems
+    from pipeline.models.config import ModelConfig
+
+    rng, seen = random.Random(0), {"refused": 0, "built": 0, "empty": 0}
+    for _ in range(80):
+        section = dict(size="micro", img_size=rng.choice([8, 12, 16]), patch_size=rng.choice([2, 3, 4, 5, 8]),
+                       mask_ratio=rng.choice([0.5, 0.75, 0.95]), caption_mask_ratio=rng.choice([0.0, 0.9]),
+                       decoder_width=rng.choice([30, 32, 36]), decoder_heads=rng.choice([1, 2, 3]),
+                       text_width=rng.choice([30, 32]), text_heads=rng.choice([2, 3]), max_caption_len=12)
+        objective = rng.choice(["mae", "caption", "clip"])
+        problems = model_shape_problems(section, objective)
+        try:
+            for name in {"mae", objective}:
+                cfg = ModelConfig.from_params(section, name, vocab_size=VOCAB)
+                model, side = build_model(name, cfg), section["img_size"]
+                noise = torch.rand(2, (side // section["patch_size"]) ** 2)
+                args = (images(2, size=side),) + (() if name == "mae" else (captions(2),))
+                model(*args, **({"noise": noise} if cfg.reads_masks(name) else {}))
+        except (AssertionError, RuntimeError) as e:
+            assert problems, f"{section} {objective} passed validation and crashed: {e!r}"
+            seen["refused"] += 1
+            continue
+        empty = [p for p in problems if "keeps no patch" in p]
+        assert problems == empty, f"{section} {objective} builds and runs, but was refused: {problems}"
+        seen["empty" if empty else "built"] += 1
+    assert min(seen.values()) >= 5, seen  # the draw reaches every outcome
+
+
 def test_each_objective_masks_by_its_own_ratio():
     """`model.mask_ratio` is the MAE's and `model.caption_mask_ratio` the captioner's; CLIP reads whole
     images whatever they say. The model built drops that share, and takes masks iff it drops any."""
