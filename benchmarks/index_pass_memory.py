@@ -31,19 +31,22 @@ def write_index(directory: Path, n: int) -> Path:
     import pyarrow.parquet as pq
 
     from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS
+    from pipeline.io import atomic_path, remove_stale_temps
 
     path = directory / INDEX_NAME
-    if path.exists():
+    if path.exists():  # only ever whole: written under a temporary name, then renamed
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    rng, writer = np.random.default_rng(n), None
-    for start in range(0, n, 1 << 20):
-        rows = min(1 << 20, n - start)
-        table = pa.table({"content_hash": pa.array(rng.integers(0, 2**63, rows, dtype=np.uint64)),
-                          "status": pa.array(["ok"] * rows)})
-        writer = writer or pq.ParquetWriter(path, table.schema)
-        writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
-    writer.close()
+    remove_stale_temps(directory, INDEX_NAME)  # a run killed while writing
+    rng = np.random.default_rng(n)
+    with atomic_path(path) as tmp:
+        writer = None
+        for start in range(0, n, 1 << 20):
+            rows = min(1 << 20, n - start)
+            table = pa.table({"content_hash": pa.array(rng.integers(0, 2**63, rows, dtype=np.uint64)),
+                              "status": pa.array(["ok"] * rows)})
+            writer = writer or pq.ParquetWriter(tmp, table.schema)
+            writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+        writer.close()
     return directory
 
 
