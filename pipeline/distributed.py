@@ -71,14 +71,19 @@ def broadcast_floats(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
-def same_on_every_rank(values: list[float], world: World) -> bool:
-    """Whether every rank holds exactly these `values` (float64; one all-reduce of each value and its
-    negation: the largest equals the negated smallest only when all are equal)."""
+def spread_over_ranks(values: list[float], world: World) -> list[float]:
+    """How far apart the ranks' `values` lie: the largest less the smallest of each, 0 exactly where
+    every rank holds the same (float64; one all-reduce of each value and its negation)."""
     if world.size == 1:
-        return True
+        return [0.0] * len(values)
     t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return torch.equal(t[:len(values)], -t[len(values):])
+    return (t[:len(values)] + t[len(values):]).tolist()
+
+
+def same_on_every_rank(values: list[float], world: World) -> bool:
+    """Whether every rank holds exactly these `values`."""
+    return not any(spread_over_ranks(values, world))
 
 
 def barrier(world: World) -> None:

@@ -159,12 +159,14 @@ if "otherdata" in faults and os.environ.get("RANK", "0") == faults["otherdata"]:
         other.write_text("another build of the shards\n")
         return other
     training.artifact = artifact
-if "othersplit" in faults and os.environ.get("RANK", "0") == faults["othersplit"]:
-    # This rank's node reads its own copy of params.yaml, with another micro-batch: its part of each
-    # step's sample is cut by another rule than the other rank's.
-    import pipeline.cli as cli_module
-    real_load_params = cli_module.load_params
-    cli_module.load_params = lambda path, overrides=(): real_load_params(path, [*overrides, "dp.physical_batch_size=8"])
+# This rank's node reads its own copy of params.yaml: with another micro-batch its part of each step's
+# sample is cut by another rule than the other rank's; with another dp.frozen it sums other tensors.
+OTHER_PARAMS = {"othersplit": "dp.physical_batch_size=8", "otherfrozen": "dp.frozen=[encoder.blocks.0]"}
+for other in set(OTHER_PARAMS) & set(faults):
+    if os.environ.get("RANK", "0") == faults[other]:
+        import pipeline.cli as cli_module
+        real_load_params = cli_module.load_params
+        cli_module.load_params = lambda path, overrides=(), o=OTHER_PARAMS[other]: real_load_params(path, [*overrides, o])
 if "unreadable" in faults:  # the k-th read of sampled private examples fails, naming one of them
     from pipeline.data import loader as data_loader
     from pipeline.data.remote import ShardReadError

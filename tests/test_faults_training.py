@@ -200,9 +200,11 @@ def test_ranks_that_would_resume_from_different_states_stop_before_any_step(data
 # A rank that sees other shards, as many (its node holds another build, listed in another order), draws
 # its part of a step's sample from another population; one that read another micro-batch (its own copy
 # of params.yaml: 16 here, 8 there) cuts its part by another rule, which put 58 of 288 sampled examples
-# into both ranks' parts and 78 into neither. Either way one example could count 2C against C.
+# into both ranks' parts and 78 into neither. Either way one example could count 2C against C. One that
+# read another dp.frozen would all-reduce another list of tensors than the other rank's.
 RANKS_DISAGREE = {"otherdata:1": "the ranks see different private data",
-                  "othersplit:1": "the ranks were launched with other DP settings"}
+                  "othersplit:1": "the ranks were launched with other params (rank 1: dp.physical_batch_size=8)",
+                  "otherfrozen:1": "the ranks were launched with other params (rank 1: dp.frozen=['encoder.blocks.0'])"}
 
 
 @pytest.mark.parametrize("fault", list(RANKS_DISAGREE))
@@ -214,7 +216,8 @@ def test_ranks_that_would_draw_or_cut_the_sample_differently_stop_before_anythin
     work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
     refused = dpfm_torchrun(work, args, fault)
     assert refused.returncode != 0
-    assert refused.stderr.count(RANKS_DISAGREE[fault]) == 2, refused.stderr[-3000:]
+    assert refused.stderr.count(RANKS_DISAGREE[fault].split(" (rank")[0]) == 2, refused.stderr[-3000:]
+    assert RANKS_DISAGREE[fault] in refused.stderr  # the rank that differs names what it read
     assert not (work / "data/budget/runs.jsonl").exists() or not (work / "data/budget/runs.jsonl").read_text()
     done = dpfm_torchrun(work, args)
     assert done.returncode == 0 and dp_state(work)[0] == list(range(STEPS)), done.stderr[-3000:]

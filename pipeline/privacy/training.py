@@ -33,7 +33,7 @@ from pipeline.data import labelled_sets
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer, public_captions
-from pipeline.distributed import broadcast_int, gather_with_grad, init_world, same_on_every_rank
+from pipeline.distributed import broadcast_int, gather_with_grad, init_world, same_on_every_rank, spread_over_ranks
 from pipeline.errors import PrivateDataError, RanksDisagree, VerificationFailed
 from pipeline.io import read_json
 from pipeline.locking import training_lock
@@ -210,16 +210,23 @@ def one_process(work, world):
     return training_lock(work, "-".join(work.relative_to(STATE_ROOT).parts), wait=world.size == 1)
 
 
-def check_same_split(dp: dict, world) -> None:
-    """How a step's sample is cut between the ranks follows dp.physical_batch_size and dp.mask_views, and
-    each rank clips at its own C (and encoder share): ranks launched with other values (a node reading
-    its own params file) would put one example into two ranks' parts, or into none, or clip it above
-    the C the noise is drawn for. They compare them before anything is charged."""
-    share = dp["encoder_clip_share"]
-    split = [dp["physical_batch_size"], dp["mask_views"], dp["clip_norm"], -1.0 if share is None else share]
-    if not same_on_every_rank(split, world):
-        raise RanksDisagree(f"the ranks were launched with other DP settings (rank {world.rank}: dp.physical_batch_size "
-                            f"{split[0]}, mask_views {split[1]}, clip_norm {split[2]}, encoder_clip_share {share}): "
+PER_NODE = {"dp": ("data_workers",)}  # may differ between nodes: each runs its own loader processes
+
+
+def check_same_params(params: dict, world) -> None:
+    """Every rank must train by the same dp and model params. One launched with others (a node reading
+    its own params file) cuts its part of a step's sample by another rule (dp.physical_batch_size,
+    mask_views: one example in two ranks' parts, or in none), clips above the C the noise is drawn for
+    (clip_norm, encoder_clip_share), or sums another set of tensors (dp.frozen). Before anything is
+    charged the ranks compare a digest of each key, and all stop naming those that differ."""
+    keys = [(s, k) for s in ("dp", "model") for k in sorted(params[s]) if k not in PER_NODE.get(s, ())]
+    digests = [int(hashlib.sha256(repr(params[s][k]).encode()).hexdigest()[:13], 16) for s, k in keys]  # exact in fp64
+    if not same_on_every_rank([len(keys)], world):  # another version of dpfm: other keys
+        raise RanksDisagree("the ranks were launched with other params (other keys in dp or model): every rank "
+                            "must run the same dpfm with the same params")
+    differ = [f"{s}.{k}={params[s][k]}" for (s, k), spread in zip(keys, spread_over_ranks(digests, world)) if spread]
+    if differ:
+        raise RanksDisagree(f"the ranks were launched with other params (rank {world.rank}: {', '.join(differ)}): "
                             "every rank must read the same params")
 
 
@@ -248,7 +255,7 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     world = trainer.world
     work = work_dir(params, trainer)
     check_same_data(trainer.plan, world)
-    check_same_split(params["dp"], world)
+    check_same_params(params, world)
     with one_process(work, world):
         key = 0
         if world.is_main:
@@ -425,7 +432,7 @@ class Trainer:
             try:
                 result = dp_step(step, sampler=sampler, fetch=fetch, clipper=clipper, plan=plan, key=key, world=world,
                                  physical_batch_size=physical, ledger=ledger)
-            except (PrivateDataError, LedgerError, StepRefused):  # their messages are written to be published
+            except (PrivateDataError, LedgerError, StepRefused, RanksDisagree):  # messages written to be published
                 raise
             except Exception as e:
                 raise kept_for_owner(step, e) from None
