@@ -28,7 +28,7 @@ import torch
 from benchmarks.dp_overhead import MODELS
 from pipeline.models import build_model
 from pipeline.privacy import engine
-from pipeline.privacy.noise_edge import NOISE_EDGE, noise_edge_floor
+from pipeline.privacy.noise_edge import NOISE_EDGE, largest_move, noise_edge_floor
 from pipeline.privacy.noise import TORCH_EDGES, gaussian
 from pipeline.train import NOISE, step_generator
 
@@ -111,7 +111,8 @@ def main(argv=None) -> dict:
     print(f"   {'run':<42} {'σ':>6} {'δ':>8}" + "".join(f" {name[:18]:>19}" for name in EDGES))
     floors = []
     for label, sigma, q, steps, delta in RUNS:
-        row = {name: noise_edge_floor(sigma, q, steps, edge) for name, edge in EDGES.items()}
+        move = largest_move(1.0, "replace_one", q)  # per example; 1 at q < 1
+        row = {name: noise_edge_floor(sigma, q, steps, edge, move=move) for name, edge in EDGES.items()}
         floors.append({"run": label, "sigma": sigma, "sample_rate": q, "steps": steps, "delta": delta, "floor": row})
         print(f"   {label:<42} {sigma:>6} {delta:>8.2g}" + "".join(f" {v / delta:>18.2g}δ" for v in row.values()))
 

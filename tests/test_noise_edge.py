@@ -51,20 +51,40 @@ def test_the_smallest_uniforms_give_the_edge_the_accounting_checks_against():
     assert one_uniform == pytest.approx(TORCH_EDGES["torch fp64"], rel=1e-12)
 
 
-def test_the_edge_floor_is_the_rate_an_informed_adversary_sees():
-    """Simulated runs with torch's fp32 normals, whose edge (5.77 std) is near enough to watch: x sampled
-    with rate q in each of T steps, its coordinate moved by 1/σ; the adversary flags a run whose release
-    passes the edge. Without x no release passes it; with x the flagged share is noise_edge_floor."""
-    runs, steps, q, sigma = 40_000, 50, 0.2, 1 / 2.9
-    edge = TORCH_EDGES["torch fp32, CPU"]
+# (adjacency, q, 1/σ, T): x's slot left empty by its neighbour, or (a full batch, replace-one) always
+# holding a replacement whose gradient points the other way.
+ADVERSARIES = [("add_remove", 0.2, 2.9, 50), ("replace_one", 0.2, 2.9, 50), ("replace_one", 1.0, 1.6, 20)]
+
+
+@pytest.mark.parametrize("adjacency, q, inverse_sigma, steps", ADVERSARIES)
+def test_the_edge_floor_is_the_rate_an_informed_adversary_sees(adjacency, q, inverse_sigma, steps):
+    """Simulated runs with torch's fp32 normals, whose edge (5.77 std) is near enough to watch: x, sampled
+    with rate q in each of T steps, moves its coordinate by 1/σ; its neighbour has no x (add/remove) or an
+    x' that moves it by -1/σ (replace-one). The adversary flags a run whose release passes the highest
+    value the neighbour can release. The neighbour's runs are never flagged; x's are, at noise_edge_floor."""
+    runs, edge = 40_000, TORCH_EDGES["torch fp32, CPU"]
     g = torch.Generator().manual_seed(4)
     z = torch.randn(runs, steps, generator=g)
-    assert float(z.max()) <= edge  # without x: never
     sampled = torch.rand(runs, steps, generator=g) < q
-    flagged = ((z + 1 / sigma > edge) & sampled).any(dim=1).double().mean().item()
-    want = noise_edge.noise_edge_floor(sigma, q, steps, edge)
+    neighbour = z - inverse_sigma * sampled if adjacency == "replace_one" else z
+    highest = edge - (inverse_sigma if adjacency == "replace_one" and q == 1 else 0.0)  # with x's slot empty: edge
+    assert float(neighbour.max()) <= highest
+    flagged = ((z + inverse_sigma > highest) & sampled).any(dim=1).double().mean().item()
+    want = noise_edge.noise_edge_floor(1 / inverse_sigma, q, steps, edge,
+                                       move=noise_edge.largest_move(1.0, adjacency, q))
     assert abs(flagged - want) < 4 * math.sqrt(want * (1 - want) / runs)
-    assert want > 0.01  # the test has events to count
+    assert 0.01 < want < 0.99  # the test has events to count
+
+
+def test_a_full_batch_under_replace_one_is_refused_where_x_moves_twice_as_far():
+    """At q = 1 under replace-one every step holds x or its replacement: their gradients, 2C apart, bring
+    x's coordinate twice as close to the edge. Per batch (K = 2) the clipped mean moves 2C = K·C either way."""
+    full = {**DP, "expected_batch_size": 1258, "sigma": 0.2, "epsilon": 1e4}
+    plan_mechanism(full, 1258, "add_remove")
+    plan_mechanism({**full, "expected_batch_size": 1257}, 1258, "replace_one")  # x's slot may be empty
+    with pytest.raises(ValueError, match=r"never passes 12\.12 std"):
+        plan_mechanism(full, 1258, "replace_one")
+    assert noise_edge.largest_move(2.0, "replace_one", 1.0) == noise_edge.largest_move(1.0, "add_remove", 1.0) == 1.0
 
 
 def test_a_plan_too_close_to_the_noise_edge_is_refused():
@@ -77,8 +97,9 @@ def test_the_edge_check_would_have_refused_torchs_fp32_draws():
     """The scale table's MAE at ε = 8 (σ 1.198, B = 2,048 of 60,000, 800 steps): with fp32 draws its edge
     alone gave away more than the δ printed; with dp-train's it is 1e-23 of it."""
     q, delta = 2048 / 60_000, 1 / 120_000
-    assert noise_edge.noise_edge_floor(1.198, q, 800, TORCH_EDGES["torch fp32, CPU"]) > delta
-    assert noise_edge.noise_edge_floor(1.198, q, 800) < 1e-20 * delta
+    move = noise_edge.largest_move(1.0, "replace_one", q)
+    assert noise_edge.noise_edge_floor(1.198, q, 800, TORCH_EDGES["torch fp32, CPU"], move=move) > delta
+    assert noise_edge.noise_edge_floor(1.198, q, 800, move=move) < 1e-20 * delta
 
 
 def test_dpfm_plan_marks_what_dp_train_would_refuse(capsys):

@@ -47,8 +47,9 @@ from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.errors import BudgetCorrupt, BudgetNotHere
 from pipeline.io import atomic_path, drop_torn_tail
+from pipeline.objectives import objective
 from pipeline.privacy.accountant_backends import composed_epsilon as composed_pld_epsilon
-from pipeline.privacy.noise_edge import SHARE_OF_DELTA, UNRECORDED_EDGE, noise_edge_floor
+from pipeline.privacy.noise_edge import SHARE_OF_DELTA, UNRECORDED_EDGE, largest_move, noise_edge_floor
 from pipeline.privacy.plan import Plan
 
 BUDGET_DIR = Path("data/budget")
@@ -250,12 +251,15 @@ def composed_epsilon(entries: list[dict], delta: float, adjacency: str = "add_re
     return composed_pld_epsilon([(e["sigma"], e["sample_rate"], e["steps"]) for e in entries], delta, adjacency)
 
 
-def edges_problem(entries: list[dict], delta: float) -> str | None:
+def edges_problem(entries: list[dict], delta: float, adjacency: str) -> str | None:
     """Why the composed runs' noise edges void every ε at δ (privacy/noise_edge.py), or None. Each run's
     edge shows an informed adversary an example was in with probability noise_edge_floor, and over
     runs these add up; a run charged before the budget recorded its edge drew torch's fp32 normals."""
-    floor = sum(noise_edge_floor(e["sigma"], e["sample_rate"], e["steps"], e.get("noise_edge", UNRECORDED_EDGE))
-                if e["sigma"] > 0 else 1.0 for e in entries)
+    def run_floor(e: dict) -> float:
+        move = largest_move(objective(e["objective"]).sensitivity, e.get("adjacency", adjacency), e["sample_rate"])
+        return noise_edge_floor(e["sigma"], e["sample_rate"], e["steps"], e.get("noise_edge", UNRECORDED_EDGE), move=move)
+
+    floor = sum(run_floor(e) if e["sigma"] > 0 else 1.0 for e in entries)
     if floor <= SHARE_OF_DELTA * delta:
         return None
     return (f"noise that stops short of a Gaussian's tail: its edges show that an example was in with probability "
@@ -294,7 +298,7 @@ def _composed(ledger: dict, entries: list[dict], delta: float) -> dict:
     if not any(e["run"] == ledger.get("run") for e in entries):
         entries.append({"run": ledger.get("run"), "objective": plan.objective, "sigma": plan.sigma,
                         "sample_rate": plan.sample_rate, "steps": plan.steps, "noise_edge": plan.noise_edge})
-    edges = edges_problem(entries, delta)
+    edges = edges_problem(entries, delta, plan.adjacency)
     outside += [edges] if edges else []
     dp_runs = composed_epsilon(entries, delta, plan.adjacency)
     return {"epsilon": math.inf if outside else dp_runs, "epsilon_dp_runs": dp_runs, "outside_dp": outside,

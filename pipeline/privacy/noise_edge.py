@@ -25,28 +25,38 @@ UNRECORDED_EDGE = box_muller_edge(2.0 ** -24)
 SHARE_OF_DELTA = 0.1  # the most of δ the edge alone may give away
 
 
-def noise_edge_floor(sigma: float, sample_rate: float, steps: int, edge: float = NOISE_EDGE) -> float:
-    """The chance that a run shows an informed adversary (who knows everything but whether example x was
-    in) a released coordinate past the noise's edge, which only x's presence allows: x's clipped
-    gradient along one coordinate moves it by 1/σ noise stds in each of the steps that sample x.
-    The DP guarantee fails outright on that event, so it is a floor under the run's true δ."""
-    per_step = sample_rate * 0.5 * math.erfc((edge - 1.0 / sigma) / math.sqrt(2))
+def largest_move(sensitivity: float, adjacency: str, sample_rate: float) -> float:
+    """How far one example x moves a released coordinate past the largest value its neighbour can
+    release, in units of the sensitivity K·C the noise is scaled to. Where the neighbour may leave x's
+    slot unsampled (q < 1) its largest is the noise's own edge, and x's clipped gradient moves C past
+    it, under either adjacency. A full batch (q = 1) under replace-one always holds x's replacement,
+    whose gradient can point the other way: 2C. Per batch (K = 2) the clipped mean moves at most 2C."""
+    return 2.0 / sensitivity if adjacency == "replace_one" and sample_rate >= 1 and sensitivity < 2 else 1.0
+
+
+def noise_edge_floor(sigma: float, sample_rate: float, steps: int, edge: float = NOISE_EDGE, *, move: float) -> float:
+    """The chance that a run shows an informed adversary (who knows everything but which of two
+    neighbouring datasets it trains on) a released coordinate past the largest value one of them allows:
+    x moves it `move`/σ noise stds past that (`largest_move`) in each step that samples it. The DP
+    guarantee fails outright on that event, so it is a floor under the run's true δ."""
+    per_step = sample_rate * 0.5 * math.erfc((edge - move / sigma) / math.sqrt(2))
     return -math.expm1(steps * math.log1p(-min(per_step, 1.0 - 1e-16)))
 
 
-def edge_problem(sigma: float, sample_rate: float, steps: int, delta: float, edge: float = NOISE_EDGE) -> str | None:
+def edge_problem(sigma: float, sample_rate: float, steps: int, delta: float, edge: float = NOISE_EDGE, *,
+                 move: float) -> str | None:
     """Why the noise's edge alone gives away more than SHARE_OF_DELTA of δ, or None: a small σ moves x's
     coordinate too close to the edge."""
-    floor = noise_edge_floor(sigma, sample_rate, steps, edge)
+    floor = noise_edge_floor(sigma, sample_rate, steps, edge, move=move)
     if floor <= SHARE_OF_DELTA * delta:
         return None
     return (f"sigma={sigma:.4g} over {steps} steps at q={sample_rate:.3g}: the noise as drawn never passes {edge:.2f} "
             f"std, so with probability {floor:.2g} the run shows an informed adversary a coordinate that only one "
-            f"example's presence allows, above delta/10 = {SHARE_OF_DELTA * delta:.2g}")
+            f"of two neighbouring datasets allows, above delta/10 = {SHARE_OF_DELTA * delta:.2g}")
 
 
-def check_noise_edge(sigma: float, sample_rate: float, steps: int, delta: float) -> None:
+def check_noise_edge(sigma: float, sample_rate: float, steps: int, delta: float, *, move: float) -> None:
     """Refuse, before any work, a mechanism whose noise edge gives away too much (`edge_problem`)."""
-    problem = edge_problem(sigma, sample_rate, steps, delta)
+    problem = edge_problem(sigma, sample_rate, steps, delta, move=move)
     if problem:
         raise ValueError(f"{problem}; lower dp.epsilon, raise dp.sigma or take fewer steps")

@@ -19,7 +19,7 @@ from pipeline.distributed import broadcast_floats
 from pipeline.io import atomic_path
 from pipeline.objectives import SENSITIVITY, objective
 from pipeline.privacy import accounting
-from pipeline.privacy.noise_edge import NOISE_EDGE, UNRECORDED_EDGE, check_noise_edge
+from pipeline.privacy.noise_edge import NOISE_EDGE, UNRECORDED_EDGE, check_noise_edge, largest_move
 from pipeline.privacy.sampling import PoissonSampler
 
 
@@ -124,7 +124,7 @@ def plan_mechanism(dp: dict, n: int, adjacency: str) -> Plan:
     if eps > dp["epsilon"]:
         raise ValueError(f"dp.sigma={sigma} gives ε={eps:.3f} after {dp['steps']} steps, above the target "
                          f"dp.epsilon={dp['epsilon']}: raise sigma or lower steps")
-    check_noise_edge(sigma, q, dp["steps"], delta)
+    check_noise_edge(sigma, q, dp["steps"], delta, move=largest_move(objective(dp["objective"]).sensitivity, adjacency, q))
     return Plan(objective=dp["objective"], clipping=objective(dp["objective"]).clipping, n=n, sample_rate=q,
                 sigma=sigma, clip_norm=dp["clip_norm"], steps=dp["steps"], delta=delta, accountant=dp["accountant"],
                 adjacency=adjacency, target_epsilon=dp["epsilon"], epsilon=eps)

@@ -20,7 +20,7 @@ from pipeline.errors import VerificationFailed
 from pipeline.io import read_json
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import accounting, owner
-from pipeline.privacy.noise_edge import UNRECORDED_EDGE, edge_problem
+from pipeline.privacy.noise_edge import UNRECORDED_EDGE, edge_problem, largest_move
 
 CURVE_POINTS = 40  # ε-against-step points written for the report and MLflow
 
@@ -172,7 +172,8 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
     eps = {a: eps[a] for a in supporting(accountants, relation)}
     # The δ printed holds only if the noise's floating-point edge gives away little of it (noise_edge.py).
     edge = ledger.get("noise_edge", UNRECORDED_EDGE)
-    problem = edge_problem(multiplier, q, steps, delta, edge) if multiplier > 0 else "no noise"
+    move = largest_move(ledger["sensitivity"], relation, q)  # x's move of a coordinate, in units of K·C
+    problem = edge_problem(multiplier, q, steps, delta, edge, move=move) if multiplier > 0 else "no noise"
     check("noise_edge_within_delta", problem is None,
           problem or f"the noise reaches {edge:.2f} std: its edge gives away under a tenth of δ")
     target = dp["epsilon"]  # what the user asked for, not what the ledger says it was asked

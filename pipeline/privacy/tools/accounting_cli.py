@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 from pipeline.privacy import accounting
 from pipeline.privacy.accountant_backends import supports
-from pipeline.privacy.noise_edge import SHARE_OF_DELTA, noise_edge_floor
+from pipeline.privacy.noise_edge import SHARE_OF_DELTA, largest_move, noise_edge_floor
 
 _ACCOUNTANT_CHOICES = list(accounting.ACCOUNTANTS) + ["all"]
 
@@ -243,7 +243,7 @@ def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float]
             rows.append({"batch": batch, "sample_rate": q, "epochs": e, "steps": steps, "sigma": sigma,
                          "noise_per_coordinate": sigma * sensitivity / batch,
                          "noise_over_run": sigma * sensitivity / batch / math.sqrt(steps),
-                         "noise_edge_floor": noise_edge_floor(sigma, q, steps)})
+                         "noise_edge_floor": noise_edge_floor(sigma, q, steps, move=largest_move(sensitivity, adjacency, q))})
     return rows
 
 
