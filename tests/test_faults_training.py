@@ -223,6 +223,21 @@ def test_ranks_that_would_draw_or_cut_the_sample_differently_stop_before_anythin
     assert done.returncode == 0 and dp_state(work)[0] == list(range(STEPS)), done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_ranks_that_draw_different_noise_stop_before_the_update(data_dir, tmp_path, objective):
+    """A rank whose GPU draws other noise from the same generator (another kind of GPU) would add noise
+    of its own to the same sum: both ranks stop at the first step, before its update is applied or
+    anything is published; on ranks that draw alike the run resumes at that step, charged once."""
+    work, args = project(data_dir, tmp_path), with_sets("dp-train", [f"dp.objective={objective}"])
+    refused = dpfm_torchrun(work, args, "othernoise:1")
+    assert refused.returncode != 0
+    assert refused.stderr.count("the ranks drew different noise for one step") == 2, refused.stderr[-3000:]
+    charged, ckpt = dp_state(work)
+    assert charged == [0] and ckpt is None and not (work / "models/dp").exists()
+    done = dpfm_torchrun(work, args)
+    assert done.returncode == 0 and dp_state(work)[0] == list(range(STEPS)), done.stderr[-3000:]
+
+
 # What fails, the line the stage stops with, and what the failure's own message names: a read names
 # what the step sampled (its key, its bytes); an allocator the size it was asked for, and any other
 # error a tensor's shape, both of which follow the micro-batch and so the realised batch size.

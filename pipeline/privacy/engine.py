@@ -39,7 +39,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from pipeline.distributed import World, all_reduce_sum
+from pipeline.distributed import World, all_reduce_sum, spread_over_ranks
+from pipeline.errors import RanksDisagree
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
 from pipeline.privacy.noise import gaussian
@@ -161,7 +162,26 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
     dropped = clipper.finish(len(indices))
     add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE, first.device))
+    check_same_update(clipper, world)
     return StepResult(len(indices), int(count.item()) + dropped)
+
+
+SAME_UPDATE_TOL = 1e-10  # relative: GPUs of two kinds may add up the same values in another order
+
+
+def check_same_update(clipper, world: World) -> None:
+    """Every rank must apply the same noisy gradient, the noise counted once. torch's CUDA draws follow
+    the GPU's count of multiprocessors, so ranks on GPUs of different kinds could add different noise
+    to the same sum: the ranks' weights would part, each carrying noise the accountant never counted.
+    The ranks compare Σg² of the update (another draw moves it by about √(2/d) of itself, the same
+    draw by rounding alone) and stop before it is applied."""
+    if world.size == 1:
+        return
+    total = float(sum(clipper.params[name].grad.double().pow(2).sum() for name in clipper.sum))
+    (spread,) = spread_over_ranks([total], world)
+    if not spread <= SAME_UPDATE_TOL * total:
+        raise RanksDisagree("the ranks drew different noise for one step, so each would add noise of its own: torch's "
+                            "CUDA draws follow the GPU's multiprocessor count; run every rank on the same kind of GPU")
 
 
 def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
