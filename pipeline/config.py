@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 from pathlib import Path
 
 import jsonschema
@@ -70,9 +71,23 @@ def load_params(path: str | Path = PARAMS_PATH, overrides: list[str] = (), schem
         params = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ParamsError([f"not valid YAML: {e}"], source=str(path)) from None
-    params = apply_overrides(params or {}, overrides)
+    params = apply_overrides(numbers(params or {}), overrides)
     validate(params, load_schema(schema_path), source=str(path))
     return params
+
+
+# PyYAML reads YAML 1.1, where a float needs a dot and a signed exponent: 1e-5 and 1.0e5 are strings.
+EXPONENT_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
+
+
+def numbers(values):
+    """`values` with every string leaf written as a number in exponent form (1e-5, 2E3, 1.0e5) read as
+    the float it spells, as YAML 1.2 and Python read it: params.yaml, `--set` and `--config` alike."""
+    if isinstance(values, dict):
+        return {k: numbers(v) for k, v in values.items()}
+    if isinstance(values, list):
+        return [numbers(v) for v in values]
+    return float(values) if isinstance(values, str) and EXPONENT_FLOAT.fullmatch(values) else values
 
 
 def apply_overrides(params: dict, overrides) -> dict:
@@ -89,7 +104,7 @@ def apply_overrides(params: dict, overrides) -> dict:
                 raise ParamsError([f"--set {item!r}: {part!r} is not a section"])
             node = node[part]
         try:
-            node[leaf] = yaml.safe_load(raw)
+            node[leaf] = numbers(yaml.safe_load(raw))
         except yaml.YAMLError as e:
             raise ParamsError([f"--set {item!r}: the value is not valid YAML ({e.problem}); quote strings that "
                                "hold { } [ ] : or #, e.g. shards.urls=\"['s3://b/{0..9}.tar']\""]) from None
@@ -105,7 +120,7 @@ def typed(values):
         return [typed(v) for v in values]
     if isinstance(values, str):
         try:
-            return yaml.safe_load(values) if values.strip() else values
+            return numbers(yaml.safe_load(values)) if values.strip() else values
         except yaml.YAMLError:
             return values
     return values
@@ -140,6 +155,9 @@ def model_shape_problems(model: dict, objective: str) -> list[str]:
         return [f"model.img_size={img} is not a multiple of model.patch_size={patch}: the image must cut into "
                 f"whole patches (the nearest that do: {' or '.join(map(str, _divisors_around(img, patch)))})"]
     patches = (img // patch) ** 2
+    if model["mask_ratio"] == 0:
+        problems.append("model.mask_ratio=0 masks no patch: the MAE (the synthetic warm start) would have nothing to "
+                        "reconstruct, its loss 0 and nothing trained")
     ratios = [("mask_ratio", model["mask_ratio"])]  # the MAE (pretrain) drops this share
     if objective == "caption":
         ratios.append(("caption_mask_ratio", model["caption_mask_ratio"]))

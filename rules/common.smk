@@ -6,11 +6,12 @@ import sys
 
 from pipeline import tracking
 from pipeline.privacy import owner
-from pipeline.config import ParamsError, load_schema, merge, typed, validate, write_resolved
+from pipeline.config import ParamsError, load_schema, merge, numbers, typed, validate, write_resolved
 from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 
-# `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings).
-config.update(merge(config, typed(workflow.config_settings.overwrite_config or {})))
+# `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings),
+# and 1e-5 a number wherever it is written (config.numbers).
+config.update(numbers(merge(config, typed(workflow.config_settings.overwrite_config or {}))))
 # Validated once, here, against the schema (errors name the key path and the allowed values, one
 # line each; exit 2 as `dpfm` does). Every job then reads the file written below (`--resolved`,
 # a rule param whose value never changes) rather than params.yaml again; the `tracked` params are

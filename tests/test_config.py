@@ -21,7 +21,10 @@ def test_default_params_are_valid(in_tmp):
     ("dp.epsilon=-1", "dp.epsilon: -1 is not allowed (exclusiveMinimum); allowed: number > 0 and <= 100"),
     ("dp.epsilon=1000", "dp.epsilon: 1000 is not allowed (maximum); allowed: number > 0 and <= 100"),
     ("dp.objective=simclr", "dp.objective: 'simclr' is not allowed (enum); allowed: one of mae, caption, clip"),
-    ("dp.delta=1.5", "dp.delta: 1.5 is not allowed (oneOf); allowed: number > 0 and < 1 or one of 1/n, 1/2n"),
+    ("dp.delta=1.5", "dp.delta: 1.5 is not allowed (oneOf); allowed: number > 0 and < 1 or one of 1/2n"),
+    ("dp.delta=1/n", "dp.delta: '1/n' is not allowed (oneOf)"),  # δ must be below 1/n
+    ("run.seed=18446744073709551616", "run.seed: 18446744073709551616 is not allowed (maximum)"),
+    ("model.mask_ratio=0", "model.mask_ratio=0 masks no patch"),
     ("pretrain.steps=1.5", "pretrain.steps: 1.5 is not allowed (type); allowed: integer >= 0"),
     ("verify.accountants=[pld]", "verify.accountants: ['pld'] is not allowed (minItems)"),
     ("model.patch_size=5", "model.img_size=32 is not a multiple of model.patch_size=5: the image must cut into "
@@ -54,6 +57,16 @@ def test_missing_key(in_tmp):
     assert errors_for() == ["missing key dp.clip_norm"]
 
 
+def test_a_number_in_exponent_form_is_a_number_wherever_it_is_written(in_tmp):
+    """PyYAML reads YAML 1.1, where 1e-5 (no dot) and 1.0e5 (no sign) are strings: `--set dp.delta=1e-5`
+    was refused as "not allowed (type)", and so was `delta: 1e-5` in params.yaml."""
+    assert load_params(overrides=["dp.delta=1e-5", "dp.lr=2E-3"])["dp"]["delta"] == 1e-5
+    text = open("params.yaml").read().replace("  delta: 1/2n", "  delta: 1e-6", 1)
+    open("params.yaml", "w").write(text)
+    assert load_params()["dp"]["delta"] == 1e-6
+    assert apply_overrides({"a": {}}, ["a.b=x1e5", "a.c=1.0e5"])["a"] == {"b": "x1e5", "c": 1e5}
+
+
 def test_overrides_parse_yaml_values():
     out = apply_overrides({"dp": {"epsilon": 8, "sigma": 1.0}}, ["dp.epsilon=3", "dp.sigma=null"])
     assert out == {"dp": {"epsilon": 3, "sigma": None}}
@@ -81,8 +94,14 @@ def test_an_override_that_is_not_yaml_is_one_clear_line():
     (["shards.source=img2dataset", "shards.path=/nonexistent"], "shards.path=/nonexistent is not a folder"),
     (["shards.source=download", "shards.path=/nonexistent.csv"], "shards.path=/nonexistent.csv does not exist"),
     (["shards.source=urls", "shards.urls=['/nonexistent/{0..1}.tar']"], "none of the shards could be read"),
+    # contradictions the stage finds in the params: one line, exit 2, as the schema's (once a traceback, exit 1)
+    (["shards.source=img2dataset", "shards.path=null"], "shards.source=img2dataset needs shards.path"),
+    (["shards.source=urls", "shards.limit=50"], "shards.limit subsamples a labelled set"),
+    (["shards.source=urls", "shards.private_limit=50"], "shards.private_limit subsamples a labelled set's"),
+    (["shards.eval_fraction=0"], "shards.eval_fraction=0 with source digits leaves the digits eval set empty"),
+    (["shards.limit=5"], "shards.limit=5 leaves the digits eval split empty"),
 ])
-def test_a_bad_source_path_exits_2_with_one_line_and_keeps_the_previous_shards(in_tmp, capsys, sets, message):
+def test_a_bad_source_or_shards_setting_exits_2_with_one_line_and_keeps_the_previous_shards(in_tmp, capsys, sets, message):
     (in_tmp / "data/shards").mkdir(parents=True)
     (in_tmp / "data/shards/index.parquet").write_bytes(b"the previous index")
     assert main(["shards", *sum((["--set", s] for s in sets), [])]) == 2
@@ -115,6 +134,7 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     assert "--sections-json" not in ok.stdout and '"epsilon"' not in ok.stdout  # no params on the shell line
     bad = dry("dp={epsilon: -2}")
     assert bad.returncode == 2 and "dp.epsilon: -2 is not allowed" in bad.stderr and "Traceback" not in bad.stderr
+    assert dry("dp={delta: 1e-5}").returncode == 0  # a number, as YAML 1.2 reads it
     bad = dry("model={patch_size: 5}")  # settings the schema takes one by one, no model builds from
     assert bad.returncode == 2 and "model.img_size=32 is not a multiple of model.patch_size=5" in bad.stderr
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
+from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 
 
@@ -122,11 +123,11 @@ def train_model(corpus, vocab_size: int, model_type: str) -> bytes:
     except RuntimeError as e:
         most, least = re.search(r"<= (\d+)", str(e)), re.search(r"required_chars\. \d+ vs (\d+)", str(e))
         if most:
-            raise ValueError(f"tokenizer.vocab_size={vocab_size} is more than the public corpus supports "
-                             f"({len(corpus)} lines): at most {most.group(1)}") from None
+            raise ParamsError([f"tokenizer.vocab_size={vocab_size} is more than the public corpus supports "
+                               f"({len(corpus)} lines): at most {most.group(1)}"]) from None
         if least:
-            raise ValueError(f"tokenizer.vocab_size={vocab_size} is less than the corpus's characters and "
-                             f"special pieces need: at least {least.group(1)}") from None
+            raise ParamsError([f"tokenizer.vocab_size={vocab_size} is less than the corpus's characters and "
+                               f"special pieces need: at least {least.group(1)}"]) from None
         raise
     return model.getvalue()
 

@@ -63,8 +63,8 @@ def write_labelled(cfg: dict, seed: int, out: Path, workers: int = 1) -> dict:
     # A smaller private set with the same held-out split: how utility grows with n, on one eval set.
     train_idx = train_idx[labelled_sets.subsample(labels[train_idx], cfg.get("private_limit"), seed + 3)]
     if not len(eval_idx):
-        raise ValueError(f"shards.limit={cfg['limit']} leaves the {lset.name} eval split empty (eval_fraction "
-                         f"{cfg['eval_fraction']} of each class rounds to 0): raise shards.limit")
+        raise ParamsError([f"shards.limit={cfg['limit']} leaves the {lset.name} eval split empty (eval_fraction "
+                           f"{cfg['eval_fraction']} of each class rounds to 0): raise shards.limit"])
     rng = np.random.default_rng(seed + 1)
     per, jobs = cfg["samples_per_shard"], []
     for split, idx in zip(SPLITS, (train_idx, eval_idx)):
@@ -108,8 +108,8 @@ def resolve_source(cfg: dict) -> tuple[list[str], dict]:
     if source == "urls":
         return sources.expand_urls(cfg["urls"]), {}
     if not cfg["path"]:
-        raise ValueError(f"shards.source={source} needs shards.path "
-                         f"({'the img2dataset output folder' if source == 'img2dataset' else 'a (url, caption) table'})")
+        raise ParamsError([f"shards.source={source} needs shards.path "
+                           f"({'the img2dataset output folder' if source == 'img2dataset' else 'a (url, caption) table'})"])
     if source == "img2dataset":
         return sources.img2dataset_shards(cfg["path"])
     dl = cfg["download"]
@@ -126,8 +126,8 @@ def eval_fraction(cfg: dict) -> float:
     fraction, source = cfg["eval_fraction"], cfg["source"]
     if source in labelled_sets.SETS:
         if fraction == 0:
-            raise ValueError(f"shards.eval_fraction=0 with source {source} leaves the {source} eval set empty: "
-                             "use null (0.3) or a value in (0, 1)")
+            raise ParamsError([f"shards.eval_fraction=0 with source {source} leaves the {source} eval set empty: "
+                               "use null (0.3) or a value in (0, 1)"])
         return 0.3 if fraction is None else fraction
     if fraction:
         print(f"shards: WARNING shards.eval_fraction={fraction} holds out private examples for evaluation: "
@@ -163,11 +163,11 @@ def run(params: dict, ctx) -> None:
     cfg, seed = params["shards"], params["run"]["seed"]
     labelled = cfg["source"] in labelled_sets.SETS
     if cfg.get("private_limit") is not None and not labelled:
-        raise ValueError(f"shards.private_limit subsamples a labelled set's private split ({', '.join(labelled_sets.SETS)}); "
-                         f"source {cfg['source']} trains on every usable example")
+        raise ParamsError([f"shards.private_limit subsamples a labelled set's private split ({', '.join(labelled_sets.SETS)}); "
+                           f"source {cfg['source']} trains on every usable example"])
     if cfg["limit"] is not None and not labelled:
-        raise ValueError(f"shards.limit subsamples a labelled set ({', '.join(labelled_sets.SETS)}); "
-                         f"source {cfg['source']} uses every usable sample: set it to null")
+        raise ParamsError([f"shards.limit subsamples a labelled set ({', '.join(labelled_sets.SETS)}); "
+                           f"source {cfg['source']} uses every usable sample: set it to null"])
     fraction = eval_fraction(cfg)
     # A web source's eval split is private data: whatever is computed on it is released unprotected.
     stats = {"source": cfg["source"], "eval_fraction": fraction,
