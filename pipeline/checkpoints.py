@@ -12,6 +12,8 @@ from pipeline.io import atomic_path
 
 # What earlier versions called the update count (dp-train, pretrain): read so their models still load.
 LEGACY_STEP_KEYS = ("optimizer_steps", "step")
+# The model settings that shape a warm start's tensors: the encoder's, then the MAE decoder's.
+WARM_SETTINGS = ("size", "img_size", "patch_size", "in_chans", "decoder_width", "decoder_depth", "decoder_heads")
 
 
 class CheckpointError(ValueError):
@@ -41,6 +43,29 @@ class Checkpoint:
         model = build_model(self.objective, self.model_cfg)
         model.load_state_dict(self.model)
         return model
+
+    # -- as a warm start: the whole MAE, its decoder too (ViP); another objective's encoder alone, its
+    # text tower starting from random weights
+    def _part(self, model: torch.nn.Module, objective: str) -> tuple[torch.nn.Module, dict, tuple[str, ...]]:
+        if objective == self.objective:
+            return model, self.model, WARM_SETTINGS
+        return model.encoder, self.encoder, WARM_SETTINGS[:4]
+
+    def load_into(self, model: torch.nn.Module, objective: str) -> None:
+        module, state, _ = self._part(model, objective)
+        module.load_state_dict(state)
+
+    def check_fits(self, model: torch.nn.Module, objective: str, model_cfg: dict) -> None:
+        """Refuse (ValueError) a model, built on any device (meta too), whose tensors this warm start
+        cannot fill, naming the model settings that differ: a model section edited after pretrain ran."""
+        module, state, settings = self._part(model, objective)
+        if {k: tuple(v.shape) for k, v in module.state_dict().items()} == {k: tuple(v.shape) for k, v in state.items()}:
+            return
+        differ = [f"model.{k}: {self.model_cfg.get(k)!r} there, {model_cfg[k]!r} here" for k in settings
+                  if self.model_cfg.get(k) != model_cfg[k]]
+        raise ValueError(f"dp.init=pretrain: the synthetic warm start was pretrained with other model settings "
+                         f"({'; '.join(differ) or 'other tensor shapes'}): run pretrain again (snakemake does) or "
+                         "set them back")
 
 
 def save(path: str | Path, model: torch.nn.Module, *, objective: str, model_cfg: dict, steps: int, private: bool,

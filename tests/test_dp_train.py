@@ -6,6 +6,7 @@ session-wide `data_dir` fixture (conftest.py) makes once."""
 import io
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -16,7 +17,7 @@ from stage_runs import flat, initial_model, initial_weights, inside, project, ru
 from pipeline import checkpoints
 from pipeline.privacy import training
 from pipeline.privacy import engine
-from pipeline.config import load_params
+from pipeline.config import ParamsError, load_params
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.models import ModelConfig
 from pipeline.objectives import objective
@@ -371,6 +372,32 @@ def test_pretrain_run_again_to_the_same_weights_resumes_the_dp_run_and_charges_i
     assert dp_train()["run"] == first["run"] and len(charged_runs(work)) == 1
     warm_start("pretrain.steps=3")
     assert dp_train()["run"] != first["run"] and len(charged_runs(work)) == 2
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective_name, edit, named", [
+    ("mae", "model.decoder_width=64", "model.decoder_width: 32 there, 64 here"),  # the whole MAE
+    ("caption", "model.patch_size=8", "model.patch_size: 4 there, 8 here"),       # its encoder
+    ("clip", "model.size=pico", "model.size: 'micro' there, 'pico' here")])
+def test_a_warm_start_pretrained_with_other_model_settings_is_refused_before_anything_is_charged(
+        data_dir, tmp_path, objective_name, edit, named, ranks):
+    """pretrain run by hand, then the model section edited: dp-train charged the budget and then stopped
+    on a size mismatch loading the warm start. It is refused first, naming the settings that differ."""
+    from stage_runs import charged_runs
+
+    work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.init=pretrain"]
+    with inside(work):
+        run_in_process("synthetic", PUBLIC_WARM_START)
+        run_in_process("pretrain", PUBLIC_WARM_START)
+    if ranks == 1:
+        with pytest.raises(ParamsError, match=re.escape(named)):
+            train(work, [*sets, edit])
+    else:
+        refused = torchrun(work, "dp-train", [*sets, edit], check=False)
+        assert refused.returncode != 0 and refused.stderr.count(named) == 2, refused.stderr[-3000:]  # each rank, exit 2
+    assert charged_runs(work) == []
+    train(work, sets) if ranks == 1 else torchrun(work, "dp-train", sets)  # the settings it was pretrained with
+    assert len(charged_runs(work)) == 1
 
 
 def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_path, monkeypatch):

@@ -141,7 +141,7 @@ def setup(params: dict, device: str) -> "Trainer":
     release.check_noise_seed(dp, params["privacy"])
     try:
         check_clipping(dp["clipping"], dp["precision"], device, dp["encoder_clip_share"], dp["mask_views"],
-                       objective(dp["objective"]).clipping)
+                       objective(dp["objective"]).clipping, dp["objective"])
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
     if dp["mask_views"] > 1 and not mcfg.reads_masks(dp["objective"]):
@@ -151,6 +151,8 @@ def setup(params: dict, device: str) -> "Trainer":
     try:  # on the meta device: names and clip groups checked without building a single weight
         with torch.device("meta"):
             model = build_model(dp["objective"], mcfg)
+            if dp["init"] == "pretrain":  # its tensors fit (a model section edited after pretrain ran by hand)
+                checkpoints.load(artifact("pretrain") / "checkpoint.pt").check_fits(model, dp["objective"], mcfg.to_dict())
             freeze(model, dp["frozen"])
             group_bounds(model, dp["clip_norm"], dp["encoder_clip_share"])
     except ValueError as e:
@@ -353,11 +355,7 @@ def public_negative_tokens(tokenizer, mcfg) -> torch.Tensor:
 
 def warm_start(model, objective_name: str) -> None:
     """Loads the synthetic warm start (the pretrain artifact) into a freshly built model."""
-    warm = checkpoints.load(artifact("pretrain") / "checkpoint.pt")
-    if objective_name == warm.objective:  # MAE: the whole model, its decoder too (ViP)
-        model.load_state_dict(warm.model)
-    else:  # a captioner or CLIP: the encoder; the text tower starts from random weights
-        model.encoder.load_state_dict(warm.encoder)
+    checkpoints.load(artifact("pretrain") / "checkpoint.pt").load_into(model, objective_name)
 
 
 class Trainer:
