@@ -112,6 +112,32 @@ def test_eval_set_split_is_stratified_and_needs_two_per_class():
         lonely.split(0.5, 0)
 
 
+def test_a_prompt_template_with_another_field_is_refused_by_name():
+    """A template is filled with `format(c=class name)`: another field stopped zero-shot on a bare
+    KeyError (or IndexError) after every model was trained; a doubled brace is a literal one."""
+    from pipeline.config import ParamsError
+
+    def eval_set(template):
+        return EvalSet("pets", np.zeros((2, 4, 4, 3), np.uint8), np.array([0, 1]), ["cat", "dog"], (template,))
+    for template, error in (("a {c} in {style}", "KeyError"), ("{c}: {}", "IndexError"), ("{c} {", "ValueError")):
+        with pytest.raises(ParamsError, match=rf"evaluate.sets\[pets\].templates: .* \({error}"):
+            eval_set(template)
+    assert eval_set("a {c} {{x}}").prompts() == [["a cat {x}"], ["a dog {x}"]]
+
+
+def test_a_labelled_sets_class_names_must_name_every_label(tmp_path, monkeypatch):
+    """`classes` renames a bundled set's labels 0..K-1: two names for the ten digits scored zero-shot
+    over two classes and reported it, exit 0."""
+    from pipeline.config import ParamsError
+
+    monkeypatch.chdir(tmp_path)
+    spec = {"name": "digits", "source": "digits", "limit": 50}
+    with pytest.raises(ParamsError, match=r"evaluate.sets\[digits\].classes names 2 classes; the digits set has 10"):
+        load_eval_set({**spec, "classes": ["a", "b"]}, 8)
+    names = [f"n{i}" for i in range(10)]
+    assert load_eval_set({**spec, "classes": names}, 8).classes == names
+
+
 # -- eval sets stream their images -------------------------------------------------------------
 
 def test_images_index_like_an_array_and_subsets_decode_nothing():

@@ -54,3 +54,27 @@ def test_an_extra_seed_that_fails_verification_stops_the_stage(data_dir, tmp_pat
     with pytest.raises(VerificationFailed, match="ledger_steps_match_optimizer"):
         run_stages(work, ["evaluate"], [BASELINES, "evaluate.seeds=2"])
     assert not (work / "results/eval/metrics.json").exists()
+
+
+# What the evaluation asks of its set, asked of params that cannot give it: each used to stop the stage
+# only after evaluate's extra seeds, or the curve's points, were trained and charged.
+UNANSWERABLE = {"evaluate.fewshot.shots=[400]": "evaluate.fewshot.shots on eval set 'digits': 400-shot needs",
+                "evaluate.probe_fraction=0.005": "evaluate.probe_fraction=0.005 on eval set 'digits'",
+                "evaluate.last_k_blocks=3": "evaluate.last_k_blocks=3: the encoder has 1 blocks"}
+
+
+@pytest.mark.parametrize("bad", list(UNANSWERABLE))
+@pytest.mark.parametrize("stage", ["evaluate", "curve"])
+def test_an_evaluation_its_set_cannot_answer_is_refused_before_a_seed_or_point_is_charged(data_dir, tmp_path,
+                                                                                         stage, bad):
+    from pipeline.config import ParamsError
+
+    if stage == "curve" and "fewshot" in bad:
+        pytest.skip("the curve reads the linear probe alone")
+    work = project(data_dir, tmp_path)
+    train(work, [BASELINES])
+    run_stages(work, ["verify"], [])
+    more = ["evaluate.seeds=2"] if stage == "evaluate" else ["curve.inits=[random]", "curve.epsilons=[4]"]
+    with pytest.raises(ParamsError, match=UNANSWERABLE[bad].replace(".", r"\.").replace("[", r"\[")):
+        run_stages(work, [stage], [BASELINES, bad, *more])
+    assert len(charged_runs(work)) == 1  # dp-train's run alone

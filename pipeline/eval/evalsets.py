@@ -27,6 +27,7 @@ from PIL import Image
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
+from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 from pipeline.data.shards import INDEX_NAME, ShardDataset
 from pipeline.eval.images import Images, concat, fill
@@ -47,6 +48,12 @@ class EvalSet:
 
     def __post_init__(self):
         self.images = Images.of(self.images)
+        for template in self.templates:  # a prompt is template.format(c=class name): no other field
+            try:
+                template.format(c="")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ParamsError([f"evaluate.sets[{self.name}].templates: {template!r} holds a field other than "
+                                   f"{{c}} ({type(e).__name__}: {e}); write a literal brace twice, {{{{ or }}}}"], "evaluate params") from None
 
     def prompts(self) -> list[list[str]]:
         """One list of prompts per class."""
@@ -121,6 +128,9 @@ def _labelled(spec: dict, image_size: int) -> EvalSet:
     from pipeline.io import read_json
 
     lset = labelled_sets.get(spec["source"])
+    if spec.get("classes") and len(spec["classes"]) != len(lset.classes):  # names for its labels 0..K-1, in order
+        raise ParamsError([f"evaluate.sets[{spec['name']}].classes names {len(spec['classes'])} classes; the "
+                           f"{lset.name} set has {len(lset.classes)} ({', '.join(lset.classes)}, in label order)"], "evaluate params")
     shape = (image_size, image_size, 3)
     from pipeline.artifacts import artifact
 

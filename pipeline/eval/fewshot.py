@@ -30,7 +30,7 @@ def kshot_subsets(labels: np.ndarray, k: int, repeats: int, seed: int) -> list[n
     if counts.min() < k:
         short = classes[counts < k].tolist()
         raise ValueError(f"{k}-shot needs {k} examples of every class; classes {short} have only "
-                         f"{counts.min()} in the probe-train split (lower evaluate.fewshot.shots)")
+                         f"{counts.min()} in the probe-train split")
     by_class = [np.flatnonzero(labels == c) for c in classes]
     subsets = []
     for r in range(repeats):

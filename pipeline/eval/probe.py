@@ -51,6 +51,14 @@ def pool_tokens(tokens: torch.Tensor, pool: str) -> torch.Tensor:
     raise ValueError(f"unknown pool {pool!r}; use one of {', '.join(POOL_WIDTHS)}")
 
 
+def blocks_read(depth: int, last_k: int | str) -> int:
+    """How many of an encoder's last blocks the features read (evaluate.last_k_blocks; "all": every one)."""
+    last_k = depth if last_k == "all" else last_k
+    if not 1 <= last_k <= depth:
+        raise ValueError(f"last_k_blocks={last_k}: the encoder has {depth} blocks")
+    return last_k
+
+
 @torch.no_grad()
 def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", last_k: int | str = 1,
                      device: str = "cpu", batch_size: int = 256) -> np.ndarray:
@@ -58,9 +66,7 @@ def extract_features(encoder, images: np.ndarray | Images, pool: str = "cls", la
 
     `images` is an array or lazy `Images`: only one batch of it is decoded at a time. last_k="all"
     takes every block."""
-    last_k = len(encoder.blocks) if last_k == "all" else last_k
-    if not 1 <= last_k <= len(encoder.blocks):
-        raise ValueError(f"last_k_blocks={last_k}: the encoder has {len(encoder.blocks)} blocks")
+    last_k = blocks_read(len(encoder.blocks), last_k)
     encoder.eval().to(device)
     captured: list[torch.Tensor] = []
     hooks = [blk.register_forward_hook(lambda _m, _i, out: captured.append(out))

@@ -25,8 +25,10 @@ from pipeline.eval.evalsets import load_eval_set
 from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
+from pipeline.models import VIT_SIZES, ModelConfig
 from pipeline.privacy import release
 from pipeline.privacy.training import train_point
+from pipeline.stages.evaluate import check_protocols
 
 
 def run(params: dict, ctx) -> None:
@@ -34,16 +36,18 @@ def run(params: dict, ctx) -> None:
     if any(math.isinf(e) for e in cfg["epsilons"]):  # refused before any DP point spends budget
         release.check_nonprivate(params["privacy"], read_json(ctx.stage.input("shards") / "stats.json").get("source"),
                                  "curve.epsilons' ε = ∞ point")
-    points, es, split, is_main = [], None, None, True
+    # The first eval set, at the recipe's input size, split as evaluate splits it: checked before any point is charged.
+    mcfg = ModelConfig.from_params(params["model"], params["dp"]["objective"])
+    es = load_eval_set(ev["sets"][0], mcfg.img_size) if cfg["epsilons"] and cfg["inits"] else None
+    split = check_protocols(es, {**ev, "finetune": {"enabled": False}, "fewshot": {"shots": []}}, seed,
+                            VIT_SIZES[mcfg.size]["depth"]) if es else None
+    points, is_main = [], True
     for init in cfg["inits"]:
         for epsilon in sorted(cfg["epsilons"]):
             rows, refits, spent = [], [], []
             for k in range(cfg["seeds"]):  # training seed seed + k: its own init, masks, key and budget entry
                 p = {**params, "run": {**params["run"], "seed": seed + k}}
                 model, eps, is_main = train_point(p, ctx, init, epsilon)
-                if es is None:  # the first eval set, at the model's input size, split as evaluate splits it
-                    es = load_eval_set(ev["sets"][0], model.encoder.img_size)
-                    split = es.split(ev["probe_fraction"], seed)
                 x = features(model.encoder, es.images, ev, ctx.device)
                 outcomes, refit = probe_outcomes(x, es.labels, split, ev, seed + k, ctx.device)  # evaluate's protocol
                 rows.append(outcomes)

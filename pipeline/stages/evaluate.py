@@ -35,11 +35,12 @@ import torch
 from tqdm import tqdm
 
 from pipeline import checkpoints
+from pipeline.config import ParamsError
 from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
-from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
-from pipeline.eval.probe import features, probe_outcomes
+from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg, kshot_subsets
+from pipeline.eval.probe import blocks_read, features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
@@ -120,6 +121,32 @@ def seed_candidates(params: dict, ctx, first: list[Candidate], with_text: bool) 
         if "random" in names:
             out.append(random_candidate(names["dp"].objective, mcfg, seed + k, with_text, seed_index=k))
     return out
+
+
+def check_protocols(es: EvalSet, cfg: dict, seed: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """What evaluate_set asks of an eval set, asked before any model is trained for it (evaluate's extra
+    seeds and the curve's points are charged to the budget): the blocks the features read of an encoder
+    of `depth` blocks, the probe's split (returned), the shots of the few-shot protocols."""
+    problems = []
+    try:
+        blocks_read(depth, cfg["last_k_blocks"])
+    except ValueError as e:
+        problems.append(f"evaluate.{e}")
+    try:
+        split = es.split(cfg["probe_fraction"], seed)
+    except ValueError as e:
+        raise ParamsError([*problems, f"evaluate.probe_fraction={cfg['probe_fraction']} on eval set {es.name!r}: {e}"],
+                          source="evaluate params") from None
+    for key in ("fewshot", "finetune"):
+        shots = cfg[key]["shots"] if key == "fewshot" or cfg[key]["enabled"] else []
+        try:
+            if shots:
+                kshot_subsets(es.labels[split[0]], max(shots), 1, seed)
+        except ValueError as e:
+            problems.append(f"evaluate.{key}.shots on eval set {es.name!r}: {e}")
+    if problems:
+        raise ParamsError(problems, source="evaluate params")
+    return split
 
 
 def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int, device: str, tokenize) -> dict:
@@ -203,6 +230,13 @@ def run(params: dict, ctx) -> None:
         raise VerificationFailed(f"{verification} does not vouch for {dp_path} (passed={ver['passed']}, "
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
     candidates = load_candidates(st, cfg["baselines"], seed, with_text=cfg["zero_shot"])
+    encoder = candidates[0].encoder  # the DP model's: its input size, its depth
+    eval_sets = [load_eval_set(spec, encoder.img_size) for spec in cfg["sets"]]
+    named = [es.name for es in eval_sets]
+    if len(set(named)) < len(named):  # metrics.json keys each set's results by its name
+        raise ParamsError([f"evaluate.sets: two sets are named {sorted({n for n in named if named.count(n) > 1})}"])
+    for es in eval_sets:  # before the extra seeds are trained and charged
+        check_protocols(es, cfg, seed, len(encoder.blocks))
     candidates += seed_candidates(params, ctx, candidates, with_text=cfg["zero_shot"])
     tokenizer = None
     if any(c.text_model is not None for c in candidates):
@@ -213,10 +247,7 @@ def run(params: dict, ctx) -> None:
     def tokenize(cand: Candidate):
         return lambda captions: tokenizer.encode(captions, cand.max_len, public=True)  # prompts: public text
 
-    image_size = candidates[0].encoder.img_size  # the DP model's
-    sets = {}
-    for spec in cfg["sets"]:
-        sets[spec["name"]] = evaluate_set(load_eval_set(spec, image_size), candidates, cfg, seed, ctx.device, tokenize)
+    sets = {es.name: evaluate_set(es, candidates, cfg, seed, ctx.device, tokenize) for es in eval_sets}
     metrics = {
         "primary_set": cfg["sets"][0]["name"],
         "objective": candidates[0].objective,
@@ -236,5 +267,5 @@ def run(params: dict, ctx) -> None:
     ctx.tracker.log_metrics(mlflow_metrics(metrics))
     # A test run's model (a known noise key) is saved not private: the report plots no DP point for it.
     ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}",
-                          "dpfm.model_private": str(dp_ckpt.private).lower()})
+                          "dpfm.model_private": str(dp_ckpt.private).lower(), "dpfm.primary_set": metrics["primary_set"]})
     ctx.tracker.log_artifact(str(out))
