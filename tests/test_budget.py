@@ -117,6 +117,23 @@ def test_runs_on_the_same_examples_compose_and_a_resume_is_charged_once(in_tmp):
     assert composed > accounting.epsilon(SIGMA, Q, STEPS, DELTA) * 1.2
 
 
+def test_the_budget_names_a_key_by_a_fingerprint_that_is_slow_to_try_and_old_runs_resume_charged_once(in_tmp):
+    """The budget travels to the owner's DVC remote. Its fingerprint of a run's 63-bit key was a SHA-256,
+    which whoever reads the budget could invert by trying every key (about 1e10 a second on a GPU).
+    It is scrypt's now; a run charged under the old fingerprint resumes without a second charge."""
+    import hashlib
+
+    d = shard(in_tmp / "d", examples(20))
+    old, new = hashlib.sha256(b"dpfm budget key 11").hexdigest()[:16], budget.key_fingerprint(11)
+    assert new == hashlib.scrypt(b"11", salt=b"dpfm budget key", n=1 << 14, r=8, p=1, dklen=16).hex() != old
+    charge(*d, "old", key=11)
+    path = budget.BUDGET_DIR / "runs.jsonl"
+    path.write_text(path.read_text().replace(new, old))  # as the version before wrote it
+    charge(*d, "old", key=11)  # its resume
+    charge(*d, "old", key=12)  # started again without its state: a new key
+    assert [e["key"] for e in budget.runs(d[0])] == [old, budget.key_fingerprint(12)]
+
+
 def test_a_run_started_again_with_a_new_key_is_charged_again(in_tmp):
     """The run's name is a digest of its params and inputs; its secret key lives in its state
     directory. Started again without that directory (a deleted `.dpfm/`), the same run draws a new key,

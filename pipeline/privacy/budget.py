@@ -157,7 +157,14 @@ def _load_sketch(identity: str) -> np.ndarray | None:
 
 
 def key_fingerprint(key: int) -> str:
-    """Which draw of batches and noise a run makes, without the key itself."""
+    """Which draw of batches and noise a run makes, without the key itself. The budget travels to the
+    owner's DVC remote, and the key has 63 bits: a fast hash of it could be inverted offline by trying
+    every key, so the fingerprint is scrypt's (16 MiB and about 0.1 s a try)."""
+    return hashlib.scrypt(str(key).encode(), salt=b"dpfm budget key", n=1 << 14, r=8, p=1, dklen=16).hex()
+
+
+def _sha256_key_fingerprint(key: int) -> str:
+    """The fingerprint of runs charged until 2026-12-05: their resumes are matched by it, charged once."""
     return hashlib.sha256(f"dpfm budget key {key}".encode()).hexdigest()[:16]
 
 
@@ -167,7 +174,8 @@ def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int) ->
     _append(identity, sketch, {"run": run, "key": key_fingerprint(key), "set": identity, "objective": plan.objective,
                                "sigma": plan.sigma, "sample_rate": plan.sample_rate, "steps": plan.steps,
                                "delta": plan.delta, "n": plan.n, "adjacency": plan.adjacency,
-                               "noise_edge": plan.noise_edge}, same=("run", "key"))
+                               "noise_edge": plan.noise_edge}, same=("run", "key"),
+            earlier=[{"key": _sha256_key_fingerprint(key)}])
 
 
 def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str) -> None:
@@ -178,8 +186,9 @@ def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str) -> 
     _append(identity, sketch, {"run": run, "set": identity, "outside_dp": why}, same=("run", "outside_dp"))
 
 
-def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...]) -> None:
-    """Append `entry` to the budget unless an entry agrees with it on `same` (a resume)."""
+def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...], earlier: list[dict] = ()) -> None:
+    """Append `entry` to the budget unless an entry agrees on `same` with it, or with it as an earlier
+    version wrote it (`entry` updated by one of `earlier`): a resume."""
     _check_here()
     _save_sketch(identity, sketch)
     entry["recorded"] = int(time.time())  # whole seconds: a fixed width
@@ -191,7 +200,8 @@ def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...
             pass
         drop_torn_tail(BUDGET_DIR / "runs.jsonl")  # a charge cut by a kill: its run had not started
         f.seek(0)
-        if any(all(e.get(k) == entry[k] for k in same) for e in _parse(f.read(), BUDGET_DIR / "runs.jsonl")):
+        forms = [entry, *({**entry, **change} for change in earlier)]
+        if any(all(e.get(k) == form[k] for k in same) for e in _parse(f.read(), BUDGET_DIR / "runs.jsonl") for form in forms):
             return  # a resume: the same batches and noise (an entry from before keys were recorded charges again)
         f.write(json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
