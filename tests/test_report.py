@@ -168,24 +168,31 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
             client.log_param(run.info.run_id, k, v)
         client.set_terminated(run.info.run_id, status)
 
-    # An older pipeline: evaluate logged no ε; it comes from the dp-train run of the same parent.
+    digits = {"dpfm.primary_set": "digits"}
+    # An older pipeline: evaluate logged no ε (it comes from the dp-train run of the same parent) and no
+    # set tag (its logged evaluate.sets names it).
     stage_run("dp-train", "p1", {"epsilon": 2.0}, params={"dp.objective": "clip"})
-    stage_run("evaluate", "p1", {"dp_linear_probe_acc": 0.6}, {"dvc.input.models/dp": "h1"})
+    stage_run("evaluate", "p1", {"dp_linear_probe_acc": 0.6}, {"dvc.input.models/dp": "h1"},
+              params={"evaluate.sets": '[{"name": "digits", "source": "digits"}]'})
     # One model evaluated twice: the latest run counts, once.
     stage_run("evaluate", "p2", {"dp_linear_probe_acc": 0.7, "epsilon": 8.0},
-              {"dvc.input.models/dp": "h2", "dpfm.objective": "mae"})
+              {"dvc.input.models/dp": "h2", "dpfm.objective": "mae", **digits})
     stage_run("evaluate", "p3", {"dp_linear_probe_acc": 0.75, "epsilon": 8.0},
-              {"dvc.input.models/dp": "h2", "dpfm.objective": "mae"})
-    stage_run("evaluate", "p4", {"dp_linear_probe_acc": 0.99, "epsilon": 1.0}, {"dvc.input.models/dp": "h3"},
+              {"dvc.input.models/dp": "h2", "dpfm.objective": "mae", **digits})
+    stage_run("evaluate", "p4", {"dp_linear_probe_acc": 0.99, "epsilon": 1.0}, {"dvc.input.models/dp": "h3", **digits},
               status="FAILED")
     # A test run's model (a known noise key) is no DP point, whatever ε its verification computed.
     stage_run("evaluate", "p5", {"dp_linear_probe_acc": 0.95, "epsilon": 4.0},
-              {"dvc.input.models/dp": "h4", "dpfm.objective": "mae", "dpfm.model_private": "false"})
-    points, note = report_curves.experiment_points("dpfm", current_model_hash="h2")
+              {"dvc.input.models/dp": "h4", "dpfm.objective": "mae", "dpfm.model_private": "false", **digits})
+    # A model evaluated on another set is on another axis: the figure's caption names one set.
+    stage_run("evaluate", "p6", {"dp_linear_probe_acc": 0.91, "epsilon": 3.0},
+              {"dvc.input.models/dp": "h5", "dpfm.objective": "mae", "dpfm.primary_set": "fashion"})
+    points, note = report_curves.experiment_points("dpfm", current_model_hash="h2", primary_set="digits")
     got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"]) for p in points)
     assert got == [(2.0, 0.6, "clip", False), (8.0, 0.75, "mae", True)]
-    assert "2 DP model(s)" in note
-    none, note = report_curves.experiment_points("elsewhere", None)
+    assert "2 DP model(s) evaluated on digits" in note
+    assert [p["accuracy"] for p in report_curves.experiment_points("dpfm", None, "fashion")[0]] == [0.91]
+    none, note = report_curves.experiment_points("elsewhere", None, "digits")
     assert none == [] and "not found" in note
 
 
@@ -268,7 +275,7 @@ def test_data_card_reports_usable_n_and_never_the_exclusion_counts():
 
 def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
     metrics = metrics_json()
-    mechanism = {"n": 1258, "batch": 125.8, "sigma": 0.67, "epsilon": 7.99, "clip": 1.0}
+    mechanism = {"n": 1258, "batch": 125.8, "sigma": 0.67, "epsilon": 7.99, "noise": 0.67 / 125.8, "per_batch": False}
     text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
     assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%)")
     assert "it beats Random init by +32.2 points (95% CI +27.0 to +37.4)" in text
@@ -277,6 +284,11 @@ def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
             "that includes 0") in text
     assert text.index("Synthetic only") < text.index("Random init") < text.index("Not private")  # warm start first
     assert "did not improve on its synthetic warm start" in text and "n = 1258" in text  # and why, likely
+    assert "σ·C/batch = 0.00533" in text
+    # Dp-CLIP clips the batch's mean: its noise is 2σC per coordinate (0.00174 was printed, 770x too small)
+    clip = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"],
+                                             {**mechanism, "noise": 2 * 0.67, "per_batch": True})
+    assert "noise std per coordinate is 2σ·C = 1.34 however large the batch" in clip and "shrinks" not in clip
     metrics["sets"]["digits"]["dp_versus"]["synthetic"] = {"diff": 0.05, "ci": [0.02, 0.08]}
     text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
     assert "it beats Synthetic only (Syn-ViP) by +5.0 points" in text and "warm start" not in text

@@ -299,6 +299,17 @@ def test_stage_writes_verification_with_curves_and_logs_them(project, in_tmp, va
     assert sorted(history, key=lambda m: m.step)[-1].value == pytest.approx(out["epsilon_curve"]["pld"][-1])
 
 
+def test_the_printed_line_lists_the_accountants_that_account_the_runs_adjacency(project, in_tmp, valid_replace_one,
+                                                                                capsys):
+    """rdp and prv account add/remove alone: under replace-one with verify.accountants=[rdp, prv] the line
+    read "ε = 7.993 (pld, replace-one), ; add/remove …"."""
+    assert cli.main(["verify"]) == 0
+    assert "(pld, replace-one), pld: " in capsys.readouterr().out
+    assert cli.main(["verify", "--set", "verify.accountants=[rdp, prv]"]) == 0
+    line = capsys.readouterr().out
+    assert "(pld, replace-one); add/remove (the literature's): " in line and ", ;" not in line
+
+
 def test_the_batch_size_test_is_owner_only(project, in_tmp, capsys):
     """Its p-values are statistics of the realised (private) batch sizes: the verdict is published, the
     p-values go to the owner-only zone, and without that zone's record verify says where it is."""

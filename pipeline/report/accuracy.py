@@ -20,10 +20,12 @@ def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -
              + ", standardised."]
     if any(c.endswith("-shot") for c in columns):
         parts.append(f"K-shot: logistic regression on K examples per class, mean ± std over "
-                     f"{protocol['fewshot']['repeats']} seeded class-balanced subsets.")
+                     f"{protocol['fewshot']['repeats']} seeded class-balanced subsets"
+                     + (", of the first training seed's model." if seeds > 1 else "."))
     if any(c.endswith("FT") for c in columns):
         parts.append(f"FT: the whole encoder and a linear head fine-tuned on K examples per class (AdamW), "
-                     f"mean ± std over {protocol['finetune']['repeats']} subsets.")
+                     f"mean ± std over {protocol['finetune']['repeats']} subsets"
+                     + (", of the first training seed's model." if seeds > 1 else "."))
     if "Zero-shot" in columns:
         how = {"caption_loss": "the class whose prompt captions have the lowest loss",
                "embedding": "the class whose prompt embedding is closest (cosine)"}[OBJECTIVES[objective].zero_shot]
@@ -65,10 +67,15 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     text += (": " + "; ".join(parts) + "." if parts else ".")
     warm = versus.get("synthetic")
     if warm is not None and warm["ci"][0] <= 0:
-        text += (f" DP training did not improve on its synthetic warm start here. The likely reason: DP-SGD's noise "
-                 f"relative to the averaged gradient shrinks with the expected batch, and this run has "
-                 f"n = {mechanism['n']} private examples, an expected batch of {mechanism['batch']:.0f} and "
-                 f"σ = {mechanism['sigma']:.2f} at ε = {mechanism['epsilon']:.2f} (noise std per averaged "
-                 f"coordinate ≈ σ·C/batch = {mechanism['sigma'] * mechanism['clip'] / mechanism['batch']:.3g}); "
-                 "ViP and DP-Cap use batches of ~100k from hundreds of millions of examples.")
+        run = (f"n = {mechanism['n']} private examples, an expected batch of {mechanism['batch']:.0f} and "
+               f"σ = {mechanism['sigma']:.2f} at ε = {mechanism['epsilon']:.2f}")
+        if mechanism["per_batch"]:  # the clipped quantity is the batch's mean: its noise is 2σC whatever the batch
+            text += (f" DP training did not improve on its synthetic warm start here. Dp-CLIP clips the batch's mean "
+                     f"gradient, so its noise std per coordinate is 2σ·C = {mechanism['noise']:.3g} however large the "
+                     f"batch ({run}): only a larger σ's smaller ε buys less of it.")
+        else:
+            text += (f" DP training did not improve on its synthetic warm start here. The likely reason: DP-SGD's noise "
+                     f"relative to the averaged gradient shrinks with the expected batch, and this run has {run} "
+                     f"(noise std per averaged coordinate σ·C/batch = {mechanism['noise']:.3g}); ViP and DP-Cap use "
+                     "batches of ~100k from hundreds of millions of examples.")
     return text

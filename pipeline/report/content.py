@@ -27,7 +27,7 @@ def accuracy_sets(metrics: dict, objective: str, out: Path) -> list[dict]:
             "name": name, "columns": columns, "rows": rows, "figure": fig,
             "note": (f"{len(s['classes'])} classes; the public held-out set is split into {s['n_probe_train']} "
                      f"probe-train / {s['n_probe_test']} probe-test images; chance {100 * s['chance']:.1f}%; in "
-                     f"parentheses: 95% bootstrap intervals over those test images"
+                     f"parentheses: 95% bootstrap intervals (what they cover: below the table)"
                      + ("; raw pixels: the same probe on the input pixels (at most 32 px)." if "pixels" in s["results"]
                         else ".")),
             "legend": protocol_legend(metrics["protocol"], columns, objective),
@@ -121,7 +121,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     primary_set = metrics["sets"][primary]
     headline = headline_sentence(primary, primary_set, models, {
         "n": ver["n"], "batch": ver["sample_rate"] * ver["n"], "sigma": ver["sigma"],
-        "epsilon": ver["epsilon_reported"], "clip": plan.clip_norm})
+        "epsilon": ver["epsilon_reported"], "noise": plan.noise_std / plan.denominator,  # per averaged coordinate
+        "per_batch": plan.clipping == "per_batch"})
     if not privacy["private"]:
         headline = f"NOT PRIVATE as a whole: {'; '.join(privacy['not_private'])}. " + headline
     from pipeline.tracking import git_commit

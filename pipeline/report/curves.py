@@ -3,13 +3,15 @@ points of every DP model evaluated in the MLflow experiment."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.objectives import recipe_title
 from pipeline.report import plots
 
-def experiment_points(experiment: str, current_model_hash: str | None) -> tuple[list[dict], str]:
-    """One point per DP model evaluated in the experiment: its verified ε and DP linear-probe accuracy.
+def experiment_points(experiment: str, current_model_hash: str | None, primary_set: str) -> tuple[list[dict], str]:
+    """One point per DP model evaluated in the experiment on `primary_set` (the first eval set; a run
+    evaluated on another is another axis): its verified ε and DP linear-probe accuracy.
 
     ε comes from the evaluate run itself (it logs the verified ε it evaluated) or, for runs that
     predate that, from the finished dp-train run of the same pipeline invocation. A model
@@ -44,10 +46,22 @@ def experiment_points(experiment: str, current_model_hash: str | None) -> tuple[
         acc = m.get("dp_linear_probe_acc")
         if model in seen or eps is None or acc is None or tags.get("dpfm.model_private") == "false":
             continue
+        if evaluated_on(run) != primary_set:
+            continue
         seen.add(model)
         objective = tags.get("dpfm.objective") or (dp_run.data.params.get("dp.objective") if dp_run else None)
         points.append({"epsilon": eps, "accuracy": acc, "objective": objective, "current": model == current_model_hash})
-    return points, f"{len(points)} DP model(s) evaluated in MLflow experiment {experiment!r}"
+    return points, f"{len(points)} DP model(s) evaluated on {primary_set} in MLflow experiment {experiment!r}"
+
+
+def evaluated_on(run) -> str | None:
+    """The first eval set of an evaluate run: its tag, or (runs before the tag) its logged evaluate.sets."""
+    if "dpfm.primary_set" in run.data.tags:
+        return run.data.tags["dpfm.primary_set"]
+    try:
+        return json.loads(run.data.params["evaluate.sets"])[0]["name"]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
 
 
 INIT_LABELS = {"pretrain": "DP from the synthetic warm start", "random": "DP from random init"}

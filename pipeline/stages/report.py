@@ -24,7 +24,8 @@ def run(params: dict, ctx) -> None:
     stats = read_json(stats_path) if stats_path.exists() else None
     from pipeline.tracking import dvc_hash
 
-    points = experiment_points(params["run"]["experiment"], dvc_hash(str(dp_dir)) if dp_dir.exists() else None)
+    points = experiment_points(params["run"]["experiment"], dvc_hash(str(dp_dir)) if dp_dir.exists() else None,
+                               metrics["primary_set"])
     final = final_privacy(params, ledger, ver, stats or {})
     histories = (read_json(st.input("pretrain") / "history.json"), read_json(dp_dir / "history.json"))
     with atomic_dir(st.output("report")) as out:

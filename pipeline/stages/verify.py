@@ -42,8 +42,10 @@ def run(params: dict, ctx) -> None:
     failed_out.unlink(missing_ok=True)
     result["composition"] = budget.composition(ledger, result["delta"])
     write_json(out, result)
+    # verify.accountants that account the run's adjacency (rdp and prv account add/remove alone)
+    others = "".join(f", {a}: {e:.3f}" for a, e in result["epsilon"].items())
     print(f"verify: passed; ε = {result['epsilon_reported']:.3f} ({result['accountant']}, "
-          f"{result['adjacency'].replace('_', '-')}), " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon"].items())
+          f"{result['adjacency'].replace('_', '-')}){others}"
           + ("" if result["adjacency"] == "add_remove" else
              "; add/remove (the literature's): " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon_add_remove"].items())))
     c = result["composition"]
