@@ -22,8 +22,10 @@ def probe_ci(row: dict) -> list[float]:
 
 
 def paired_gain(row: dict, base: dict) -> dict:
-    """row's probe accuracy minus base's, paired by test image, seed and probe resample."""
-    return difference_ci(row["probe"], base["probe"], refits_a=row.get("refits"), refits_b=base.get("refits"))
+    """row's probe accuracy minus base's, paired by test image, seed and (where both have them) probe resample."""
+    both = row.get("refits") is not None and base.get("refits") is not None
+    return difference_ci(row["probe"], base["probe"], refits_a=row["refits"] if both else None,
+                         refits_b=base["refits"] if both else None)
 
 
 def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:
@@ -43,10 +45,17 @@ def check_targets(table: dict, objectives, epsilons, chance: float) -> dict:
         if 8.0 in full and 1.0 in full:
             d = paired(full[8.0], full[1.0])
             targets[f"c_{obj}_eps8_not_below_eps1"] = {"passed": d["ci"][1] >= 0, "diff": d}
-    encoders = {k: v for k, v in table.items() if k != "pixels"}
-    best = max(encoders, key=lambda k: encoders[k]["probe"].mean())
-    best_ci, pixels = probe_ci(encoders[best]), float(table["pixels"]["probe"].mean())
-    targets["d_best_vs_pixels"] = {"passed": best_ci[1] >= pixels, "best": best, "ci": best_ci, "pixels": pixels}
+    def best_versus_pixels(rows: list[str]) -> dict:
+        """The most accurate of `rows`, paired against the pixels: below them only if the whole interval is."""
+        best = max(rows, key=lambda k: table[k]["probe"].mean())
+        d = paired(best, "pixels")
+        return {"passed": d["ci"][1] >= 0, "best": best, "diff": d}
+
+    encoders = [k for k in table if k != "pixels"]
+    targets["d_best_vs_pixels"] = best_versus_pixels(encoders)
+    private = [k for k in encoders if "-eps" in k and not k.endswith("-epsinf")]
+    if private:  # the no-DP twins are not private: what the DP encoders alone reach
+        targets["d_best_dp_vs_pixels"] = best_versus_pixels(private)
     cap8 = f"caption-n{FULL}-eps8"
     if cap8 in table:
         ci = accuracy_ci(table[cap8]["zero"])

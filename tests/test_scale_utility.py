@@ -44,7 +44,7 @@ def passed(t, chance=0.1):
 def test_a_clear_gain_passes_every_target():
     weak, strong = outcomes()
     result = passed(table(weak, strong))
-    assert all(result.values()) and len(result) == 2 + 3 + 3 + 1 + 1  # a: mae, caption; clip has no a
+    assert all(result.values()) and len(result) == 2 + 3 + 3 + 2 + 1  # a: mae, caption (clip has none); d: best, best DP
 
 
 def test_each_target_fails_when_its_comparison_breaks():
@@ -59,7 +59,13 @@ def test_each_target_fails_when_its_comparison_breaks():
     assert not passed(t)["b_clip_eps_inf_above_synthetic"]
     t = table(weak, strong)
     t["pixels"]["probe"] = np.ones_like(strong)  # pixels out of every encoder's reach
-    assert not passed(t)["d_best_vs_pixels"]
+    assert not passed(t)["d_best_vs_pixels"] and not passed(t)["d_best_dp_vs_pixels"]
+    t = table(weak, strong)
+    for eps in (1, 8):  # only the no-DP twins reach the pixels: the DP encoders' own target fails
+        t.update({f"{obj}-n{FULL}-eps{eps}": {**t[f"{obj}-n{FULL}-eps{eps}"], "probe": weak} for obj in ("mae", "caption", "clip")})
+    t["pixels"]["probe"] = strong
+    r = passed(t)
+    assert r["d_best_vs_pixels"] and not r["d_best_dp_vs_pixels"]
     assert not passed(table(weak, strong, zero_acc=0.25))["e_caption_zero_shot_3x_chance"]  # 2.5x chance
 
 
@@ -220,7 +226,8 @@ def test_the_report_prints_the_table_and_one_json_line_with_refit_intervals(tmp_
     assert row["gain_over_synthetic"]["ci"] == [round(x, 4) for x in refit["ci"]]
     assert refit["ci"][1] - refit["ci"][0] > 2 * (plain["ci"][1] - plain["ci"][0])  # half the refits gain nothing
     assert out["targets"] == {"a_caption_eps8_above_synthetic": True, "d_best_vs_pixels": True,
-                              "e_caption_zero_shot_3x_chance": True} and exit_code.value.code == 0
+                              "d_best_dp_vs_pixels": True, "e_caption_zero_shot_3x_chance": True}
+    assert exit_code.value.code == 0
     assert (tmp_path / "scaling.png").exists()
 
 
