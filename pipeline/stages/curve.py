@@ -22,13 +22,13 @@ import math
 import numpy as np
 
 from pipeline.eval.evalsets import load_eval_set
+from pipeline.eval.protocols import check_protocols
 from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
 from pipeline.models import VIT_SIZES, ModelConfig
 from pipeline.privacy import release
 from pipeline.privacy.training import train_point
-from pipeline.stages.evaluate import check_protocols
 
 
 def run(params: dict, ctx) -> None:

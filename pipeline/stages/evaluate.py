@@ -39,8 +39,9 @@ from pipeline.config import ParamsError
 from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.eval.evalsets import EvalSet, load_eval_set
-from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg, kshot_subsets
-from pipeline.eval.probe import blocks_read, features, probe_outcomes
+from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
+from pipeline.eval.probe import features, probe_outcomes
+from pipeline.eval.protocols import check_protocols
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
@@ -121,32 +122,6 @@ def seed_candidates(params: dict, ctx, first: list[Candidate], with_text: bool) 
         if "random" in names:
             out.append(random_candidate(names["dp"].objective, mcfg, seed + k, with_text, seed_index=k))
     return out
-
-
-def check_protocols(es: EvalSet, cfg: dict, seed: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
-    """What evaluate_set asks of an eval set, asked before any model is trained for it (evaluate's extra
-    seeds and the curve's points are charged to the budget): the blocks the features read of an encoder
-    of `depth` blocks, the probe's split (returned), the shots of the few-shot protocols."""
-    problems = []
-    try:
-        blocks_read(depth, cfg["last_k_blocks"])
-    except ValueError as e:
-        problems.append(f"evaluate.{e}")
-    try:
-        split = es.split(cfg["probe_fraction"], seed)
-    except ValueError as e:
-        raise ParamsError([*problems, f"evaluate.probe_fraction={cfg['probe_fraction']} on eval set {es.name!r}: {e}"],
-                          source="evaluate params") from None
-    for key in ("fewshot", "finetune"):
-        shots = cfg[key]["shots"] if key == "fewshot" or cfg[key]["enabled"] else []
-        try:
-            if shots:
-                kshot_subsets(es.labels[split[0]], max(shots), 1, seed)
-        except ValueError as e:
-            problems.append(f"evaluate.{key}.shots on eval set {es.name!r}: {e}")
-    if problems:
-        raise ParamsError(problems, source="evaluate params")
-    return split
 
 
 def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int, device: str, tokenize) -> dict:
