@@ -3,11 +3,14 @@
 SLURM sends SIGTERM at a time limit or a preemption, then SIGKILL after its grace period; Ctrl-C
 sends SIGINT. The first such signal asks the loop to finish the step in flight, save a checkpoint
 and exit, so a re-run loses nothing (a kill -9 loses the steps since the last checkpoint). A second
-signal acts as it would have without us, at once.
+signal acts as it would have without us, at once; except a second SIGTERM under torchrun, which is
+the first one again: SLURM signals every process of the job step, the torchrun agent among them,
+and the agent forwards its own to each rank.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -38,6 +41,8 @@ class StopRequests:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGTERM == self.signum and "TORCHELASTIC_RUN_ID" in os.environ:
+            return  # the agent's copy of SLURM's SIGTERM (module docstring)
         if self.signum is not None:  # asked twice: behave as if we were not here
             signal.signal(signum, self._previous[signum])
             signal.raise_signal(signum)

@@ -35,5 +35,8 @@ for st in STAGES:
             **stage_resources(st.name),
         conda:
             STAGE_ENV
+        # SLURM's SIGTERM before the time limit reaches this shell too: it waits for the stage to save its
+        # checkpoint and exits with the stage's code (bash runs a trap once the pipeline ends), where
+        # untrapped it died at once and the job ended under the stage. tee ignores it and logs to the end.
         shell:
-            "{params.command} --threads {threads} --resolved {params.resolved} 2>&1 | (trap '' TERM INT; exec tee {log})"
+            "trap : TERM INT; {params.command} --threads {threads} --resolved {params.resolved} 2>&1 | (trap '' TERM INT; exec tee {log})"

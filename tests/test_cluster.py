@@ -506,3 +506,38 @@ def test_the_parent_is_named_from_this_runs_outputs_only(local_mlflow):
         tracking.end_parent("dpfm", parent, ok=True)
         names.append(client.get_run(parent).data.tags["mlflow.runName"])
     assert "7.50" not in names[0] and "ε=7.50" in names[1], names
+
+
+STAGE_THAT_SAVES = textwrap.dedent("""
+    import pathlib, signal, sys, time
+    out = pathlib.Path(sys.argv[1])
+    signal.signal(signal.SIGTERM, lambda *_: (print("told to end", flush=True), (out / "told").write_text("")))
+    print("training", flush=True)
+    while not (out / "go").exists():  # the step in flight, then the checkpoint: as long as the test holds it
+        time.sleep(0.02)
+    (out / "saved").write_text("")
+    sys.exit(128 + signal.SIGTERM)
+""")
+
+
+def test_the_rules_shell_waits_for_a_stage_saving_its_checkpoint_on_sigterm(tmp_path):
+    """SLURM's SIGTERM before the time limit reaches every process of the job step: the rule's bash too.
+    Untrapped, bash died at once (143) while the stage was still finishing its step, Snakemake took the
+    job as failed and ended, and the job's end killed the stage before it saved. The rule's shell, as
+    rules/stages.smk writes it, must wait for the stage and exit with its code."""
+    line = next(l for l in (ROOT / "rules/stages.smk").read_text().splitlines() if "{params.command}" in l)
+    template = eval(line.strip())  # the rule's shell string, as Snakemake formats it
+    (tmp_path / "stage.py").write_text(STAGE_THAT_SAVES)
+    shell = template.format(params=SimpleNamespace(command=f"{sys.executable} {tmp_path / 'stage.py'} {tmp_path}",
+                                                   resolved="params.yaml"), threads=1, log=tmp_path / "job.log")
+    job = subprocess.Popen(["bash", "-c", "set -euo pipefail; " + shell], start_new_session=True)
+    while "training" not in ((tmp_path / "job.log").read_text() if (tmp_path / "job.log").exists() else ""):
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGTERM)  # every process of the step, as SLURM signals it
+    while not (tmp_path / "told").exists():
+        time.sleep(0.05)
+    with pytest.raises(subprocess.TimeoutExpired):  # the stage still saving: the shell must not have ended
+        job.wait(timeout=3)
+    (tmp_path / "go").write_text("")
+    assert job.wait(timeout=60) == 128 + signal.SIGTERM and (tmp_path / "saved").exists()
+    assert "told to end" in (tmp_path / "job.log").read_text()  # tee logged to the end

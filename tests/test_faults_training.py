@@ -167,9 +167,13 @@ def test_a_second_sigterm_stops_at_once(data_dir, tmp_path):
     assert charged == [0, 1, 2] and ckpt["step"] == 2  # step 2 is charged and will be redone
 
 
-def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path):
+# One rank told to end; or every rank told twice, as SLURM's --signal delivers it under torchrun (to each
+# process of the step, and the agent forwards its own copy), which a second-signal rule took for "stop at
+# once": ranks died without their checkpoint.
+@pytest.mark.parametrize("told", ["sigterm:2,rank:1", "sigterm:2,times:2"])
+def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path, told):
     work = project(data_dir, tmp_path)
-    proc = dpfm_torchrun(work, ["dp-train"], "sigterm:2,rank:1")
+    proc = dpfm_torchrun(work, ["dp-train"], told)
     assert proc.returncode != 0
     assert proc.stderr.count("dp-train stopped by SIGTERM after step 3 of 6;") == 2, proc.stderr[-3000:]
     charged, ckpt = dp_state(work)
