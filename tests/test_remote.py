@@ -146,3 +146,33 @@ def test_the_loader_gives_the_tensors_of_per_sample_reads(shards, tmp_path):
     per_sample = np.stack([decode_image(r["image"], SIZE - 2) for r in raws])
     assert torch.equal(images, to_tensor(torch.from_numpy(per_sample)))
     assert tokens[:, 0].tolist() == [len(r["txt"].decode()) for r in raws]
+
+
+def open_descriptors() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_reader_of_thousands_of_local_shards_holds_few_open(tmp_path):
+    """One descriptor per local shard touched, never closed, ran past the usual limit of 1,024 open
+    files at 23k shards (random sampling touches every one), in each process and loader worker; the
+    index scan's end-of-archive check leaked one per shard scanned."""
+    from pipeline.data.index import _check_end
+
+    files = []
+    for i in range(3 * remote.MAX_OPEN):
+        path = tmp_path / f"{i:04d}.bin"
+        path.write_bytes(bytes([i % 251]) * 64 + bytes(2 * 512))
+        files.append(str(path))
+    before = open_descriptors()
+    reader = RangeReader(files)
+    for rounds in range(2):  # every shard read twice: reopened where it was closed, the same bytes
+        for i in np.random.default_rng(rounds).permutation(len(files)):
+            assert reader.read(int(i), 10, 20) == bytes([int(i) % 251]) * 10
+            assert open_descriptors() - before <= remote.MAX_OPEN
+    reader.close()
+    assert open_descriptors() == before
+    for path in files:
+        assert _check_end(path, 64, 64 + 2 * 512) is None
+    assert open_descriptors() == before

@@ -268,7 +268,11 @@ def _check_end(url: str, end: int, size: int) -> str | None:
     """A complete archive continues with two zero blocks where the scan stopped; else say why not."""
     if size - end < 2 * tarfile.BLOCKSIZE:
         return f"ends at byte {size} without an end-of-archive marker (truncated?)"
-    tail = remote.RangeReader([url]).read(0, end, end + 2 * tarfile.BLOCKSIZE)
+    reader = remote.RangeReader([url])
+    try:
+        tail = reader.read(0, end, end + 2 * tarfile.BLOCKSIZE)
+    finally:  # one descriptor per scanned shard, else (a scan of thousands in one process)
+        reader.close()
     if tail.count(0) != len(tail):
         return f"unreadable tar header at byte {end}; the {size - end} bytes after it were not indexed (corrupt?)"
     return None

@@ -110,8 +110,13 @@ def coalesce(requests: list[tuple[int, int, int]], max_gap: int = MAX_GAP) -> li
     return spans
 
 
+# Local shards a reader holds open at once: one descriptor per shard touched ran past the usual limit of
+# 1,024 open files at 23k shards, in each process and loader worker.
+MAX_OPEN = 64
+
+
 class RangeReader:
-    """Byte ranges of many shards, each opened lazily once per process."""
+    """Byte ranges of many shards, opened lazily, the MAX_OPEN most recently read of them kept open."""
 
     def __init__(self, urls: list[str], attempts: int = 4, max_gap: int = MAX_GAP):
         self.urls, self.attempts, self.max_gap = urls, attempts, max_gap
@@ -140,13 +145,16 @@ class RangeReader:
         return out
 
     def _pread(self, span: Span) -> bytes:
-        fd = self._fds.get(span.shard_id)
+        fd = self._fds.pop(span.shard_id, None)
         if fd is None:
             url = self.urls[span.shard_id]
             try:
-                fd = self._fds[span.shard_id] = os.open(local_path(url), os.O_RDONLY)
+                fd = os.open(local_path(url), os.O_RDONLY)
             except FileNotFoundError:
                 raise ShardReadError(f"shard {url} is missing: re-run the shards stage") from None
+            if len(self._fds) >= MAX_OPEN:  # the least recently read goes
+                os.close(self._fds.pop(next(iter(self._fds))))
+        self._fds[span.shard_id] = fd  # the most recently read last
         return os.pread(fd, span.end - span.start, span.start)
 
     def _fetch_retrying(self, spans: list[Span]) -> dict[Span, bytes]:
