@@ -15,12 +15,30 @@ from pathlib import Path
 from pipeline.errors import StageBusy
 
 LOCK_DIR = Path(".dpfm/locks")
+_HELD: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child, point every lock descriptor it inherited at /dev/null. A flock belongs to the
+    open file, which a child shares: a child left behind when its parent died (a scan worker after
+    kill -9) held the lock for ever. The number stays a valid descriptor, so nothing that closes it
+    later closes another file."""
+    if _HELD:
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd in _HELD:
+            os.dup2(null, fd)
+        os.close(null)
+        _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 @contextmanager
 def stage_lock(stage: str):
     """Hold `.dpfm/locks/<stage>.lock` while the stage runs. The kernel drops the lock when the
-    holder dies, even by kill -9, so a crash never leaves a stale lock behind."""
+    holder dies, even by kill -9, and the processes it forks do not hold it (`_drop_inherited_locks`),
+    so a crash never leaves a stale lock behind."""
     with exclusive(LOCK_DIR / f"{stage}.lock", f"{stage} is already running in this directory"):
         yield
 
@@ -56,7 +74,9 @@ def exclusive(path: Path, busy: str, wait: bool = False):
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}")
         f.flush()
+        _HELD.add(f.fileno())
         try:
             yield
         finally:  # released now, even if a forked worker still holds a copy of the descriptor
+            _HELD.discard(f.fileno())
             fcntl.flock(f, fcntl.LOCK_UN)

@@ -192,3 +192,41 @@ def test_a_lock_is_released_when_its_holder_is_done_even_if_a_forked_child_keeps
     finally:
         done.set()
         child.join(60)
+
+
+HOLDER_WITH_A_WORKER = """
+import os, signal
+from pipeline.locking import stage_lock
+with stage_lock("shards"):
+    worker = os.fork()  # a scan worker, blocked on its queue
+    if worker == 0:
+        signal.pause()
+        os._exit(0)
+    print(worker, flush=True)
+    signal.pause()
+"""
+
+
+def test_a_holder_killed_while_its_forked_worker_lives_leaves_no_lock(tmp_path, monkeypatch):
+    """The shards stage's scan pool forks its workers while the stage holds its lock. After a kill -9 of
+    the stage the orphaned workers, blocked on their queue, held the lock's open file: the next
+    `dpfm shards` was refused as busy for as long as they lived."""
+    import sys
+
+    from pipeline.errors import StageBusy
+    from pipeline.locking import stage_lock
+
+    root = Path(__file__).resolve().parents[1]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER_WITH_A_WORKER], cwd=tmp_path, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    worker = int(holder.stdout.readline())
+    holder.kill()
+    holder.wait(60)
+    monkeypatch.chdir(tmp_path)
+    try:
+        with stage_lock("shards"):
+            pass
+    except StageBusy:
+        pytest.fail("a forked worker of a killed holder kept the stage's lock")
+    finally:
+        os.kill(worker, signal.SIGKILL)
