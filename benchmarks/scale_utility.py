@@ -33,7 +33,7 @@ Targets (paired 95% intervals):
   a  mae and caption: DP at ε = 8 from synthetic is above synthetic-only
   b  every objective: ε = ∞ from synthetic is above synthetic-only
   c  every objective: ε = 8 is not significantly below ε = 1
-  d  the best encoder's interval reaches the raw-pixel accuracy
+  d  the best encoder, and apart the best DP encoder, is not significantly below the raw pixels
   e  DP-Cap's zero-shot at ε = 8 is at least 3× chance (its interval's lower end)
 
 --validate scores everything on the probe-train part by 3-fold cross-fitting (each image scored by a

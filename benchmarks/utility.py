@@ -20,7 +20,7 @@ test image and probe resample. The targets compare rows by paired intervals:
   a  ε = ∞ from synthetic beats the random-init encoder, per objective
   b  at ε = 8, DP from synthetic beats DP from random init, per objective
   c  synthetic-init rows: ε = ∞ ≥ ε = 8 ≥ ε = 1 (no step significantly down)
-  d  the best encoder row's interval reaches the raw-pixel accuracy
+  d  the best encoder row is not significantly below the raw pixels (paired)
   e  DP-Cap's zero-shot at ε = 8 is above chance wherever its non-private twin's is
 Prints a table as it goes and ONE JSON line, the last line of stdout (and to --json). About 23 minutes on 2 cores.
 
