@@ -33,6 +33,7 @@ PROFILE_ENV = ("DPFM_SLURM_ACCOUNT", "DPFM_SLURM_PARTITION", "DPFM_SLURM_GPU_PAR
 PLACEHOLDERS = {"DPFM_SLURM_ACCOUNT": "acct-placeholder", "DPFM_SLURM_PARTITION": "cpu-placeholder",
                 "DPFM_SLURM_GPU_PARTITION": "gpu-placeholder", "DPFM_GPU_MODEL": "h100"}
 STAGE = ["dpfm", "dp-train", "--threads", "8"]
+TRAP = "trap : TERM INT; "  # how rules/stages.smk's shell begins
 
 
 def free_port() -> int:
@@ -193,7 +194,7 @@ def planned_job(output: str, rule: str) -> SimpleNamespace:
         key, value = item.split("=", 1)
         res[key] = int(value) if value.isdigit() else value
     return SimpleNamespace(name=rule, threads=threads, resources=res, wildcards={}, shell=shell,
-                           is_group=lambda: False)
+                           command=shell.removeprefix(TRAP), is_group=lambda: False)
 
 
 def sbatch_command(job, monkeypatch) -> str:
@@ -243,12 +244,13 @@ def test_single_node_dp_train_job_asks_for_eight_gpus_and_runs_once(tmp_path, mo
                  "--mem", "256000", "-t", "2880", "--nodes=1", "--signal=TERM@300"):
         assert flag in args, (flag, sbatch)
     assert_one_launcher_per_node(sbatch, nodes=1)
-    assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 1 --gpus 8 -- {PY} -m pipeline.cli dp-train --threads 8 ")
+    assert dp.command.startswith(f"{PY} -m pipeline.launch --nodes 1 --gpus 8 -- {PY} -m pipeline.cli dp-train --threads 8 ")
+    assert dp.shell.startswith(TRAP)  # it waits for a stage told to end (test_the_rules_shell_waits…)
 
     sbatch = sbatch_command(pre, monkeypatch)
     assert "--gpus=h100:8" in sbatch and "--cpus-per-gpu=8" in sbatch and "--signal=TERM@300" in sbatch
     assert_one_launcher_per_node(sbatch, nodes=1)
-    assert pre.shell.startswith(f"{PY} -m pipeline.launch --nodes 1 --gpus 8 -- {PY} -m pipeline.cli pretrain ")
+    assert pre.command.startswith(f"{PY} -m pipeline.launch --nodes 1 --gpus 8 -- {PY} -m pipeline.cli pretrain ")
 
     sbatch = sbatch_command(shards, monkeypatch)  # CPU stages: CPU partition, one task, no GPU
     assert "-p cpu-placeholder" in sbatch and "--ntasks=1" in sbatch and "--gpus" not in sbatch
@@ -262,7 +264,7 @@ def test_two_node_dp_train_job_gets_one_task_per_node(tmp_path, monkeypatch):
     args = shlex.split(sbatch)
     assert {"--nodes=2", "--ntasks=2", "--gpus=h100:16", "--cpus-per-gpu=8"} <= set(args), sbatch
     assert_one_launcher_per_node(sbatch, nodes=2)
-    assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 16 -- {PY} -m pipeline.cli dp-train ")
+    assert dp.command.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 16 -- {PY} -m pipeline.cli dp-train ")
     assert planned_job(out, "pretrain").resources["nodes"] == 1
 
 
@@ -276,7 +278,7 @@ def test_a_cpu_only_partition_takes_one_variable(tmp_path, monkeypatch):
         assert " --threads 8 " in job.shell
     dp = planned_job(out, "dp_train")
     assert {"--nodes=2", "--ntasks=2", "--signal=TERM@300"} <= set(shlex.split(sbatch_command(dp, monkeypatch)))
-    assert dp.shell.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 0 -- ")
+    assert dp.command.startswith(f"{PY} -m pipeline.launch --nodes 2 --gpus 0 -- ")
 
 
 def test_memory_follows_the_gpus_and_the_variables(tmp_path, monkeypatch):
