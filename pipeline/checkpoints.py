@@ -12,8 +12,9 @@ from pipeline.io import atomic_path
 
 # What earlier versions called the update count (dp-train, pretrain): read so their models still load.
 LEGACY_STEP_KEYS = ("optimizer_steps", "step")
-# The model settings that shape a warm start's tensors: the encoder's, then the MAE decoder's.
-WARM_SETTINGS = ("size", "img_size", "patch_size", "in_chans", "decoder_width", "decoder_depth", "decoder_heads")
+# The model settings that shape a warm start's tensors: the encoder's, and the MAE decoder's.
+ENCODER_SETTINGS = ("size", "img_size", "patch_size", "in_chans")
+DECODER_SETTINGS = ("decoder_width", "decoder_depth", "decoder_heads")
 
 
 class CheckpointError(ValueError):
@@ -48,8 +49,8 @@ class Checkpoint:
     # text tower starting from random weights
     def _part(self, model: torch.nn.Module, objective: str) -> tuple[torch.nn.Module, dict, tuple[str, ...]]:
         if objective == self.objective:
-            return model, self.model, WARM_SETTINGS
-        return model.encoder, self.encoder, WARM_SETTINGS[:4]
+            return model, self.model, ENCODER_SETTINGS + DECODER_SETTINGS
+        return model.encoder, self.encoder, ENCODER_SETTINGS
 
     def load_into(self, model: torch.nn.Module, objective: str) -> None:
         module, state, _ = self._part(model, objective)

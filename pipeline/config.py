@@ -120,7 +120,7 @@ def typed(values):
         return [typed(v) for v in values]
     if isinstance(values, str):
         try:
-            return numbers(yaml.safe_load(values)) if values.strip() else values
+            return yaml.safe_load(values) if values.strip() else values
         except yaml.YAMLError:
             return values
     return values

@@ -3,6 +3,8 @@ all-reduced, the noise drawn identically on every rank (same secret generator), 
 
 from __future__ import annotations
 
+import hashlib
+
 import os
 from dataclasses import dataclass
 
@@ -79,6 +81,11 @@ def spread_over_ranks(values: list[float], world: World) -> list[float]:
     t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return (t[:len(values)] + t[len(values):]).tolist()
+
+
+def fingerprint(value) -> int:
+    """A 52-bit digest of repr(value): exact in float64, so the ranks can compare it (same_on_every_rank)."""
+    return int(hashlib.sha256(repr(value).encode()).hexdigest()[:13], 16)
 
 
 def same_on_every_rank(values: list[float], world: World) -> bool:

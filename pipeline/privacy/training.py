@@ -17,7 +17,6 @@ owner-only zone (owner.py); no rate is logged (it tracks the realised batch size
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import traceback
@@ -33,7 +32,8 @@ from pipeline.data import labelled_sets
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer, public_captions
-from pipeline.distributed import broadcast_int, gather_with_grad, init_world, same_on_every_rank, spread_over_ranks
+from pipeline.distributed import (broadcast_int, fingerprint, gather_with_grad, init_world, same_on_every_rank,
+                                  spread_over_ranks)
 from pipeline.errors import PrivateDataError, RanksDisagree, VerificationFailed
 from pipeline.io import read_json
 from pipeline.locking import training_lock
@@ -222,7 +222,7 @@ def check_same_params(params: dict, world) -> None:
     (clip_norm, encoder_clip_share), or sums another set of tensors (dp.frozen). Before anything is
     charged the ranks compare a digest of each key, and all stop naming those that differ."""
     keys = [(s, k) for s in ("dp", "model") for k in sorted(params[s]) if k not in PER_NODE.get(s, ())]
-    digests = [int(hashlib.sha256(repr(params[s][k]).encode()).hexdigest()[:13], 16) for s, k in keys]  # exact in fp64
+    digests = [fingerprint(params[s][k]) for s, k in keys]
     if not same_on_every_rank([len(keys)], world):  # another version of dpfm: other keys
         raise RanksDisagree("the ranks were launched with other params (other keys in dp or model): every rank "
                             "must run the same dpfm with the same params")
@@ -245,8 +245,7 @@ def check_same_data(plan, world) -> None:
     digest = Path(artifact("shards_digest"))
     spread = sorted({i * (len(data) - 1) // 15 for i in range(16)}) if len(data) else []
     named = [len(data), *(data.key(i) for i in spread), digest.read_text() if digest.exists() else None]
-    fingerprint = int(hashlib.sha256(repr(named).encode()).hexdigest()[:13], 16)  # 52 bits: exact in float64
-    if not same_on_every_rank([plan.n, plan.sample_rate, plan.steps, fingerprint], world):
+    if not same_on_every_rank([plan.n, plan.sample_rate, plan.steps, fingerprint(named)], world):
         raise RanksDisagree(f"the ranks see different private data (rank {world.rank}: n = {plan.n} in "
                             f"{artifact('shards')}): every node must see the same shards, on the file system the "
                             f"ranks share, or their samples would overlap")
