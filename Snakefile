@@ -10,6 +10,13 @@ configfile: "params.yaml"
 
 
 include: "rules/common.smk"
+
+
+# The file of params the workflow validated (rules/common.smk): passed to every job, a SLURM job's too.
+envvars:
+    RESOLVED_ENV,
+
+
 include: "rules/stages.smk"
 include: "rules/scan.smk"
 

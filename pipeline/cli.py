@@ -62,7 +62,7 @@ def runner(name: str):
 
 def job_params(params_path: str, overrides=(), resolved: str | None = None) -> dict:
     """Under Snakemake, the params it validated (`--resolved`); by hand, params.yaml with `--set`s."""
-    if resolved:
+    if resolved is not None:  # also "": an unset variable in a job's shell is an error, not params.yaml
         if overrides or params_path != "params.yaml":
             raise ParamsError(["--resolved is the whole config: it takes no --set or --params"])
         return read_resolved(resolved)

@@ -14,7 +14,7 @@ from pipeline.io import atomic_path
 
 SCHEMA_PATH = Path("schemas/params.schema.yaml")
 PARAMS_PATH = Path("params.yaml")
-RESOLVED_PATH = Path(".dpfm/params/resolved.yaml")  # the validated params of the Snakemake run
+RESOLVED_DIR = Path(".dpfm/params")  # the validated params of Snakemake runs, one file per config
 
 
 # Knobs added to params.yaml after runs were made with it, oldest first, each with the value that does
@@ -183,15 +183,16 @@ def _divisors_around(n: int, k: int) -> list[int]:
     return [d for d in (max(d for d in divisors if d < k), min((d for d in divisors if d > k), default=None)) if d]
 
 
-def write_resolved(params: dict, path: str | Path = RESOLVED_PATH) -> Path:
+def write_resolved(params: dict, directory: str | Path = RESOLVED_DIR) -> Path:
     """Validated params as one file the jobs of a Snakemake run read (`dpfm <stage> --resolved`). Its
-    first line holds a digest of the rest, so a job reads exactly what was validated. One path for
-    every config: Snakemake's lock on the directory allows one run, and one config, at a time, and a
-    fixed path keeps the rules' params (the re-run trigger) from changing with every config."""
+    first line holds a digest of the rest, so a job reads exactly what was validated; its name holds
+    the digest too, so each config has its own file and nothing rewrites one a running workflow's jobs
+    still read: a second `snakemake` (which the lock then refuses) writes another file."""
     text = yaml.safe_dump(params, sort_keys=True)  # YAML, not JSON: it spells ∞ (curve.epsilons)
-    text = f"# sha256: {_digest(text)}\n{text}"
-    path = Path(path)
-    if not (path.exists() and path.read_text() == text):  # every cluster job writes it again: the same bytes
+    digest = _digest(text)
+    path = Path(directory) / f"resolved-{digest[:16]}.yaml"
+    text = f"# sha256: {digest}\n{text}"
+    if not (path.exists() and path.read_text() == text):
         with atomic_path(path) as tmp:
             tmp.write_text(text)
     return path
@@ -199,8 +200,10 @@ def write_resolved(params: dict, path: str | Path = RESOLVED_PATH) -> Path:
 
 def read_resolved(path: str | Path) -> dict:
     """The params `write_resolved` wrote, refused if the file no longer matches its digest."""
+    if not str(path):
+        raise ParamsError(["--resolved names no file (Snakemake passes its jobs the file in DPFM_RESOLVED_PARAMS)"])
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise ParamsError([f"{path} does not exist (Snakemake writes it when it reads its config)"], source=str(path))
     first, _, text = path.read_text().partition("\n")
     if first != f"# sha256: {_digest(text)}":

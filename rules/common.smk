@@ -6,22 +6,37 @@ import sys
 
 from pipeline import tracking
 from pipeline.privacy import owner
-from pipeline.config import ParamsError, load_schema, merge, numbers, typed, validate, write_resolved
+from pipeline.config import ParamsError, load_schema, merge, numbers, read_resolved, typed, validate, write_resolved
 from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 
-# `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings),
-# and 1e-5 a number wherever it is written (config.numbers).
-config.update(numbers(merge(config, typed(workflow.config_settings.overwrite_config or {}))))
-# Validated once, here, against the schema (errors name the key path and the allowed values, one
-# line each; exit 2 as `dpfm` does). Every job then reads the file written below (`--resolved`,
-# a rule param whose value never changes) rather than params.yaml again; the `tracked` params are
-# what re-runs a stage.
-try:
-    validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
-except ParamsError as e:
-    print(f"dpfm: {e}", file=sys.stderr)
-    sys.exit(2)
-RESOLVED_PARAMS = str(write_resolved(config))
+# The file of validated params every job reads (`--resolved "$DPFM_RESOLVED_PARAMS"`). An environment
+# variable, not one of the params: its path changes with the config, and a param change re-runs a stage
+# (the `tracked` params are what re-runs one).
+RESOLVED_ENV = "DPFM_RESOLVED_PARAMS"
+
+if workflow.is_main_process:
+    # `--config dp='{epsilon: 2}'`: typed as params.yaml is (Snakemake passes nested values as strings),
+    # and 1e-5 a number wherever it is written (config.numbers).
+    config.update(numbers(merge(config, typed(workflow.config_settings.overwrite_config or {}))))
+    # Validated once, here, against the schema (errors name the key path and the allowed values, one
+    # line each; exit 2 as `dpfm` does), and written to a file named by its digest.
+    try:
+        validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
+    except ParamsError as e:
+        print(f"dpfm: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.environ[RESOLVED_ENV] = str(write_resolved(config))
+else:
+    # A job Snakemake spawned (a SLURM job reads the Snakefile again, and params.yaml as it is now): it
+    # takes the params its workflow validated, whatever was edited since, and writes none.
+    try:
+        config.clear()
+        config.update(read_resolved(os.environ.get(RESOLVED_ENV, "")))
+    except ParamsError as e:
+        print(f"dpfm: a job of a workflow: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 
 STAGE_ENV = "../envs/dpfm.yaml"
 PYTHON = sys.executable  # the interpreter running Snakemake, by absolute path: jobs need no activated venv
@@ -58,7 +73,7 @@ def stage_outputs(name):
 def stage_params(name):
     """The params a stage's results depend on: a change to them (only) re-runs the stage. Naming and
     scheduling keys (run.experiment, run.threads, run.device) re-run nothing. The stage itself reads
-    RESOLVED_PARAMS; this JSON text is only what Snakemake compares with the last run's."""
+    the resolved params (RESOLVED_ENV); this JSON text is only what Snakemake compares with the last run's."""
     return json.dumps(tracked(config, stage(name).sections), sort_keys=True)
 
 

@@ -19,7 +19,6 @@ rule scan_shards:
     params:
         # A function, as in the stage rules: URL brace patterns pass through unexpanded.
         tracked=lambda wildcards: scan_params(),
-        resolved=RESOLVED_PARAMS,
         groups=scan_groups(),
         python=PYTHON,
     log:
@@ -35,4 +34,4 @@ rule scan_shards:
         STAGE_ENV
     shell:
         "{params.python} -m pipeline.cli scan-shards --group {wildcards.group} --groups {params.groups}"
-        " --threads {threads} --resolved {params.resolved} --summary {output} 2>&1 | (trap '' TERM INT; exec tee {log})"
+        " --threads {threads} --resolved \"$DPFM_RESOLVED_PARAMS\" --summary {output} 2>&1 | (trap '' TERM INT; exec tee {log})"

@@ -23,7 +23,6 @@ for st in STAGES:
             # Functions: their values are not expanded as wildcards, so braces pass through unchanged
             # (URL brace patterns, "a photo of a {c}." templates).
             tracked=lambda wildcards, name=st.name: stage_params(name),
-            resolved=RESOLVED_PARAMS,  # the same path for every config: not a re-run trigger
             # Bound here: the shell command is evaluated when the job runs, after the loop has moved on.
             command=lambda wildcards, resources, st=st: stage_command(st, resources),
         log:
@@ -39,4 +38,4 @@ for st in STAGES:
         # checkpoint and exits with the stage's code (bash runs a trap once the pipeline ends), where
         # untrapped it died at once and the job ended under the stage. tee ignores it and logs to the end.
         shell:
-            "trap : TERM INT; {params.command} --threads {threads} --resolved {params.resolved} 2>&1 | (trap '' TERM INT; exec tee {log})"
+            "trap : TERM INT; {params.command} --threads {threads} --resolved \"$DPFM_RESOLVED_PARAMS\" 2>&1 | (trap '' TERM INT; exec tee {log})"

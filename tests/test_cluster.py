@@ -530,9 +530,10 @@ def test_the_rules_shell_waits_for_a_stage_saving_its_checkpoint_on_sigterm(tmp_
     line = next(l for l in (ROOT / "rules/stages.smk").read_text().splitlines() if "{params.command}" in l)
     template = eval(line.strip())  # the rule's shell string, as Snakemake formats it
     (tmp_path / "stage.py").write_text(STAGE_THAT_SAVES)
-    shell = template.format(params=SimpleNamespace(command=f"{sys.executable} {tmp_path / 'stage.py'} {tmp_path}",
-                                                   resolved="params.yaml"), threads=1, log=tmp_path / "job.log")
-    job = subprocess.Popen(["bash", "-c", "set -euo pipefail; " + shell], start_new_session=True)
+    shell = template.format(params=SimpleNamespace(command=f"{sys.executable} {tmp_path / 'stage.py'} {tmp_path}"),
+                            threads=1, log=tmp_path / "job.log")
+    job = subprocess.Popen(["bash", "-c", "set -euo pipefail; " + shell], start_new_session=True,
+                           env={**os.environ, "DPFM_RESOLVED_PARAMS": "params.yaml"})  # as rules/common.smk sets it
     while "training" not in ((tmp_path / "job.log").read_text() if (tmp_path / "job.log").exists() else ""):
         time.sleep(0.05)
     os.killpg(job.pid, signal.SIGTERM)  # every process of the step, as SLURM signals it

@@ -126,10 +126,11 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
 
     ok = dry("dp={epsilon: 2, sigma: null}")
     assert ok.returncode == 0, ok.stderr[-2000:]
-    # Every job reads the one file Snakemake validated and wrote, named on its command line.
-    resolved = {line.split("--resolved ")[1].split()[0] for line in ok.stdout.splitlines() if "--resolved " in line}
-    assert len(resolved) == 1, resolved
-    params = read_resolved(tmp_path / resolved.pop())
+    # Every job reads the one file Snakemake validated and wrote, named by the variable its shell reads.
+    commands = {line.split("--resolved ")[1].split()[0] for line in ok.stdout.splitlines() if "--resolved " in line}
+    assert commands == {'"$DPFM_RESOLVED_PARAMS"'}, commands
+    (resolved,) = (tmp_path / ".dpfm/params").iterdir()
+    params = read_resolved(resolved)
     assert params["dp"]["epsilon"] == 2 and params["dp"]["sigma"] is None  # numbers and None, not strings
     assert "--sections-json" not in ok.stdout and '"epsilon"' not in ok.stdout  # no params on the shell line
     bad = dry("dp={epsilon: -2}")
@@ -137,6 +138,45 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     assert dry("dp={delta: 1e-5}").returncode == 0  # a number, as YAML 1.2 reads it
     bad = dry("model={patch_size: 5}")  # settings the schema takes one by one, no model builds from
     assert bad.returncode == 2 and "model.img_size=32 is not a multiple of model.patch_size=5" in bad.stderr
+
+
+def test_a_job_reads_the_params_its_workflow_validated_whatever_is_edited_or_parsed_since(tmp_path):
+    """A SLURM job is a Snakemake of its own: it reads the Snakefile, and params.yaml as it is when the
+    job starts. Each job once wrote the one resolved file again from that, as did a second `snakemake`
+    before its lock refused it, so the jobs still pending in a workflow took params edited while it ran.
+    Here the job is started as the SLURM plugin starts one (--mode remote, --target-jobs, --no-hooks,
+    with the workflow's variables), after an edit of params.yaml and a second workflow's parse."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, snakemake = Path(__file__).resolve().parents[1], Path(sys.executable).parent / "snakemake"
+    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
+        (shutil.copytree if (root / item).is_dir() else shutil.copy)(root / item, tmp_path / item)
+
+    def snake(*args, **env):
+        return subprocess.run([str(snakemake), "--cores", "1", "models/tokenizer", *args], cwd=tmp_path,
+                              env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+    assert snake("-n").returncode == 0  # the workflow: validates params.yaml and writes its file
+    (validated,) = (tmp_path / ".dpfm/params").iterdir()
+    text = validated.read_text()
+    assert read_resolved(validated)["tokenizer"]["vocab_size"] == 512
+    params = tmp_path / "params.yaml"
+    params.write_text(params.read_text().replace("vocab_size: 512", "vocab_size: 300"))  # edited meanwhile
+    assert snake("-n", "--config", "tokenizer={vocab_size: 400}").returncode == 0  # another workflow's parse
+    assert validated.read_text() == text
+    files = sorted((tmp_path / ".dpfm/params").iterdir())
+
+    job = ("--mode", "remote", "--target-jobs", "tokenizer:", "--no-hooks")
+    done = snake(*job, DPFM_RESOLVED_PARAMS=str(validated.relative_to(tmp_path)))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "vocabulary of 512 pieces" in (tmp_path / "logs/tokenizer.log").read_text()
+    assert sorted((tmp_path / ".dpfm/params").iterdir()) == files and validated.read_text() == text
+    orphan = snake(*job, DPFM_RESOLVED_PARAMS="")  # a job without its workflow's variable reads nothing else
+    assert orphan.returncode == 2 and "--resolved names no file" in orphan.stderr, orphan.stderr[-2000:]
 
 
 def test_resolved_params_keep_infinity_and_templates_and_refuse_an_edit(in_tmp):

@@ -58,7 +58,7 @@ def test_every_stage_has_a_generated_rule_calling_its_stage_by_absolute_interpre
         block = out.split(f"\nrule {st.name.replace('-', '_')}:\n")[1].split("\n\n")[0]
         assert f"log: logs/{st.name}.log" in block
         command = out.split(f"{python} -m pipeline.cli {st.name} --threads ")[1].splitlines()[0]
-        assert "--resolved .dpfm/params/" in command and f"tee logs/{st.name}.log" in command
+        assert '--resolved "$DPFM_RESOLVED_PARAMS"' in command and f"tee logs/{st.name}.log" in command
         launched = f"{python} -m pipeline.launch --nodes 1 --gpus 0 -- {python} -m pipeline.cli {st.name} " in out
         assert launched == bool(st.resources.gpu), st.name
 
@@ -70,8 +70,9 @@ def test_brace_patterns_and_templates_pass_through_the_dag_unchanged(tmp_path):
     params["evaluate"]["sets"] = [{"name": "pets", "source": "folder", "path": "/data/pets",
                                    "templates": ["a photo of a {c}."]}]
     (tmp_path / "edited.yaml").write_text(yaml.safe_dump(params))
-    out = dry_run(tmp_path, "--configfile", "edited.yaml")
-    resolved = read_resolved(tmp_path / out.split("--resolved ")[1].split()[0])
+    dry_run(tmp_path, "--configfile", "edited.yaml")
+    (resolved,) = (tmp_path / ".dpfm/params").iterdir()
+    resolved = read_resolved(resolved)
     assert resolved["shards"]["urls"] == ["s3://b/laion/{00000..00099}.tar"]
     assert resolved["evaluate"]["sets"][0]["templates"] == ["a photo of a {c}."]
 
