@@ -167,9 +167,9 @@ def dry_run(tmp_path: Path, shards: dict | None = None, extra: tuple = (), **env
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
     set_params(work, {"shards": shards or {}})
-    proc = subprocess.run([str(BIN / "snakemake"), "--workflow-profile", "profiles/slurm", "-n", "-p",
-                           "models/dp", "results/curve/curve.json", *extra], cwd=work, env=tool_env(**env),
-                          capture_output=True, text=True, timeout=120)
+    targets = ("models/dp", "results/curve/curve.json", "results/eval/metrics.json")
+    proc = subprocess.run([str(BIN / "snakemake"), "--workflow-profile", "profiles/slurm", "-n", "-p", *targets, *extra],
+                          cwd=work, env=tool_env(**env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -255,6 +255,15 @@ def test_single_node_dp_train_job_asks_for_eight_gpus_and_runs_once(tmp_path, mo
     sbatch = sbatch_command(shards, monkeypatch)  # CPU stages: CPU partition, one task, no GPU
     assert "-p cpu-placeholder" in sbatch and "--ntasks=1" in sbatch and "--gpus" not in sbatch
 
+    # The curve and evaluate (which trains the DP recipe again at each other seed of evaluate.seeds;
+    # it once got no GPU and the default hour) train one point after another on one GPU.
+    for rule, name in (("curve", "curve"), ("evaluate", "evaluate")):
+        job = planned_job(out, rule)
+        args = shlex.split(sbatch_command(job, monkeypatch))
+        for flag in ("-p", "gpu-placeholder", "--gpus=h100:1", "--cpus-per-gpu=8", "-t", "2880", "--signal=TERM@300"):
+            assert flag in args, (rule, flag, args)
+        assert job.command.startswith(f"{PY} -m pipeline.launch --nodes 1 --gpus 1 -- {PY} -m pipeline.cli {name} ")
+
 
 def test_two_node_dp_train_job_gets_one_task_per_node(tmp_path, monkeypatch):
     out = dry_run(tmp_path, **PLACEHOLDERS, DPFM_NODES="2")
@@ -271,7 +280,7 @@ def test_two_node_dp_train_job_gets_one_task_per_node(tmp_path, monkeypatch):
 def test_a_cpu_only_partition_takes_one_variable(tmp_path, monkeypatch):
     """DPFM_GPUS_PER_NODE=0 once left the curve asking for a GPU (sbatch: invalid gres) and refused 2 nodes."""
     out = dry_run(tmp_path, DPFM_GPUS_PER_NODE="0", DPFM_NODES="2", DPFM_SLURM_PARTITION="cpu", DPFM_SLURM_ACCOUNT="a")
-    for rule in ("pretrain", "dp_train", "curve"):
+    for rule in ("pretrain", "dp_train", "curve", "evaluate"):
         job = planned_job(out, rule)
         sbatch = sbatch_command(job, monkeypatch)
         assert "--gpus" not in sbatch and "--gres" not in sbatch and "--cpus-per-task=8" in sbatch, (rule, sbatch)
@@ -286,7 +295,7 @@ def test_memory_follows_the_gpus_and_the_variables(tmp_path, monkeypatch):
     refuse a 20 GB node."""
     out = dry_run(tmp_path, DPFM_GPUS_PER_NODE="2", DPFM_MEM_MB_PER_GPU="9000", DPFM_CPU_MEM_MB="4000",
                   DPFM_SLURM_ACCOUNT="a")
-    for rule, mem in (("dp_train", 18000), ("pretrain", 18000), ("curve", 9000), ("shards", 4000)):
+    for rule, mem in (("dp_train", 18000), ("pretrain", 18000), ("curve", 9000), ("evaluate", 9000), ("shards", 4000)):
         args = shlex.split(sbatch_command(planned_job(out, rule), monkeypatch))
         assert args[args.index("--mem") + 1] == str(mem), (rule, args)
 

@@ -108,7 +108,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("evaluate", "linear probe, few-shot and zero-shot of the DP encoder beside its baselines",
           ("run", "model", "dp", "privacy", "verify", "evaluate"),
           inputs=("shards", "tokenizer", "pretrain", "dp", "verification", "curve"), metrics=("metrics",),
-          resources=Resources(threads=2, mem_mb=4000)),
+          # A GPU as the curve: it embeds the eval sets with every encoder, and with evaluate.seeds > 1 it
+          # trains the DP recipe again at each other seed.
+          resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
     # The report shows every params section of the run (all are upstream of it: no extra re-runs).
     Stage("report", "HTML and Markdown report with plots",
           ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "privacy", "verify", "curve",
