@@ -19,6 +19,7 @@ import torch
 from pipeline.data.labelled_sets import DIGITS, rgb
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.data.transforms import to_tensor
+from pipeline.eval import stats
 from pipeline.eval.zeroshot import zero_shot_accuracy
 from pipeline.models import build_model
 from pipeline.stages.shards import split_indices
@@ -52,7 +53,7 @@ def main() -> None:
     images = rgb(grey, IMAGE_SIZE)
     tr, te = split_indices(labels, 0.3, 0)
     prompts = [[t.format(c=c) for t in DIGITS.templates] for c in DIGITS.classes]
-    chance = np.bincount(labels[te]).max() / len(te)
+    chance = stats.chance(labels[te])
     for run in args.runs:
         directory, max_len = run.rsplit(":", 1)
         tok, max_len, t0 = Tokenizer(directory), int(max_len), time.time()

@@ -66,6 +66,7 @@ from pipeline import checkpoints
 from pipeline.cli import StageContext, resolve_device, runner
 from pipeline.config import ADDED_KNOBS, load_params
 from pipeline.data.tokenizer import Tokenizer
+from pipeline.eval import stats
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES
 from pipeline.io import atomic_path, read_json
 from pipeline.models import build_encoder
@@ -338,7 +339,7 @@ def measure(params, obj: str, args, epsilons, sizes, work: Path, full_dir: Path,
     tokenizer = Tokenizer("models/tokenizer")
     folds = validation_folds(scorer.split, scorer.es.labels) if args.validate else [scorer.split]
     te = np.sort(np.concatenate([scored for _, scored in folds]))  # every scored image, once
-    chance = float(np.bincount(scorer.es.labels[te]).max() / len(te))
+    chance = stats.chance(scorer.es.labels[te])
 
     def score(encoder, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(whether each scored image is right, the same with the probe refit on resamples of its

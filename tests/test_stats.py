@@ -228,3 +228,22 @@ def test_auto_c_is_chosen_once_per_encoder_for_its_probe_and_its_refits(monkeypa
     evaluate_set(es, [Candidate("dp", "raw pixels", "-", None), Candidate("pixels", "raw pixels", "-", None)],
                  cfg, 0, "cpu", None)
     assert len(searches) == 2  # one choice per encoder, none in the refits
+
+
+def test_chance_is_the_majority_share_of_the_images_scored_not_of_the_whole_set():
+    """An official split's test part can be balanced otherwise than the whole set: chance (the line an
+    accuracy is read against in metrics.json and the report) was the whole set's majority share."""
+    import yaml
+
+    from pipeline.eval.evalsets import EvalSet
+    from pipeline.stages.evaluate import Candidate, evaluate_set
+
+    rng = np.random.default_rng(7)
+    labels = np.array([0] * 60 + [1] * 10 + [0] * 10 + [1] * 10)  # train part 60:10, test part 10:10
+    images = (rng.random((90, 8, 8, 3)) * 60 + labels[:, None, None, None] * 60).astype(np.uint8)
+    es = EvalSet("toy", images, labels, ["a", "b"], ("{c}",), parts=(np.arange(70), np.arange(70, 90)))
+    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["evaluate"]
+    cfg.update(probe_refits=0, fewshot={"shots": [], "repeats": 1}, zero_shot=False,
+               finetune={**cfg["finetune"], "enabled": False})
+    out = evaluate_set(es, [Candidate(name, "raw pixels", "-", None) for name in ("dp", "pixels")], cfg, 0, "cpu", None)
+    assert out["n_probe_test"] == 20 and out["chance"] == 0.5  # the whole set's would be 70/90

@@ -59,11 +59,6 @@ class EvalSet:
         """One list of prompts per class."""
         return [[t.format(c=c) for t in self.templates] for c in self.classes]
 
-    @property
-    def chance(self) -> float:
-        """Accuracy of always predicting the most frequent class."""
-        return float(np.bincount(self.labels).max() / len(self.labels))
-
     def split(self, train_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Probe-train / probe-test indices: the set's own parts, else a stratified seeded split."""
         if self.parts is not None:

@@ -25,6 +25,13 @@ RESAMPLES = 2000
 LEVEL = 0.95
 
 
+def chance(labels) -> float:
+    """The accuracy of always answering the most frequent class of `labels`: of the images scored,
+    which is not the whole set's where an official split's test part is balanced otherwise."""
+    labels = np.asarray(labels)
+    return float(np.bincount(labels).max() / len(labels))
+
+
 def _as_rows(values) -> np.ndarray:
     """(examples,) or (seeds, examples) -> (seeds, examples)."""
     values = np.asarray(values)

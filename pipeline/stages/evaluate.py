@@ -42,7 +42,7 @@ from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.protocols import check_protocols
-from pipeline.eval.stats import accuracy_ci, difference_ci
+from pipeline.eval.stats import accuracy_ci, chance, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
 from pipeline.models import ModelConfig, build_encoder, build_model
@@ -166,7 +166,7 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
     versus = {name: difference_ci(correct["dp"], c, seed, refits_a=refits.get("dp"), refits_b=refits.get(name))
               for name, c in correct.items() if name != "dp"}
     return {"classes": es.classes, "n_probe_train": int(len(tr)), "n_probe_test": int(len(te)),
-            "chance": es.chance, "results": results, "dp_versus": versus if "dp" in correct else {}}
+            "chance": chance(y_te), "results": results, "dp_versus": versus if "dp" in correct else {}}
 
 
 def with_interval(protocol: str, correct: np.ndarray, seed: int, refits: np.ndarray | None = None) -> dict:
