@@ -31,8 +31,11 @@ def test_trained_rows_take_every_seed_and_each_dp_seed_is_charged(data_dir, tmp_
     assert len(runs) == 3 and len({r["run"] for r in runs}) == 3  # dp-train's seed, then two more: each charged
     res = three["results"]
     assert {name: r["seeds"] for name, r in res.items()} == {"dp": 3, "nonprivate": 3, "random": 3, "pixels": 1}
-    # Seed run.seed is dp-train's own model: the others are new trainings, so the mean moves.
-    assert one["results"]["dp"]["seeds"] == 1
+    # Seed run.seed is dp-train's own model: the others are new trainings, so the mean moves. The
+    # released checkpoint's own figures stay beside the mean, as a one-seed evaluation gives them.
+    assert one["results"]["dp"]["seeds"] == 1 and "first_seed" not in one["results"]["dp"]
+    released = {k: v for k, v in one["results"]["dp"].items() if k.startswith(("linear_probe", "zero_shot"))}
+    assert res["dp"]["first_seed"] == released and len(released) == (2 if objective == "mae" else 4)
     assert res["pixels"]["linear_probe"] == one["results"]["pixels"]["linear_probe"]
     for r in res.values():
         lo, hi = r["linear_probe_ci"]

@@ -292,6 +292,13 @@ def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
     metrics["sets"]["digits"]["dp_versus"]["synthetic"] = {"diff": 0.05, "ci": [0.02, 0.08]}
     text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
     assert "it beats Synthetic only (Syn-ViP) by +5.0 points" in text and "warm start" not in text
+    # Over evaluate.seeds trainings the row is their mean: the released checkpoint's own is named beside it.
+    assert "released checkpoint" not in text
+    metrics["sets"]["digits"]["results"]["dp"].update(
+        seeds=3, first_seed={"linear_probe": 0.801, "linear_probe_ci": [0.752, 0.849]})
+    text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
+    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%), the mean of 3 "
+                           "DP trainings; the released checkpoint's own is 80.1% (95% CI 75.2–84.9%): it beats")
 
 
 def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):

@@ -61,6 +61,11 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     text = f"On {primary}, the DP model's linear probe reaches {100 * dp['linear_probe']:.1f}%"
     if "linear_probe_ci" in dp:
         text += f" (95% CI {100 * dp['linear_probe_ci'][0]:.1f}–{100 * dp['linear_probe_ci'][1]:.1f}%)"
+    if "first_seed" in dp:  # a mean over evaluate.seeds trainings: the released checkpoint is the first
+        first = dp["first_seed"]
+        text += (f", the mean of {dp['seeds']} DP trainings; the released checkpoint's own is "
+                 f"{100 * first['linear_probe']:.1f}% (95% CI {100 * first['linear_probe_ci'][0]:.1f}–"
+                 f"{100 * first['linear_probe_ci'][1]:.1f}%)")
     versus = set_metrics.get("dp_versus", {})
     order = ("synthetic", "random", "pixels", "nonprivate")  # the warm start first: ViP's question
     parts = [verdict(models[name]["label"], versus[name]) for name in order if name in versus and name in models]

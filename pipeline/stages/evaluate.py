@@ -158,6 +158,9 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
         r.update(with_interval("linear_probe", correct[name], seed, refits.get(name)), seeds=len(correct[name]))
         if name in zero:
             r.update(with_interval("zero_shot", np.stack(zero[name]), seed))
+        if r["seeds"] > 1:  # the row is a mean over its seeds; the first is the checkpoint a stage released
+            first = with_interval("linear_probe", correct[name][:1], seed, None if name not in refits else refits[name][:1])
+            r["first_seed"] = first | (with_interval("zero_shot", zero[name][0][None], seed) if name in zero else {})
         (lo, hi), seeds = r["linear_probe_ci"], r["seeds"]
         print(f"evaluate: {es.name}/{name:<10} linear probe {r['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f}"
               f"{f', {seeds} seeds' if seeds > 1 else ''})"
@@ -180,7 +183,10 @@ def mlflow_metrics(metrics: dict) -> dict:
     flat = {}
     for set_name, s in metrics["sets"].items():
         for model, r in s["results"].items():
-            for protocol, v in r.items():
+            first = {f"first_seed_{k}": v for k, v in r.get("first_seed", {}).items()}  # the released model's own
+            for protocol, v in (r | first).items():
+                if protocol == "first_seed":
+                    continue
                 if isinstance(v, dict):
                     flat.update({f"{set_name}.{model}.{protocol}_{k}shot": kv["mean"] for k, kv in v.items()})
                 elif isinstance(v, list):  # a [lo, hi] interval
