@@ -19,6 +19,11 @@ from pipeline import slurm
 BASE_PORT = 20000  # rendezvous ports: BASE_PORT + job id mod PORT_SPAN, so jobs sharing a head node differ
 PORT_SPAN = 20000
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # not `torchrun`: a job's PATH may lack the venv
+# SLURM tells a training job to stop this long before its time limit (rules/common.smk asks for it).
+STOP_NOTICE_S = 300
+# How long torchrun waits for its workers to save after a SIGTERM before it kills them: its own default,
+# 30 s, is shorter than a step plus a checkpoint at scale. A minute is left for the job to end.
+SHUTDOWN_GRACE_S = STOP_NOTICE_S - 60
 
 
 def launch_command(command: list[str], nodes: int = 1, gpus: int = 0, head: str | None = None,
@@ -87,6 +92,7 @@ def main(argv=None) -> int:
         print(rendered)
         return 0
     print(f"launch: {rendered}", file=sys.stderr, flush=True)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))  # srun passes it on
     os.execvp(argv_out[0], argv_out)  # the stage's exit status becomes the rule's
 
 

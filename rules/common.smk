@@ -7,6 +7,7 @@ import sys
 from pipeline import tracking
 from pipeline.privacy import owner
 from pipeline.config import ParamsError, load_schema, merge, numbers, read_resolved, typed, validate, write_resolved
+from pipeline.launch import STOP_NOTICE_S
 from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 
 # The file of validated params every job reads (`--resolved "$DPFM_RESOLVED_PARAMS"`). An environment
@@ -110,7 +111,7 @@ def scan_params():
 # give it (a command-line --set-resources replaces the profile's whole set-resources block):
 # SIGTERM 5 min before the time limit, so the step in flight ends and a checkpoint is saved, and
 # no --ntasks-per-gpu, so SLURM starts the rule once (per node), not once per GPU.
-TRAINING_ON_SLURM = {"slurm_extra": "'--signal=TERM@300'", "tasks_per_gpu": 0}
+TRAINING_ON_SLURM = {"slurm_extra": f"'--signal=TERM@{STOP_NOTICE_S}'", "tasks_per_gpu": 0}
 
 
 def benchmark_file(name, private):

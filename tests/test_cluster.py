@@ -141,6 +141,43 @@ def test_launcher_passes_the_stage_exit_status_through(tmp_path):
     assert bad.returncode == 2 and "must start inside a SLURM job" in bad.stderr
 
 
+WORKER_THAT_SAVES_SLOWLY = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    out, rank, told = Path(sys.argv[1]), os.environ["RANK"], []
+    signal.signal(signal.SIGTERM, lambda *_: told.append(1))
+    (out / f"started{rank}").write_text("")
+    while not told:
+        time.sleep(0.05)
+    (out / f"told{rank}").write_text("")
+    while not (out / "go").exists():  # a step and a checkpoint at scale: the test says when they end
+        time.sleep(0.05)
+    (out / f"saved{rank}").write_text("")
+    sys.exit(128 + signal.SIGTERM)
+""")
+
+
+def test_torchrun_gives_its_workers_longer_than_its_own_30_s_to_save_after_sigterm(tmp_path):
+    """torchrun kills its workers 30 s after it forwards a SIGTERM, by default; a step and a checkpoint
+    at scale take longer, and SLURM's notice is 5 min. The workers here save 35 s after the signal."""
+    (tmp_path / "worker.py").write_text(WORKER_THAT_SAVES_SLOWLY)
+    env = {k: v for k, v in tool_env().items() if k != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    job = subprocess.Popen([sys.executable, "-m", "pipeline.launch", "--gpus", "2", "--", sys.executable,
+                            str(tmp_path / "worker.py"), str(tmp_path)], start_new_session=True, env=env,
+                           stderr=subprocess.PIPE, text=True)
+    while not all((tmp_path / f"started{r}").exists() for r in (0, 1)):
+        assert job.poll() is None, job.stderr.read()[-3000:]
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGTERM)  # every process of the step, as SLURM signals it
+    while not all((tmp_path / f"told{r}").exists() for r in (0, 1)):
+        time.sleep(0.05)
+    time.sleep(35)  # past torchrun's own grace, which this test measures the launcher lifts
+    assert job.poll() is None, "torchrun ended before its workers saved"
+    (tmp_path / "go").write_text("")
+    job.wait(timeout=60)
+    assert all((tmp_path / f"saved{r}").exists() for r in (0, 1)), job.stderr.read()[-3000:]
+
+
 def test_the_rendered_multi_node_torchrun_meets_on_one_rendezvous():
     """Two torchrun agents (the two srun tasks), here both on loopback: 2 nodes x 1 process = world of 2."""
     say = ["sh", "-c", 'echo "rank=$RANK world=$WORLD_SIZE"']
