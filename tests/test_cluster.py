@@ -204,7 +204,7 @@ def dry_run(tmp_path: Path, shards: dict | None = None, extra: tuple = (), **env
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
     set_params(work, {"shards": shards or {}})
-    targets = ("models/dp", "results/curve/curve.json", "results/eval/metrics.json")
+    targets = ("models/dp", "results/curve/curve.json", "results/eval/metrics.json", "data/synthetic")
     proc = subprocess.run([str(BIN / "snakemake"), "--workflow-profile", "profiles/slurm", "-n", "-p", *targets, *extra],
                           cwd=work, env=tool_env(**env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -332,9 +332,13 @@ def test_memory_follows_the_gpus_and_the_variables(tmp_path, monkeypatch):
     refuse a 20 GB node."""
     out = dry_run(tmp_path, DPFM_GPUS_PER_NODE="2", DPFM_MEM_MB_PER_GPU="9000", DPFM_CPU_MEM_MB="4000",
                   DPFM_SLURM_ACCOUNT="a")
-    for rule, mem in (("dp_train", 18000), ("pretrain", 18000), ("curve", 9000), ("evaluate", 9000), ("shards", 4000)):
+    for rule, mem in (("dp_train", 18000), ("pretrain", 18000), ("curve", 9000), ("evaluate", 9000), ("shards", 4000),
+                      ("synthetic", 4000)):
         args = shlex.split(sbatch_command(planned_job(out, rule), monkeypatch))
         assert args[args.index("--mem") + 1] == str(mem), (rule, args)
+    synthetic = planned_job(out, "synthetic")  # ViP's 1.05M shader images: ~6 core-hours
+    args = shlex.split(sbatch_command(synthetic, monkeypatch))
+    assert args[args.index("-t") + 1] == "240" and "--cpus-per-task=8" in args, args
 
 
 def test_a_command_line_override_keeps_the_stop_signal_and_one_launcher(tmp_path, monkeypatch):
