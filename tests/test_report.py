@@ -296,9 +296,11 @@ def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
     assert "released checkpoint" not in text
     metrics["sets"]["digits"]["results"]["dp"].update(
         seeds=3, first_seed={"linear_probe": 0.801, "linear_probe_ci": [0.752, 0.849]})
-    text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
+    text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"],
+                                             {**mechanism, "epsilon_composed": 15.23})
     assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%), the mean of 3 "
-                           "DP trainings; the released checkpoint's own is 80.1% (95% CI 75.2–84.9%): it beats")
+                           "DP trainings (with every DP run charged to the budget, ε = 15.23); the released "
+                           "checkpoint's own, at ε = 7.99, is 80.1% (95% CI 75.2–84.9%): it beats")
 
 
 def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
@@ -401,3 +403,39 @@ def test_the_steps_row_names_the_weight_average_and_frozen_modules_only_when_set
     frozen = released_weights_text({"ema_decay": 0.0, "frozen": ["encoder.blocks.2", "encoder.blocks.3"]})
     assert frozen == "; not trained, released as they started (no ε): encoder.blocks.2, encoder.blocks.3"
     assert released_weights_text({"frozen": []}) == ""
+
+
+def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(project):
+    """With evaluate.seeds = 3 the DP row is the mean of three DP models trained on the same examples,
+    and the cards once put it beside one model's ε (7.99). Three identical runs compose as one run of
+    three times the steps: the card must give that, the star the released model's own accuracy."""
+    from pipeline.privacy import budget
+    from pipeline.privacy.accounting import epsilon
+
+    root, params = project
+    params["dp"]["noise_seed"] = None
+    params["curve"]["epsilons"] = [8]  # no ε = ∞ point: the run is private as a whole
+    ledger = read_json(root / "models/dp/ledger.json")
+    sketch = np.zeros(1 << budget.SKETCH_BITS, dtype=bool)
+    sketch[:3] = True
+    for key, run in enumerate(("this", "seed-1", "seed-2")):
+        budget.record("set-a", sketch, run, Plan.from_header(ledger), key)
+    write_json("models/dp/ledger.json", {**ledger, "run": "this", "data_identity": "set-a"})
+    metrics = metrics_json()
+    dp_row = metrics["sets"]["digits"]["results"]["dp"]
+    dp_row.update(seeds=3, first_seed={"linear_probe": 0.801, "linear_probe_ci": [0.752, 0.849]})
+    write_json("results/eval/metrics.json", metrics)
+    from pipeline.report import plots
+
+    stars = []
+    original = plots.plot_privacy_utility
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plots, "plot_privacy_utility", lambda points, *a: stars.extend(points) or original(points, *a))
+        report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    three = epsilon(0.67, 0.1, 3 * 40, 4e-4, adjacency="replace_one")
+    assert 10 < three < 20
+    md = (root / "results/report/report.md").read_text()
+    card = next(line for line in md.splitlines() if line.startswith("| Privacy |"))
+    assert f"**ε = {three:.2f}**" in card and "3 DP runs" in card and "the released model alone: ε = 7.99" in card
+    assert [(p["epsilon"], p["accuracy"]) for p in stars if p["current"]] == [(7.99, 0.801)]
+    assert f"with every DP run charged to the budget, ε = {three:.2f}" in md

@@ -3,6 +3,8 @@ a paired 95% interval against a baseline."""
 
 from __future__ import annotations
 
+import math
+
 from pipeline.objectives import OBJECTIVES
 
 def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -> str:
@@ -62,10 +64,11 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     if "linear_probe_ci" in dp:
         text += f" (95% CI {100 * dp['linear_probe_ci'][0]:.1f}–{100 * dp['linear_probe_ci'][1]:.1f}%)"
     if "first_seed" in dp:  # a mean over evaluate.seeds trainings: the released checkpoint is the first
-        first = dp["first_seed"]
-        text += (f", the mean of {dp['seeds']} DP trainings; the released checkpoint's own is "
-                 f"{100 * first['linear_probe']:.1f}% (95% CI {100 * first['linear_probe_ci'][0]:.1f}–"
-                 f"{100 * first['linear_probe_ci'][1]:.1f}%)")
+        first, composed = dp["first_seed"], mechanism["epsilon_composed"]
+        text += (f", the mean of {dp['seeds']} DP trainings (with every DP run charged to the budget, ε = "
+                 f"{'∞' if math.isinf(composed) else f'{composed:.2f}'}); the released checkpoint's own, at ε = "
+                 f"{mechanism['epsilon']:.2f}, is {100 * first['linear_probe']:.1f}% (95% CI "
+                 f"{100 * first['linear_probe_ci'][0]:.1f}–{100 * first['linear_probe_ci'][1]:.1f}%)")
     versus = set_metrics.get("dp_versus", {})
     order = ("synthetic", "random", "pixels", "nonprivate")  # the warm start first: ViP's question
     parts = [verdict(models[name]["label"], versus[name]) for name in order if name in versus and name in models]

@@ -4,6 +4,7 @@ are written into the output directory as the sections are built."""
 from __future__ import annotations
 
 import datetime
+import math
 import shutil
 from pathlib import Path
 
@@ -35,11 +36,21 @@ def accuracy_sets(metrics: dict, objective: str, out: Path) -> list[dict]:
     return sets
 
 
-def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dict, versus: dict, primary: str) -> list:
-    """The cards at the top: ε, the data, and each model's linear probe against the DP model's."""
-    cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}",
-              f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
-              f"{ver['steps']} DP steps on n = {ver['n']}")]
+def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dict, versus: dict, primary: str,
+                  privacy: dict) -> list:
+    """The cards at the top: ε, the data, and each model's linear probe against the DP model's. The ε is
+    what everything the report releases composes to: with the curve's points or evaluate's extra seeds
+    (a row's mean over k DP trainings), more than the released model's own."""
+    mechanism = (f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
+                 f"{ver['steps']} DP steps on n = {ver['n']}")
+    if privacy["private"] and privacy["runs"] == 1:
+        cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}", mechanism)]
+    else:
+        composed = privacy["epsilon_composed"]
+        cards = [("Privacy", "ε = ∞" if math.isinf(composed) else f"ε = {composed:.2f}",
+                  f"all this report releases ({privacy['runs']} DP run{'s' if privacy['runs'] > 1 else ''} charged to "
+                  f"data/budget{'' if privacy['private'] else '; NOT PRIVATE as a whole'}); the released model alone: "
+                  f"ε = {ver['epsilon_reported']:.2f}, {mechanism}")]
     cards.append(data_card(stats) if stats is not None else ("Data", "n/a", "no shard stats"))
     for name in lp:
         diff = (f"linear probe on {primary}" if name == "dp" else
@@ -109,9 +120,10 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     plots.plot_losses(*histories, figures["losses"])
     shutil.copyfile(contact_sheet, figures["contact_sheet"])
     points, source = mlflow_points
-    if not any(p["current"] for p in points):
-        points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": lp["dp"], "objective": plan.objective,
-                            "current": True}]
+    if not any(p["current"] for p in points):  # the released model at its ε (over seeds, the first is it)
+        dp_row = metrics["sets"][primary]["results"]["dp"]
+        points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": dp_row.get("first_seed", dp_row)["linear_probe"],
+                            "objective": plan.objective, "current": True}]
     plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
                                         if n in lp}, figures["privacy_utility"])
     curve = curve_section(metrics.get("privacy_utility"),
@@ -122,7 +134,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     headline = headline_sentence(primary, primary_set, models, {
         "n": ver["n"], "batch": ver["sample_rate"] * ver["n"], "sigma": ver["sigma"],
         "epsilon": ver["epsilon_reported"], "noise": plan.noise_std / plan.denominator,  # per averaged coordinate
-        "per_batch": plan.clipping == "per_batch"})
+        "per_batch": plan.clipping == "per_batch", "epsilon_composed": privacy["epsilon_composed"]})
     if not privacy["private"]:
         headline = f"NOT PRIVATE as a whole: {'; '.join(privacy['not_private'])}. " + headline
     from pipeline.tracking import git_commit
@@ -134,7 +146,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
         "subtitle": (f"{recipe_title(plan.objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
                      f"· generated {when} · commit {git_commit()[:12]}"),
         "headline": headline + (" " + curve["sentence"] if curve else ""),
-        "cards": summary_cards(ver, dp, stats, lp, models, primary_set.get("dp_versus", {}), primary),
+        "cards": summary_cards(ver, dp, stats, lp, models, primary_set.get("dp_versus", {}), primary, privacy),
         "delta_text": delta_text(ver["delta"], dp.get("delta")),
         "mechanism": mechanism_rows(ver, plan, dp, privacy), "colors": plots.MODEL_COLORS,
         "params_yaml": params_yaml(params),

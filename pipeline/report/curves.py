@@ -105,7 +105,8 @@ def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict) -> 
         sentence += f" (synthetic only, no DP training: {100 * baselines['synthetic'][1]:.1f}%)"
     spent = [p["epsilon_spent"] for p in points if p.get("epsilon_spent")]
     seeds = curve.get("seeds", 1)
-    over = f"over {seeds} training seeds and the test images" if seeds > 1 else "over the test images, one seed"
+    over = (f"over {seeds} training seeds and the test images; a point's ε is one training's, and its mean pools "
+            f"{seeds}, which together compose to more" if seeds > 1 else "over the test images, one seed")
     if curve.get("probe_refits"):
         over += f", and {curve['probe_refits']} refits of the probe on resamples of probe-train"
     caption = (f"Linear probe on {curve['set']} ({curve['n_probe_test']} probe-test images; band: 95% bootstrap "

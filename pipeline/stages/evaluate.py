@@ -194,7 +194,8 @@ def mlflow_metrics(metrics: dict) -> dict:
                 else:
                     flat[f"{set_name}.{model}.{protocol}"] = v
     primary = metrics["sets"][metrics["primary_set"]]["results"]
-    flat.update({f"{model}_linear_probe_acc": r["linear_probe"] for model, r in primary.items()})
+    # Beside the run's ε: the accuracy of the model that ε is for (over seeds, the first: the released one).
+    flat.update({f"{model}_linear_probe_acc": r.get("first_seed", r)["linear_probe"] for model, r in primary.items()})
     flat["epsilon"] = metrics["privacy"]["epsilon"]
     return flat
 
