@@ -198,6 +198,26 @@ def test_a_clipped_twin_goes_through_the_dp_runs_clipper_without_noise(data_dir,
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_dp_train_says_not_private_when_its_held_out_loss_reads_an_eval_split_of_the_private_source(
+        data_dir, tmp_path, capsys, objective_name, ranks):
+    """shards.eval_fraction on a web source carves the eval split out of the private data, and dp-train's
+    held-out loss (MLflow, history.json) is computed on it without noise. dp-train printed its ε and
+    nothing else: it read no stats for what it released itself."""
+    work = project(data_dir, tmp_path)
+    stats = json.loads((work / "data/shards/stats.json").read_text())
+    (work / "data/shards/stats.json").write_text(json.dumps({**stats, "eval_from_private": True}))
+    clean = [f"dp.objective={objective_name}", "dp.noise_seed=null", "privacy.testing=false"]
+    if ranks == 1:
+        train(work, clean)
+        printed = capsys.readouterr().out
+    else:
+        printed = torchrun(work, "dp-train", clean).stdout
+    assert "dp-train: NOT PRIVATE as a whole: the eval split is carved out of the private data" in printed, printed[-2000:]
+    assert printed.count("NOT PRIVATE") == 1
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
 def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_private(data_dir, tmp_path, capsys,
                                                                                       objective_name, ranks):
     """dp-train says NOT PRIVATE beside the ε it prints when it trains a twin. The twin's release stays made

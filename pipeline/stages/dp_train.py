@@ -8,8 +8,9 @@ model, the published ledger (the mechanism and the steps charged) and the held-o
 from __future__ import annotations
 
 from pipeline import checkpoints
+from pipeline.artifacts import artifact
 from pipeline.distributed import barrier
-from pipeline.io import atomic_dir, write_json
+from pipeline.io import atomic_dir, read_json, write_json
 from pipeline.privacy import release
 from pipeline.privacy.training import nonprivate_params, setup, train_nonprivate, train_private
 
@@ -42,7 +43,9 @@ def run(params: dict, ctx) -> None:
     ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": plan.accountant})
     print(f"dp-train: {trainer.ledger.steps} steps on n={plan.n}, q={plan.sample_rate:.4f}, σ={plan.sigma:.4f}, "
           f"ε={record['epsilon']:.3f} (δ={plan.delta:.2e}, {plan.accountant}, {plan.adjacency.replace('_', '-')})")
-    reasons = release.not_private_reasons(params, {})  # what this stage itself released outside that ε
+    # What this stage itself released outside that ε (its held-out loss reads an eval split carved out
+    # of the private source: the shards' public stats say so).
+    reasons = release.not_private_reasons(params, read_json(artifact("shards") / "stats.json"))
     for reason in reasons:
         print(f"dp-train: NOT PRIVATE as a whole: {reason}")
     if reasons:
