@@ -325,6 +325,7 @@ def headline(verification: dict | None, metrics: dict | None, privacy: dict | No
         out["epsilon_composed"] = privacy["epsilon_composed"]
     if metrics and metrics.get("sets"):
         dp = metrics["sets"][metrics["primary_set"]]["results"].get("dp", {})
+        dp = dp.get("first_seed", dp)  # beside the model's ε: that model's figures, not a mean over seeds
         out.update({key: dp[key] for key in ("linear_probe", "zero_shot") if isinstance(dp.get(key), (int, float))})
     return out
 
@@ -346,9 +347,10 @@ def mark_killed_runs(client, experiment_id: str, workdir: str) -> list[str]:
     return killed
 
 
-def end_parent(experiment: str, run_id: str, ok: bool) -> None:
+def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = None) -> None:
     """Close the parent: delete it if no stage ran under it (`--touch`, nothing to do); else name it
-    after what ran and attach the headline metrics, params.yaml and the report."""
+    after what ran and attach the headline metrics, the params (`params`: the workflow's validated
+    config, which its jobs ran with; params.yaml as it is now, edited since, otherwise) and the report."""
     from pipeline.io import read_json
     from pipeline.objectives import recipe_name
 
@@ -388,10 +390,12 @@ def end_parent(experiment: str, run_id: str, ok: bool) -> None:
             _retry(lambda: client.set_tag(run_id, "dpfm.private", str(privacy["private"]).lower()))
             if not privacy["private"]:
                 _retry(lambda: client.set_tag(run_id, "dpfm.not_private", "; ".join(privacy["not_private"])))
-        if Path("params.yaml").is_file():  # as the report shows it: a known noise key never leaves the machine
+        if params is None and Path("params.yaml").is_file():
+            params = yaml.safe_load(Path("params.yaml").read_text())
+        if params:  # as the report shows it: a known noise key never leaves the machine
             from pipeline.report.render import params_yaml
 
-            shown = params_yaml(yaml.safe_load(Path("params.yaml").read_text()))
+            shown = params_yaml(params)
             _retry(lambda: client.log_text(run_id, shown, "params.yaml"))
         if report.is_dir():
             _retry(lambda: client.log_artifacts(run_id, str(report), "report"))

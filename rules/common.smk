@@ -140,7 +140,7 @@ onstart:
 
 onsuccess:
     owner.seal()
-    tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=True)
+    tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=True, params=config)
     # Version what this run produced: DVC records the outputs' hashes in dvc.lock and its cache.
     if os.path.isdir(".dvc"):
         done = subprocess.run([PYTHON, "-m", "dvc", "commit", "--force", "--quiet"], capture_output=True, text=True)

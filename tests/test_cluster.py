@@ -560,6 +560,34 @@ def test_the_parent_is_named_from_this_runs_outputs_only(local_mlflow):
     assert "7.50" not in names[0] and "ε=7.50" in names[1], names
 
 
+def test_the_parent_carries_the_params_its_jobs_ran_with_and_the_released_models_figures(local_mlflow):
+    """The parent logged params.yaml as it was when the workflow ended, edited since perhaps; and its
+    headline accuracy, beside one model's ε, was the mean over evaluate.seeds DP models."""
+    import mlflow
+    import yaml
+
+    from pipeline import tracking
+    from pipeline.config import load_params
+    from pipeline.io import write_json
+
+    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    shutil.copytree(ROOT / "schemas", "schemas")
+    validated = load_params("params.yaml", ["dp.epsilon=2"])  # what the workflow's jobs read
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    parent = tracking.start_parent("dpfm", validated)
+    time.sleep(0.01)  # the outputs are this run's: written after it started (the parent reads only those)
+    write_json("results/privacy/verification.json", {"epsilon_reported": 2.0, "sigma": 1.4, "delta": 4e-4})
+    write_json("results/eval/metrics.json", {"primary_set": "digits", "sets": {"digits": {"results": {"dp": {
+        "linear_probe": 0.9, "seeds": 3, "first_seed": {"linear_probe": 0.85}}}}}})
+    exp_id = client.get_experiment_by_name("dpfm").experiment_id
+    client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
+    tracking.end_parent("dpfm", parent, ok=True, params=validated)  # params.yaml on disk: ε = 8
+    logged = yaml.safe_load(open(mlflow.artifacts.download_artifacts(run_id=parent, artifact_path="params.yaml")))
+    assert logged["dp"]["epsilon"] == 2
+    metrics = client.get_run(parent).data.metrics
+    assert metrics["epsilon"] == 2.0 and metrics["linear_probe"] == 0.85
+
+
 STAGE_THAT_SAVES = textwrap.dedent("""
     import pathlib, signal, sys, time
     out = pathlib.Path(sys.argv[1])
