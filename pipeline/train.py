@@ -234,7 +234,9 @@ class TrainState:
     average: WeightAverage | None = None           # the weights' moving average, where the run keeps one
 
     def save(self, checkpointer: "Checkpointer") -> None:
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        # This process's device's generator only: the run may resume on fewer GPUs (the curve's one GPU
+        # resumes the point dp-train trained on eight), where a state per device of this job has no device.
+        cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         checkpointer.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                            "step": self.step, "rng": torch.get_rng_state(), "cuda_rng": cuda_rng,
                            "history": self.history, "extra": self.counters,
@@ -245,7 +247,8 @@ class TrainState:
         self.optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng"])
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(saved["cuda_rng"])
+            state = saved["cuda_rng"]  # a list, one per device of the job, in checkpoints before 2026-12-05
+            torch.cuda.set_rng_state(state[0] if isinstance(state, (list, tuple)) else state)
         self.step = self.resumed_at = saved["step"]
         self.history = saved["history"]
         self.counters.update(saved.get("extra", {}))

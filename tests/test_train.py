@@ -221,6 +221,35 @@ def test_run_loop_resumes_exactly(tmp_path):
                                                                 for s in range(10)]
 
 
+def test_a_checkpoint_from_eight_gpus_resumes_on_one(tmp_path, monkeypatch):
+    """Rank 0 of an 8-GPU dp-train saved the CUDA generator of every device it saw, and a resume set
+    each on device i: on the curve's one GPU (it resumes the point dp-train trained) that is an
+    IndexError at device 1, every retry. One GPU is simulated: torch's per-device setter, as torch
+    reaches it, refuses a device the machine lacks."""
+    import torch.cuda.random as cuda_random
+
+    set_on = []
+
+    def set_rng_state(state, device="cuda"):
+        index = 0 if device == "cuda" else torch.device(device).index if isinstance(device, str) else device
+        if index >= 1:  # what torch.cuda.default_generators[index] does on a one-GPU machine
+            raise IndexError("tuple index out of range")
+        set_on.append((index, state))
+
+    for module in (torch.cuda, cuda_random):
+        monkeypatch.setattr(module, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = torch.nn.Linear(2, 1)
+    state = train.TrainState(model, train.make_optimizer(model, "adamw", 0.01, 0.0))
+    saved = {"model": model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": 4,
+             "rng": torch.get_rng_state(), "history": {"step": [], "metrics": []}}
+    eight = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]  # an old checkpoint: one per device
+    state.restore({**saved, "cuda_rng": eight})
+    assert state.step == 4 and len(set_on) == 1 and torch.equal(set_on[0][1], eight[0])  # rank 0's device's
+    state.restore({**saved, "cuda_rng": eight[3]})  # a checkpoint now: this process's device's generator
+    assert torch.equal(set_on[-1][1], eight[3])
+
+
 def test_a_step_is_published_only_once_a_checkpoint_holds_it(tmp_path):
     """A crash after step 7 resumes from the checkpoint of step 5 and draws steps 6 and 7 again: their
     metrics (of iterates a resume on another device would redraw with other noise) must not have been
