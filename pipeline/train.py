@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from pipeline.config import earlier_forms
 from pipeline.data.index_mmap import USABLE_NAME
-from pipeline.distributed import World, same_on_every_rank
+from pipeline.distributed import World, barrier, same_on_every_rank
 from pipeline.errors import RanksDisagree
 from pipeline.io import atomic_path, remove_stale_temps
 from pipeline.preemption import StopRequests, stop
@@ -345,6 +345,7 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
                 for logged in unsaved if log else ():
                     log(*logged)
                 unsaved.clear()
-            if signum:
+            if signum:  # every rank waits for rank 0's checkpoint: on several nodes the first rank to exit
+                barrier(world)  # has srun end the step, rank 0's save with it (after SLURM's KillWait, 30 s)
                 raise stop(signum, desc, step + 1, total, checkpointer.path)
     return state

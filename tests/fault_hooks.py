@@ -95,6 +95,24 @@ if "sigterm" in faults and os.environ.get("RANK", "0") == faults.get("rank", os.
         module.make_optimizer = make_optimizer
     told_to_end(dp_train)
     told_to_end(pretrain)
+if "holdstop" in faults:
+    # Rank 0 writes the stop's checkpoint (off the every-2-steps schedule) until the test says it is on
+    # disk; every rank leaves a file when it raises Stopped, so the test sees which left before it was.
+    import pipeline.train as train_module
+    real_train_save, rank = train_module.TrainState.save, os.environ.get("RANK", "0")
+    def save(self, checkpointer):
+        real_train_save(self, checkpointer)
+        if rank == "0" and self.step % 2:
+            Path(f"holding.{os.getpid()}").write_text("")
+            os.replace(f"holding.{os.getpid()}", "holding")
+            while not Path("go").exists():
+                time.sleep(0.02)
+    train_module.TrainState.save = save
+    real_stop = train_module.stop
+    def stop(*args, **kw):
+        Path(f"stopped.{rank}").write_text("")
+        return real_stop(*args, **kw)
+    train_module.stop = stop
 if "accountant" in faults and os.environ.get("RANK", "0") == faults.get("rank", os.environ.get("RANK", "0")):
     # This process's accountant rounds as another machine's may: every ε it computes is off by the given
     # relative amount (FFTs on another CPU or library build differ by about 1e-11).
@@ -230,15 +248,26 @@ def dpfm(work: Path, args: list[str], fault: str = "") -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def dpfm_torchrun(work: Path, args: list[str], fault: str = "") -> subprocess.CompletedProcess:
-    """`dpfm <args>` under torchrun with two CPU (gloo) ranks through FAULT_HOOKS, run to its end."""
+def start_dpfm_torchrun(work: Path, args: list[str], fault: str = "") -> subprocess.Popen:
+    """`dpfm <args>` under torchrun with two CPU (gloo) ranks through FAULT_HOOKS, started."""
     (work / "hooks.py").write_text(RUN_DPFM)
     env = {**os.environ, "DPFM_FAULT": fault, "DPFM_FAULT_MARKER": str(work / MARKER), "OMP_NUM_THREADS": "1",
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hooks.py", *args,
            "--threads", "1", "--set", "run.device=cpu"]
-    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def dpfm_torchrun(work: Path, args: list[str], fault: str = "") -> subprocess.CompletedProcess:
+    """`dpfm <args>` under torchrun with two CPU (gloo) ranks through FAULT_HOOKS, run to its end."""
+    proc = start_dpfm_torchrun(work, args, fault)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def kill_at_fault(proc: subprocess.Popen, work: Path, timeout: float = 120) -> str:

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 from fault_hooks import (BIN, MARKER, MISMATCH_ROWS, OOM_MIB, STEPS, UNREADABLE, check_same_as_uninterrupted, complete,
-                         dp_outcome, dp_state, dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs, with_sets)
+                         dp_outcome, dp_state, dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs,
+                         start_dpfm_torchrun, with_sets)
 from pretrain_project import make_project, micro_sets, saved
 from shard_data import write_set
 from stage_runs import project, train
@@ -178,6 +179,26 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_at_the_same_step(data_dir
     assert proc.stderr.count("dp-train stopped by SIGTERM after step 3 of 6;") == 2, proc.stderr[-3000:]
     charged, ckpt = dp_state(work)
     assert charged == [0, 1, 2] and ckpt["step"] == 3
+
+
+def test_no_rank_leaves_a_stop_before_rank_0_has_saved_its_checkpoint(data_dir, tmp_path):
+    """After the agreed stop only rank 0 writes the checkpoint, and the other ranks exited at once. On
+    several nodes srun ends the whole step when the first task exits with an error (--kill-on-bad-exit),
+    so rank 0 had SLURM's KillWait (30 s) for its save, not torchrun's 4 min. Rank 0's save is held
+    here until the test lets it go; rank 1 must still be waiting."""
+    work = project(data_dir, tmp_path)
+    proc = start_dpfm_torchrun(work, ["dp-train"], "sigterm:2,holdstop")
+    deadline = time.time() + 240
+    while not (work / "holding").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    time.sleep(3)  # rank 1 agreed on the same stop: it raises at once unless it waits for the save
+    left_early = (work / "stopped.1").exists()
+    (work / "go").write_text("")
+    _, err = proc.communicate(timeout=120)
+    assert not left_early, "rank 1 left its stop while rank 0 was still saving"
+    assert proc.returncode != 0 and err.count("dp-train stopped by SIGTERM after step 3 of 6;") == 2, err[-3000:]
+    assert (work / "stopped.0").exists() and (work / "stopped.1").exists() and dp_state(work)[1]["step"] == 3
 
 
 @pytest.mark.parametrize("seen", ["unseen", "otherweights"])
