@@ -63,6 +63,20 @@ def test_every_stage_has_a_generated_rule_calling_its_stage_by_absolute_interpre
         assert launched == bool(st.resources.gpu), st.name
 
 
+def test_the_curve_runs_after_dp_train_whose_run_it_shares(tmp_path):
+    """The curve's point at dp-train's ε is dp-train's run, one state directory. Run beside it (the
+    curve's one GPU free before dp-train's eight), the curve took the run's lock and trained the 8-GPU
+    recipe on one, and dp-train stopped busy. In Snakemake's graph the curve now follows dp-train."""
+    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml", "report"):
+        src = ROOT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    dot = subprocess.run([str(BIN / "snakemake"), "--rulegraph", "dot", "--", "results/curve/curve.json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout
+    label = dict(re.findall(r'(\d+)\[label = "(\w+)"', dot))
+    edges = {(label[a], label[b]) for a, b in re.findall(r"(\d+) -> (\d+)", dot)}
+    assert ("pretrain", "curve") in edges and ("dp_train", "curve") in edges, edges
+
+
 def test_brace_patterns_and_templates_pass_through_the_dag_unchanged(tmp_path):
     """A URL brace pattern and a `{c}` template are not Snakemake wildcards (they once crashed the DAG)."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -101,9 +101,11 @@ STAGES: tuple[Stage, ...] = (
     Stage("verify", "recompute ε from the ledger with independent accountants and check the run",
           ("run", "dp", "privacy", "verify"), inputs=("dp",), metrics=("verification",),
           resources=Resources(threads=1, mem_mb=2000)),
+    # After dp-train, though it reads none of its outputs: its point at dp-train's ε is dp-train's run,
+    # which it then resumes finished, rather than train it on its one GPU beside dp-train (on one state).
     Stage("curve", "privacy-utility curve: the recipe retrained at each ε of curve.epsilons, linear-probed",
           ("run", "model", "dp", "privacy", "verify", "evaluate", "curve"),
-          inputs=("shards", "pretrain", "tokenizer"), metrics=("curve",),
+          inputs=("shards", "pretrain", "tokenizer", "dp"), metrics=("curve",),
           resources=Resources(threads=2, mem_mb=8000, gpu=1, runtime=2880)),
     Stage("evaluate", "linear probe, few-shot and zero-shot of the DP encoder beside its baselines",
           ("run", "model", "dp", "privacy", "verify", "evaluate"),
