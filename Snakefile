@@ -6,7 +6,11 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "params.yaml"
+# Read by the workflow's own Snakemake only: a job takes the params it validated (rules/common.smk), so
+# params.yaml half-edited, or gone, while a workflow runs fails none of its jobs.
+if workflow.is_main_process:
+
+    configfile: "params.yaml"
 
 
 include: "rules/common.smk"

@@ -160,4 +160,4 @@ onsuccess:
 onerror:
     owner.seal()
     if tracking.PARENT_ENV in os.environ:
-        tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=False)
+        tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=False, params=config)

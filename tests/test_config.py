@@ -169,6 +169,7 @@ def test_a_job_reads_the_params_its_workflow_validated_whatever_is_edited_or_par
     assert snake("-n", "--config", "tokenizer={vocab_size: 400}").returncode == 0  # another workflow's parse
     assert validated.read_text() == text
     files = sorted((tmp_path / ".dpfm/params").iterdir())
+    params.write_text(params.read_text()[:200] + "\n  [half-typed")  # and being edited when the job starts
 
     job = ("--mode", "remote", "--target-jobs", "tokenizer:", "--no-hooks")
     done = snake(*job, DPFM_RESOLVED_PARAMS=str(validated.relative_to(tmp_path)))
