@@ -341,6 +341,15 @@ def test_memory_follows_the_gpus_and_the_variables(tmp_path, monkeypatch):
     assert args[args.index("-t") + 1] == "240" and "--cpus-per-task=8" in args, args
 
 
+def test_no_job_asks_for_more_than_the_partitions_time_limit(tmp_path, monkeypatch):
+    """Fixed 48 h requests stayed pending for ever (PartitionTimeLimit) on a partition capped at 24 h."""
+    out = dry_run(tmp_path, DPFM_MAX_RUNTIME_MIN="1440", DPFM_SLURM_ACCOUNT="a")
+    for rule, minutes in (("dp_train", "1440"), ("curve", "1440"), ("evaluate", "1440"), ("pretrain", "720"),
+                          ("synthetic", "240")):
+        args = shlex.split(sbatch_command(planned_job(out, rule), monkeypatch))
+        assert args[args.index("-t") + 1] == minutes, (rule, args)
+
+
 def test_a_command_line_override_keeps_the_stop_signal_and_one_launcher(tmp_path, monkeypatch):
     """`--set-resources` replaces the profile's whole block: it once dropped --signal=TERM@300 (no
     checkpoint at preemption) and tasks_per_gpu: 0 along with the one value it lowered."""
