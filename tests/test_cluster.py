@@ -338,7 +338,7 @@ def test_memory_follows_the_gpus_and_the_variables(tmp_path, monkeypatch):
         assert args[args.index("--mem") + 1] == str(mem), (rule, args)
     synthetic = planned_job(out, "synthetic")  # ViP's 1.05M shader images: ~6 core-hours
     args = shlex.split(sbatch_command(synthetic, monkeypatch))
-    assert args[args.index("-t") + 1] == "240" and "--cpus-per-task=8" in args, args
+    assert args[args.index("-t") + 1] == "240" and "--cpus-per-task=4" in args, args
 
 
 def test_no_job_asks_for_more_than_the_partitions_time_limit(tmp_path, monkeypatch):
