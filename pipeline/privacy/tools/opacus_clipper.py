@@ -18,6 +18,7 @@ from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientCli
 
 from pipeline.models.layers import BroadcastParameter
 from pipeline.privacy.clipping import SUM_DTYPE, ClipStats, clip_factors, reject_unboundable, zero_sums
+from pipeline.privacy.layer_rules import bounded_sq_norms
 
 
 class _OpacusBase:
@@ -70,7 +71,8 @@ class OpacusHooksClipper(_OpacusBase):
         losses.float().sum().backward()
         grads = {n: p.grad_sample.float() for n, p in self.params.items() if id(p) not in self.broadcast_names}
         grads.update({self.broadcast_names[id(m.weight)]: self._grads[id(m)] for m in self.broadcast})
-        norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))
+        # Never below the exact norms, as the other routes' (one fp32 sum of squares read them low: 1.0000002·C)
+        norms = torch.sqrt(sum(bounded_sq_norms(g) for g in grads.values()))
         scale, finite = clip_factors(norms, self.clip_norm)
         for n, g in grads.items():
             g = torch.where(finite.view(-1, *[1] * (g.dim() - 1)), g, torch.zeros_like(g))
