@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import Stopped
+from pipeline.eval.stats import released
 from pipeline.io import file_digest
 
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
@@ -325,7 +326,7 @@ def headline(verification: dict | None, metrics: dict | None, privacy: dict | No
         out["epsilon_composed"] = privacy["epsilon_composed"]
     if metrics and metrics.get("sets"):
         dp = metrics["sets"][metrics["primary_set"]]["results"].get("dp", {})
-        dp = dp.get("first_seed", dp)  # beside the model's ε: that model's figures, not a mean over seeds
+        dp = released(dp)  # beside the model's ε: that model's figures, not a mean over seeds
         out.update({key: dp[key] for key in ("linear_probe", "zero_shot") if isinstance(dp.get(key), (int, float))})
     return out
 

@@ -25,6 +25,12 @@ RESAMPLES = 2000
 LEVEL = 0.95
 
 
+def released(row: dict) -> dict:
+    """A metrics row's figures for the one checkpoint a stage released: a row over evaluate.seeds > 1 is
+    a mean of several trainings, and keeps the first's own (the released one) as `first_seed`."""
+    return row.get("first_seed", row)
+
+
 def chance(labels) -> float:
     """The accuracy of always answering the most frequent class of `labels`: of the images scored,
     which is not the whole set's where an official split's test part is balanced otherwise."""

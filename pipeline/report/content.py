@@ -8,6 +8,7 @@ import math
 import shutil
 from pathlib import Path
 
+from pipeline.eval.stats import released
 from pipeline.objectives import recipe_title
 from pipeline.privacy.plan import Plan
 from pipeline.report import plots
@@ -122,7 +123,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     points, source = mlflow_points
     if not any(p["current"] for p in points):  # the released model at its ε (over seeds, the first is it)
         dp_row = metrics["sets"][primary]["results"]["dp"]
-        points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": dp_row.get("first_seed", dp_row)["linear_probe"],
+        points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": released(dp_row)["linear_probe"],
                             "objective": plan.objective, "current": True}]
     plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
                                         if n in lp}, figures["privacy_utility"])

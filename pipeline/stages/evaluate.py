@@ -42,7 +42,7 @@ from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.protocols import check_protocols
-from pipeline.eval.stats import accuracy_ci, chance, difference_ci
+from pipeline.eval.stats import accuracy_ci, chance, difference_ci, released
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
 from pipeline.models import ModelConfig, build_encoder, build_model
@@ -195,7 +195,7 @@ def mlflow_metrics(metrics: dict) -> dict:
                     flat[f"{set_name}.{model}.{protocol}"] = v
     primary = metrics["sets"][metrics["primary_set"]]["results"]
     # Beside the run's ε: the accuracy of the model that ε is for (over seeds, the first: the released one).
-    flat.update({f"{model}_linear_probe_acc": r.get("first_seed", r)["linear_probe"] for model, r in primary.items()})
+    flat.update({f"{model}_linear_probe_acc": released(r)["linear_probe"] for model, r in primary.items()})
     flat["epsilon"] = metrics["privacy"]["epsilon"]
     return flat
 
