@@ -331,6 +331,20 @@ def headline(verification: dict | None, metrics: dict | None, privacy: dict | No
     return out
 
 
+def not_private_by_config(params: dict) -> dict | None:
+    """privacy.json's NOT PRIVATE verdict as far as the validated config and the shards' stats give it,
+    for a run whose report did not run (a test run, the curve's ε = ∞ point, an eval split carved from the
+    private data, ...); None when they give none, which is no proof of private: the budget's earlier
+    releases outside DP are verify's and the report's to add."""
+    from pipeline.artifacts import artifact
+    from pipeline.io import read_json
+    from pipeline.privacy.release import not_private_reasons
+
+    stats = artifact("shards") / "stats.json"
+    reasons = not_private_reasons(params, read_json(stats) if stats.is_file() else {})
+    return {"private": False, "not_private": reasons} if reasons else None
+
+
 def mark_killed_runs(client, experiment_id: str, workdir: str) -> list[str]:
     """A pipeline killed with -9 (a preempted job) never ends its runs: they would show as running
     forever. We hold Snakemake's lock on `workdir`, so its runs still open are dead: mark them KILLED,
@@ -384,6 +398,8 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
         if verification:
             objective = read_json(ledger)["objective"] if ledger.is_file() else ""
             name = f"{recipe_name(objective)} ε={verification['epsilon_reported']:.2f} σ={verification['sigma']:.2f}"
+            if privacy is None and params is not None:  # the report did not run: what its config alone says
+                privacy = not_private_by_config(params)
             if privacy and not privacy["private"]:
                 name = "NOT PRIVATE " + name
             _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))

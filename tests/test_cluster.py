@@ -597,6 +597,31 @@ def test_the_parent_carries_the_params_its_jobs_ran_with_and_the_released_models
     assert metrics["epsilon"] == 2.0 and metrics["linear_probe"] == 0.85
 
 
+def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config(local_mlflow):
+    """`snakemake verify` (no report, so no fresh privacy.json) named a test run's parent "ViP ε=2.00"
+    with nothing to say it is NOT PRIVATE; a config that gives no reason claims nothing either way."""
+    from pipeline import tracking
+    from pipeline.config import load_params
+    from pipeline.io import write_json
+
+    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    shutil.copytree(ROOT / "schemas", "schemas")
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    exp_id = client.get_experiment_by_name("dpfm").experiment_id
+    tags = {}
+    for testing in (True, False):
+        validated = load_params("params.yaml", [f"privacy.testing={str(testing).lower()}", "curve.epsilons=[]"])
+        parent = tracking.start_parent("dpfm", validated)
+        time.sleep(0.01)  # written after the parent started: this run's
+        write_json("results/privacy/verification.json", {"epsilon_reported": 2.0, "sigma": 1.4, "delta": 4e-4})
+        client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
+        tracking.end_parent("dpfm", parent, ok=True, params=validated)
+        tags[testing] = client.get_run(parent).data.tags
+    assert tags[True]["mlflow.runName"].startswith("NOT PRIVATE "), tags[True]["mlflow.runName"]
+    assert "test run" in tags[True]["dpfm.not_private"] and tags[True]["dpfm.private"] == "false"
+    assert not tags[False]["mlflow.runName"].startswith("NOT PRIVATE") and "dpfm.private" not in tags[False]
+
+
 STAGE_THAT_SAVES = textwrap.dedent("""
     import pathlib, signal, sys, time
     out = pathlib.Path(sys.argv[1])
