@@ -168,17 +168,21 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
             client.log_param(run.info.run_id, k, v)
         client.set_terminated(run.info.run_id, status)
 
-    digits = {"dpfm.primary_set": "digits"}
-    # An older pipeline: evaluate logged no ε (it comes from the dp-train run of the same parent) and no
-    # set tag (its logged evaluate.sets names it).
+    digits = {"dpfm.primary_set": "digits", "dpfm.adjacency": "replace_one"}
+    # An older pipeline: evaluate logged no ε (it comes from the dp-train run of the same parent), no set
+    # tag (its logged evaluate.sets names it) and no adjacency tag (its logged params give it).
     stage_run("dp-train", "p1", {"epsilon": 2.0}, params={"dp.objective": "clip"})
     stage_run("evaluate", "p1", {"dp_linear_probe_acc": 0.6}, {"dvc.input.models/dp": "h1"},
-              params={"evaluate.sets": '[{"name": "digits", "source": "digits"}]'})
-    # One model evaluated twice: the latest run counts, once.
+              params={"evaluate.sets": '[{"name": "digits", "source": "digits"}]', "privacy.adjacency": "replace_one"})
+    # One model evaluated twice: the latest run counts, once. Its pipeline was NOT PRIVATE as a whole.
+    whole = client.create_run(exp, tags={"dpfm.pipeline": "true", "dpfm.private": "false"}).info.run_id
     stage_run("evaluate", "p2", {"dp_linear_probe_acc": 0.7, "epsilon": 8.0},
               {"dvc.input.models/dp": "h2", "dpfm.objective": "mae", **digits})
-    stage_run("evaluate", "p3", {"dp_linear_probe_acc": 0.75, "epsilon": 8.0},
+    stage_run("evaluate", whole, {"dp_linear_probe_acc": 0.75, "epsilon": 8.0},
               {"dvc.input.models/dp": "h2", "dpfm.objective": "mae", **digits})
+    # An ε under add/remove is on another axis (about half replace-one's for the same mechanism).
+    stage_run("evaluate", "p7", {"dp_linear_probe_acc": 0.8, "epsilon": 4.0},
+              {"dvc.input.models/dp": "h6", "dpfm.objective": "mae", **digits, "dpfm.adjacency": "add_remove"})
     stage_run("evaluate", "p4", {"dp_linear_probe_acc": 0.99, "epsilon": 1.0}, {"dvc.input.models/dp": "h3", **digits},
               status="FAILED")
     # A test run's model (a known noise key) is no DP point, whatever ε its verification computed.
@@ -186,11 +190,12 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
               {"dvc.input.models/dp": "h4", "dpfm.objective": "mae", "dpfm.model_private": "false", **digits})
     # A model evaluated on another set is on another axis: the figure's caption names one set.
     stage_run("evaluate", "p6", {"dp_linear_probe_acc": 0.91, "epsilon": 3.0},
-              {"dvc.input.models/dp": "h5", "dpfm.objective": "mae", "dpfm.primary_set": "fashion"})
+              {"dvc.input.models/dp": "h5", "dpfm.objective": "mae", **digits, "dpfm.primary_set": "fashion"})
     points, note = report_curves.experiment_points("dpfm", current_model_hash="h2", primary_set="digits")
-    got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"]) for p in points)
-    assert got == [(2.0, 0.6, "clip", False), (8.0, 0.75, "mae", True)]
-    assert "2 DP model(s) evaluated on digits" in note
+    got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"], p["private_as_a_whole"]) for p in points)
+    assert got == [(2.0, 0.6, "clip", False, None), (8.0, 0.75, "mae", True, False)]
+    assert "2 DP model(s) evaluated on digits" in note and "1 evaluation(s) under the other adjacency" in note
+    assert [p["accuracy"] for p in report_curves.experiment_points("dpfm", None, "digits", "add_remove")[0]] == [0.8]
     assert [p["accuracy"] for p in report_curves.experiment_points("dpfm", None, "fashion")[0]] == [0.91]
     none, note = report_curves.experiment_points("elsewhere", None, "digits")
     assert none == [] and "not found" in note
@@ -377,7 +382,14 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
 
     params["curve"]["epsilons"] = [1, 8, math.inf]
     public = RecordingTracker()
-    report.run(params, SimpleNamespace(stage=stage("report"), tracker=public))
+    from pipeline.report import plots
+
+    plotted = []
+    original = plots.plot_privacy_utility
+    with pytest.MonkeyPatch.context() as m:  # the star: the model is DP at its ε, the run is not (hollow)
+        m.setattr(plots, "plot_privacy_utility", lambda points, *a: plotted.extend(points) or original(points, *a))
+        report.run(params, SimpleNamespace(stage=stage("report"), tracker=public))
+    assert [p["private_as_a_whole"] for p in plotted if p["current"]] == [False]
     final = read_json(root / "results/report/privacy.json")
     assert not final["private"] and final["epsilon_composed"] == "inf"
     assert "the curve's ε = ∞ point trains without DP on the private shards" in final["not_private"]

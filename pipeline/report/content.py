@@ -125,6 +125,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
         dp_row = metrics["sets"][primary]["results"]["dp"]
         points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": released(dp_row)["linear_probe"],
                             "objective": plan.objective, "current": True}]
+    # This run's verdict is the report's own (its parent is tagged after it ends).
+    points = [p | {"private_as_a_whole": privacy["private"]} if p["current"] else p for p in points]
     plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
                                         if n in lp}, figures["privacy_utility"])
     curve = curve_section(metrics.get("privacy_utility"),
@@ -153,7 +155,10 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
         "params_yaml": params_yaml(params),
         "pu_caption": (f"Linear-probe accuracy on {primary} against verified ε. {source}. Star: this run. "
                        f"Baselines from this run: synthetic-only (no private data, ε = 0), non-private (ε = ∞, "
-                       f"when trained) and random init. Each point keeps the eval protocol of its own run."),
+                       f"when trained) and random init. Each point keeps the eval protocol of its own run."
+                       + (" A hollow point is a model DP at its ε from a run NOT PRIVATE as a whole (its other "
+                          "outputs are not covered)." if any(p.get("private_as_a_whole") is False for p in points)
+                          else "")),
         "eps_caption": (f"ε after each DP step at δ = {ver['delta']:.2e}, per accountant "
                         f"({ver['accountant'].upper()} is reported; the others are independent upper bounds)."),
         "loss_caption": ("Left: MAE loss on synthetic images (non-private). Right: the DP model's loss on the "

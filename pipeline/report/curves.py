@@ -9,9 +9,12 @@ from pathlib import Path
 from pipeline.objectives import recipe_title
 from pipeline.report import plots
 
-def experiment_points(experiment: str, current_model_hash: str | None, primary_set: str) -> tuple[list[dict], str]:
+def experiment_points(experiment: str, current_model_hash: str | None, primary_set: str,
+                      adjacency: str = "replace_one") -> tuple[list[dict], str]:
     """One point per DP model evaluated in the experiment on `primary_set` (the first eval set; a run
-    evaluated on another is another axis): its verified ε and DP linear-probe accuracy.
+    evaluated on another is another axis) under `adjacency` (an ε of the other neighbour relation is
+    another axis too: add/remove's is about half replace-one's for one mechanism): its verified ε, DP
+    linear-probe accuracy and whether its pipeline run was private as a whole (None: not known yet).
 
     ε comes from the evaluate run itself (it logs the verified ε it evaluated) or, for runs that
     predate that, from the finished dp-train run of the same pipeline invocation. A model
@@ -34,10 +37,12 @@ def experiment_points(experiment: str, current_model_hash: str | None, primary_s
 
         dp_by_parent = {r.data.tags["mlflow.parentRunId"]: r for r in reversed(finished("dp-train"))
                         if r.data.tags.get("mlflow.parentRunId")}
+        whole = {r.info.run_id: r.data.tags.get("dpfm.private") for r in client.search_runs(
+            [exp.experiment_id], max_results=5000, filter_string="tags.`dpfm.pipeline` = 'true'")}
         evaluate_runs = finished("evaluate")  # newest first
     except Exception as err:  # the report must still be written when the tracking store is unreachable
         return [], f"MLflow not readable ({type(err).__name__}): only this run is shown"
-    points, seen = [], set()
+    points, seen, other = [], set(), 0
     for run in evaluate_runs:
         m, tags = run.data.metrics, run.data.tags
         model = tags.get("dvc.input.models/dp", run.info.run_id)
@@ -48,10 +53,22 @@ def experiment_points(experiment: str, current_model_hash: str | None, primary_s
             continue
         if evaluated_on(run) != primary_set:
             continue
+        if adjacency_of(run) != adjacency:
+            other += 1
+            continue
         seen.add(model)
         objective = tags.get("dpfm.objective") or (dp_run.data.params.get("dp.objective") if dp_run else None)
-        points.append({"epsilon": eps, "accuracy": acc, "objective": objective, "current": model == current_model_hash})
-    return points, f"{len(points)} DP model(s) evaluated on {primary_set} in MLflow experiment {experiment!r}"
+        private = {"true": True, "false": False}.get(whole.get(tags.get("mlflow.parentRunId")))
+        points.append({"epsilon": eps, "accuracy": acc, "objective": objective, "current": model == current_model_hash,
+                       "private_as_a_whole": private})
+    source = f"{len(points)} DP model(s) evaluated on {primary_set} in MLflow experiment {experiment!r}"
+    return points, source + (f" ({other} evaluation(s) under the other adjacency left out)" if other else "")
+
+
+def adjacency_of(run) -> str:
+    """The neighbour relation an evaluate run's ε is for: its tag, or the params it logged; add/remove
+    for runs from before the choice existed."""
+    return run.data.tags.get("dpfm.adjacency") or run.data.params.get("privacy.adjacency") or "add_remove"
 
 
 def evaluated_on(run) -> str | None:

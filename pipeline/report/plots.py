@@ -77,22 +77,28 @@ def plot_accuracy(columns: list[str], rows: list[dict], chance: float, path) -> 
 
 
 def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
-    """points: {epsilon, accuracy, objective, current} per DP model; baselines: {name: (label, accuracy)}."""
+    """points: {epsilon, accuracy, objective, current, private_as_a_whole} per DP model (hollow when its
+    run was NOT PRIVATE as a whole: the model is DP at its ε, the run's other outputs are not);
+    baselines: {name: (label, accuracy)}."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(5.0, 4.2))
         markers = {"mae": "o", "caption": "s", "clip": "^"}
         seen = set()
         for p in sorted(points, key=lambda p: p["current"]):
-            obj = p.get("objective") or "?"
-            label = None if obj in seen else f"DP runs ({recipe_name(obj)})"
-            seen.add(obj)
+            obj, whole = p.get("objective") or "?", p.get("private_as_a_whole") is not False
+            key = (obj, whole)
+            label = None if key in seen else f"DP runs ({recipe_name(obj)}){'' if whole else ', run NOT PRIVATE'}"
+            seen.add(key)
             ax.scatter(p["epsilon"], 100 * p["accuracy"], marker=markers.get(obj, "D"), s=36, alpha=0.75,
-                       color=MODEL_COLORS["dp"], edgecolor="white", lw=0.5, label=label, zorder=3)
+                       color=MODEL_COLORS["dp"] if whole else "none", edgecolor="white" if whole else MODEL_COLORS["dp"],
+                       lw=0.5 if whole else 1.2, label=label, zorder=3)
         current = [p for p in points if p["current"]]
         if current:
             c = current[-1]
-            ax.scatter(c["epsilon"], 100 * c["accuracy"], marker="*", s=220, color=MODEL_COLORS["dp"],
-                       edgecolor="black", lw=0.8, label="this run", zorder=4)
+            whole = c.get("private_as_a_whole") is not False
+            ax.scatter(c["epsilon"], 100 * c["accuracy"], marker="*", s=220, color=MODEL_COLORS["dp"] if whole else "none",
+                       edgecolor="black", lw=0.8, label="this run" + ("" if whole else " (NOT PRIVATE as a whole)"),
+                       zorder=4)
         xmax = max([p["epsilon"] for p in points] + [1.0]) * 1.15
         if "synthetic" in baselines:  # no private data seen: ε = 0
             label, acc = baselines["synthetic"]

@@ -249,5 +249,6 @@ def run(params: dict, ctx) -> None:
     ctx.tracker.log_metrics(mlflow_metrics(metrics))
     # A test run's model (a known noise key) is saved not private: the report plots no DP point for it.
     ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}",
-                          "dpfm.model_private": str(dp_ckpt.private).lower(), "dpfm.primary_set": metrics["primary_set"]})
+                          "dpfm.model_private": str(dp_ckpt.private).lower(), "dpfm.primary_set": metrics["primary_set"],
+                          "dpfm.adjacency": ver.get("adjacency", "add_remove")})
     ctx.tracker.log_artifact(str(out))

@@ -25,7 +25,7 @@ def run(params: dict, ctx) -> None:
     from pipeline.tracking import dvc_hash
 
     points = experiment_points(params["run"]["experiment"], dvc_hash(str(dp_dir)) if dp_dir.exists() else None,
-                               metrics["primary_set"])
+                               metrics["primary_set"], ver.get("adjacency", "add_remove"))
     final = final_privacy(params, ledger, ver, stats or {})
     histories = (read_json(st.input("pretrain") / "history.json"), read_json(dp_dir / "history.json"))
     with atomic_dir(st.output("report")) as out:
