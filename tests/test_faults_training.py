@@ -330,6 +330,19 @@ def test_the_resume_check_catches_a_ledger_not_written_before_the_update(data_di
         check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
 
 
+def test_a_checkpoint_that_outlived_its_ledger_is_refused_before_any_step(data_dir, tmp_path):
+    """The ledger deleted (or a partial copy of the state directory) while the checkpoint at step 3 survived:
+    the resumed run charged only the steps it redrew and printed ε for 3 of 6 updates."""
+    work = project(data_dir, tmp_path)
+    proc = dpfm(work, ["dp-train"], "sigterm:2")
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM, log_tail(work)
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    (state / "ledger.jsonl").unlink()
+    assert dpfm(work, ["dp-train"]).wait(timeout=300) != 0
+    assert "follows no charged step 2" in log_tail(work) and not (work / "models/dp").exists()
+    assert json.loads((state / "ledger.jsonl").read_text().splitlines()[-1]).keys() == {"header"}
+
+
 def test_a_torn_last_ledger_line_is_dropped_and_charged_again(tmp_path):
     """A kill inside the ledger's own append leaves half a line: the ledger still opens, loses no step."""
     path = tmp_path / "ledger.jsonl"

@@ -71,6 +71,10 @@ class Ledger:
                 raise LedgerError(f"step {step} redrew a batch of another size than its ledger holds ({where}): "
                                   "the sampler is not deterministic")
             return
+        if step > 0 and step - 1 not in self.batch_sizes:  # a checkpoint past the ledger: its steps were charged nowhere
+            raise LedgerError(f"step {step} follows no charged step {step - 1}: {self.path} was lost or cut while the "
+                              f"run's checkpoint survived, so updates it holds are on no ledger (their ε would go "
+                              f"uncounted); restore the ledger, or delete {self.path.parent} to train from the start")
         self._append({"step": step, "batch_size": batch_size})
         self.batch_sizes[step] = batch_size
 
