@@ -331,17 +331,18 @@ def headline(verification: dict | None, metrics: dict | None, privacy: dict | No
     return out
 
 
-def not_private_by_config(params: dict) -> dict | None:
-    """privacy.json's NOT PRIVATE verdict as far as the validated config and the shards' stats give it,
-    for a run whose report did not run (a test run, the curve's ε = ∞ point, an eval split carved from the
-    private data, ...); None when they give none, which is no proof of private: the budget's earlier
-    releases outside DP are verify's and the report's to add."""
+def not_private_by_config(params: dict, verification: dict | None) -> dict | None:
+    """privacy.json's NOT PRIVATE verdict as far as the validated config, the shards' stats and verify's
+    composition give it, for a run whose report did not run (a test run, the curve's ε = ∞ point, an eval
+    split carved from the private data, an earlier release outside DP on the budget, ...); None when they
+    give none, which is no proof of private: the curve and the seeds may charge more after verify."""
     from pipeline.artifacts import artifact
     from pipeline.io import read_json
     from pipeline.privacy.release import not_private_reasons
 
     stats = artifact("shards") / "stats.json"
-    reasons = not_private_reasons(params, read_json(stats) if stats.is_file() else {})
+    reasons = not_private_reasons(params, read_json(stats) if stats.is_file() else {},
+                                  (verification or {}).get("composition"))
     return {"private": False, "not_private": reasons} if reasons else None
 
 
@@ -395,14 +396,15 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
 
             now = int(time.time() * 1000)
             _retry(lambda: client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in numbers.items()]))
+        if privacy is None and params is not None:  # the report did not run: what its config and verify say
+            privacy = not_private_by_config(params, verification)
+        name = client.get_run(run_id).info.run_name  # the start's, when verify did not run
         if verification:
             objective = read_json(ledger)["objective"] if ledger.is_file() else ""
             name = f"{recipe_name(objective)} ε={verification['epsilon_reported']:.2f} σ={verification['sigma']:.2f}"
-            if privacy is None and params is not None:  # the report did not run: what its config alone says
-                privacy = not_private_by_config(params)
-            if privacy and not privacy["private"]:
-                name = "NOT PRIVATE " + name
-            _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))
+        if privacy and not privacy["private"] and not name.startswith("NOT PRIVATE"):
+            name = "NOT PRIVATE " + name
+        _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))
         if privacy:
             _retry(lambda: client.set_tag(run_id, "dpfm.private", str(privacy["private"]).lower()))
             if not privacy["private"]:

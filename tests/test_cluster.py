@@ -597,9 +597,11 @@ def test_the_parent_carries_the_params_its_jobs_ran_with_and_the_released_models
     assert metrics["epsilon"] == 2.0 and metrics["linear_probe"] == 0.85
 
 
-def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config(local_mlflow):
+def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config_and_verify(local_mlflow):
     """`snakemake verify` (no report, so no fresh privacy.json) named a test run's parent "ViP ε=2.00"
-    with nothing to say it is NOT PRIVATE; a config that gives no reason claims nothing either way."""
+    with nothing to say it is NOT PRIVATE, and so a run whose budget records a release outside DP; a
+    parent whose report ran but verify did not kept its start name. A config and a budget that give no
+    reason claim nothing either way."""
     from pipeline import tracking
     from pipeline.config import load_params
     from pipeline.io import write_json
@@ -608,18 +610,30 @@ def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config(
     shutil.copytree(ROOT / "schemas", "schemas")
     client = tracking._mlflow("dpfm").tracking.MlflowClient()
     exp_id = client.get_experiment_by_name("dpfm").experiment_id
-    tags = {}
-    for testing in (True, False):
+
+    def parent_tags(testing: bool, outside_dp: list, verified: bool = True, report: dict | None = None) -> dict:
         validated = load_params("params.yaml", [f"privacy.testing={str(testing).lower()}", "curve.epsilons=[]"])
         parent = tracking.start_parent("dpfm", validated)
         time.sleep(0.01)  # written after the parent started: this run's
-        write_json("results/privacy/verification.json", {"epsilon_reported": 2.0, "sigma": 1.4, "delta": 4e-4})
+        if verified:
+            write_json("results/privacy/verification.json", {"epsilon_reported": 2.0, "sigma": 1.4, "delta": 4e-4,
+                                                             "composition": {"outside_dp": outside_dp}})
+        if report:
+            write_json("results/report/privacy.json", report)
         client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
         tracking.end_parent("dpfm", parent, ok=True, params=validated)
-        tags[testing] = client.get_run(parent).data.tags
-    assert tags[True]["mlflow.runName"].startswith("NOT PRIVATE "), tags[True]["mlflow.runName"]
-    assert "test run" in tags[True]["dpfm.not_private"] and tags[True]["dpfm.private"] == "false"
-    assert not tags[False]["mlflow.runName"].startswith("NOT PRIVATE") and "dpfm.private" not in tags[False]
+        return client.get_run(parent).data.tags
+
+    test_run = parent_tags(True, [])
+    assert test_run["mlflow.runName"].startswith("NOT PRIVATE "), test_run["mlflow.runName"]
+    assert "test run" in test_run["dpfm.not_private"] and test_run["dpfm.private"] == "false"
+    released = parent_tags(False, ["dp-train-twin (ε = ∞)"])
+    assert released["mlflow.runName"].startswith("NOT PRIVATE ") and "dp-train-twin" in released["dpfm.not_private"]
+    private = parent_tags(False, [])
+    assert not private["mlflow.runName"].startswith("NOT PRIVATE") and "dpfm.private" not in private
+    os.remove("results/privacy/verification.json")
+    unverified = parent_tags(False, [], verified=False, report={"private": False, "not_private": ["a reason"]})
+    assert unverified["mlflow.runName"] == "NOT PRIVATE mae ε≤8", unverified["mlflow.runName"]
 
 
 STAGE_THAT_SAVES = textwrap.dedent("""
