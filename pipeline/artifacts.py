@@ -13,7 +13,8 @@ ARTIFACTS = {
     "tokenizer": "models/tokenizer/",
     "pretrain": "models/pretrain/",                       # the synthetic warm start
     "dp": "models/dp/",                                   # the DP model, its published ledger and history
-    "verification": "results/privacy/verification.json",
+    "verification": "results/privacy/verification.json",  # this run's ε, checked (the budget as it was then)
+    "privacy": "results/privacy/privacy.json",            # what everything the run released composes to
     "curve": "results/curve/curve.json",
     "metrics": "results/eval/metrics.json",
     "report": "results/report/",

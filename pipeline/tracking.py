@@ -342,7 +342,7 @@ def not_private_by_config(params: dict, verification: dict | None) -> dict | Non
 
     stats = artifact("shards") / "stats.json"
     reasons = not_private_reasons(params, read_json(stats) if stats.is_file() else {},
-                                  (verification or {}).get("composition"))
+                                  (verification or {}).get("composition_at_verify"))
     return {"private": False, "not_private": reasons} if reasons else None
 
 
@@ -389,7 +389,8 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
 
         report, ledger = artifact("report"), artifact("dp") / "ledger.json"
         verification, metrics = load(artifact("verification")), load(artifact("metrics"))
-        privacy = load(report / "privacy.json")
+        privacy_path = artifact("privacy")
+        privacy = written = load(privacy_path)
         numbers = headline(verification, metrics, privacy)
         if numbers:
             from mlflow.entities import Metric
@@ -418,4 +419,6 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
             _retry(lambda: client.log_text(run_id, shown, "params.yaml"))
         if report.is_dir():
             _retry(lambda: client.log_artifacts(run_id, str(report), "report"))
+        if written:
+            _retry(lambda: client.log_artifact(run_id, str(privacy_path), "report"))
     _retry(lambda: client.set_terminated(run_id, status="FINISHED" if ok else "FAILED"))

@@ -617,9 +617,9 @@ def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config_
         time.sleep(0.01)  # written after the parent started: this run's
         if verified:
             write_json("results/privacy/verification.json", {"epsilon_reported": 2.0, "sigma": 1.4, "delta": 4e-4,
-                                                             "composition": {"outside_dp": outside_dp}})
+                                                             "composition_at_verify": {"outside_dp": outside_dp}})
         if report:
-            write_json("results/report/privacy.json", report)
+            write_json("results/privacy/privacy.json", report)
         client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
         tracking.end_parent("dpfm", parent, ok=True, params=validated)
         return client.get_run(parent).data.tags

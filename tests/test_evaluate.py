@@ -321,9 +321,10 @@ def make_project(root, objective="caption", nonprivate=True, steps=3):
 def eval_params(**overrides):
     import yaml
 
-    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["evaluate"]
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    cfg = params["evaluate"]
     cfg.update(fewshot={"shots": [1, 5], "repeats": 2}, **overrides)
-    return {"run": {"seed": 0}, "evaluate": cfg}
+    return {"run": {"seed": 0}, "evaluate": cfg, "dp": params["dp"], "privacy": params["privacy"]}
 
 
 def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
@@ -359,6 +360,32 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
     assert tracker.tags["dpfm.model_private"] == "true"  # the checkpoint's own flag (a test run's is false)
     # ε is the DP model's own; how many DP trainings the row pools, and where their composition is, beside it
     assert metrics["privacy"]["dp_trainings"] == 1 and metrics["privacy"]["epsilon_composed_in"].endswith("privacy.json")
+    # What is known by now to leave ε (the final verdict is the report's): nothing here; a curve's ε = ∞
+    # point, an earlier release on the budget (as verify found it) would be named beside the ε logged.
+    assert metrics["privacy"]["not_private"] == [] and "dpfm.private" not in tracker.tags
+    from pipeline.io import write_json
+
+    write_json(tmp_path / "results/curve/curve.json", {"points": [{"epsilon": 8.0}, {"epsilon": "inf"}]})
+    ver = {"composition_at_verify": {"outside_dp": ["a twin"]}}
+    assert evaluate.known_not_private(eval_params(), tmp_path / "data/shards/stats.json",
+                                      tmp_path / "results/curve/curve.json", ver) == [
+        "data/budget records releases of its examples made without DP, here or in an earlier run (a twin): every ε "
+        "composed over it is ∞", "the curve's ε = ∞ point trains without DP on the private shards"]
+
+
+def test_an_evaluate_run_of_a_test_run_is_tagged_not_private_beside_the_epsilon_it_logs(tmp_path, monkeypatch):
+    """evaluate logged the model's ε with nothing beside it to say the run is NOT PRIVATE."""
+    from pipeline.stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path)
+    tracker, params = RecordingTracker(), eval_params()
+    params["privacy"] = {**params["privacy"], "testing": True}
+    evaluate.run(params, SimpleNamespace(stage=stage("evaluate"), tracker=tracker, device="cpu", threads=1))
+    assert "epsilon" in tracker.metrics and tracker.tags["dpfm.private"] == "false"
+    assert "a test run" in tracker.tags["dpfm.not_private"]
+    metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
+    assert metrics["privacy"]["not_private"] == [tracker.tags["dpfm.not_private"]]
 
 
 def test_stage_intervals_cover_the_probe_refits_and_keep_the_accuracies(tmp_path, monkeypatch):

@@ -110,7 +110,7 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
     assert "<script" not in page and "<link" not in page
     for name in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):  # Markdown images sit beside it
         assert (out / name).is_file(), name
-    assert tracker.artifacts == [("results/report", "report")]
+    assert tracker.artifacts == [("results/report", "report"), ("results/privacy/privacy.json", None)]
 
 
 def test_the_owners_composition_is_computed_on_request_and_no_stage_reads_which_sets_overlap(project, monkeypatch):
@@ -373,7 +373,7 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     params["curve"]["epsilons"] = [1, 8]
     private = RecordingTracker()
     report.run(params, SimpleNamespace(stage=stage("report"), tracker=private))
-    final = read_json(root / "results/report/privacy.json")
+    final = read_json(root / "results/privacy/privacy.json")
     assert final["private"] and final["not_private"] == []
     assert private.metrics["epsilon_composed"] == pytest.approx(final["epsilon_composed"])
     assert private.tags["model.private"] == "true" and float(private.tags["model.epsilon"]) == pytest.approx(
@@ -390,7 +390,7 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
         m.setattr(plots, "plot_privacy_utility", lambda points, *a: plotted.extend(points) or original(points, *a))
         report.run(params, SimpleNamespace(stage=stage("report"), tracker=public))
     assert [p["private_as_a_whole"] for p in plotted if p["current"]] == [False]
-    final = read_json(root / "results/report/privacy.json")
+    final = read_json(root / "results/privacy/privacy.json")
     assert not final["private"] and final["epsilon_composed"] == "inf"
     assert "the curve's ε = ∞ point trains without DP on the private shards" in final["not_private"]
     md = (root / "results/report/report.md").read_text()

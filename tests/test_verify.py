@@ -390,10 +390,16 @@ def test_every_version_registered_on_the_budget_carries_what_it_composes_to_now(
     assert (first.tags["private"], first.tags["epsilon"]) == ("false", "inf")
     assert second.tags["private"] == "true" and second.tags["dp_runs_on_data"] == "3"
 
+    (private_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                         "tags.`dpfm.stage` = 'verify'", max_results=1)
+    assert "dpfm.private" not in private_run.data.tags
     budget.record_outside_dp("earlier-set", sketch, "twin", "a training without DP on them")
     assert cli.main(["verify"]) == 0
     assert {(v.tags["private"], v.tags["epsilon"]) for v in versions()} == {("false", "inf")}
     assert all("without DP" in v.tags["not_private"] for v in versions())
+    (verify_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                         "tags.`dpfm.stage` = 'verify'", max_results=1)  # beside its ε, itself
+    assert verify_run.data.tags["dpfm.private"] == "false" and "without DP" in verify_run.data.tags["dpfm.not_private"]
 
 
 def test_verify_composes_every_run_without_reading_which_sets_overlap(project, in_tmp, valid_replace_one, monkeypatch):
@@ -414,4 +420,4 @@ def test_verify_composes_every_run_without_reading_which_sets_overlap(project, i
 
     monkeypatch.setattr(budget, "_load_sketch", overlaps)
     assert cli.main(["verify"]) == 0
-    assert read_json(in_tmp / artifact("verification"))["composition"]["runs"] == 2
+    assert read_json(in_tmp / artifact("verification"))["composition_at_verify"]["runs"] == 2

@@ -118,6 +118,7 @@ STAGES: tuple[Stage, ...] = (
           ("run", "shards", "synthetic", "tokenizer", "model", "pretrain", "dp", "privacy", "verify", "curve",
            "evaluate", "report"),
           inputs=("shards", "synthetic", "pretrain", "dp", "verification", "curve", "metrics"), outputs=("report",),
+          metrics=("privacy",),  # the run's final verdict: after the curve and the seeds, which verify precedes
           resources=Resources(threads=1, mem_mb=2000)),
 )
 

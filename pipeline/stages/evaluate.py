@@ -29,15 +29,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from pipeline import checkpoints
+from pipeline.artifacts import ARTIFACTS
 from pipeline.config import ParamsError
 from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
+from pipeline.privacy import release
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import features, probe_outcomes
@@ -200,6 +203,14 @@ def mlflow_metrics(metrics: dict) -> dict:
     return flat
 
 
+def known_not_private(params: dict, stats: Path, curve: Path, ver: dict) -> list[str]:
+    """Why the run's outputs are not covered by its ε, as far as is known when evaluate ends: its params,
+    the curve's points, the shards' stats and the budget as verify found it (the report's verdict is final)."""
+    points = read_json(curve)["points"] if curve.exists() else []
+    return release.not_private_reasons(params | {"curve": {"epsilons": [float(p["epsilon"]) for p in points]}},
+                                       read_json(stats) if stats.exists() else {}, ver.get("composition_at_verify"))
+
+
 def run(params: dict, ctx) -> None:
     cfg, seed = params["evaluate"], params["run"]["seed"]
     st = ctx.stage
@@ -220,6 +231,7 @@ def run(params: dict, ctx) -> None:
     for es in eval_sets:  # before the extra seeds are trained and charged
         check_protocols(es, cfg, seed, len(encoder.blocks))
     candidates += seed_candidates(params, ctx, candidates, with_text=cfg["zero_shot"])
+    not_private = known_not_private(params, st.input("shards") / "stats.json", curve, ver)
     tokenizer = None
     if any(c.text_model is not None for c in candidates):
         from pipeline.data.tokenizer import Tokenizer
@@ -238,15 +250,18 @@ def run(params: dict, ctx) -> None:
         "protocol": {k: cfg[k] for k in ("pool", "last_k_blocks", "probe_fraction", "probe_solver", "probe_c",
                                          "probe_refits", "fewshot", "finetune", "zero_shot", "seeds")},
         # ε is dp-train's model's own. The DP row pools evaluate.seeds DP trainings, each charged to the
-        # budget: what every run on the examples composes to is the report's (results/report/privacy.json).
+        # budget: what every run on the examples composes to is the report's (results/privacy/privacy.json).
         "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"],
-                    "dp_trainings": cfg["seeds"], "epsilon_composed_in": "results/report/privacy.json"},
+                    "dp_trainings": cfg["seeds"], "epsilon_composed_in": ARTIFACTS["privacy"],
+                    "not_private": not_private},
         "sets": sets,
         # The privacy-utility curve (stages/curve.py), kept with the accuracies it is read beside.
         "privacy_utility": read_json(curve) if curve.exists() else None,
     }
     write_json(out, metrics)
     ctx.tracker.log_metrics(mlflow_metrics(metrics))
+    if not_private:  # beside the ε this run logs
+        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(not_private)})
     # A test run's model (a known noise key) is saved not private: the report plots no DP point for it.
     ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}",
                           "dpfm.model_private": str(dp_ckpt.private).lower(), "dpfm.primary_set": metrics["primary_set"],

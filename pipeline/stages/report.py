@@ -33,8 +33,8 @@ def run(params: dict, ctx) -> None:
                              st.input("synthetic") / "contact_sheet.png", stats)
         (out / "report.md").write_text(render_markdown(page))
         (out / "report.html").write_text(render_html(page))
-        write_json(out / "privacy.json", {**final, "epsilon_composed": str(final["epsilon_composed"])
-                                          if not final["private"] else final["epsilon_composed"]})
+    write_json(st.output("privacy"), {**final, "epsilon_composed": str(final["epsilon_composed"])
+                                      if not final["private"] else final["epsilon_composed"]})
     # The last stage: every DP training of this run (dp-train, the curve, the seeds) is charged by now.
     ctx.tracker.log_metrics({"epsilon_dp_runs": final["epsilon_dp_runs"], "dp_runs_on_data": final["runs"]}
                             | ({"epsilon_composed": final["epsilon_composed"]} if final["private"] else {}))
@@ -43,4 +43,5 @@ def run(params: dict, ctx) -> None:
     ctx.tracker.tag_dp_models(release.registry_tags(final["epsilon_composed"], final["runs"], final["not_private"]),
                               budget.registry_id())
     ctx.tracker.log_artifact(str(st.output("report")), "report")
+    ctx.tracker.log_artifact(str(st.output("privacy")))
     print(f"report: {st.output('report')}/report.html")

@@ -40,7 +40,9 @@ def run(params: dict, ctx) -> None:
         failed = [c["name"] for c in result["checks"] if not c["passed"]]
         raise VerificationFailed(f"privacy verification failed: {', '.join(failed)} (details in {failed_out})")
     failed_out.unlink(missing_ok=True)
-    result["composition"] = budget.composition(ledger, result["delta"])
+    # The budget as verify found it: the curve's points and evaluate's seeds may be charged after
+    # (the run's final composition is the report's, results/privacy/privacy.json).
+    result["composition_at_verify"] = budget.composition(ledger, result["delta"])
     write_json(out, result)
     # verify.accountants that account the run's adjacency (rdp and prv account add/remove alone)
     others = "".join(f", {a}: {e:.3f}" for a, e in result["epsilon"].items())
@@ -48,7 +50,7 @@ def run(params: dict, ctx) -> None:
           f"{result['adjacency'].replace('_', '-')}){others}"
           + ("" if result["adjacency"] == "add_remove" else
              "; add/remove (the literature's): " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon_add_remove"].items())))
-    c = result["composition"]
+    c = result["composition_at_verify"]
     if c["runs"] > 1:
         # Which runs share examples with this one is the owner's to know: the tighter figure is theirs,
         # computed on request (its time follows the overlaps; this stage's time is published).
@@ -61,16 +63,17 @@ def run(params: dict, ctx) -> None:
     # the private data), the verdict, and the verified model itself.
     ctx.tracker.log_artifact(str(out))
     ctx.tracker.log_dict({k: v for k, v in ledger.items() if k != "batch_sizes"}, "mechanism.json")
-    if params["privacy"]["testing"]:  # a known noise key: never registered as a private model
-        print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
-        ctx.tracker.set_tags({"dpfm.private": "false"})
-        return
     # Registered as private only when nothing the run (or the budget) records left DP. Every version on
     # this budget, earlier runs' too, is tagged with what the budget composes to now; the report, which
     # knows the curve and the eval split too, tags them all again (tracking.tag_dp_models).
     reasons = release.not_private_reasons(params, {}, c)
     for reason in reasons:
         print(f"verify: NOT PRIVATE as a whole: {reason}")
+    if reasons:  # beside the ε this run logs
+        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(reasons)})
+    if params["privacy"]["testing"]:  # a known noise key: never registered as a private model
+        print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
+        return
     ctx.tracker.log_dp_model(dp_dir / "checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"],
                              private=not reasons, budget=budget.registry_id())
     ctx.tracker.tag_dp_models(release.registry_tags(c["epsilon"], c["runs"], reasons), budget.registry_id())
