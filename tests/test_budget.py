@@ -330,6 +330,31 @@ def test_a_budget_that_was_pushed_but_is_not_here_is_refused_until_it_is_pulled(
     assert budget.composition(ledger, DELTA)["runs"] == 2
 
 
+def test_a_budget_deleted_before_it_was_ever_pushed_is_refused_while_runs_it_charged_are_here(in_tmp):
+    """`rm -rf data` (or `git clean -X`) with no data/budget.dvc: a new key and an empty budget restarted the
+    composition, so the same examples were trained and registered again as private at one run's ε."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "before")
+    state = Path(".dpfm/state/dp-train-0123/ledger.jsonl")
+    state.parent.mkdir(parents=True)
+    state.write_text("{}\n")  # the run's own ledger, kept in its state directory
+    backup = in_tmp / "backup"
+    shutil.copytree(budget.BUDGET_DIR, backup)
+    shutil.rmtree(budget.BUDGET_DIR)
+    ledger = {**plan().header(), "run": "after", "data_identity": d[0]}
+    for start in (lambda: shard(in_tmp / "e", examples(10)), lambda: charge(*d, "after"),
+                  lambda: budget.composition(ledger, DELTA)):
+        with pytest.raises(budget.BudgetNotHere, match=r"data/budget/ is gone but DP runs it charged left"):
+            start()
+    assert not budget.BUDGET_DIR.exists()  # no new key in its place
+    shutil.copytree(backup, budget.BUDGET_DIR)
+    assert budget.composition(ledger, DELTA)["runs"] == 2
+    shutil.rmtree(budget.BUDGET_DIR)
+    shutil.rmtree(".dpfm")  # the owner's word that nothing those runs trained was released
+    charge(*d, "anew")
+    assert [e["run"] for e in budget.runs(d[0])] == ["anew"]
+
+
 def test_one_run_charged_by_two_processes_at_once_is_charged_once(in_tmp, monkeypatch):
     """Processes charge side by side (a run started twice): the check for a run and its line are one step.
     Each charge, once it has read the record, waits for the other to have read it too: without the

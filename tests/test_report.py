@@ -71,6 +71,9 @@ def project(tmp_path, monkeypatch):
         "epsilon_curve": {"pld": [[1, 2.3], [20, 5.8], [40, 7.99]], "rdp": [[1, 3.1], [20, 7.3], [40, 9.6]]}})
     plan = Plan(objective="caption", clipping="per_sample", n=1258, sample_rate=0.1, sigma=0.67, clip_norm=1.0,
                 steps=40, delta=4e-4, accountant="pld", adjacency="replace_one", target_epsilon=8.0, epsilon=7.99)
+    from pipeline.privacy import budget
+
+    budget.registry_id()  # the budget dp-train charged (its key): composing without one would be refused
     write_json("models/dp/ledger.json", {**plan.header(), "steps": 40, "epsilon": 7.99})
     write_json("results/eval/metrics.json", metrics_json())
     write_json("models/pretrain/history.json", history("loss", range(0, 300, 20)))

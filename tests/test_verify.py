@@ -269,8 +269,9 @@ def project(in_tmp, monkeypatch, valid_replace_one):
 
     def write(ledger, optimizer_steps=None):
         """dp-train's outputs: the published ledger, and its batch sizes in the owner-only zone."""
-        from pipeline.privacy import owner
+        from pipeline.privacy import budget, owner
 
+        budget.registry_id()  # the budget dp-train charged (its key): composing without one would be refused
         write_json("models/dp/ledger.json", {**{k: v for k, v in ledger.items() if k != "batch_sizes"}, "run": "r1"})
         owner.write(owner.run_record("r1"), {"batch_sizes": ledger["batch_sizes"], "nonfinite_examples": 0})
         cfg = ModelConfig.of({"size": "micro"}).to_dict()

@@ -61,9 +61,20 @@ def _check_here() -> None:
     clone, a `dvc exp` workspace, before `make restore`): an empty budget would forget every run the
     pushed one holds, under a new owner's key, and the ε published would leave them out."""
     pointer = BUDGET_DIR.with_suffix(".dvc")
-    if pointer.exists() and not any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
+    if any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
+        return
+    if pointer.exists():
         raise BudgetNotHere(f"{pointer} records a privacy budget that is not in {BUDGET_DIR}/: run `dvc pull "
                             f"{pointer}` (or `make restore`) first, so that this run composes with the runs it holds")
+    # Never pushed, then deleted (`rm -rf data`, `git clean -X`): a DP run's ledger left here says a budget
+    # charged it, and a new one would publish ε without it (and register the same examples as private again).
+    charged = sorted(str(p) for p in [*Path(".dpfm/state").glob("dp-train-*/ledger.jsonl"), Path("models/dp/ledger.json")]
+                     if p.is_file())
+    if charged:
+        raise BudgetNotHere(f"{BUDGET_DIR}/ is gone but DP runs it charged left their ledgers ({', '.join(charged[:3])}"
+                            f"{', ...' if len(charged) > 3 else ''}): restore {BUDGET_DIR}/ from a backup; only if "
+                            "nothing those runs trained was ever released, delete .dpfm/state/dp-train-* and models/dp "
+                            "to start a new budget")
 
 
 def _names_key() -> bytes:
