@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ledger", default="models/dp/ledger.json", help="a run's published ledger")
     p.set_defaults(func=_owner_composition)
 
+    p = sub.add_parser("budget-sync", help="add to data/budget the runs of the version data/budget.dvc records",
+                       description="After `git pull` brings another checkout's data/budget.dvc (and `dvc fetch` its "
+                                   "files), add the DP runs it charged to this checkout's data/budget: every stage "
+                                   "that composes does so too; `make push` runs it before recording the budget.")
+    p.set_defaults(func=_budget_sync)
+
     p = sub.add_parser("stages", help="print the stage table")
     p.set_defaults(func=_print_stages)
 
@@ -168,6 +174,13 @@ def _owner_composition(args) -> int:
 
     ledger = read_json(args.ledger)
     print(f"owner-composition: written to {budget.keep_overlap_composition(ledger, ledger['delta'])}")
+    return 0
+
+
+def _budget_sync(args) -> int:
+    from pipeline.privacy import budget
+
+    budget.sync()
     return 0
 
 

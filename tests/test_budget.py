@@ -330,6 +330,39 @@ def test_a_budget_that_was_pushed_but_is_not_here_is_refused_until_it_is_pulled(
     assert budget.composition(ledger, DELTA)["runs"] == 2
 
 
+def test_a_budget_behind_the_version_git_records_gains_its_runs_and_a_push_keeps_them(in_tmp):
+    """Checkout B `git pull`ed A's data/budget.dvc but kept its own older budget: it composed without A's
+    second run, and its `make push` recorded a budget without it. Measured with DVC itself: B's first use
+    of the budget adds A's run and its set's sketch; a version not in the cache, or another owner's key,
+    is refused."""
+    dvc = [str(ROOT / ".venv/bin/dvc")]
+    subprocess.run(dvc + ["init", "-q", "--no-scm"], check=True)
+    d, e = shard(in_tmp / "d", examples(10)), shard(in_tmp / "e", examples(10, seed=1))
+    charge(*d, "A1")
+    behind = in_tmp / "b-budget"
+    shutil.copytree(budget.BUDGET_DIR, behind)  # B's budget: A's first push
+    charge(*e, "A2")
+    subprocess.run(dvc + ["add", "-q", "data/budget"], check=True)  # A's push (dvc fetch brings it to B's cache)
+    pointer = (in_tmp / "data/budget.dvc").read_text()
+    shutil.rmtree(budget.BUDGET_DIR)
+    shutil.copytree(behind, budget.BUDGET_DIR)
+    ledger = {**plan().header(), "run": "B1", "data_identity": d[0]}
+    assert budget.composition(ledger, DELTA)["runs"] == 3  # A1, A2 and B1 (counted though not yet charged)
+    charge(*d, "B1")
+    assert [e["run"] for e in budget._entries()] == ["A1", "A2", "B1"]
+    assert [e["run"] for e in budget.runs(e[0])] == ["A2"]  # through A2's sketch, copied from the cache
+    subprocess.run(dvc + ["add", "-q", "data/budget"], check=True)  # B's push
+    assert len(budget._entries()) == 3 and (in_tmp / "data/budget.dvc").read_text() != pointer
+
+    (in_tmp / "data/budget.dvc").write_text(pointer.replace(pointer.split("md5: ")[1][:32], "f" * 32))
+    with pytest.raises(budget.BudgetNotHere, match=r"dvc fetch data/budget.dvc"):
+        charge(*d, "B2")
+    (in_tmp / "data/budget.dvc").write_text(pointer)
+    (budget.BUDGET_DIR / "names.key").write_text("ab" * 32)
+    with pytest.raises(budget.BudgetCorrupt, match="two owners' budgets"):
+        budget.sync()
+
+
 def test_a_budget_deleted_before_it_was_ever_pushed_is_refused_while_runs_it_charged_are_here(in_tmp):
     """`rm -rf data` (or `git clean -X`) with no data/budget.dvc: a new key and an empty budget restarted the
     composition, so the same examples were trained and registered again as private at one run's ε."""

@@ -38,6 +38,7 @@ import os
 import secrets
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,8 @@ def _check_here() -> None:
     pushed one holds, under a new owner's key, and the ε published would leave them out."""
     pointer = BUDGET_DIR.with_suffix(".dvc")
     if any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
+        if pointer.exists():
+            _merge_recorded(pointer)
         return
     if pointer.exists():
         raise BudgetNotHere(f"{pointer} records a privacy budget that is not in {BUDGET_DIR}/: run `dvc pull "
@@ -75,6 +78,48 @@ def _check_here() -> None:
                             f"{', ...' if len(charged) > 3 else ''}): restore {BUDGET_DIR}/ from a backup; only if "
                             "nothing those runs trained was ever released, delete .dpfm/state/dp-train-* and models/dp "
                             "to start a new budget")
+
+
+def sync() -> None:
+    """The check every use of the budget makes first, on its own (`dpfm budget-sync`, `make push`)."""
+    _check_here()
+
+
+def _merge_recorded(pointer: Path) -> None:
+    """Add the runs that the budget version git records (another checkout's `make push`, brought by `git
+    pull`) holds and this one lacks, with their sketches: composed without them, ε would leave them out,
+    and the next push would record a budget without them. A budget only grows, so the union is the budget."""
+    from pipeline import dvc_cache
+
+    files = dvc_cache.recorded_files(pointer)
+    if files is None:
+        md5 = dvc_cache.recorded_md5(pointer)
+        from pipeline.tracking import dvc_hash
+
+        if md5 and dvc_hash(BUDGET_DIR) != md5:
+            raise BudgetNotHere(f"{pointer} records a budget version that is not in this checkout's DVC cache: run "
+                                f"`dvc fetch {pointer}` and start again; its runs are then added to {BUDGET_DIR}/ "
+                                "(`dvc pull` would refuse to overwrite the charges made here)")
+        return
+    key = BUDGET_DIR / "names.key"
+    if "names.key" in files and key.exists() and files["names.key"].read_bytes().strip() != key.read_bytes().strip():
+        raise BudgetCorrupt(f"{key} is not the key of the budget {pointer} records: two owners' budgets cannot be "
+                            "merged (their runs' names differ); restore one of them")
+    if "runs.jsonl" not in files:
+        return
+    for rel, cached in files.items():  # sketches first: a run is composed through its set's sketch
+        if rel.startswith("sets/") and not (BUDGET_DIR / rel).exists():
+            with atomic_path(BUDGET_DIR / rel) as tmp:
+                tmp.write_bytes(cached.read_bytes())
+    with _locked_runs() as f:
+        have = set(f.read().splitlines())
+        missing = [line for line in files["runs.jsonl"].read_text().splitlines() if line.strip() and line not in have]
+        if missing:
+            f.write("".join(line + "\n" for line in missing))
+            f.flush()
+            os.fsync(f.fileno())
+            print(f"budget: {len(missing)} run(s) of the budget {pointer} records, charged elsewhere, added to "
+                  f"{BUDGET_DIR}/runs.jsonl")
 
 
 def _names_key() -> bytes:
@@ -203,20 +248,27 @@ def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...
     _check_here()
     _save_sketch(identity, sketch)
     entry["recorded"] = int(time.time())  # whole seconds: a fixed width
-    BUDGET_DIR.mkdir(parents=True, exist_ok=True)
-    with open(BUDGET_DIR / "runs.jsonl", "a+") as f:
-        try:  # the check and the append as one: a run started twice at once is charged once
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks: a race can then only charge a run twice, never miss it
-            pass
-        drop_torn_tail(BUDGET_DIR / "runs.jsonl")  # a charge cut by a kill: its run had not started
-        f.seek(0)
+    with _locked_runs() as f:  # the check and the append as one: a run started twice at once is charged once
         forms = [entry, *({**entry, **change} for change in earlier)]
         if any(all(e.get(k) == form[k] for k in same) for e in _parse(f.read(), BUDGET_DIR / "runs.jsonl") for form in forms):
             return  # a resume: the same batches and noise (an entry from before keys were recorded charges again)
         f.write(json.dumps(entry, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextmanager
+def _locked_runs():
+    """runs.jsonl open to read from its start and append, held under an exclusive lock."""
+    BUDGET_DIR.mkdir(parents=True, exist_ok=True)
+    with open(BUDGET_DIR / "runs.jsonl", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: a race can then only charge a run twice, never miss it
+            pass
+        drop_torn_tail(BUDGET_DIR / "runs.jsonl")  # a charge cut by a kill: its run had not started
+        f.seek(0)
+        yield f
 
 
 def _entries() -> list[dict]:
