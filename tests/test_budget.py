@@ -330,6 +330,27 @@ def test_a_budget_that_was_pushed_but_is_not_here_is_refused_until_it_is_pulled(
     assert budget.composition(ledger, DELTA)["runs"] == 2
 
 
+def test_runs_on_a_labelled_set_a_package_ships_are_left_out_of_runs_on_other_data(in_tmp):
+    """The default run trains its ε = ∞ point on digits: every later run in the checkout, on private data
+    too, composed to ∞ with it. A run on other data reads nothing of public digits; a run on digits still
+    composes with every run (its examples may be in a private set too)."""
+    from pipeline.privacy import release
+
+    digits, private = shard(in_tmp / "digits", examples(10)), shard(in_tmp / "private", examples(10, seed=1))
+    public = release.public_set("digits")
+    assert public == "digits" and release.public_set("webdataset") is None
+    budget.record(*digits, "demo", plan(), 1, public_set=public)
+    budget.record_outside_dp(*digits, "demo-twin", "a training without DP on them", public_set=public)
+    charge(*private, "mine")
+    mine = {**plan().header(), "run": "mine", "data_identity": private[0]}
+    c = budget.composition(mine, DELTA)
+    assert c["runs"] == 1 and c["outside_dp"] == [] and c["epsilon"] == pytest.approx(
+        accounting.epsilon(SIGMA, Q, STEPS, DELTA, adjacency="add_remove"), rel=1e-6)
+    demo = {**plan().header(), "run": "demo", "data_identity": digits[0], "public_set": "digits"}
+    c = budget.composition(demo, DELTA)
+    assert c["runs"] == 2 and c["epsilon"] == float("inf") and c["outside_dp"] == ["a training without DP on them"]
+
+
 def test_a_budget_behind_the_version_git_records_gains_its_runs_and_a_push_keeps_them(in_tmp):
     """Checkout B `git pull`ed A's data/budget.dvc but kept its own older budget: it composed without A's
     second run, and its `make push` recorded a budget without it. Measured with DVC itself: B's first use

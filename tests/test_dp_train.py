@@ -241,6 +241,7 @@ def test_a_twin_trained_without_dp_leaves_every_later_run_on_the_examples_not_pr
         params = load_params(work / "params.yaml", clean + ["curve.epsilons=[8]"])
     assert c["outside_dp"] == ["a training without DP on them"] and c["epsilon"] == float("inf")
     assert c["runs"] == 1 and c["epsilon_dp_runs"] < float("inf")
+    assert ledger["public_set"] == "digits"  # so its twin leaves no run on other data NOT PRIVATE (test_budget.py)
     assert release.not_private_reasons(params, {}) == [] and release.not_private_reasons(params, {}, c)
 
 

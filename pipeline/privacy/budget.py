@@ -224,22 +224,24 @@ def _sha256_key_fingerprint(key: int) -> str:
     return hashlib.sha256(f"dpfm budget key {key}".encode()).hexdigest()[:16]
 
 
-def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int) -> None:
+def record(identity: str, sketch: np.ndarray, run: str, plan: Plan, key: int, public_set: str | None = None) -> None:
     """Charge run `run`'s planned mechanism, drawn with secret `key`, to the examples `identity`
-    (once per run and key; fsynced before training)."""
+    (once per run and key; fsynced before training). `public_set`: the labelled set a package ships that
+    the examples are (release.public_set), whose runs no run on other data composes with."""
     _append(identity, sketch, {"run": run, "key": key_fingerprint(key), "set": identity, "objective": plan.objective,
                                "sigma": plan.sigma, "sample_rate": plan.sample_rate, "steps": plan.steps,
                                "delta": plan.delta, "n": plan.n, "adjacency": plan.adjacency,
-                               "noise_edge": plan.noise_edge}, same=("run", "key"),
-            earlier=[{"key": _sha256_key_fingerprint(key)}])
+                               "noise_edge": plan.noise_edge} | ({"public_set": public_set} if public_set else {}),
+            same=("run", "key"), earlier=[{"key": _sha256_key_fingerprint(key)}])
 
 
-def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str) -> None:
+def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str, public_set: str | None = None) -> None:
     """Charge a release of the examples `identity` made without DP (a training without noise on them,
     a count of them published as it is, a noise key that is known): every composition that counts it
     is ε = ∞, in this run and in every later one, whatever their own flags (once per run and reason;
     fsynced before the release)."""
-    _append(identity, sketch, {"run": run, "set": identity, "outside_dp": why}, same=("run", "outside_dp"))
+    _append(identity, sketch, {"run": run, "set": identity, "outside_dp": why}
+            | ({"public_set": public_set} if public_set else {}), same=("run", "outside_dp"))
 
 
 def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...], earlier: list[dict] = ()) -> None:
@@ -344,8 +346,16 @@ def composition(ledger: dict, delta: float) -> dict:
     composed; this run is counted even if the budget record was lost. Only the runs on sets that
     share examples with this one would be tighter (`overlap_composition`), but which sets share an
     example is a fact about the private data: replacing the one shared example could drop a run.
-    `ledger` is the published ledger: its plan, run and data identity."""
-    return _composed(ledger, _entries(), delta)
+    `ledger` is the published ledger: its plan, run and data identity.
+
+    Runs on a labelled set a package ships (digits, Fashion-MNIST: public, each anyone's to compute on)
+    read nothing of other data: a run on other data leaves them out, which its `public_set` (absent)
+    says publicly. So the default run's ε = ∞ point on digits leaves a later run on private data DP. A
+    run on a public set composes with every run (the same examples may be in a private set too)."""
+    entries = _entries()
+    if not ledger.get("public_set"):
+        entries = [e for e in entries if not e.get("public_set")]
+    return _composed(ledger, entries, delta)
 
 
 def overlap_composition(ledger: dict, delta: float) -> dict:

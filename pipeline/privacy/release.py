@@ -20,10 +20,16 @@ from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 
 
+def public_set(source: str | None) -> str | None:
+    """`source` when it is a labelled set a package ships (digits, Fashion-MNIST): public data, which the
+    pipeline treats as private only to show what a run on private data does."""
+    return source if source in labelled_sets.SETS else None
+
+
 def nonprivate_allowed(privacy: dict, source: str | None) -> bool:
     """Whether training without DP on the private shards of `source` may run."""
     explicit = privacy["nonprivate_on_private_data"]
-    return source in labelled_sets.SETS if explicit is None else bool(explicit)
+    return public_set(source) is not None if explicit is None else bool(explicit)
 
 
 def check_nonprivate(privacy: dict, source: str | None, what: str) -> None:

@@ -10,9 +10,8 @@ Nothing per example is held in memory: the sampler draws step t's ids from the k
 worker processes read, decode and resize just this rank's share of them, several steps ahead (the
 schedule is a function of the key, so it is known in advance). Peak memory is flat in n.
 
-Only public-data figures are logged: the loss on the held-out eval split (when there is one), which
-is post-processing of the private model. The realised batch sizes and the non-finite count go to the
-owner-only zone (owner.py); no rate is logged (it tracks the realised batch size).
+Only public-data figures are logged: the loss on the held-out eval split (post-processing of the private
+model). Realised batch sizes and the non-finite count are owner-only (owner.py); no rate (it tracks them).
 """
 
 from __future__ import annotations
@@ -265,14 +264,16 @@ def train_private(params: dict, trainer: "Trainer", ctx):
             key = secret_key(work, params["dp"]["noise_seed"])
             # Charged to the examples' budget before the first step (composition across runs), once per key.
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
-            budget.record(data_id, sketch, work.name, trainer.plan, key)
-            record_outside_dp(params, work.name, data_id, sketch)
+            public = release.public_set(trainer.source)
+            budget.record(data_id, sketch, work.name, trainer.plan, key, public_set=public)
+            record_outside_dp(params, work.name, data_id, sketch, public)
         key = broadcast_int(key, world)
         model, counters, history = trainer.train(key, work, ctx, private=True)
     record, plan = None, trainer.plan  # the ledger's, on a resume
     if world.is_main:
         record = trainer.ledger.public()
         record["data_identity"], record["run"] = data_id, work.name
+        record.update({"public_set": public} if public else {})  # the runs it composes with (budget.composition)
         record["epsilon"] = accounting.epsilon(plan.sigma, plan.sample_rate, trainer.ledger.steps, plan.delta,
                                                accountant=plan.accountant, adjacency=plan.adjacency)
         record["history"] = history
@@ -282,16 +283,17 @@ def train_private(params: dict, trainer: "Trainer", ctx):
     return model, counters, record
 
 
-def record_outside_dp(params: dict, run: str, data_id: str, sketch) -> None:
+def record_outside_dp(params: dict, run: str, data_id: str, sketch, public_set: str | None) -> None:
     """What this DP run releases without DP, charged to the budget before it is released: later runs on
     these examples compose to ∞ too, whatever their own flags (budget.record_outside_dp)."""
-    if params["dp"]["noise_seed"] is not None:
-        budget.record_outside_dp(data_id, sketch, run, "a known noise key (dp.noise_seed)")
+    reasons = [(data_id, sketch, "a known noise key (dp.noise_seed)")] if params["dp"]["noise_seed"] is not None else []
     if params["dp"]["log_private_stats"]:
-        budget.record_outside_dp(data_id, sketch, run, "dp.log_private_stats published a count without noise")
+        reasons.append((data_id, sketch, "dp.log_private_stats published a count without noise"))
     if read_json(artifact("shards") / "stats.json").get("eval_from_private"):  # the held-out loss reads it
-        eval_id, eval_sketch = budget.examples_identity(artifact("shards") / "eval")
-        budget.record_outside_dp(eval_id, eval_sketch, run, "the eval split carved out of the source (shards.eval_fraction)")
+        reasons.append((*budget.examples_identity(artifact("shards") / "eval"),
+                        "the eval split carved out of the source (shards.eval_fraction)"))
+    for identity, bits, why in reasons:
+        budget.record_outside_dp(identity, bits, run, why, public_set)
 
 
 def nonprivate_params(params: dict) -> dict:
@@ -312,7 +314,8 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
     with one_process(work, trainer.world):
         if trainer.world.is_main:  # charged before its first step, as a DP run is
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
-            budget.record_outside_dp(data_id, sketch, f"{work.parent.name}-{work.name}", "a training without DP on them")
+            budget.record_outside_dp(data_id, sketch, f"{work.parent.name}-{work.name}",
+                                     "a training without DP on them", release.public_set(trainer.source))
         return twin.train(params["run"]["seed"], work, ctx, private=False)[0]
 
 
