@@ -62,15 +62,42 @@ def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     return yaml.safe_load(Path(path).read_text())
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML whose mappings refuse a key written twice: PyYAML keeps the last silently, so a second
+    `epsilon:` under `dp:` would set the privacy budget unseen (keys a `<<` merge brings may be
+    overridden, as YAML means them to be)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is written twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}): "
+                    "keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | Path):
+    """A params file as written: ParamsError (naming it) when it is absent, not YAML, or repeats a key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError([f"{path} does not exist" if not path.exists() else f"{path} is not a file"], source=str(path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=_UniqueKeys)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ParamsError([f"not valid YAML: {e}"], source=str(path)) from None
+
+
 def load_params(path: str | Path = PARAMS_PATH, overrides: list[str] = (), schema_path=SCHEMA_PATH) -> dict:
     """Read params.yaml, apply `section.key=value` overrides, validate; raise ParamsError if wrong."""
-    path = Path(path)
-    if not path.exists():
-        raise ParamsError([f"{path} does not exist"], source=str(path))
-    try:
-        params = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ParamsError([f"not valid YAML: {e}"], source=str(path)) from None
+    params = read_yaml(path)
+    if params is not None and not isinstance(params, dict):
+        raise ParamsError([f"expected sections (a mapping), got a {type(params).__name__}"], source=str(path))
     params = apply_overrides(numbers(params or {}), overrides)
     validate(params, load_schema(schema_path), source=str(path))
     return params

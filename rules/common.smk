@@ -6,7 +6,8 @@ import sys
 
 from pipeline import tracking
 from pipeline.privacy import owner
-from pipeline.config import ParamsError, load_schema, merge, numbers, read_resolved, typed, validate, write_resolved
+from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
+                             write_resolved)
 from pipeline.launch import STOP_NOTICE_S
 from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
 
@@ -20,8 +21,11 @@ if workflow.is_main_process:
     # and 1e-5 a number wherever it is written (config.numbers).
     config.update(numbers(merge(config, typed(workflow.config_settings.overwrite_config or {}))))
     # Validated once, here, against the schema (errors name the key path and the allowed values, one
-    # line each; exit 2 as `dpfm` does), and written to a file named by its digest.
+    # line each; exit 2 as `dpfm` does), and written to a file named by its digest. Snakemake read the
+    # files keeping the last of a key written twice: they are read again to refuse that.
     try:
+        for configfile in workflow.configfiles:
+            read_yaml(configfile)
         validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
     except ParamsError as e:
         print(f"dpfm: {e}", file=sys.stderr)

@@ -1,8 +1,12 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
 from pipeline.cli import job_params, main
-from pipeline.config import ParamsError, apply_overrides, load_params, read_resolved, write_resolved
+from pipeline.config import ParamsError, apply_overrides, load_params, read_resolved, read_yaml, write_resolved
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def errors_for(*overrides):
@@ -138,6 +142,23 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     assert dry("dp={delta: 1e-5}").returncode == 0  # a number, as YAML 1.2 reads it
     bad = dry("model={patch_size: 5}")  # settings the schema takes one by one, no model builds from
     assert bad.returncode == 2 and "model.img_size=32 is not a multiple of model.patch_size=5" in bad.stderr
+    text = (tmp_path / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(text.replace("\ndp:\n", "\ndp:\n  epsilon: 1.0\n", 1))  # the budget, twice
+    bad = dry("dp={sigma: null}")
+    assert bad.returncode == 2 and "key 'epsilon' is written twice" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_key_written_twice_is_refused_naming_both_lines_and_a_merge_may_be_overridden(tmp_path):
+    """PyYAML keeps the last of a repeated key: a second `epsilon:` under `dp:` set the budget unseen."""
+    text = (ROOT / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(text.replace("\ndp:\n", "\ndp:\n  epsilon: 1.0\n", 1))
+    with pytest.raises(ParamsError, match=r"key 'epsilon' is written twice \(lines \d+ and \d+\)"):
+        load_params(tmp_path / "params.yaml", schema_path=ROOT / "schemas/params.schema.yaml")
+    (tmp_path / "anchors.yaml").write_text("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  y: 3\n")
+    assert read_yaml(tmp_path / "anchors.yaml")["other"] == {"x": 1, "y": 3}
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ParamsError, match="expected sections"):
+        load_params(tmp_path / "list.yaml", schema_path=ROOT / "schemas/params.schema.yaml")
 
 
 def test_a_job_reads_the_params_its_workflow_validated_whatever_is_edited_or_parsed_since(tmp_path):
