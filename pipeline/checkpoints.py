@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import InputError
 from pipeline.io import atomic_path
 
 # What earlier versions called the update count (dp-train, pretrain): read so their models still load.
@@ -17,7 +18,7 @@ ENCODER_SETTINGS = ("size", "img_size", "patch_size", "in_chans")
 DECODER_SETTINGS = ("decoder_width", "decoder_depth", "decoder_heads")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError, ValueError):
     """A file that is missing, or was not written by `save`."""
 
 

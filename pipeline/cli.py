@@ -8,8 +8,8 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.config import ParamsError, load_params, read_resolved, sections_of
-from pipeline.errors import (BudgetCorrupt, BudgetNotHere, PrivateDataError, RanksDisagree, StageBusy, Stopped,
-                             VerificationFailed)
+from pipeline.errors import (BudgetCorrupt, BudgetNotHere, InputError, PrivateDataError, RanksDisagree, StageBusy,
+                             Stopped, VerificationFailed)
 from pipeline.stages import STAGES, Stage, stage
 
 
@@ -237,7 +237,8 @@ def main(argv=None) -> int:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
     # No traceback: PrivateDataError's would name what it keeps owner-only.
-    except (StageBusy, RanksDisagree, PrivateDataError, BudgetNotHere, BudgetCorrupt) as e:
+    except (StageBusy, RanksDisagree, PrivateDataError, BudgetNotHere, BudgetCorrupt, InputError,
+            FileNotFoundError) as e:  # a missing input's message names it (and the stage that writes it)
         print(f"dpfm: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -1,6 +1,10 @@
 """Errors the `dpfm` command reports as one clear line and a non-zero exit, without a traceback."""
 
 
+class InputError(Exception):
+    """An input the stage needs is missing or unreadable, and the message names it and what to do."""
+
+
 class VerificationFailed(RuntimeError):
     """A privacy check of `verify` failed: nothing downstream may publish the model as private."""
 

@@ -125,6 +125,31 @@ def test_img2dataset_folder_errors(tmp_path):
         sources.img2dataset_shards(str(tmp_path / "absent"))
     with pytest.raises(ValueError, match="no .tar shards"):
         sources.img2dataset_shards(str(tmp_path))
+    img2dataset_folder(tmp_path / "laion", np.random.default_rng(0))
+    (tmp_path / "laion/00001_stats.json").write_text('{"count": 3, "successes"')  # cut mid-write
+    with pytest.raises(sources.SourceError, match=r"00001_stats.json: not an img2dataset stats file"):
+        sources.img2dataset_shards(str(tmp_path / "laion"))
+
+
+def test_a_shard_list_that_cannot_be_read_is_one_line_naming_it_before_any_scan(tmp_path, monkeypatch, capsys):
+    """Unbalanced braces, a storage package that is not installed: a traceback, or for the package an
+    error per shard kept owner-only ("none of the shards could be read"), where one line says what to do."""
+    from pipeline import cli
+
+    with pytest.raises(sources.SourceError, match="Unbalanced braces"):
+        sources.expand_urls(["/x/{0..3.tar"])
+    monkeypatch.setattr(remote.fsspec.core, "url_to_fs", lambda url: (_ for _ in ()).throw(ImportError("no s3fs")))
+    with pytest.raises(sources.SourceError, match=r"s3:// protocol needs the package s3fs"):
+        sources.expand_urls(["s3://bucket/{0..2}.tar"])
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(root / "schemas", tmp_path / "schemas")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert cli.main(["pretrain"]) == 1  # a missing input: one line naming it, no traceback
+    assert "data/synthetic/index.parquet is missing" in capsys.readouterr().err
 
 
 # -- downloading a (url, caption) table ------------------------------------------------------------------

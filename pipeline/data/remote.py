@@ -19,6 +19,8 @@ from pathlib import Path
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
+from pipeline.errors import InputError
+
 # Errors worth retrying: the network, not the data (a missing file is not retried).
 try:
     from aiohttp import ClientError as _HttpError  # fsspec's http errors (5xx, dropped connections)
@@ -35,7 +37,7 @@ MAX_GAP = 64 << 10
 MAX_CONCURRENCY = 100
 
 
-class ShardReadError(RuntimeError):
+class ShardReadError(InputError, RuntimeError):
     """A shard could not be read as the index says: unreachable, or not the bytes it was indexed from."""
 
 

@@ -50,7 +50,10 @@ def expand_urls(patterns: list[str]) -> list[str]:
     A shard listed twice would put its examples in the data twice (and double their privacy cost),
     so it is an error, as is an empty list.
     """
-    urls = [remote.canonical(u) for p in patterns for u in braceexpand(p)]
+    try:
+        urls = [remote.canonical(u) for p in patterns for u in braceexpand(p)]
+    except Exception as e:  # braceexpand's UnbalancedBracesError
+        raise SourceError(f"shards.urls: {e}") from None
     if not urls:
         raise SourceError("shards.urls is empty: list webdataset shard URLs or paths (brace patterns allowed)")
     seen = set()
@@ -58,7 +61,17 @@ def expand_urls(patterns: list[str]) -> list[str]:
         if u in seen:
             raise SourceError(f"shard {u} is listed twice in shards.urls: each shard must appear once")
         seen.add(u)
+    for u in {u.split("://", 1)[0] if "://" in u else "": u for u in urls}.values():
+        storage(u)  # once per protocol, before any scan: a missing package is no fact of the private data
     return urls
+
+
+def storage(url: str):
+    """remote.filesystem, with a missing storage package as a SourceError (one line, before any work)."""
+    try:
+        return remote.filesystem(url)
+    except remote.ShardReadError as e:
+        raise SourceError(str(e)) from None
 
 
 # -- img2dataset output folders --------------------------------------------------------------------
@@ -69,7 +82,7 @@ def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
     img2dataset writes `<id>_stats.json` once a shard is finished; a tar without it is left over
     from an interrupted run, so it is skipped and counted.
     """
-    fs, root = remote.filesystem(folder)
+    fs, root = storage(folder)
     if not fs.isdir(root):
         raise SourceError(f"shards.path={folder} is not a folder (expected img2dataset output)")
     tars = sorted(fs.glob(f"{root.rstrip('/')}/*.tar"))
@@ -83,8 +96,12 @@ def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
         if not fs.exists(stats_path):
             incomplete.append(url)
             continue
-        with fs.open(stats_path, "rb") as f:
-            shard_stats = json.load(f)
+        try:
+            with fs.open(stats_path, "rb") as f:
+                shard_stats = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise SourceError(f"{stats_path}: not an img2dataset stats file ({e}): img2dataset writes it once the "
+                              "shard is finished; run img2dataset again for that shard, or remove both files") from None
         for k in totals:
             totals[k] += int(shard_stats.get(k, 0) or 0)
         urls.append(url)
