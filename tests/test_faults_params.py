@@ -44,6 +44,35 @@ def test_contradictory_dp_params_stop_dpfm_before_any_work(data_dir, tmp_path, m
     assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()  # no state, no secret key
 
 
+@pytest.mark.parametrize("carved", [True, False])
+def test_a_held_out_split_carved_from_the_private_data_that_fails_to_read_names_it_to_the_owner_only(
+        data_dir, tmp_path, monkeypatch, capsys, no_tracking, carved):
+    """dp-train reads its held-out split before any step: carved out of the private data (shards.eval_fraction),
+    a failed read's message (a member's key) reached stderr, and so logs/dp-train.log, in a traceback."""
+    import json
+
+    from pipeline.data.loader import BatchLoader
+
+    work = project(data_dir, tmp_path)
+    monkeypatch.chdir(work)
+    stats = json.loads((work / "data/shards/stats.json").read_text())
+    (work / "data/shards/stats.json").write_text(json.dumps({**stats, "eval_from_private": carved}))
+
+    def unreadable(self, indices):
+        raise ValueError("member private-key-000042.jpg is not what the index says")
+
+    monkeypatch.setattr(BatchLoader, "load", unreadable)
+    if not carved:  # a public split's failure is the user's to read whole
+        with pytest.raises(ValueError, match="private-key-000042"):
+            cli.main(["dp-train", "--set", "privacy.testing=true"])
+        return
+    assert cli.main(["dp-train", "--set", "privacy.testing=true"]) == 1
+    err = capsys.readouterr().err
+    assert "reading the held-out split carved out of the private data failed (ValueError)" in err
+    assert "private-key-000042" not in err and "Traceback" not in err
+    assert "private-key-000042" in (work / ".dpfm/owner/dp-train.log").read_text()
+
+
 def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one_and_says_so(data_dir, tmp_path, monkeypatch,
                                                                                 capsys, no_tracking):
     work = project(data_dir, tmp_path)

@@ -18,8 +18,10 @@ values.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.errors import PrivateDataError
 from pipeline.io import read_json, write_json
 
 OWNER_DIR = Path(".dpfm/owner")
@@ -65,6 +67,19 @@ def note(name: str, line: str) -> Path:
     with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:
         f.write(line.rstrip("\n") + "\n")
     return log
+
+
+@contextmanager
+def failures_kept(log: str, what: str, when: str = ""):
+    """A failure while `what` reads private examples, as PrivateDataError: its message names them (a key,
+    their bytes), so it goes to the owner's log `log`, with `when` (a step: when an example was sampled);
+    the line printed says where, and neither."""
+    try:
+        yield
+    except Exception as e:
+        where = note(log, f"{when + ': ' if when else ''}{what}: {type(e).__name__}: {e}")
+        raise PrivateDataError(f"{what} failed ({type(e).__name__}); what failed names them, so it is kept for the "
+                               f"data owner only: {where}") from None
 
 
 def read(name: str) -> dict | None:

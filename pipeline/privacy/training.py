@@ -101,12 +101,8 @@ class StreamedBatches:
     def __call__(self, step: int, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, ...]:
         if self._stream is None:
             self._stream = self.loader(self._plan(step))
-        try:
+        with owner.failures_kept("dp-train", "reading the sampled private examples", when=f"step {step}"):
             ids, inputs = next(self._stream)
-        except Exception as e:  # a failed read names an example this step sampled (its key, its bytes)
-            where = owner.note("dp-train", f"step {step}: {type(e).__name__}: {e}")
-            raise PrivateDataError(f"reading the sampled private examples failed ({type(e).__name__}); what failed "
-                                   f"names them, so it is kept for the data owner only: {where}") from None
         if not np.array_equal(ids, indices[positions]):
             raise RuntimeError(f"step {step}: the loader decoded other examples than the step sampled")
         return inputs
@@ -167,7 +163,9 @@ def setup(params: dict, device: str) -> "Trainer":
     if tokenizer and stats.get("source") in labelled_sets.SETS:
         check_labelled_captions(tokenizer, mcfg.max_len, stats["source"])
     held = split_loader("eval", mcfg, tokenizer)
-    held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
+    with owner.failures_kept("dp-train", "reading the held-out split carved out of the private data") \
+            if stats.get("eval_from_private") else nullcontext():
+        held_inputs = held.load(np.arange(min(HELDOUT_EXAMPLES, len(held.dataset)))) if len(held.dataset) else None
     return Trainer(params, mcfg, tokenizer, held_inputs, plan, world, device, stats.get("source"))
 
 
