@@ -55,10 +55,12 @@ SNAKEMAKE_REPORT = {
 
 
 def rule_outputs(st):
-    outputs = stage_outputs(st.name)
-    if st.name in SNAKEMAKE_REPORT:
-        return [report(p, **SNAKEMAKE_REPORT[st.name]) for p in outputs]
-    return outputs
+    spec = SNAKEMAKE_REPORT.get(st.name)
+    if spec is None:
+        return stage_outputs(st.name)
+    # An HTML index is a folder's page: the report stage's privacy.json beside its folder is a plain output.
+    files = st.file_outputs if "htmlindex" in spec else [report(p, **spec) for p in st.file_outputs]
+    return [report(directory(p), **spec) for p in st.dir_outputs] + files
 
 
 def stage_command(st, resources):
