@@ -294,7 +294,9 @@ def describe_allowed(node: dict, schema: dict) -> str:
     if "oneOf" in node or "anyOf" in node:
         return " or ".join(describe_allowed(n, schema) for n in node.get("oneOf", node.get("anyOf")))
     if "enum" in node:
-        return "one of " + ", ".join(str(v) for v in node["enum"])
+        return "one of " + ", ".join(_as_yaml(v) for v in node["enum"])
+    if "const" in node:
+        return _as_yaml(node["const"])
     kind = node.get("type", "any value")
     bounds = [f"{op} {node[key]}" for key, op in
               (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
@@ -308,3 +310,8 @@ def describe_allowed(node: dict, schema: dict) -> str:
     if kind == "string" and "minLength" in node:
         bounds.append(f"at least {node['minLength']} characters")
     return f"{kind} " + " and ".join(bounds) if bounds else str(kind)
+
+
+def _as_yaml(value) -> str:
+    """A value as params.yaml spells it (.inf, null, 'all')."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()

@@ -34,6 +34,10 @@ def test_default_params_are_valid(in_tmp):
     ("model.patch_size=5", "model.img_size=32 is not a multiple of model.patch_size=5: the image must cut into "
                            "whole patches (the nearest that do: 4 or 8)"),
     ("model.decoder_heads=3", "model.decoder_width=64 does not split into model.decoder_heads=3 heads"),
+    # values as params.yaml spells them: a const ("any value" before), .inf ("inf", which YAML reads as a string)
+    ("evaluate.last_k_blocks=0", "evaluate.last_k_blocks: 0 is not allowed (anyOf); allowed: integer >= 1 or all"),
+    ("curve.epsilons=[1, inf]", "curve.epsilons.1: 'inf' is not allowed (oneOf); allowed: number > 0 and <= 100 "
+                                "or one of .inf"),
 ])
 def test_each_violation_names_key_and_allowed_values(in_tmp, override, expected):
     problems = errors_for(override)

@@ -199,10 +199,10 @@ import os, signal
 from pipeline.locking import stage_lock
 with stage_lock("shards"):
     worker = os.fork()  # a scan worker, blocked on its queue
-    if worker == 0:
+    if worker == 0:  # says so once its fork handlers ran (the parent's print raced them under load)
+        print(os.getpid(), flush=True)
         signal.pause()
         os._exit(0)
-    print(worker, flush=True)
     signal.pause()
 """
 
