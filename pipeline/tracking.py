@@ -337,12 +337,9 @@ def not_private_by_config(params: dict, verification: dict | None) -> dict | Non
     split carved from the private data, an earlier release outside DP on the budget, ...); None when they
     give none, which is no proof of private: the curve and the seeds may charge more after verify."""
     from pipeline.artifacts import artifact
-    from pipeline.io import read_json
-    from pipeline.privacy.release import not_private_reasons
+    from pipeline.privacy.release import known_before_the_report
 
-    stats = artifact("shards") / "stats.json"
-    reasons = not_private_reasons(params, read_json(stats) if stats.is_file() else {},
-                                  (verification or {}).get("composition_at_verify"))
+    reasons = known_before_the_report(params, artifact("shards") / "stats.json", verification)
     return {"private": False, "not_private": reasons} if reasons else None
 
 

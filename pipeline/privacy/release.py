@@ -14,7 +14,9 @@ and still labelled.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
@@ -72,6 +74,14 @@ def not_private_reasons(params: dict, stats: dict, composition: dict | None = No
         reasons.append("privacy.adjacency add_remove: its ε does not cover the exact n the run publishes "
                        "(replace_one covers it)")
     return reasons
+
+
+def known_before_the_report(params: dict, stats_path: Path, verification: dict | None) -> list[str]:
+    """not_private_reasons as far as a stage before the report (or a parent run whose report did not run)
+    can know them: the params, the shards' stats when written, and the budget as verify found it (the
+    curve's points and evaluate's seeds may charge more; the report's verdict is final)."""
+    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+    return not_private_reasons(params, stats, (verification or {}).get("composition_at_verify"))
 
 
 def registry_tags(epsilon_composed: float, runs: int, reasons: list[str]) -> dict:
