@@ -5,6 +5,11 @@ class InputError(Exception):
     """An input the stage needs is missing or unreadable, and the message names it and what to do."""
 
 
+class EvalSetError(InputError, ValueError):
+    """An eval set named in `evaluate.sets` cannot be read as given: a missing part, an image that does
+    not decode, a sample without its label."""
+
+
 class VerificationFailed(RuntimeError):
     """A privacy check of `verify` failed: nothing downstream may publish the model as private."""
 

@@ -72,8 +72,7 @@ UNANSWERABLE = {"evaluate.fewshot.shots=[400]": "evaluate.fewshot.shots on eval 
                 "evaluate.last_k_blocks=3": "evaluate.last_k_blocks=3: the encoder has 1 blocks"}
 
 
-@pytest.mark.parametrize("stage, bad", [("evaluate", bad) for bad in UNANSWERABLE] +
-                         [("curve", bad) for bad in UNANSWERABLE if "fewshot" not in bad])  # the curve: the probe alone
+@pytest.mark.parametrize("stage, bad", [(stage, bad) for stage in ("evaluate", "curve") for bad in UNANSWERABLE])
 def test_an_evaluation_its_set_cannot_answer_is_refused_before_a_seed_or_point_is_charged(data_dir, tmp_path,
                                                                                          stage, bad):
     from pipeline.config import ParamsError
@@ -84,4 +83,30 @@ def test_an_evaluation_its_set_cannot_answer_is_refused_before_a_seed_or_point_i
     more = ["evaluate.seeds=2"] if stage == "evaluate" else ["curve.inits=[random]", "curve.epsilons=[4]"]
     with pytest.raises(ParamsError, match=UNANSWERABLE[bad].replace(".", r"\.").replace("[", r"\[")):
         run_stages(work, [stage], [BASELINES, bad, *more])
+    assert len(charged_runs(work)) == 1  # dp-train's run alone
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "curve"])
+def test_a_second_set_that_cannot_be_read_is_refused_before_a_seed_or_point_is_charged(data_dir, tmp_path, stage):
+    """The curve probes the first set only, and evaluate reads the others after its seeds: an image that
+    does not decode, or a path that is not there, in any set stops the stage before a training."""
+    from PIL import Image
+
+    from pipeline.errors import EvalSetError
+
+    work = project(data_dir, tmp_path)
+    train(work, [BASELINES])
+    run_stages(work, ["verify"], [])
+    pets = tmp_path / "pets"
+    for cls in ("cat", "dog"):
+        (pets / cls).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (20, 20), (60 * i, 0, 0)).save(pets / cls / f"{i}.png")
+    (pets / "dog" / "3.png").write_bytes(b"\x89PNG not an image")  # the last image read
+    more = ["evaluate.seeds=2"] if stage == "evaluate" else ["curve.inits=[random]", "curve.epsilons=[4]"]
+    sets = "evaluate.sets=[{name: digits, source: digits}, {name: pets, source: folder, path: %s}]"
+    with pytest.raises(EvalSetError, match=r"dog/3\.png: cannot read the image"):
+        run_stages(work, [stage], [BASELINES, "evaluate.fewshot.shots=[]", sets % pets, *more])
+    with pytest.raises(FileNotFoundError, match=r"evaluate\.sets\[pets\]\.path: .*nowhere does not exist"):
+        run_stages(work, [stage], [BASELINES, "evaluate.fewshot.shots=[]", sets % (tmp_path / "nowhere"), *more])
     assert len(charged_runs(work)) == 1  # dp-train's run alone

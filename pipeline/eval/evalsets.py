@@ -30,6 +30,7 @@ from tqdm import tqdm
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 from pipeline.data.shards import INDEX_NAME, ShardDataset
+from pipeline.errors import EvalSetError
 from pipeline.eval.images import Images, concat, fill
 
 LIMIT_SEED = 0  # load_eval_set has no run seed: a fixed public one, so every run scores the same subsample
@@ -92,13 +93,13 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
     if source in labelled_sets.SETS:
         return _labelled(spec, image_size)
     if "limit" in spec:
-        raise ValueError(f"evaluate.sets[{spec['name']}].limit: only for the labelled sets "
+        raise EvalSetError(f"evaluate.sets[{spec['name']}].limit: only for the labelled sets "
                          f"({', '.join(labelled_sets.SETS)})")
     if source not in ("folder", "webdataset"):
-        raise ValueError(f"evaluate.sets[{spec['name']}].source: unknown source {source!r}")
+        raise EvalSetError(f"evaluate.sets[{spec['name']}].source: unknown source {source!r}")
     parts = [key for key in ("train", "test") if key in spec]
     if parts and (len(parts) == 1 or "path" in spec):
-        raise ValueError(f"evaluate.sets[{spec['name']}]: give `train` and `test` (an official split) or `path` "
+        raise EvalSetError(f"evaluate.sets[{spec['name']}]: give `train` and `test` (an official split) or `path` "
                          "(split here), not " + " and ".join(sorted(set(parts) | ({"path"} & set(spec)))))
     loaded = [_load_part(spec, key, image_size) for key in (parts or ["path"])]
     images = concat([im for im, _ in loaded])
@@ -154,7 +155,7 @@ def _square(source, where: str, size: int) -> np.ndarray:
         with Image.open(source) as image:
             return square(image, size)
     except OSError as e:  # unidentified or truncated image
-        raise ValueError(f"{where}: cannot read the image ({e})") from e
+        raise EvalSetError(f"{where}: cannot read the image ({e})") from e
 
 
 def _folder(path: Path, image_size: int) -> tuple[Images, list]:
@@ -162,7 +163,7 @@ def _folder(path: Path, image_size: int) -> tuple[Images, list]:
     files = sorted((d.name, f) for d in path.iterdir() if d.is_dir()
                    for f in d.rglob("*") if f.suffix.lower().lstrip(".") in IMAGE_EXTS)
     if not files:
-        raise ValueError(f"{path}: no images found in class folders ({'/'.join(IMAGE_EXTS)} under {path}/<class>/)")
+        raise EvalSetError(f"{path}: no images found in class folders ({'/'.join(IMAGE_EXTS)} under {path}/<class>/)")
     paths = [str(f) for _, f in files]
     images = Images.decoded(lambda i: _square(paths[i], paths[i], image_size), len(paths), (image_size, image_size, 3))
     return images, [name for name, _ in files]
@@ -176,17 +177,17 @@ def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, l
     """
     kind, _, field = label_spec.partition(":")
     if kind not in ("json", "text") or (kind == "json" and not field):
-        raise ValueError(f"label {label_spec!r}: use 'json:<field>' or 'text'")
+        raise EvalSetError(f"label {label_spec!r}: use 'json:<field>' or 'text'")
     member = "json" if kind == "json" else "txt"
 
     def label(key: str, data: bytes | None):
         if kind == "json":
             meta = json.loads(b"{}" if data is None else data)
             if field not in meta:
-                raise ValueError(f"{path}: sample {key!r} has no json field {field!r}")
+                raise EvalSetError(f"{path}: sample {key!r} has no json field {field!r}")
             return meta[field]
         if data is None:
-            raise ValueError(f"{path}: sample {key!r} has no .txt member to take the class from")
+            raise EvalSetError(f"{path}: sample {key!r} has no .txt member to take the class from")
         return data.decode("utf-8").strip()
 
     if (path / INDEX_NAME).exists():
@@ -199,7 +200,7 @@ def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, l
     else:
         read, names = _scan_tars(path, member, label)
     if not names:
-        raise ValueError(f"{path}: no samples found")
+        raise EvalSetError(f"{path}: no samples found")
 
     shape = (image_size, image_size, 3)
 
@@ -234,7 +235,7 @@ class _TarSpans:
                 data = os.pread(fds[t], size, offset)
                 where = f"{self.tars[t]} at byte {offset}"
                 if len(data) != size:
-                    raise ValueError(f"{where}: expected an image of {size} bytes, found {len(data)}: "
+                    raise EvalSetError(f"{where}: expected an image of {size} bytes, found {len(data)}: "
                                      "the tar changed after its samples were listed")
                 out.append((where, data))
         finally:
@@ -247,12 +248,12 @@ def _scan_tars(path: Path, member: str, label) -> tuple[_TarSpans, list]:
     """One pass over the tars: each sample's label (from `member`) and where its image's bytes are."""
     tars = sorted(path.glob("*.tar")) if path.is_dir() else [path]
     if not tars:
-        raise ValueError(f"{path}: no .tar shards")
+        raise EvalSetError(f"{path}: no .tar shards")
     tar_ids, offsets, sizes, names = [], [], [], []
     for t, tar, key, members in tqdm(_tar_samples(tars), desc=f"scan {path.name}", leave=False):
         image_ext = next((e for e in IMAGE_EXTS if e in members), None)
         if image_ext is None:
-            raise ValueError(f"{path}: sample {key!r} has no image member ({', '.join(IMAGE_EXTS)})")
+            raise EvalSetError(f"{path}: sample {key!r} has no image member ({', '.join(IMAGE_EXTS)})")
         names.append(label(key, tar.extractfile(members[member]).read() if member in members else None))
         tar_ids.append(t)
         offsets.append(members[image_ext].offset_data)
@@ -266,7 +267,7 @@ def _tar_samples(tars: list[Path]):
         try:
             tar = tarfile.open(tar_path, "r:")  # uncompressed only: images are read back by byte position
         except tarfile.ReadError as e:
-            raise ValueError(f"{tar_path}: not an uncompressed tar ({e}); eval sets read images from tars "
+            raise EvalSetError(f"{tar_path}: not an uncompressed tar ({e}); eval sets read images from tars "
                              "by position, so decompress it") from e
         with tar:
             key, members = None, {}
@@ -291,18 +292,18 @@ def _encode_labels(names: list, class_names: list | None, set_name: str) -> tupl
     if all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in names):
         labels = np.asarray(names, dtype=int)
         if labels.min() < 0:
-            raise ValueError(f"eval set {set_name!r}: integer labels must be >= 0, found {labels.min()}")
+            raise EvalSetError(f"eval set {set_name!r}: integer labels must be >= 0, found {labels.min()}")
         num = int(labels.max()) + 1
         if class_names is not None and len(class_names) < num:
-            raise ValueError(f"eval set {set_name!r}: `classes` names {len(class_names)} classes "
+            raise EvalSetError(f"eval set {set_name!r}: `classes` names {len(class_names)} classes "
                              f"but labels go up to {num - 1}")
         return labels, list(class_names or (str(i) for i in range(num)))
     if not all(isinstance(n, str) for n in names):
-        raise ValueError(f"eval set {set_name!r}: labels must be all integers or all strings, got "
+        raise EvalSetError(f"eval set {set_name!r}: labels must be all integers or all strings, got "
                          f"{sorted({type(n).__name__ for n in names})}")
     classes = list(class_names) if class_names else sorted(set(names))
     unknown = sorted(set(names) - set(classes))
     if unknown:
-        raise ValueError(f"eval set {set_name!r}: labels {unknown[:5]} are not in `classes`")
+        raise EvalSetError(f"eval set {set_name!r}: labels {unknown[:5]} are not in `classes`")
     lookup = {c: i for i, c in enumerate(classes)}
     return np.array([lookup[n] for n in names]), classes

@@ -5,11 +5,14 @@ stop the stage before them, not after."""
 from __future__ import annotations
 
 import numpy as np
+from tqdm import tqdm
 
 from pipeline.config import ParamsError
-from pipeline.eval.evalsets import EvalSet
+from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import kshot_subsets
 from pipeline.eval.probe import blocks_read
+
+DECODE_BATCH = 256  # images decoded at once by the check: memory stays flat in the set's size
 
 
 def check_protocols(es: EvalSet, cfg: dict, seed: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -35,3 +38,21 @@ def check_protocols(es: EvalSet, cfg: dict, seed: int, depth: int) -> tuple[np.n
     if problems:
         raise ParamsError(problems, source="evaluate params")
     return split
+
+
+def checked_eval_sets(specs: list[dict], cfg: dict, seed: int, image_size: int, depth: int, *,
+                      decode: bool) -> list[tuple[EvalSet, tuple[np.ndarray, np.ndarray]]]:
+    """Every set of `evaluate.sets` at `image_size`, with its probe split, each refused by
+    `check_protocols` if the protocol `cfg` cannot run on it. With `decode` (DP trainings follow),
+    every image is decoded once too, a batch at a time: a file that cannot be read would otherwise stop
+    the stage when features are taken, after the trainings were charged."""
+    sets = [load_eval_set(spec, image_size) for spec in specs]
+    named = [es.name for es in sets]
+    if len(set(named)) < len(named):  # metrics.json keys each set's results by its name
+        raise ParamsError([f"evaluate.sets: two sets are named {sorted({n for n in named if named.count(n) > 1})}"],
+                          source="evaluate params")
+    checked = [(es, check_protocols(es, cfg, seed, depth)) for es in sets]
+    for es in sets if decode else []:
+        for start in tqdm(range(0, len(es.images), DECODE_BATCH), desc=f"decode {es.name}", leave=False):
+            es.images[start:start + DECODE_BATCH]
+    return checked

@@ -21,8 +21,7 @@ import math
 
 import numpy as np
 
-from pipeline.eval.evalsets import load_eval_set
-from pipeline.eval.protocols import check_protocols
+from pipeline.eval.protocols import checked_eval_sets
 from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
@@ -36,11 +35,12 @@ def run(params: dict, ctx) -> None:
     if any(math.isinf(e) for e in cfg["epsilons"]):  # refused before any DP point spends budget
         release.check_nonprivate(params["privacy"], read_json(ctx.stage.input("shards") / "stats.json").get("source"),
                                  "curve.epsilons' ε = ∞ point")
-    # The first eval set, at the recipe's input size, split as evaluate splits it: checked before any point is charged.
+    # The curve probes the first eval set, split as evaluate splits it. Every set is checked against
+    # evaluate's protocol, and every image decoded, before any point is charged: evaluate runs after
+    # these trainings, and what it would refuse must stop them.
     mcfg = ModelConfig.from_params(params["model"], params["dp"]["objective"])
-    es = load_eval_set(ev["sets"][0], mcfg.img_size) if cfg["epsilons"] and cfg["inits"] else None
-    split = check_protocols(es, {**ev, "finetune": {"enabled": False}, "fewshot": {"shots": []}}, seed,
-                            VIT_SIZES[mcfg.size]["depth"]) if es else None
+    es, split = checked_eval_sets(ev["sets"], ev, seed, mcfg.img_size, VIT_SIZES[mcfg.size]["depth"],
+                                  decode=True)[0] if cfg["epsilons"] and cfg["inits"] else (None, None)
     points, is_main = [], True
     for init in cfg["inits"]:
         for epsilon in sorted(cfg["epsilons"]):

@@ -37,14 +37,13 @@ from tqdm import tqdm
 
 from pipeline import checkpoints
 from pipeline.artifacts import ARTIFACTS
-from pipeline.config import ParamsError
 from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.privacy import release
-from pipeline.eval.evalsets import EvalSet, load_eval_set
+from pipeline.eval.evalsets import EvalSet
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import features, probe_outcomes
-from pipeline.eval.protocols import check_protocols
+from pipeline.eval.protocols import checked_eval_sets
 from pipeline.eval.stats import accuracy_ci, chance, difference_ci, released
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import read_json, write_json
@@ -224,12 +223,9 @@ def run(params: dict, ctx) -> None:
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
     candidates = load_candidates(st, cfg["baselines"], seed, with_text=cfg["zero_shot"])
     encoder = candidates[0].encoder  # the DP model's: its input size, its depth
-    eval_sets = [load_eval_set(spec, encoder.img_size) for spec in cfg["sets"]]
-    named = [es.name for es in eval_sets]
-    if len(set(named)) < len(named):  # metrics.json keys each set's results by its name
-        raise ParamsError([f"evaluate.sets: two sets are named {sorted({n for n in named if named.count(n) > 1})}"])
-    for es in eval_sets:  # before the extra seeds are trained and charged
-        check_protocols(es, cfg, seed, len(encoder.blocks))
+    # Checked, and with extra seeds to train and charge every image decoded once, before them.
+    eval_sets = [es for es, _ in checked_eval_sets(cfg["sets"], cfg, seed, encoder.img_size, len(encoder.blocks),
+                                                   decode=cfg["seeds"] > 1)]
     candidates += seed_candidates(params, ctx, candidates, with_text=cfg["zero_shot"])
     not_private = known_not_private(params, st.input("shards") / "stats.json", curve, ver)
     tokenizer = None
