@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.errors import EvalSetError
+from pipeline.eval import images
 from pipeline.eval.evalsets import EvalSet, load_eval_set, square
 from pipeline.eval.images import Images
 
@@ -231,12 +233,20 @@ def test_digits_set_streams_the_same_pixels_as_eager_loading(tmp_path, monkeypat
     np.testing.assert_array_equal(es.images[mask], expected[mask])
 
 
-def test_unreadable_images_name_their_file(tmp_path):
+def test_unreadable_images_name_their_file(tmp_path, monkeypatch):
     (tmp_path / "pets" / "cat").mkdir(parents=True)
     (tmp_path / "pets" / "cat" / "0.png").write_bytes(b"not a png")
     es = load_eval_set({"name": "pets", "source": "folder", "path": str(tmp_path / "pets")}, 16)
     with pytest.raises(ValueError, match=r"cat/0.png: cannot read the image"):
         es.images[:1]
+    for i in range(1, 6):  # threads decode a batch; the error raised is the first bad image's in row order
+        Image.new("RGB", (20, 20), (40 * i, 0, 0)).save(tmp_path / "pets" / "cat" / f"{i}.png")
+    (tmp_path / "pets" / "cat" / "4.png").write_bytes(b"nor this")
+    es = load_eval_set({"name": "pets", "source": "folder", "path": str(tmp_path / "pets")}, 16)
+    monkeypatch.setattr(images, "DECODE_THREADS", 4)
+    with pytest.raises(EvalSetError, match=r"cat/0.png: cannot read the image"):
+        es.images[:]
+    np.testing.assert_array_equal(es.images[[1, 2, 3, 5]], eager(sorted((tmp_path / "pets" / "cat").glob("[1235].png")), 16))
     with tarfile.open(tmp_path / "a.tar.gz", "w:gz") as tar:
         info = tarfile.TarInfo("s0.png")
         tar.addfile(info, io.BytesIO(b""))

@@ -31,7 +31,7 @@ from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 from pipeline.data.shards import INDEX_NAME, ShardDataset
 from pipeline.errors import EvalSetError
-from pipeline.eval.images import Images, concat, fill
+from pipeline.eval.images import Images, concat, decoded, fill
 
 LIMIT_SEED = 0  # load_eval_set has no run seed: a fixed public one, so every run scores the same subsample
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp")
@@ -205,7 +205,7 @@ def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, l
     shape = (image_size, image_size, 3)
 
     def decode(rows: np.ndarray) -> np.ndarray:
-        return fill((_square(io.BytesIO(data), where, image_size) for where, data in read(rows)), len(rows), shape)
+        return fill(decoded(lambda item: _square(io.BytesIO(item[1]), item[0], image_size), read(rows)), len(rows), shape)
 
     return Images(decode, np.arange(len(names)), shape), names
 

@@ -7,11 +7,17 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
 Reader = Callable[[np.ndarray], np.ndarray]  # row ids of the source -> (B, *item_shape) uint8
+Item = TypeVar("Item")
+# Pillow lets go of the GIL while it decodes and resizes, so threads decode a batch in parallel
+# (benchmarks/eval_decode.py); the features' forward passes run between batches, not beside them.
+DECODE_THREADS = min(8, os.cpu_count() or 1)
 
 
 class Images:
@@ -31,7 +37,7 @@ class Images:
     @classmethod
     def decoded(cls, decode: Callable[[int], np.ndarray], count: int, item_shape: tuple[int, ...]) -> Images:
         """Row i is `decode(i)`, called only when a batch holding row i is asked for."""
-        return cls(lambda rows: fill(map(decode, rows.tolist()), len(rows), item_shape), np.arange(count), item_shape)
+        return cls(lambda rows: fill(decoded(decode, rows.tolist()), len(rows), item_shape), np.arange(count), item_shape)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -49,6 +55,15 @@ class Images:
     def subset(self, indices) -> Images:
         """A lazy view of the rows `indices` (int array or boolean mask) picks."""
         return Images(self._read, self._rows[indices], self.item_shape)
+
+
+def decoded(decode: Callable[[Item], np.ndarray], items: list[Item]) -> Iterator[np.ndarray]:
+    """decode(item) for each item, in order, on DECODE_THREADS threads; the first failure is raised."""
+    if DECODE_THREADS == 1 or len(items) < 2:
+        yield from map(decode, items)
+        return
+    with ThreadPoolExecutor(DECODE_THREADS) as pool:
+        yield from pool.map(decode, items)
 
 
 def fill(arrays: Iterable[np.ndarray], count: int, item_shape: tuple[int, ...]) -> np.ndarray:
