@@ -143,7 +143,14 @@ def uses_bf16(device: str, precision: str) -> bool:
     """bf16 when asked for, or with `auto` on a GPU that supports it."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} (allowed: {', '.join(PRECISIONS)})")
-    return precision == "bf16" or (precision == "auto" and device == "cuda" and torch.cuda.is_bf16_supported())
+    # Not emulated bf16 (a V100's or T4's): slower than fp32 there.
+    return precision == "bf16" or (precision == "auto" and device == "cuda"
+                                   and torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def precision_used(device: str, precision: str) -> str:
+    """What `precision` computes in on `device`: fp32, bf16 or fp16."""
+    return "fp16" if precision == "fp16" else "bf16" if uses_bf16(device, precision) else "fp32"
 
 
 def autocast(device: str, precision: str):

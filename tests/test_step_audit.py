@@ -142,6 +142,25 @@ def test_dpfm_audit_prints_figures_and_exits_nonzero_when_flagged(in_tmp, capsys
     assert "FLAGGED: the step adds noise" in capsys.readouterr().out
 
 
+def test_dpfm_audit_audits_the_device_dp_train_runs_on(in_tmp, monkeypatch):
+    """run.device=auto (the default) is the GPU where there is one: the audit must measure that step (bf16,
+    the CUDA noise), not the CPU fp32 one."""
+    import torch
+
+    from pipeline import distributed
+
+    class Started(Exception):
+        pass
+
+    def init_world(device):
+        raise Started(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distributed, "init_world", init_world)
+    with pytest.raises(Started, match="^cuda$"):
+        cli.main(["audit", "--sigma", "0.8", *sum((["--set", s] for s in MICRO), []), "--set", "run.device=auto"])
+
+
 def test_dpfm_audit_without_sigma_or_shards_says_what_it_needs(in_tmp, capsys):
     assert cli.main(["audit", *sum((["--set", s] for s in MICRO), [])]) == 2
     assert "run `dpfm shards` first or pass --sigma" in capsys.readouterr().err

@@ -65,7 +65,10 @@ def _step(args) -> int:
 
         sigma = plan_mechanism(params["dp"], read_json(stats)["private"]["usable"],
                                params["privacy"]["adjacency"]).sigma
-    device = "cuda" if params["run"]["device"] == "cuda" else "cpu"
+    from pipeline.cli import resolve_device
+    from pipeline.train import precision_used
+
+    device = resolve_device(params["run"]["device"])  # as dp-train resolves it: `auto` is the GPU where there is one
     world = init_world(device)
     result = audit_step(params, sigma, world, device)
     from pipeline.objectives import objective
@@ -77,7 +80,8 @@ def _step(args) -> int:
     if world.is_main:
         dp = params["dp"]
         print(f"audit of the dp-train step: objective={dp['objective']}, clipping={dp['clipping']}, "
-              f"precision={dp['precision']}, world size {world.size}, σ={sigma:.4g}, C={dp['clip_norm']:g}")
+              f"precision={dp['precision']} ({precision_used(device, dp['precision'])} on {device}), "
+              f"world size {world.size}, σ={sigma:.4g}, C={dp['clip_norm']:g}")
         print(f"  noise std    {result['noise_std']:.6g}  = {result['noise_ratio']:.4f} × accounted "
               f"{result['noise_std_accounted']:.6g}  ({result['parameters']} coordinates)")
         print(f"  sensitivity  {result['sensitivity']:.6g}  = {result['sensitivity_ratio']:.4f} × accounted "
