@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 
 from pipeline.privacy import noise_edge
-from pipeline.privacy.noise import FINE, TORCH_EDGES, box_muller, gaussian
+from pipeline.privacy.noise import FINE, TORCH_EDGES, box_muller, gaussian, uniforms as noise_uniforms
 from pipeline.privacy.engine import dp_step
 from pipeline.privacy.ledger import Ledger, LedgerError
 from pipeline.privacy.plan import Plan, plan_mechanism
@@ -32,6 +32,32 @@ def uniforms(count, seed):
 def test_the_noise_is_standard_normal():
     z = gaussian(torch.Size([1000, 1000]), torch.Generator().manual_seed(2), torch.device("cpu"))
     assert z.dtype == torch.float64 and stats.kstest(z.flatten().numpy(), "norm").pvalue > 1e-3
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_noise_uniforms_are_every_multiple_of_2_to_the_minus_53_on_every_device(device):
+    """The edge the ledger records needs 1 - u down to 2^-53 (every k·2^-53 below 1, odd k too): CUDA's
+    fp64 torch.rand rounds its upper half to even multiples, so its 1 - u stops at 2^-52."""
+    u = noise_uniforms(1 << 20, torch.Generator(device).manual_seed(4), torch.device(device)).cpu()
+    k = u / FINE
+    assert u.dtype == torch.float64 and torch.equal(k, k.round()) and 0 <= float(u.min()) and float(u.max()) < 1
+    upper = k[u >= 0.5].to(torch.int64)
+    assert 0.45 < float((upper % 2).float().mean()) < 0.55  # odd multiples as often as even ones
+    if device == "cpu":  # the CPU's fp64 draws were already these: the noise of earlier runs is unchanged
+        assert torch.equal(u, torch.rand(1 << 20, generator=torch.Generator().manual_seed(4), dtype=torch.float64))
+
+
+def test_the_uniforms_check_catches_cudas_rounded_draws():
+    """CUDA's fp64 torch.rand, emulated: cuRAND's (k + 1/2)·2^-53 rounded to fp64, 1 turned into 0."""
+    k = torch.randint(0, 2 ** 53, (1 << 20,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
+    cuda_like = (k.to(torch.float64) * FINE + FINE / 2)
+    cuda_like[cuda_like == 1.0] = 0.0
+    upper = (cuda_like[cuda_like >= 0.5] / FINE).to(torch.int64)
+    assert float((upper % 2).float().mean()) == 0.0  # what the test above refuses
+    assert float(1 - cuda_like[cuda_like < 1].max()) >= 2 * FINE
 
 
 def test_the_normality_check_catches_a_radius_and_angle_from_one_uniform():

@@ -8,6 +8,11 @@ certain (docs/privacy.md, "Floating-point noise"). Here u is built from two fp64
 filling in below the first's 2^-53 resolution, so u reaches 2^-106 and |z| reaches 12.1 std
 (noise_edge.NOISE_EDGE): past it a Gaussian goes once in 1e33 draws.
 
+The uniforms are k·2^-53 for a uniform integer k < 2^53 on every device (`uniforms`), so the edge is
+the same on a GPU: torch's own fp64 `rand` gives these on the CPU, but on CUDA it rounds cuRAND's
+(k + 1/2)·2^-53 and turns 1 into 0, so 1 - u never falls below 2^-52 there (an edge of 12.06, not
+the 12.12 the ledger records) and draws near 0 come 1.5 times too often.
+
 Drawn from the step's generator in a fixed order: the same on every rank and on every re-run.
 """
 
@@ -37,9 +42,15 @@ def box_muller(coarse: torch.Tensor, fine: torch.Tensor, angle: torch.Tensor) ->
     return out
 
 
+def uniforms(count: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """`count` fp64 uniforms k·2^-53, k uniform in [0, 2^53), from 53 bits of the generator on any device
+    (on the CPU, bit for bit what torch.rand draws in fp64)."""
+    k = torch.randint(0, 2 ** 53, (count,), generator=generator, device=device, dtype=torch.int64)
+    return k.to(torch.float64).mul_(FINE)
+
+
 def gaussian(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """fp64 standard normals of `shape` from `generator` (which lives on `device`)."""
     count = math.prod(shape)
     half = (count + 1) // 2
-    uniforms = [torch.rand(half, generator=generator, device=device, dtype=torch.float64) for _ in range(3)]
-    return box_muller(*uniforms)[:count].view(shape)
+    return box_muller(*(uniforms(half, generator, device) for _ in range(3)))[:count].view(shape)
