@@ -1,4 +1,4 @@
-"""Training throughput of the `pretrain` stage's MAE step (pipeline.pretrain.mae_step).
+"""Training throughput of the `pretrain` stage's MAE step (pipeline.stages.pretrain.mae_step).
 
     python benchmarks/pretrain.py [--quick] [--threads N]
 

@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="validate params.yaml (with --set overrides) and exit")
     add_params_arguments(p)
-    p.set_defaults(func=lambda a: print(f"{a.params}: ok") if load_params(a.params, a.set) else None)
+    p.set_defaults(func=_validate)
 
     try:
         from pipeline.privacy.tools.accounting_cli import add_accounting_commands
@@ -166,6 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_audit_command(sub)
     return parser
+
+
+def _validate(args) -> None:
+    """The schema and the model's shapes; once the shards are built, dp-train's privacy plan at their n
+    too (an ε no σ reaches, δ ≥ 1/n, a batch larger than n), which needs n."""
+    from pipeline.artifacts import artifact
+    from pipeline.io import read_json
+
+    params = load_params(args.params, args.set)
+    stats = artifact("shards") / "stats.json"
+    if not stats.exists():
+        print(f"{args.params}: ok (the schema and model shapes; dp-train's privacy plan needs n: "
+              f"validate again once `dpfm shards` has run)")
+        return
+    from pipeline.privacy.plan import checked_plan
+
+    checked_plan(params["dp"], read_json(stats)["private"]["usable"], params["privacy"]["adjacency"])
+    print(f"{args.params}: ok (the schema, model shapes, and dp-train's privacy plan at the shards' n)")
 
 
 def _owner_composition(args) -> int:

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,21 @@ def test_every_knob_added_since_runs_were_keyed_is_registered_with_a_neutral_val
     assert len({(s, k) for s, k, _ in ADDED_KNOBS}) == len(ADDED_KNOBS)
     for section, key, neutral in ADDED_KNOBS:
         load_params(overrides=[f"{section}.{key}={json.dumps(neutral)}"])
+
+
+def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, capsys):
+    """What dp-train refuses before any image (δ ≥ 1/n, a batch larger than n, an ε no σ reaches) needs n:
+    `dpfm validate` checks it once the shards are built, and says it could not before."""
+    from pipeline import cli
+
+    bad = ["--set", "dp.delta=0.05"]  # a number the schema takes; 1/n is 0.01 below
+    assert cli.main(["validate", *bad]) == 0
+    assert "dp-train's privacy plan needs n" in capsys.readouterr().out
+    (in_tmp / "data/shards").mkdir(parents=True)
+    (in_tmp / "data/shards/stats.json").write_text(json.dumps({"private": {"usable": 100}}))
+    assert cli.main(["validate", *bad]) == 2
+    assert "dp params (n=100 usable private examples) is invalid" in capsys.readouterr().err
+    assert cli.main(["validate", "--set", "dp.expected_batch_size=101"]) == 2
+    assert "dp.expected_batch_size=101 exceeds the 100 usable private examples" in capsys.readouterr().err
+    assert cli.main(["validate", "--set", "dp.expected_batch_size=50"]) == 0
+    assert "dp-train's privacy plan at the shards' n" in capsys.readouterr().out

@@ -15,6 +15,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from pipeline.config import ParamsError
 from pipeline.distributed import broadcast_floats
 from pipeline.io import atomic_path
 from pipeline.objectives import SENSITIVITY, objective
@@ -128,3 +129,11 @@ def plan_mechanism(dp: dict, n: int, adjacency: str) -> Plan:
     return Plan(objective=dp["objective"], clipping=objective(dp["objective"]).clipping, n=n, sample_rate=q,
                 sigma=sigma, clip_norm=dp["clip_norm"], steps=dp["steps"], delta=delta, accountant=dp["accountant"],
                 adjacency=adjacency, target_epsilon=dp["epsilon"], epsilon=eps)
+
+
+def checked_plan(dp: dict, n: int, adjacency: str) -> Plan:
+    """`plan_mechanism`, its contradictions refused as params errors naming the keys (dp-train, `dpfm validate`)."""
+    try:
+        return plan_mechanism(dp, n, adjacency)
+    except ValueError as e:
+        raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None

@@ -42,7 +42,7 @@ from pipeline.privacy import accounting, budget, owner, release
 from pipeline.privacy.clipping import group_bounds, view_rows
 from pipeline.privacy.engine import StepRefused, check_clipping, dp_step, make_clipper, micro_batches
 from pipeline.privacy.ledger import Ledger, LedgerError
-from pipeline.privacy.plan import agreed_plan, plan_mechanism, secret_key
+from pipeline.privacy.plan import agreed_plan, checked_plan, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
 from pipeline.artifacts import artifact
@@ -156,10 +156,7 @@ def setup(params: dict, device: str) -> "Trainer":
         public_negative_tokens(tokenizer, mcfg)
     if dp["nonprivate_baseline"]:
         release.check_nonprivate(params["privacy"], stats.get("source"), "dp.nonprivate_baseline")
-    try:  # contradictions in the params stop the run here, before any image is decoded or state written
-        plan = plan_mechanism(dp, n, params["privacy"]["adjacency"])
-    except ValueError as e:
-        raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
+    plan = checked_plan(dp, n, params["privacy"]["adjacency"])  # before any image is decoded or state written
     if tokenizer and stats.get("source") in labelled_sets.SETS:
         check_labelled_captions(tokenizer, mcfg.max_len, stats["source"])
     held = split_loader("eval", mcfg, tokenizer)
