@@ -295,6 +295,25 @@ def test_a_table_that_cannot_be_parsed_is_an_error_that_quotes_no_row(tmp_path, 
     assert "secret" in (tmp_path / ".dpfm/owner/shards.log").read_text() or name.endswith(".parquet")
 
 
+@pytest.mark.parametrize("name", ["t.parquet", "t.csv", "t.tsv.gz"])
+def test_a_table_is_read_a_slice_at_a_time_in_order_across_its_batches(tmp_path, monkeypatch, name):
+    """`download` holds one shard's rows of the table, not the table (benchmarks/url_table_memory.py):
+    slices of 4 rows from record batches of 3 are the table's rows in order."""
+    import gzip
+
+    monkeypatch.setattr(sources, "TABLE_BATCH_ROWS", 3)
+    urls, captions = [f"http://x/{i}.png" for i in range(10)], [f"caption {i}" for i in range(10)]
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table({"url": urls, "caption": captions}), tmp_path / name, row_group_size=3)
+    else:
+        sep = "\t" if ".tsv" in name else ","
+        text = "".join(f"{u}{sep}{c}\n" for u, c in zip(["url", *urls], ["caption", *captions]))
+        (tmp_path / name).write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    slices = list(sources.url_table_slices(str(tmp_path / name), "url", "caption", 4))
+    assert [len(u) for u, _ in slices] == [4, 4, 2]
+    assert sum((u for u, _ in slices), []) == urls and sum((c for _, c in slices), []) == captions
+
+
 def test_parquet_table_with_other_column_names(tmp_path, serve):
     (tmp_path / "www").mkdir()
     (tmp_path / "www/a.png").write_bytes(encode_png(np.full((9, 9, 3), 200, np.uint8)))

@@ -14,7 +14,9 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.csv as pcsv
@@ -28,6 +30,9 @@ from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import file_digest, read_json, remove_stale_temps, write_json
 from pipeline.privacy import owner
 from pipeline.progress import ShareBar
+
+
+TABLE_BATCH_ROWS = 65536  # rows of a (url, caption) table read at a time
 
 
 class SourceError(ParamsError):
@@ -119,8 +124,9 @@ class FetchFailed(Exception):
         self.reason, self.transient = reason, transient
 
 
-def read_url_table(path: str, url_column: str, caption_column: str) -> tuple[list, list]:
-    """(urls, captions) from a parquet, CSV or TSV file (local or any fsspec URL)."""
+def _url_table_batches(path: str, url_column: str, caption_column: str) -> Iterator[tuple[list, list]]:
+    """(urls, captions) of a parquet, CSV or TSV file (local or any fsspec URL), one record batch at a
+    time: memory stays flat in the table's rows."""
     fs, p = remote.filesystem(path)
     if not fs.exists(p):
         raise SourceError(f"shards.path={path} does not exist")
@@ -130,22 +136,44 @@ def read_url_table(path: str, url_column: str, caption_column: str) -> tuple[lis
     try:
         with fs.open(p, "rb", compression="infer") as f:
             if name.endswith(".parquet"):
-                table = pq.read_table(f)
+                table = pq.ParquetFile(f, pre_buffer=False)  # else it keeps every chunk read (data/index.py)
+                _check_columns(path, table.schema_arrow.names, url_column, caption_column)
+                batches = table.iter_batches(batch_size=TABLE_BATCH_ROWS, columns=[url_column, caption_column])
             else:
                 delimiter = "\t" if name.endswith(".tsv") else ","
-                table = pcsv.read_csv(f, parse_options=pcsv.ParseOptions(delimiter=delimiter),
-                                      convert_options=pcsv.ConvertOptions(column_types={url_column: pa.string(),
-                                                                                        caption_column: pa.string()}))
+                batches = pcsv.open_csv(f, parse_options=pcsv.ParseOptions(delimiter=delimiter),
+                                        convert_options=pcsv.ConvertOptions(column_types={url_column: pa.string(),
+                                                                                          caption_column: pa.string()}))
+                _check_columns(path, batches.schema.names, url_column, caption_column)
+            for batch in batches:
+                yield batch.column(url_column).to_pylist(), batch.column(caption_column).to_pylist()
+    except SourceError:
+        raise
     except (pa.ArrowException, OSError, ValueError) as e:
         # A parser's message quotes the row it failed on: a private URL and caption, for the owner only.
         log = owner.note("shards", f"{path} could not be read: {type(e).__name__}: {e}")
         raise SourceError(f"shards.path={path} could not be read as a table (the parser's message, which "
                           f"may quote a row, is in {log})") from None
+
+
+def _check_columns(path: str, names: list[str], url_column: str, caption_column: str) -> None:
     for col, key in ((url_column, "url_column"), (caption_column, "caption_column")):
-        if col not in table.column_names:
-            raise SourceError(f"{path} has no column {col!r} (columns: {', '.join(table.column_names)}); "
-                              f"set shards.download.{key}")
-    return table.column(url_column).to_pylist(), table.column(caption_column).to_pylist()
+        if col not in names:
+            raise SourceError(f"{path} has no column {col!r} (columns: {', '.join(names)}); set shards.download.{key}")
+
+
+def url_table_slices(path: str, url_column: str, caption_column: str, rows: int) -> Iterator[tuple[list, list]]:
+    """(urls, captions) of `rows` consecutive rows of the table at a time, in table order (the last
+    slice may be shorter)."""
+    urls, captions = [], []
+    for batch_urls, batch_captions in _url_table_batches(path, url_column, caption_column):
+        urls += batch_urls
+        captions += batch_captions
+        while len(urls) >= rows:
+            yield urls[:rows], captions[:rows]
+            del urls[:rows], captions[:rows]
+    if urls:
+        yield urls, captions
 
 
 def _get(url: str, timeout_s: float) -> bytes:
@@ -236,25 +264,25 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
     downloaded again and written atomically (tar first, manifest last). Failed rows are skipped and
     counted by reason (http_404, timeout, connection, not_image, ...).
     """
-    urls, captions = read_url_table(table_path, url_column, caption_column)
-    if not urls:
+    table = (table_path, url_column, caption_column)
+    total = sum(len(urls) for urls, _ in _url_table_batches(*table))  # one pass: a table that cannot be read stops here
+    if not total:
         raise SourceError(f"{table_path} has no rows")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir)  # shards a killed run was writing: they are downloaded again
     prefix = Path(table_path.rstrip("/")).name.split(".")[0] or "download"
-    starts = range(0, len(urls), samples_per_shard)
     shards, failed, written, reused = [], {}, 0, 0
     with ThreadPoolExecutor(max_workers=threads) as pool, \
-            ShareBar(len(urls), "download") as bar:
-        for j, first in enumerate(starts):
+            ShareBar(total, "download") as bar:
+        for j, (urls, captions) in enumerate(url_table_slices(*table, samples_per_shard)):
             name = f"{prefix}-{j:06d}"
-            rows = range(first, min(first + samples_per_shard, len(urls)))
-            digest = _rows_digest([urls[r] for r in rows], [captions[r] for r in rows], image_size)
+            rows = range(j * samples_per_shard, j * samples_per_shard + len(urls))
+            digest = _rows_digest(urls, captions, image_size)
             manifest = _finished(out_dir, name, digest)
             if manifest is None:
-                results = pool.map(lambda r: _fetch_row(urls[r], captions[r], image_size, timeout_s, retries), rows)
-                manifest = _write_shard(out_dir, name, rows, results, captions, urls, digest, bar)
+                results = pool.map(_fetch_row, urls, captions, repeat(image_size), repeat(timeout_s), repeat(retries))
+                manifest = _write_shard(out_dir, name, rows, urls, captions, results, digest, bar)
             else:
                 reused += 1
                 bar.update(len(rows))
@@ -262,23 +290,26 @@ def download(table_path: str, out_dir: str | Path, *, image_size: int, samples_p
             written += manifest["written"]
             for reason, count in manifest["failed"].items():
                 failed[reason] = failed.get(reason, 0) + count
-    return shards, {"download": {"rows": len(urls), "written": written, "failed": failed,
+    return shards, {"download": {"rows": total, "written": written, "failed": failed,
                                  "shards": len(shards), "reused_shards": reused}}
 
 
-def _write_shard(out_dir: Path, name: str, rows, results, captions, urls, digest: str, bar) -> dict:
+def _write_shard(out_dir: Path, name: str, rows: range, urls: list, captions: list, results, digest: str,
+                 bar) -> dict:
+    """Shard `name` of the table's rows `rows` (their urls and captions, and each one's fetched JPEG or
+    why it failed, in order)."""
     shard = TarShard(out_dir / f"{name}.tar")
     written, failed = 0, {}
     try:
-        for r, (jpeg, status) in zip(rows, results):
+        for r, url, caption, (jpeg, status) in zip(rows, urls, captions, results):
             bar.update(1)
             if jpeg is None:
                 failed[status] = failed.get(status, 0) + 1
                 continue
             key = f"{r:09d}"
             shard.add(f"{key}.jpg", jpeg)
-            shard.add(f"{key}.txt", str(captions[r]).encode("utf-8"))
-            shard.add(f"{key}.json", json.dumps({"row": r, "url": urls[r]}, sort_keys=True).encode("utf-8"))
+            shard.add(f"{key}.txt", str(caption).encode("utf-8"))
+            shard.add(f"{key}.json", json.dumps({"row": r, "url": url}, sort_keys=True).encode("utf-8"))
             written += 1
     except BaseException as e:
         shard.abort(type(e), e, e.__traceback__)
