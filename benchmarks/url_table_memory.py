@@ -51,7 +51,7 @@ def child(mode: str, path: Path) -> None:
 
         table = pq.read_table(path)
         urls, captions = table.column("url").to_pylist(), table.column("caption").to_pylist()
-        total = seen = len(urls)
+        total, seen = len(urls), len(captions)
     assert total == seen
 
 
