@@ -476,7 +476,8 @@ def test_a_run_started_again_without_its_state_is_charged_again(data_dir, tmp_pa
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
 def test_streamed_batches_are_the_in_memory_batches(data_dir, objective_name, world_size, workers):
     """Every micro-batch dp_step asks for, on every rank, decoded ahead by the workers: the same
-    tensors as indexing the whole split decoded in memory (the old path) with the same ids."""
+    tensors as indexing the whole split decoded in memory (the old path) with the same ids. No piece
+    the loader decodes holds more than the physical batch (CLIP's per-batch part is joined after)."""
     from pipeline.privacy.sampling import PoissonSampler
     from pipeline.data.shards import ShardDataset
     from pipeline.data.transforms import to_tensor
@@ -492,10 +493,16 @@ def test_streamed_batches_are_the_in_memory_batches(data_dir, objective_name, wo
         whole += (tokenizer.encode(captions, mcfg.max_len),)  # as the loader
     sampler = PoissonSampler(len(ds), 40 / len(ds), key=7)
     mode = objective(objective_name).clipping
+    decoded_sizes = []
+
+    class Recording(training.BatchLoader):
+        def __call__(self, batches):
+            return super().__call__(b for b in batches if decoded_sizes.append(len(b)) or True)
+
     for rank in range(world_size):
         world = World(rank, world_size)
-        loader = training.BatchLoader(ShardDataset(split), mcfg.img_size, tokenizer=tokenizer,
-                                      max_len=mcfg.max_len if tokenizer else None, workers=workers)
+        loader = Recording(ShardDataset(split), mcfg.img_size, tokenizer=tokenizer,
+                           max_len=mcfg.max_len if tokenizer else None, workers=workers)
         stream = training.StreamedBatches(loader, sampler, mode, 16, world, steps=5)
         seen = 0
         try:
@@ -510,6 +517,7 @@ def test_streamed_batches_are_the_in_memory_batches(data_dir, objective_name, wo
         finally:
             stream.close()
         assert seen > 0
+    assert max(decoded_sizes) <= 16
 
 
 def test_a_step_asking_for_other_examples_than_planned_is_refused(data_dir):

@@ -128,6 +128,12 @@ def rank_share(indices: np.ndarray, sampler, mode: str, physical_batch_size: int
     return split_by_index(indices, sampler.n, sampler.n * sampler.q, physical_batch_size, world.rank, world.size)
 
 
+def pieces(positions: np.ndarray, size: int) -> list[np.ndarray]:
+    """`positions` in consecutive pieces of at most `size` (one empty piece if there are none): how a
+    loader decodes a per-batch part without holding it whole in each worker."""
+    return [positions[i:i + size] for i in range(0, len(positions), size)] or [positions]
+
+
 def micro_batches(indices: np.ndarray, sampler, mode: str, physical_batch_size: int,
                   world: World) -> Iterator[np.ndarray]:
     """The positions in the logical batch that this rank's clipper computes, one array per call of

@@ -40,7 +40,7 @@ from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
 from pipeline.privacy.clipping import group_bounds, view_rows
-from pipeline.privacy.engine import StepRefused, check_clipping, dp_step, make_clipper, micro_batches
+from pipeline.privacy.engine import StepRefused, check_clipping, dp_step, make_clipper, micro_batches, pieces
 from pipeline.privacy.ledger import Ledger, LedgerError
 from pipeline.privacy.plan import agreed_plan, checked_plan, secret_key
 from pipeline.privacy.sampling import PoissonSampler
@@ -84,8 +84,8 @@ class StreamedBatches:
     The first call starts the stream at its step (after a resume, the checkpoint's); from there the
     loader decodes, in dp_step's order, exactly the examples dp_step will ask for: those of
     `engine.micro_batches` over each step's sample. A request out of that order is a bug, not a
-    reason to read something else.
-    """
+    reason to read something else. A per-batch part (a rank's whole share) is decoded in pieces of the
+    physical size, joined here: the workers hold workers × prefetch × physical images whatever B is."""
 
     def __init__(self, loader: BatchLoader, sampler: PoissonSampler, mode: str, physical_batch_size: int, world,
                  steps: int):
@@ -96,13 +96,16 @@ class StreamedBatches:
         for step in range(start, self.steps):
             indices = self.sampler.batch(step)
             for positions in micro_batches(indices, self.sampler, self.mode, self.physical, self.world):
-                yield indices[positions]
+                for piece in pieces(positions, self.physical):
+                    yield indices[piece]
 
     def __call__(self, step: int, indices: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, ...]:
         if self._stream is None:
             self._stream = self.loader(self._plan(step))
         with owner.failures_kept("dp-train", "reading the sampled private examples", when=f"step {step}"):
-            ids, inputs = next(self._stream)
+            decoded = [next(self._stream) for _ in pieces(positions, self.physical)]
+        ids, inputs = decoded[0] if len(decoded) == 1 else (
+            np.concatenate([i for i, _ in decoded]), tuple(map(torch.cat, zip(*(x for _, x in decoded)))))
         if not np.array_equal(ids, indices[positions]):
             raise RuntimeError(f"step {step}: the loader decoded other examples than the step sampled")
         return inputs
