@@ -1,15 +1,18 @@
 """Does dp-train's memory stay flat as the private set grows? (pipeline/privacy/training.py)
 
-    python -m benchmarks.dp_train_memory [--small 20000] [--factor 10] [--dir DIR]
+    python -m benchmarks.dp_train_memory [--small 20000] [--factor 10] [--slope-factor 30] [--dir DIR]
 
-Writes two private shard sets of 32-px PNGs, n and factor·n examples, and runs the real dp-train
+Writes private shard sets of 32-px PNGs, n, factor·n and slope-factor·n examples, and runs the real dp-train
 stage (MAE, micro ViT, a few DP steps of expected batch 256) on each in a fresh process, reporting
 its peak private (anonymous) memory and its peak mapped file pages apart, from /proc
 (benchmarks/peak_memory.py), with the kernel's peak RSS beside them. Beside them, the baseline: a
 process that only loads the larger split into memory the way dp-train did before it streamed.
-Target: private memory at factor·n <= 1.1 x the private memory at n (file pages may grow: they are
-the shards and the index, mapped and dropped by the kernel as it needs). Prints a table, then ONE
-JSON line.
+Target: private memory at factor·n and at slope-factor·n <= 1.1 x the private memory at n (file
+pages may grow: they are the shards and the index, mapped and dropped by the kernel as it needs).
+Two sizes cannot tell a constant from a slow per-example cost, so the third gives the slope between
+the two largest sets, in bytes per example, and what it would add at 233M examples (sampling
+/proc every 10 ms leaves a few MiB of noise: over 400k examples about ±15 B per example). Prints a
+table, then ONE JSON line.
 """
 
 from __future__ import annotations
@@ -87,9 +90,9 @@ def child_in_memory(directory: Path) -> None:
     print(f"held {images.numel() * 4 / 2**20:.0f} MiB of images", file=sys.stderr)
 
 
-def measure(small: int = 20_000, factor: int = 10, directory: Path | None = None) -> dict:
+def measure(small: int = 20_000, factor: int = 10, slope_factor: int = 0, directory: Path | None = None) -> dict:
     directory = Path(directory or tempfile.mkdtemp(prefix="dpfm-dp-mem-"))
-    sizes = {"small": small, "large": small * factor}
+    sizes = {"small": small, "large": small * factor, **({"largest": small * slope_factor} if slope_factor else {})}
     out = {}
     for name, n in sizes.items():
         t0 = time.time()
@@ -102,6 +105,11 @@ def measure(small: int = 20_000, factor: int = 10, directory: Path | None = None
     out.update(flat("inmemory_{}_large", peak_memory(MODULE, "in-memory", directory / f"n{sizes['large']}")))
     out["anon_ratio_large_vs_small"] = out["dp_train_anon_mb_large"] / out["dp_train_anon_mb_small"]
     out["rss_ratio_large_vs_small"] = out["dp_train_rss_mb_large"] / out["dp_train_rss_mb_small"]
+    if slope_factor:
+        out["anon_ratio_largest_vs_small"] = out["dp_train_anon_mb_largest"] / out["dp_train_anon_mb_small"]
+        out["anon_bytes_per_example"] = ((out["dp_train_anon_mb_largest"] - out["dp_train_anon_mb_large"]) * 2**20
+                                         / (sizes["largest"] - sizes["large"]))
+        out["anon_mb_added_at_233m"] = out["anon_bytes_per_example"] * 233e6 / 2**20
     return out
 
 
@@ -113,16 +121,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", type=int, default=20_000)
     parser.add_argument("--factor", type=int, default=10)
+    parser.add_argument("--slope-factor", type=int, default=30, help="a third set, for the per-example slope (0: none)")
     parser.add_argument("--dir", type=Path, help="keep the shard sets here (reused by later runs)")
     parser.add_argument("--child", choices=["dp-train", "in-memory"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         (child_dp_train if args.child == "dp-train" else child_in_memory)(args.dir)
         return
-    r = measure(args.small, args.factor, args.dir)
+    r = measure(args.small, args.factor, args.slope_factor, args.dir)
     print(f"{'MiB':<28}{'n':>12}{'private':>10}{'file':>8}{'shmem':>8}{'peak RSS':>10}{'s':>7}")
-    rows = [("dp-train (streaming)", "dp_train", "small"), ("dp-train (streaming)", "dp_train", "large"),
-            ("split in memory (before)", "inmemory", "large")]
+    rows = [("dp-train (streaming)", "dp_train", size) for size in ("small", "large", "largest")
+            if f"dp_train_n_{size}" in r] + [("split in memory (before)", "inmemory", "large")]
     for label, who, size in rows:
         print(f"{label:<28}{r[f'dp_train_n_{size}']:>12}" + "".join(
             f"{r[f'{who}_{k}_{size}']:>{w}.0f}" for k, w in (("anon_mb", 10), ("file_mb", 8), ("shmem_mb", 8),
@@ -130,6 +139,10 @@ def main() -> None:
     print(f"private memory large/small {r['anon_ratio_large_vs_small']:.3f} (target <= {TARGET_RATIO}); "
           f"peak RSS large/small {r['rss_ratio_large_vs_small']:.3f}; in-memory/streaming private at "
           f"n={r['dp_train_n_large']}: {r['inmemory_anon_mb_large'] / r['dp_train_anon_mb_large']:.2f}x")
+    if args.slope_factor:
+        print(f"private memory largest/small {r['anon_ratio_largest_vs_small']:.3f} (target <= {TARGET_RATIO}); "
+              f"slope between the two largest sets {r['anon_bytes_per_example']:+.1f} B per example, "
+              f"{r['anon_mb_added_at_233m']:+.0f} MiB at 233M examples if it held")
     print(json.dumps({"benchmark": "dp_train_memory", **{k: round(v, 3) if isinstance(v, float) else v
                                                          for k, v in r.items()}, "target_ratio": TARGET_RATIO}))
 

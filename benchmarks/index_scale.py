@@ -17,7 +17,8 @@ them also kept allocator slack and peaked higher).
 The file's pages a step touches are page cache: a process that maps them alone counts them in its
 USS, processes that share them (ranks, DataLoader workers) do not, and the kernel can reclaim them
 at any time; `step_anon_mb` is the private memory the steps really allocated. Targets: USS <= 1 GB
-per process, one step <= 1 s once the index is in the page cache (where every rank's reads keep it).
+per process after opening, private memory the steps add <= 64 MB (a step's ids and lookups, not
+the index), one step <= 1 s once the index is in the page cache (where every rank's reads keep it).
 Prints tables, then ONE JSON line.
 """
 
@@ -43,6 +44,7 @@ from pipeline.data.index_mmap import USABLE_NAME, derived_from, read_footer, sou
 
 TARGET_USS_MB = 1024.0
 TARGET_STEP_S = 1.0
+TARGET_STEP_ANON_MB = 64.0
 BATCH = 98_304
 SHARDS = 1000
 KEY = 0x5EC12E7  # a benchmark key; real runs keep theirs secret
@@ -188,9 +190,11 @@ def main(argv=None) -> dict:
               f"{fig['step_uss_mb']:>15.0f}")
     print(f"(USS after steps counts the file's pages this lone process touched: shared page cache, not private "
           f"memory, which grew {warm['step_anon_mb']:.0f} MB)")
-    ok = cold["uss_mb"] <= TARGET_USS_MB and warm["max_step_s"] <= TARGET_STEP_S
+    ok = (cold["uss_mb"] <= TARGET_USS_MB and warm["max_step_s"] <= TARGET_STEP_S
+          and max(cold["step_anon_mb"], warm["step_anon_mb"]) <= TARGET_STEP_ANON_MB)
     print(f"fake index: {disk_gb:.1f} GB, built in {build_s:.0f} s (cached in {large}); targets: USS <= "
-          f"{TARGET_USS_MB:.0f} MB, a step <= {TARGET_STEP_S} s with the index in the page cache: "
+          f"{TARGET_USS_MB:.0f} MB, private memory added by the steps <= {TARGET_STEP_ANON_MB:.0f} MB, "
+          f"a step <= {TARGET_STEP_S} s with the index in the page cache: "
           f"{'met' if ok else 'MISSED'} (timings on a shared machine are noisy)")
     result = {
         "index_rows": args.rows, "index_uss_mb": round(cold["uss_mb"], 1), "sample_step_s": round(warm["step_s"], 4),
@@ -204,7 +208,8 @@ def main(argv=None) -> dict:
         "in_ram_to_mapped_uss_ratio": round(in_ram["uss_mb"] / mapped_small["uss_mb"], 2),
         "in_ram_bytes_per_row": round(per_row * 2**20, 1),
         "in_ram_uss_mb_extrapolated": round(cold["uss_mb"] + per_row * args.rows, 0),
-        "target_uss_mb": TARGET_USS_MB, "target_step_s": TARGET_STEP_S, "targets_met": ok,
+        "target_uss_mb": TARGET_USS_MB, "target_step_s": TARGET_STEP_S, "target_step_anon_mb": TARGET_STEP_ANON_MB,
+        "targets_met": ok,
     }
     print(json.dumps(result))
     return result

@@ -262,6 +262,10 @@ def _describe_error(error: jsonschema.ValidationError, schema: dict) -> str:
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         prefix = f"{path}." if error.absolute_path else ""
         return f"missing key {prefix}{missing}"
+    alternatives = error.validator_value if kind in ("anyOf", "oneOf") else None
+    if alternatives and all(set(a) == {"required"} for a in alternatives):  # keys that go together (an if/then)
+        given = ", ".join(f"{k}: {_as_yaml(v)}" for k, v in error.instance.items() if not isinstance(v, (dict, list)))
+        return f"{path} ({given}) needs " + ", or ".join(" and ".join(a["required"]) for a in alternatives)
     allowed = describe_allowed(_subschema(schema, list(error.absolute_path)), schema)
     return f"{path}: {error.instance!r} is not allowed ({kind}); allowed: {allowed}"
 

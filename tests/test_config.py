@@ -37,6 +37,8 @@ def test_default_params_are_valid(in_tmp):
     ("model.decoder_heads=3", "model.decoder_width=64 does not split into model.decoder_heads=3 heads"),
     # values as params.yaml spells them: a const ("any value" before), .inf ("inf", which YAML reads as a string)
     ("evaluate.last_k_blocks=0", "evaluate.last_k_blocks: 0 is not allowed (anyOf); allowed: integer >= 1 or all"),
+    # an if/then of keys that go together: the keys it needs, not "allowed: object"
+    ("evaluate.sets=[{name: x, source: folder}]", "evaluate.sets.0 (name: x, source: folder) needs path, or train and test"),
     ("curve.epsilons=[1, inf]", "curve.epsilons.1: 'inf' is not allowed (oneOf); allowed: number > 0 and <= 100 "
                                 "or one of .inf"),
 ])
