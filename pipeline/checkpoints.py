@@ -61,10 +61,13 @@ class Checkpoint:
         """Refuse (ValueError) a model, built on any device (meta too), whose tensors this warm start
         cannot fill, naming the model settings that differ: a model section edited after pretrain ran."""
         module, state, settings = self._part(model, objective)
-        if {k: tuple(v.shape) for k, v in module.state_dict().items()} == {k: tuple(v.shape) for k, v in state.items()}:
+        # Settings too: another img_size keeps every tensor's shape (the positions are rebuilt, not
+        # saved) but puts the patches on another grid than the one pretrained.
+        differ = [f"model.{k}: {self.model_cfg[k]!r} there, {model_cfg[k]!r} here" for k in settings
+                  if k in self.model_cfg and self.model_cfg[k] != model_cfg[k]]
+        if not differ and ({k: tuple(v.shape) for k, v in module.state_dict().items()}
+                           == {k: tuple(v.shape) for k, v in state.items()}):
             return
-        differ = [f"model.{k}: {self.model_cfg.get(k)!r} there, {model_cfg[k]!r} here" for k in settings
-                  if self.model_cfg.get(k) != model_cfg[k]]
         raise ValueError(f"dp.init=pretrain: the synthetic warm start was pretrained with other model settings "
                          f"({'; '.join(differ) or 'other tensor shapes'}): run pretrain again (snakemake does) or "
                          "set them back")

@@ -37,7 +37,8 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: f
     groups = []
     for scale, part in ((1.0, False), (encoder_lr_scale, True)):
         mine = [p for p in model.parameters() if p.requires_grad and (id(p) in encoder) == part]
-        # No weight decay on norms, biases and tokens (1-D parameters), as in MAE.
+        # No weight decay on 1-D parameters (norms, biases), as in MAE's pretraining; the (1, dim)
+        # class and mask tokens and the text embeddings are decayed with the weights.
         groups += [{"params": [p for p in mine if p.ndim >= 2], "weight_decay": weight_decay, "lr_scale": scale},
                    {"params": [p for p in mine if p.ndim < 2], "weight_decay": 0.0, "lr_scale": scale}]
     groups = [g for g in groups if g["params"]]

@@ -399,7 +399,8 @@ def test_pretrain_run_again_to_the_same_weights_resumes_the_dp_run_and_charges_i
 @pytest.mark.parametrize("objective_name, edit, named", [
     ("mae", "model.decoder_width=64", "model.decoder_width: 32 there, 64 here"),  # the whole MAE
     ("caption", "model.patch_size=8", "model.patch_size: 4 there, 8 here"),       # its encoder
-    ("clip", "model.size=pico", "model.size: 'micro' there, 'pico' here")])
+    ("clip", "model.size=pico", "model.size: 'micro' there, 'pico' here"),
+    ("caption", "model.img_size=32", "model.img_size: 16 there, 32 here")])  # the same shapes, another grid
 def test_a_warm_start_pretrained_with_other_model_settings_is_refused_before_anything_is_charged(
         data_dir, tmp_path, objective_name, edit, named, ranks):
     """pretrain run by hand, then the model section edited: dp-train charged the budget and then stopped
