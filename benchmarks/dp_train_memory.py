@@ -17,7 +17,6 @@ table, then ONE JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.peak_memory import peak_memory
+from benchmarks.peak_memory import growth_parser, peak_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 1.1  # private memory at factor·n against n
@@ -118,12 +117,8 @@ def flat(pattern: str, peak) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", type=int, default=20_000)
-    parser.add_argument("--factor", type=int, default=10)
+    parser = growth_parser(__doc__, 20_000, 10, ["dp-train", "in-memory"], "shard sets")
     parser.add_argument("--slope-factor", type=int, default=30, help="a third set, for the per-example slope (0: none)")
-    parser.add_argument("--dir", type=Path, help="keep the shard sets here (reused by later runs)")
-    parser.add_argument("--child", choices=["dp-train", "in-memory"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         (child_dp_train if args.child == "dp-train" else child_in_memory)(args.dir)

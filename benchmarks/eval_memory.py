@@ -14,7 +14,6 @@ Prints a table, then ONE JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.peak_memory import peak_memory
+from benchmarks.peak_memory import growth_parser, measure_growth, print_growth
 
 TARGET_RATIO = 1.25
 IMAGE_SIZE, STORED_SIZE, CLASSES = 224, 64, 10
@@ -73,37 +72,21 @@ def child(mode: str, directory: Path) -> None:
 
 def measure(small: int = 2000, factor: int = 10, directory: Path | None = None) -> dict:
     directory = Path(directory or tempfile.mkdtemp(prefix="dpfm-eval-mem-"))
-    out = {}
+    inputs = {}
     for name, n in (("small", small), ("large", small * factor)):
         t0 = time.time()
-        folder = write_folder(directory / f"n{n}", n)
+        inputs[name] = (n, write_folder(directory / f"n{n}", n))
         print(f"  {name}: {n} images ready in {time.time() - t0:.0f} s", file=sys.stderr)
-        out[f"n_{name}"] = n
-        for mode in ("streamed", "eager"):
-            peak = peak_memory("eval_memory", mode, folder)
-            out[f"{mode}_rss_mb_{name}"], out[f"{mode}_anon_mb_{name}"], out[f"{mode}_s_{name}"] = (
-                peak.rss_mb, peak.anon_mb, peak.seconds)
-    for mode in ("streamed", "eager"):
-        out[f"{mode}_ratio_large_vs_small"] = out[f"{mode}_anon_mb_large"] / out[f"{mode}_anon_mb_small"]
-    return out
+    return measure_growth("eval_memory", ["streamed", "eager"], inputs)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", type=int, default=2000)
-    parser.add_argument("--factor", type=int, default=10)
-    parser.add_argument("--dir", type=Path, help="keep the image folders here (reused by later runs)")
-    parser.add_argument("--child", choices=["streamed", "eager"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = growth_parser(__doc__, 2000, 10, ["streamed", "eager"], "image folders").parse_args()
     if args.child:
         child(args.child, args.dir)
         return
     r = measure(args.small, args.factor, args.dir)
-    print(f"{'features at 224 px':<26}{'n':>10}{'private MiB':>13}{'peak RSS MiB':>14}{'s':>8}")
-    for mode, label in (("streamed", "streamed (now)"), ("eager", "eager array (before)")):
-        for size in ("small", "large"):
-            print(f"{label:<26}{r[f'n_{size}']:>10}{r[f'{mode}_anon_mb_{size}']:>13.0f}{r[f'{mode}_rss_mb_{size}']:>14.0f}"
-                  f"{r[f'{mode}_s_{size}']:>8.0f}")
+    print_growth(r, "features at 224 px", {"streamed": "streamed (now)", "eager": "eager array (before)"})
     print(f"streamed private-memory ratio large/small {r['streamed_ratio_large_vs_small']:.3f} (target <= {TARGET_RATIO}); "
           f"eager {r['eager_ratio_large_vs_small']:.2f}; eager/streamed at n={r['n_large']}: "
           f"{r['eager_anon_mb_large'] / r['streamed_anon_mb_large']:.2f}x")

@@ -5,6 +5,7 @@ mixes the two, so it cannot tell a leak from a well-used page cache."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -81,3 +82,38 @@ def peak_memory(module: str, mode: str, directory: Path) -> Peak:
         raise RuntimeError(f"{module} {mode} on {directory} failed (exit {proc.returncode})")
     return Peak(rss_mb=usage.ru_maxrss / 1024, anon_mb=peak["RssAnon"] / 1024, file_mb=peak["RssFile"] / 1024,
                 shmem_mb=peak["RssShmem"] / 1024, seconds=time.time() - started)
+
+
+def growth_parser(doc: str, small: int, factor: int, modes: list[str], kept: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark that measures each of `modes` at n (`--small`) and factor·n,
+    each in a fresh process (`--child MODE`, run by `peak_memory`)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--small", type=int, default=small)
+    parser.add_argument("--factor", type=int, default=factor)
+    parser.add_argument("--dir", type=Path, help=f"keep the {kept} here (reused by later runs)")
+    parser.add_argument("--child", choices=modes, help=argparse.SUPPRESS)
+    return parser
+
+
+def measure_growth(module: str, modes: list[str], inputs: dict[str, tuple[int, Path]]) -> dict:
+    """`peak_memory` of each mode on each size's (n, input): `n_<size>`, `<mode>_{anon_mb,rss_mb,s}_<size>`
+    and, for sizes small and large, `<mode>_ratio_large_vs_small` of the private memory."""
+    out = {}
+    for size, (n, path) in inputs.items():
+        out[f"n_{size}"] = n
+        for mode in modes:
+            peak = peak_memory(module, mode, path)
+            out[f"{mode}_anon_mb_{size}"], out[f"{mode}_rss_mb_{size}"], out[f"{mode}_s_{size}"] = (
+                round(peak.anon_mb, 1), round(peak.rss_mb, 1), round(peak.seconds, 1))
+    for mode in modes:
+        out[f"{mode}_ratio_large_vs_small"] = round(out[f"{mode}_anon_mb_large"] / out[f"{mode}_anon_mb_small"], 3)
+    return out
+
+
+def print_growth(r: dict, title: str, labels: dict[str, str]) -> None:
+    """The table of `measure_growth`: each mode (by its label) at n and factor·n."""
+    print(f"{title:<26}{'n':>11}{'private MiB':>13}{'peak RSS MiB':>14}{'s':>8}")
+    for mode, label in labels.items():
+        for size in ("small", "large"):
+            print(f"{label:<26}{r[f'n_{size}']:>11,}{r[f'{mode}_anon_mb_{size}']:>13.0f}"
+                  f"{r[f'{mode}_rss_mb_{size}']:>14.0f}{r[f'{mode}_s_{size}']:>8.1f}")

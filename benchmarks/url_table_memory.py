@@ -12,12 +12,11 @@ before it streamed. Target: private (anonymous) memory at factor·n <= 1.25 x at
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
-from benchmarks.peak_memory import peak_memory
+from benchmarks.peak_memory import growth_parser, measure_growth, print_growth
 
 TARGET_RATIO = 1.25
 SHARD_ROWS = 10_000
@@ -56,32 +55,16 @@ def child(mode: str, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", type=int, default=500_000)
-    parser.add_argument("--factor", type=int, default=8)
-    parser.add_argument("--dir", type=Path, help="keep the tables here (reused by later runs)")
-    parser.add_argument("--child", choices=["streamed", "whole"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = growth_parser(__doc__, 500_000, 8, ["streamed", "whole"], "tables").parse_args()
     if args.child:
         child(args.child, args.dir)
         return
     directory = Path(args.dir or tempfile.mkdtemp(prefix="dpfm-url-table-"))
     directory.mkdir(parents=True, exist_ok=True)
-    r = {}
-    for size, n in (("small", args.small), ("large", args.small * args.factor)):
-        table = write_table(directory / f"pairs-{n}.parquet", n)
-        r[f"n_{size}"] = n
-        for mode in ("streamed", "whole"):
-            peak = peak_memory("url_table_memory", mode, table)
-            r[f"{mode}_anon_mb_{size}"], r[f"{mode}_rss_mb_{size}"], r[f"{mode}_s_{size}"] = (
-                round(peak.anon_mb, 1), round(peak.rss_mb, 1), round(peak.seconds, 1))
-    for mode in ("streamed", "whole"):
-        r[f"{mode}_ratio_large_vs_small"] = round(r[f"{mode}_anon_mb_large"] / r[f"{mode}_anon_mb_small"], 3)
-    print(f"{'reading the table':<26}{'rows':>11}{'private MiB':>13}{'peak RSS MiB':>14}{'s':>7}")
-    for mode, label in (("streamed", "in slices (now)"), ("whole", "whole, as lists (before)")):
-        for size in ("small", "large"):
-            print(f"{label:<26}{r[f'n_{size}']:>11,}{r[f'{mode}_anon_mb_{size}']:>13.0f}{r[f'{mode}_rss_mb_{size}']:>14.0f}"
-                  f"{r[f'{mode}_s_{size}']:>7.1f}")
+    sizes = {"small": args.small, "large": args.small * args.factor}
+    r = measure_growth("url_table_memory", ["streamed", "whole"],
+                       {size: (n, write_table(directory / f"pairs-{n}.parquet", n)) for size, n in sizes.items()})
+    print_growth(r, "reading the table", {"streamed": "in slices (now)", "whole": "whole, as lists (before)"})
     print(f"private-memory ratio large/small: in slices {r['streamed_ratio_large_vs_small']:.3f} (target <= "
           f"{TARGET_RATIO}), whole {r['whole_ratio_large_vs_small']:.2f}; per row whole: "
           f"{(r['whole_anon_mb_large'] - r['whole_anon_mb_small']) * 2**20 / (r['n_large'] - r['n_small']):.0f} B")

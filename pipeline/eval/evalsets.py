@@ -94,13 +94,13 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
         return _labelled(spec, image_size)
     if "limit" in spec:
         raise EvalSetError(f"evaluate.sets[{spec['name']}].limit: only for the labelled sets "
-                         f"({', '.join(labelled_sets.SETS)})")
+                            f"({', '.join(labelled_sets.SETS)})")
     if source not in ("folder", "webdataset"):
         raise EvalSetError(f"evaluate.sets[{spec['name']}].source: unknown source {source!r}")
     parts = [key for key in ("train", "test") if key in spec]
     if parts and (len(parts) == 1 or "path" in spec):
         raise EvalSetError(f"evaluate.sets[{spec['name']}]: give `train` and `test` (an official split) or `path` "
-                         "(split here), not " + " and ".join(sorted(set(parts) | ({"path"} & set(spec)))))
+                            "(split here), not " + " and ".join(sorted(set(parts) | ({"path"} & set(spec)))))
     loaded = [_load_part(spec, key, image_size) for key in (parts or ["path"])]
     images = concat([im for im, _ in loaded])
     labels, classes = _encode_labels([n for _, names in loaded for n in names], spec.get("classes"), spec["name"])
@@ -205,7 +205,8 @@ def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, l
     shape = (image_size, image_size, 3)
 
     def decode(rows: np.ndarray) -> np.ndarray:
-        return fill(decoded(lambda item: _square(io.BytesIO(item[1]), item[0], image_size), read(rows)), len(rows), shape)
+        images = decoded(lambda item: _square(io.BytesIO(item[1]), item[0], image_size), read(rows))  # (where, bytes)
+        return fill(images, len(rows), shape)
 
     return Images(decode, np.arange(len(names)), shape), names
 
@@ -236,7 +237,7 @@ class _TarSpans:
                 where = f"{self.tars[t]} at byte {offset}"
                 if len(data) != size:
                     raise EvalSetError(f"{where}: expected an image of {size} bytes, found {len(data)}: "
-                                     "the tar changed after its samples were listed")
+                                        "the tar changed after its samples were listed")
                 out.append((where, data))
         finally:
             for fd in fds.values():
@@ -268,7 +269,7 @@ def _tar_samples(tars: list[Path]):
             tar = tarfile.open(tar_path, "r:")  # uncompressed only: images are read back by byte position
         except tarfile.ReadError as e:
             raise EvalSetError(f"{tar_path}: not an uncompressed tar ({e}); eval sets read images from tars "
-                             "by position, so decompress it") from e
+                                "by position, so decompress it") from e
         with tar:
             key, members = None, {}
             for info in tar:
@@ -296,11 +297,11 @@ def _encode_labels(names: list, class_names: list | None, set_name: str) -> tupl
         num = int(labels.max()) + 1
         if class_names is not None and len(class_names) < num:
             raise EvalSetError(f"eval set {set_name!r}: `classes` names {len(class_names)} classes "
-                             f"but labels go up to {num - 1}")
+                                f"but labels go up to {num - 1}")
         return labels, list(class_names or (str(i) for i in range(num)))
     if not all(isinstance(n, str) for n in names):
         raise EvalSetError(f"eval set {set_name!r}: labels must be all integers or all strings, got "
-                         f"{sorted({type(n).__name__ for n in names})}")
+                            f"{sorted({type(n).__name__ for n in names})}")
     classes = list(class_names) if class_names else sorted(set(names))
     unknown = sorted(set(names) - set(classes))
     if unknown:

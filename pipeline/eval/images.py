@@ -37,7 +37,8 @@ class Images:
     @classmethod
     def decoded(cls, decode: Callable[[int], np.ndarray], count: int, item_shape: tuple[int, ...]) -> Images:
         """Row i is `decode(i)`, called only when a batch holding row i is asked for."""
-        return cls(lambda rows: fill(decoded(decode, rows.tolist()), len(rows), item_shape), np.arange(count), item_shape)
+        return cls(lambda rows: fill(decoded(decode, rows.tolist()), len(rows), item_shape), np.arange(count),
+                   item_shape)
 
     def __len__(self) -> int:
         return len(self._rows)
