@@ -14,11 +14,11 @@ and still labelled.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from pipeline.config import ParamsError
+from pipeline.io import read_json
 from pipeline.data import labelled_sets
 
 
@@ -80,7 +80,7 @@ def known_before_the_report(params: dict, stats_path: Path, verification: dict |
     """not_private_reasons as far as a stage before the report (or a parent run whose report did not run)
     can know them: the params, the shards' stats when written, and the budget as verify found it (the
     curve's points and evaluate's seeds may charge more; the report's verdict is final)."""
-    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+    stats = read_json(stats_path) if stats_path.is_file() else {}
     return not_private_reasons(params, stats, (verification or {}).get("composition_at_verify"))
 
 

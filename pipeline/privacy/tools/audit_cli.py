@@ -61,10 +61,9 @@ def _step(args) -> int:
         if not stats.exists():
             raise ParamsError([f"dpfm audit: σ is calibrated from n, and {stats} is missing: "
                                "run `dpfm shards` first or pass --sigma"])
-        from pipeline.privacy.plan import plan_mechanism
+        from pipeline.privacy.plan import checked_plan
 
-        sigma = plan_mechanism(params["dp"], read_json(stats)["private"]["usable"],
-                               params["privacy"]["adjacency"]).sigma
+        sigma = checked_plan(params["dp"], read_json(stats)["private"]["usable"], params["privacy"]["adjacency"]).sigma
     from pipeline.cli import resolve_device
     from pipeline.train import precision_used
 
