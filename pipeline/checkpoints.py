@@ -10,6 +10,7 @@ import torch
 
 from pipeline.errors import InputError
 from pipeline.io import atomic_path
+from pipeline.privacy.release import public_params
 
 # What earlier versions called the update count (dp-train, pretrain): read so their models still load.
 LEGACY_STEP_KEYS = ("optimizer_steps", "step")
@@ -75,9 +76,11 @@ class Checkpoint:
 
 def save(path: str | Path, model: torch.nn.Module, *, objective: str, model_cfg: dict, steps: int, private: bool,
          config: dict) -> None:
-    """Write atomically: a reader finds the previous file or this one, never half of one."""
+    """Write atomically: a reader finds the previous file or this one, never half of one. The file is
+    published (a DVC output), so `config` goes in as release.public_params shows it."""
     record = {"objective": objective, "model_cfg": model_cfg, "model": model.state_dict(),
-              "encoder": model.encoder.state_dict(), "steps": int(steps), "private": bool(private), "config": config}
+              "encoder": model.encoder.state_dict(), "steps": int(steps), "private": bool(private),
+              "config": public_params(config)}
     # Through a file object: torch.save(path) reports a full disk as an obscure RuntimeError.
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         torch.save(record, f)

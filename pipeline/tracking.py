@@ -61,18 +61,22 @@ def git_commit() -> str:
 # The empty file Snakemake leaves in a directory output after its job: not content, and .dvcignore
 # keeps it out of DVC's hashes too (the shards stage's digest is taken before Snakemake writes it).
 SNAKEMAKE_MARKER = ".snakemake_timestamp"
+# dp-train's non-private twin (dp.nonprivate_baseline) sits beside the DP model for evaluate, but is
+# trained without DP on the private shards: .dvcignore keeps it out of the pushed output.
+NONPRIVATE_TWIN = "nonprivate.pt"
+DVC_IGNORED = frozenset({SNAKEMAKE_MARKER, NONPRIVATE_TWIN})  # file names, as .dvcignore has them
 
 
 def dvc_hash(path: str | Path, known: dict | None = None) -> str:
     """The md5 DVC records for a file, or its `<md5>.dir` hash for a directory (without Snakemake's
-    marker, as .dvcignore has it). `known` (resolved path -> [size, mtime_ns, inode, md5], updated in
+    marker and the non-private twin, as .dvcignore has it). `known` (resolved path -> [size, mtime_ns, inode, md5], updated in
     place) spares reading a file that has not changed since an earlier call, as DVC's state database does."""
     path = Path(path)
     md5 = (lambda p: file_digest(p, "md5")) if known is None else (lambda p: known_md5(p, known))
     if path.is_file():
         return md5(path)
     entries = [{"md5": md5(p), "relpath": p.relative_to(path).as_posix()}
-               for p in sorted(path.rglob("*")) if p.is_file() and p.name != SNAKEMAKE_MARKER]
+               for p in sorted(path.rglob("*")) if p.is_file() and p.name not in DVC_IGNORED]
     entries.sort(key=lambda e: e["relpath"])
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode()).hexdigest() + ".dir"
 

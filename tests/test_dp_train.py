@@ -8,10 +8,14 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from stage_runs import flat, initial_model, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline import checkpoints
@@ -22,6 +26,8 @@ from pipeline.data.tokenizer import Tokenizer
 from pipeline.models import ModelConfig
 from pipeline.objectives import objective
 from pipeline.privacy.run_checks import verify
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
@@ -159,13 +165,29 @@ def test_low_precision_runs_with_fp32_accounting(data_dir, tmp_path, precision):
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in ckpt.model.values())
 
 
-def test_nonprivate_baseline_is_saved_beside_the_dp_model(data_dir, tmp_path):
+def test_nonprivate_baseline_is_saved_beside_the_dp_model_and_never_pushed(data_dir, tmp_path):
+    """The twin is read where dp-train wrote it, but models/dp is a pushed DVC output: DVC must ignore
+    the twin (its hash, cache and remote hold the DP model alone), and dvc_hash, which tags MLflow runs
+    with DVC's hashes, must agree. Neither file holds the run's known noise seed (stage_runs: 123)."""
     work = project(data_dir, tmp_path)
     ledger, ckpt = train(work, ["dp.nonprivate_baseline=true"])
     base = checkpoints.load(work / "models/dp/nonprivate.pt")
     assert base.model.keys() == ckpt.model.keys()
     assert any(not torch.equal(base.model[k], ckpt.model[k]) for k in base.model)
     assert ledger["steps"] == 6  # the baseline is not charged to the private ledger
+    assert ckpt.config["dp"]["noise_seed"] != 123 and base.config["dp"]["noise_seed"] != 123
+
+    from pipeline.tracking import dvc_hash
+
+    dvc = [str(Path(sys.executable).parent / "dvc")]
+    shutil.copy(ROOT / ".dvcignore", work / ".dvcignore")
+    subprocess.run([*dvc, "init", "-q", "--no-scm"], cwd=work, check=True)
+    subprocess.run([*dvc, "add", "-q", "models/dp"], cwd=work, check=True)
+    [out] = yaml.safe_load((work / "models/dp.dvc").read_text())["outs"]
+    cached = {e["relpath"] for e in json.loads((work / ".dvc/cache/files/md5" / out["md5"][:2] /
+                                                out["md5"][2:]).read_text())}
+    assert "checkpoint.pt" in cached and "nonprivate.pt" not in cached, cached
+    assert out["md5"] == dvc_hash(work / "models/dp")
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])

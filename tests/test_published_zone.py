@@ -56,12 +56,16 @@ def web_source(root: Path) -> str:
 
 
 def published_texts(work: Path, printed: str) -> dict[str, str]:
-    """Every published file's text, by path (binary checkpoints hold model weights only)."""
+    """Every published file's text, by path; of a checkpoint, the params it keeps beside the weights."""
+    from pipeline import checkpoints
+
     texts = {"snakemake output": printed}
     for top in ("results", "models", "logs", "mlartifacts"):
         for f in (work / top).rglob("*") if (work / top).exists() else ():
             if f.is_file() and f.suffix in TEXT_SUFFIXES:
                 texts[str(f.relative_to(work))] = f.read_text(errors="replace")
+            elif f.is_file() and f.suffix == ".pt":
+                texts[str(f.relative_to(work))] = json.dumps(checkpoints.load(f).config, default=str)
     texts["data/shards/stats.json"] = (work / "data/shards/stats.json").read_text()
     # Git tracks dvc.lock (docs/pipeline.md: commit it with the run), and data/budget.dvc once pushed.
     for f in ("dvc.lock", "data/budget.dvc"):

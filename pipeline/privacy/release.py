@@ -45,6 +45,15 @@ def check_nonprivate(privacy: dict, source: str | None, what: str) -> None:
                       source="privacy")
 
 
+def public_params(params: dict) -> dict:
+    """Params as they may be published (the report, a checkpoint's config): a known noise seed would let
+    anyone who reads it subtract the noise."""
+    shown = {k: dict(v) if isinstance(v, dict) else v for k, v in params.items()}
+    if shown.get("dp", {}).get("noise_seed") is not None:
+        shown["dp"]["noise_seed"] = "(set; hidden)"
+    return shown
+
+
 def check_noise_seed(dp: dict, privacy: dict) -> None:
     """A known noise key lets anyone who knows it remove the noise: only for tests and public data."""
     if dp["noise_seed"] is not None and not privacy["testing"]:

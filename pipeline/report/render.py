@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.privacy.release import public_params
+
 # (metrics key, column title); few-shot keys expand to one column per K.
 PROTOCOLS = (("linear_probe", "Linear probe"), ("fewshot_logreg", "{k}-shot"),
              ("fewshot_finetune", "{k}-shot FT"), ("zero_shot", "Zero-shot"))
@@ -58,14 +60,6 @@ def fmt_acc(cell) -> str:
     if ci is not None:
         text += f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})"
     return text
-
-
-def public_params(params: dict) -> dict:
-    """Params as shown to readers: a fixed noise seed would let anyone remove the noise."""
-    shown = {k: dict(v) if isinstance(v, dict) else v for k, v in params.items()}
-    if shown.get("dp", {}).get("noise_seed") is not None:
-        shown["dp"]["noise_seed"] = "(set; hidden)"
-    return shown
 
 
 def params_yaml(params: dict) -> str:

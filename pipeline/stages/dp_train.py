@@ -31,7 +31,7 @@ def run(params: dict, ctx) -> None:
         # A test run's noise key is known: its model is not private, and is never registered as such.
         checkpoints.save(out / "checkpoint.pt", model, objective=dp["objective"], model_cfg=trainer.mcfg.to_dict(),
                          steps=counters["applied_updates"], private=not params["privacy"]["testing"], config=params)
-        if baseline is not None:  # NOT private: for the evaluation table only, never to be published
+        if baseline is not None:  # NOT private: for the evaluation table only; .dvcignore keeps it from the remote
             twin = nonprivate_params(params)
             checkpoints.save(out / "nonprivate.pt", baseline, objective=dp["objective"], model_cfg=trainer.mcfg.to_dict(),
                              steps=twin["dp"]["steps"], private=False, config=twin)

@@ -1,7 +1,7 @@
 """The `evaluate` stage: the DP encoder beside its baselines on labelled eval sets.
 
 Models: the DP model; the non-private counterpart (models/dp/nonprivate.pt, when dp-train made
-one); the synthetic-only encoder (Syn-ViP: the pretrain checkpoint); the raw pixels (no encoder:
+one: local, never pushed); the synthetic-only encoder (Syn-ViP: the pretrain checkpoint); the raw pixels (no encoder:
 the simplest baseline); a random-init encoder.
 Protocols: linear probe (ViP), K-shot logistic regression over seeded class-balanced subsets,
 K-shot full fine-tuning (when enabled), zero-shot with the text tower (captioner/CLIP).
