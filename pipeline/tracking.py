@@ -22,6 +22,7 @@ import yaml
 
 from pipeline.errors import Stopped
 from pipeline.eval.stats import released
+from pipeline.privacy.accounting import bound_text
 from pipeline.io import file_digest
 
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
@@ -178,8 +179,8 @@ class StageRun:
     def log_dict(self, data: dict, name: str) -> None:
         _retry(lambda: self._mlflow.log_dict(data, name))
 
-    def log_dp_model(self, checkpoint: str | Path, epsilon: float, delta: float,
-                     epsilon_composed: float | None = None, private: bool = True, budget: str | None = None) -> str:
+    def log_dp_model(self, checkpoint: str | Path, epsilon: float, delta: float, epsilon_composed: float | None = None,
+                     delta_composed: float | None = None, private: bool = True, budget: str | None = None) -> str:
         """The DP encoder (images -> features) as an MLflow model, registered as `dpfm-<objective>`
         with its ε and δ as version tags. Only verified models get here (the verify stage). `private`
         False: the run's outputs as a whole are not covered (release.not_private_reasons), so the
@@ -207,7 +208,9 @@ class StageRun:
         # `epsilon` is what all DP runs on the examples compose to (the report updates it after the
         # curve's and the seeds' trainings); `epsilon_run` is this model's own.
         composed = math.inf if not private else epsilon if epsilon_composed is None else epsilon_composed
-        for key, value in (("epsilon", f"{composed:.4f}"), ("epsilon_run", f"{epsilon:.4f}"), ("delta", f"{delta:.3e}"),
+        composed_at = delta if delta_composed is None else delta_composed
+        for key, value in (("epsilon", bound_text(composed, 4)), ("delta_composed", bound_text(composed_at, 3, True)),
+                           ("epsilon_run", bound_text(epsilon, 4)), ("delta", bound_text(delta, 3, exponent=True)),
                            ("private", str(private).lower())) + ((("budget", budget),) if budget else ()):
             _retry(lambda: client.set_model_version_tag(name, version, key, value))
         return name
@@ -227,8 +230,10 @@ class StageRun:
                 if not ours or (v.tags.get("private") == "false" and tags.get("private") != "false"):
                     continue
                 new = dict(tags)
-                if "epsilon" in new and "epsilon" in v.tags:
-                    new["epsilon"] = max(new["epsilon"], v.tags["epsilon"], key=float)
+                if "epsilon" in new and "epsilon" in v.tags and float(v.tags["epsilon"]) > float(new["epsilon"]):
+                    new["epsilon"] = v.tags["epsilon"]  # and the δ it holds at
+                    new.pop("delta_composed", None)
+                    new |= {"delta_composed": v.tags["delta_composed"]} if "delta_composed" in v.tags else {}
                 if "not_private" in new and "not_private" in v.tags:  # its own reasons kept
                     new["not_private"] = "; ".join(dict.fromkeys(v.tags["not_private"].split("; ")
                                                                  + new["not_private"].split("; ")))
@@ -248,7 +253,8 @@ class NullRun:
     def log_artifact(self, path, artifact_path=None): ...
     def set_tags(self, tags): ...
     def log_dict(self, data, name): ...
-    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, private=True, budget=None): ...
+    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, delta_composed=None, private=True,
+                     budget=None): ...
     def tag_dp_models(self, tags, budget=None): return 0
 
 
@@ -403,7 +409,7 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
         name = client.get_run(run_id).info.run_name  # the start's, when verify did not run
         if verification:
             objective = read_json(ledger)["objective"] if ledger.is_file() else ""
-            name = f"{recipe_name(objective)} ε={verification['epsilon_reported']:.2f} σ={verification['sigma']:.2f}"
+            name = f"{recipe_name(objective)} ε={bound_text(verification['epsilon_reported'], 2)} σ={verification['sigma']:.2f}"
         if privacy and not privacy["private"] and not name.startswith("NOT PRIVATE"):
             name = "NOT PRIVATE " + name
         _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))

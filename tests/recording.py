@@ -23,7 +23,8 @@ class RecordingTracker:
     def log_dict(self, data, name):
         self.artifacts.append((name, data))
 
-    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, private=True, budget=None):
+    def log_dp_model(self, checkpoint, epsilon, delta, epsilon_composed=None, delta_composed=None, private=True,
+                     budget=None):
         self.tags["logged_model"] = (str(checkpoint), epsilon, delta)
         self.tags["logged_model_epsilon_composed"] = epsilon_composed
         self.tags["logged_model_private"] = private

@@ -457,3 +457,22 @@ def test_make_clean_keeps_the_budget(tmp_path):
     subprocess.run(["make", "-s", "clean"], cwd=tmp_path, check=True)
     assert (tmp_path / "data/budget/runs.jsonl").read_text() == '{"run": "r"}\n'
     assert not any((tmp_path / d).exists() for d in ("data/shards", "data/synthetic", "models", ".dpfm"))
+
+
+def test_runs_compose_at_the_smallest_delta_of_theirs(in_tmp):
+    """A run on 10⁶ examples (δ = 5e-7) and a later one on 1,000 (δ = 5e-4): the later run's δ is
+    500 times 1/n of the first set, so their composition is stated at 5e-7 (and tagged beside the
+    first run's model), and its ε is what the two compose to there, not at the later run's δ."""
+    from dataclasses import replace
+
+    big = replace(plan(), n=1_000_000, delta=5e-7, sigma=1.0, sample_rate=0.0041, steps=2000)
+    small = replace(plan(), n=1_000, delta=5e-4, sigma=1.0, sample_rate=0.064, steps=300)
+    for run, p, seed in (("big", big, 0), ("small", small, 1)):
+        budget.record(*shard(in_tmp / run, examples(20, seed=seed)), run, p, key=7)
+    ledger = {**small.header(), "run": "small"}
+    c = budget.composition(ledger, small.delta)
+    assert c["delta"] == big.delta and c["runs"] == 2
+    at_small_delta = budget.composed_epsilon([entry("big", big), entry("small", small)], small.delta, "add_remove")
+    assert c["epsilon"] == pytest.approx(
+        budget.composed_epsilon([entry("big", big), entry("small", small)], big.delta, "add_remove"))
+    assert c["epsilon"] > at_small_delta + 1  # the pair it used to state: 9.7 at δ = 5e-4 beside δ = 5e-7

@@ -1,6 +1,7 @@
 """The report: content, self-containment, the privacy-utility points from MLflow, and a real render
 in headless Chromium (no console errors; the screenshot shows the accuracy table)."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -114,6 +115,20 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
     for name in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):  # Markdown images sit beside it
         assert (out / name).is_file(), name
     assert tracker.artifacts == [("results/report", "report"), ("results/privacy/privacy.json", None)]
+
+
+def test_every_epsilon_and_delta_the_report_states_is_rounded_up(project):
+    """The accountant's ε = 7.98449 is a bound; "7.98" would state a smaller one. Every figure the
+    report shows of ε or δ is rounded up (accounting.bound_text), in both renderings and the captions."""
+    root, params = project
+    ver = json.loads((root / "results/privacy/verification.json").read_text())
+    ver.update({"epsilon": {"pld": 7.98449, "rdp": 9.60001}, "epsilon_reported": 7.98449, "delta": 3.97452e-4})
+    write_json("results/privacy/verification.json", ver)
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    page, md = ((root / "results/report" / f).read_text() for f in ("report.html", "report.md"))
+    for text in ("(ε = 7.99, δ = 3.98e-04 = 1/2n)-DP", "PLD ε = 7.985", "RDP ε = 9.601", "at δ = 3.98e-04"):
+        assert text in page and text in md, text
+    assert not re.search(r"ε = 7\.98\b|3\.97e-04|ε = 9\.600", page + md)
 
 
 def test_the_owners_composition_is_computed_on_request_and_no_stage_reads_which_sets_overlap(project, monkeypatch):

@@ -365,7 +365,10 @@ def test_every_version_registered_on_the_budget_carries_what_it_composes_to_now(
     makes every version NOT PRIVATE with composed ε = ∞."""
     import mlflow
 
+    from dataclasses import replace
+
     from pipeline.privacy import budget
+    from pipeline.privacy.accounting import bound_text
     from pipeline.privacy.plan import Plan
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
@@ -377,11 +380,16 @@ def test_every_version_registered_on_the_budget_carries_what_it_composes_to_now(
     assert cli.main(["verify"]) == 0
     (first,) = versions()
     assert first.tags["private"] == "true" and first.tags["epsilon"] == first.tags["epsilon_run"]
-    budget.record("set-b", sketch, "another", Plan.from_header(valid_replace_one), 7)
+    assert first.tags["delta_composed"] == first.tags["delta"]
+    # The other run is on a larger set: its δ, a tenth of this run's, is the one both compose at.
+    other = replace(Plan.from_header(valid_replace_one), delta=valid_replace_one["delta"] / 10)
+    budget.record("set-b", sketch, "another", other, 7)
     assert cli.main(["verify"]) == 0
     first, second = versions()
     assert float(first.tags["epsilon"]) > float(first.tags["epsilon_run"])
     assert first.tags["epsilon"] == second.tags["epsilon"] and first.tags["dp_runs_on_data"] == "2"
+    assert first.tags["delta_composed"] == second.tags["delta_composed"] == bound_text(other.delta, 3, exponent=True)
+    assert first.tags["delta"] == bound_text(valid_replace_one["delta"], 3, exponent=True)  # its own, beside epsilon_run
 
     client.set_model_version_tag("dpfm-mae", first.version, "private", "false")  # as its own run's reason would
     client.set_model_version_tag("dpfm-mae", first.version, "epsilon", "inf")

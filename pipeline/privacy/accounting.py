@@ -154,6 +154,25 @@ def check_delta(delta: float, n: int) -> float:
     return delta
 
 
+def round_up(value: float, decimals: int) -> float:
+    """`value` rounded up at `decimals` places (the 1e-9 forgives a float a hair above its decimal:
+    7.98 is stored as 7.98000000000000043)."""
+    scale = 10**decimals
+    return math.ceil(value * scale - 1e-9) / scale
+
+
+def bound_text(value: float, decimals: int, exponent: bool = False) -> str:
+    """A privacy bound (ε, δ) as published: rounded up, so that the figure shown still bounds what
+    the accountant bounds (ε = 7.9849 shows as 7.99, not 7.98). `exponent`: as `.{decimals}e` would."""
+    if not math.isfinite(value) or value <= 0 or not exponent:
+        return f"{round_up(value, decimals) if math.isfinite(value) else value:.{decimals}f}"
+    power = math.floor(math.log10(value))
+    mantissa = round_up(value / 10**power, decimals)
+    if mantissa >= 10:
+        mantissa, power = round_up(mantissa / 10, decimals), power + 1
+    return f"{mantissa:.{decimals}f}e{power:+03d}"
+
+
 def epsilon(
     sigma: float,
     sample_rate: float,

@@ -374,16 +374,21 @@ def keep_overlap_composition(ledger: dict, delta: float) -> Path:
 
 
 def _composed(ledger: dict, entries: list[dict], delta: float) -> dict:
-    """`epsilon`: ε = ∞ once any entry released the examples without DP; `epsilon_dp_runs`: the DP runs'."""
+    """`epsilon`: ε = ∞ once any entry released the examples without DP; `epsilon_dp_runs`: the DP runs',
+    both at `delta`: the smallest δ of this run and the runs composed. Each run's δ is below 1/n of its
+    own set, so only the smallest is below 1/n of every set composed (a run on a smaller set has a
+    larger δ), and an ε stated beside a run's own δ must hold at it."""
     plan = Plan.from_header(ledger)
     outside = sorted({e["outside_dp"] for e in entries if "outside_dp" in e})
     entries = [e for e in entries if "outside_dp" not in e]
     if not any(e["run"] == ledger.get("run") for e in entries):
         entries.append({"run": ledger.get("run"), "objective": plan.objective, "sigma": plan.sigma,
                         "sample_rate": plan.sample_rate, "steps": plan.steps, "noise_edge": plan.noise_edge})
+    delta = min([delta, *(e["delta"] for e in entries if "delta" in e)])
     edges = edges_problem(entries, delta, plan.adjacency)
     outside += [edges] if edges else []
     dp_runs = composed_epsilon(entries, delta, plan.adjacency)
-    return {"epsilon": math.inf if outside else dp_runs, "epsilon_dp_runs": dp_runs, "outside_dp": outside,
-            "runs": len(entries), "adjacency": plan.adjacency, "data_identity": ledger.get("data_identity"),
+    return {"epsilon": math.inf if outside else dp_runs, "epsilon_dp_runs": dp_runs, "delta": delta,
+            "outside_dp": outside, "runs": len(entries), "adjacency": plan.adjacency,
+            "data_identity": ledger.get("data_identity"),
             "by_run": [{k: e[k] for k in ("run", "objective", "sigma", "sample_rate", "steps")} for e in entries]}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipeline.config import ParamsError
 from pipeline.io import read_json
+from pipeline.privacy.accounting import bound_text
 from pipeline.data import labelled_sets
 
 
@@ -93,8 +94,11 @@ def known_before_the_report(params: dict, stats_path: Path, verification: dict |
     return not_private_reasons(params, stats, (verification or {}).get("composition_at_verify"))
 
 
-def registry_tags(epsilon_composed: float, runs: int, reasons: list[str]) -> dict:
+def registry_tags(epsilon_composed: float, delta_composed: float, runs: int, reasons: list[str]) -> dict:
     """The tags every registered model on this budget carries (tracking.tag_dp_models): what all DP runs
-    charged to it compose to now, how many, and NOT PRIVATE with its reasons once anything left DP."""
-    return ({"epsilon": "inf" if reasons else f"{epsilon_composed:.4f}", "dp_runs_on_data": runs,
-             "private": str(not reasons).lower()} | ({"not_private": "; ".join(reasons)} if reasons else {}))
+    charged to it compose to now (ε at δ = `delta_composed`, the smallest of theirs: budget.composition),
+    how many, and NOT PRIVATE with its reasons once anything left DP."""
+    return ({"epsilon": "inf" if reasons else bound_text(epsilon_composed, 4),
+             "delta_composed": bound_text(delta_composed, 3, exponent=True),
+             "dp_runs_on_data": runs, "private": str(not reasons).lower()}
+            | ({"not_private": "; ".join(reasons)} if reasons else {}))

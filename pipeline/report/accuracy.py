@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from pipeline.objectives import OBJECTIVES
+from pipeline.privacy.accounting import bound_text
 
 def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -> str:
     """How each column of the accuracy table was measured (only the columns present)."""
@@ -66,8 +67,8 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     if "first_seed" in dp:  # a mean over evaluate.seeds trainings: the released checkpoint is the first
         first, composed = dp["first_seed"], mechanism["epsilon_composed"]
         text += (f", the mean of {dp['seeds']} DP trainings (with every DP run charged to the budget, ε = "
-                 f"{'∞' if math.isinf(composed) else f'{composed:.2f}'}); the released checkpoint's own, at ε = "
-                 f"{mechanism['epsilon']:.2f}, is {100 * first['linear_probe']:.1f}% (95% CI "
+                 f"{'∞' if math.isinf(composed) else bound_text(composed, 2)}); the released checkpoint's own, at ε = "
+                 f"{bound_text(mechanism['epsilon'], 2)}, is {100 * first['linear_probe']:.1f}% (95% CI "
                  f"{100 * first['linear_probe_ci'][0]:.1f}–{100 * first['linear_probe_ci'][1]:.1f}%)")
     versus = set_metrics.get("dp_versus", {})
     order = ("synthetic", "random", "pixels", "nonprivate")  # the warm start first: ViP's question
@@ -76,7 +77,7 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
     warm = versus.get("synthetic")
     if warm is not None and warm["ci"][0] <= 0:
         run = (f"n = {mechanism['n']} private examples, an expected batch of {mechanism['batch']:.0f} and "
-               f"σ = {mechanism['sigma']:.2f} at ε = {mechanism['epsilon']:.2f}")
+               f"σ = {mechanism['sigma']:.2f} at ε = {bound_text(mechanism['epsilon'], 2)}")
         if mechanism["per_batch"]:  # the clipped quantity is the batch's mean: its noise is 2σC whatever the batch
             text += (f" DP training did not improve on its synthetic warm start here. Dp-CLIP clips the batch's mean "
                      f"gradient, so its noise std per coordinate is 2σ·C = {mechanism['noise']:.3g} however large the "

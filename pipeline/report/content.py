@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.eval.stats import released
 from pipeline.objectives import recipe_title
+from pipeline.privacy.accounting import bound_text
 from pipeline.privacy.plan import Plan
 from pipeline.report import plots
 from pipeline.report.accuracy import headline_sentence, points_ci, protocol_legend, signed
@@ -45,13 +46,13 @@ def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dic
     mechanism = (f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
                  f"{ver['steps']} DP steps on n = {ver['n']}")
     if privacy["private"] and privacy["runs"] == 1:
-        cards = [("Privacy", f"ε = {ver['epsilon_reported']:.2f}", mechanism)]
+        cards = [("Privacy", f"ε = {bound_text(ver['epsilon_reported'], 2)}", mechanism)]
     else:
         composed = privacy["epsilon_composed"]
-        cards = [("Privacy", "ε = ∞" if math.isinf(composed) else f"ε = {composed:.2f}",
+        cards = [("Privacy", "ε = ∞" if math.isinf(composed) else f"ε = {bound_text(composed, 2)}",
                   f"all this report releases ({privacy['runs']} DP run{'s' if privacy['runs'] > 1 else ''} charged to "
                   f"data/budget{'' if privacy['private'] else '; NOT PRIVATE as a whole'}); the released model alone: "
-                  f"ε = {ver['epsilon_reported']:.2f}, {mechanism}")]
+                  f"ε = {bound_text(ver['epsilon_reported'], 2)}, {mechanism}")]
     cards.append(data_card(stats) if stats is not None else ("Data", "n/a", "no shard stats"))
     for name in lp:
         diff = (f"linear probe on {primary}" if name == "dp" else
@@ -88,17 +89,18 @@ def mechanism_rows(ver: dict, plan: Plan, dp: dict, privacy: dict) -> list[tuple
         ("noise", noise_text(ver, plan)),
         ("steps", f"{ver['steps']} (planned {plan.steps})" + released_weights_text(dp)),
         ("δ", delta_text(ver["delta"], dp.get("delta"))),
-        ("ε", ", ".join(f"{a.upper()} {v:.4f}" for a, v in ver["epsilon"].items())
+        ("ε", ", ".join(f"{a.upper()} {bound_text(v, 4)}" for a, v in ver["epsilon"].items())
          + f" (target {plan.target_epsilon})"),
         ("adjacency", adjacency_text(ver)),
     ]
     runs = f"{privacy['runs']} DP run{'s' if privacy['runs'] > 1 else ''} ({', '.join(privacy['objectives'])})"
     if privacy["private"]:  # several models trained on one dataset release more than any one
         rows.append(("ε over all DP runs charged to data/budget",
-                     f"{privacy['epsilon_composed']:.4f} at the same δ, {runs}"))
+                     f"{bound_text(privacy['epsilon_composed'], 4)} at δ = "
+                     f"{bound_text(privacy['delta_composed'], 2, exponent=True)} (the smallest of theirs), {runs}"))
     else:
         rows.append(("ε of this run's outputs", f"∞: NOT PRIVATE as a whole ({'; '.join(privacy['not_private'])}); "
-                     f"its {runs} compose to {privacy['epsilon_dp_runs']:.4f}"))
+                     f"its {runs} compose to {bound_text(privacy['epsilon_dp_runs'], 4)}"))
     if dp.get("log_private_stats"):
         rows.append(("released outside ε", "counts of dropped non-finite private examples "
                      "(dp.log_private_stats: true): not covered by the ε above"))
@@ -159,7 +161,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
                        + (" A hollow point is a model DP at its ε from a run NOT PRIVATE as a whole (its other "
                           "outputs are not covered)." if any(p.get("private_as_a_whole") is False for p in points)
                           else "")),
-        "eps_caption": (f"ε after each DP step at δ = {ver['delta']:.2e}, per accountant "
+        "eps_caption": (f"ε after each DP step at δ = {bound_text(ver['delta'], 2, exponent=True)}, per accountant "
                         f"({ver['accountant'].upper()} is reported; the others are independent upper bounds)."),
         "loss_caption": ("Left: MAE loss on synthetic images (non-private). Right: the DP model's loss on the "
                          + ("held-out split carved out of the private data (shards.eval_fraction: NOT covered by ε)"

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pipeline.objectives import recipe_name  # noqa: E402
+from pipeline.privacy.accounting import bound_text  # noqa: E402
 
 MODEL_COLORS = {"dp": "#c8313e", "nonprivate": "#1f3a5f", "synthetic": "#0f8b8d", "random": "#9a9a9a",
                 "pixels": "#d9a441"}
@@ -49,7 +50,7 @@ def plot_epsilon(curves: dict, target: float | None, final: tuple[int, float], p
         if target is not None:
             ax.axhline(target, color="#555", ls=":", lw=1, label=f"target ε = {target:g}")
         ax.plot(*final, "o", color="black", ms=4)
-        ax.annotate(f"ε = {final[1]:.2f}", final, textcoords="offset points", xytext=(-6, 6), ha="right")
+        ax.annotate(f"ε = {bound_text(final[1], 2)}", final, textcoords="offset points", xytext=(-6, 6), ha="right")
         ax.set(title="ε spent against DP step", xlabel="step", ylabel="ε", ylim=(0, None))
         ax.legend(loc="lower right")
         _save(fig, path)

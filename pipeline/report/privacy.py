@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from pipeline.privacy import budget, owner, release, run_checks
+from pipeline.privacy.accounting import bound_text
 from pipeline.privacy.plan import Plan
 
 def data_card(stats: dict) -> tuple[str, str, str]:
@@ -60,7 +61,7 @@ def noise_text(ver: dict, plan: Plan) -> str:
 
 def delta_text(delta: float, param) -> str:
     named = f" = {param}" if isinstance(param, str) else ""
-    return f"{delta:.2e}{named}"
+    return f"{bound_text(delta, 2, exponent=True)}{named}"
 
 
 def adjacency_text(ver: dict) -> str:
@@ -69,7 +70,7 @@ def adjacency_text(ver: dict) -> str:
     if ver.get("adjacency", "add_remove") == "replace_one":
         return ("replace-one (neighbours differ in one example, replaced; n is the same on both sides, so releasing "
                 "it is covered); add/remove, as the literature states it: "
-                + ", ".join(f"{a.upper()} ε = {v:.4f}" for a, v in other.items()))
+                + ", ".join(f"{a.upper()} ε = {bound_text(v, 4)}" for a, v in other.items()))
     return ("add/remove (one example added or removed, as the literature states it): this ε does NOT cover "
             f"releasing n = {ver['n']}, which this report does; privacy.adjacency: replace_one covers it")
 
@@ -83,4 +84,4 @@ def final_privacy(params: dict, ledger: dict, ver: dict, stats: dict) -> dict:
     return {"epsilon_run": ver["epsilon_reported"], "epsilon_dp_runs": c["epsilon_dp_runs"],
             "epsilon_composed": math.inf if reasons else c["epsilon"], "private": not reasons,
             "not_private": reasons, "runs": c["runs"], "objectives": [r["objective"] for r in c["by_run"]],
-            "delta": ver["delta"], "accountant": ver["accountant"]}
+            "delta": ver["delta"], "delta_composed": c["delta"], "accountant": ver["accountant"]}

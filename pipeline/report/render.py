@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.privacy.accounting import bound_text
 from pipeline.privacy.release import public_params
 
 # (metrics key, column title); few-shot keys expand to one column per K.
@@ -123,9 +124,9 @@ def render_html(r: dict) -> str:
     ver = r["verification"]
     ok = ver["passed"]
     n_pass = sum(c["passed"] for c in ver["checks"])
-    eps_line = (f"(ε = {ver['epsilon_reported']:.2f}, δ = {r['delta_text']})-DP" if ok
+    eps_line = (f"(ε = {bound_text(ver['epsilon_reported'], 2)}, δ = {r['delta_text']})-DP" if ok
                 else "Privacy verification FAILED — do not publish this model as private")
-    acc_eps = " · ".join(f"{a.upper()} ε = {v:.3f}" for a, v in ver["epsilon"].items())
+    acc_eps = " · ".join(f"{a.upper()} ε = {bound_text(v, 3)}" for a, v in ver["epsilon"].items())
     out = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
            f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{e(r['title'])}</title>"
            f"<style>{CSS}</style></head><body><main>",
@@ -182,9 +183,9 @@ def render_markdown(r: dict) -> str:
     n_pass = sum(c["passed"] for c in ver["checks"])
     md = [f"# {r['title']}", "", f"_{r['subtitle']}_", ""]
     if ver["passed"]:
-        md.append(f"**(ε = {ver['epsilon_reported']:.2f}, δ = {r['delta_text']})-DP**, verified: "
+        md.append(f"**(ε = {bound_text(ver['epsilon_reported'], 2)}, δ = {r['delta_text']})-DP**, verified: "
                   f"{n_pass} of {len(ver['checks'])} checks passed ({ver['accountant'].upper()} accountant; "
-                  + ", ".join(f"{a.upper()} ε = {v:.3f}" for a, v in ver["epsilon"].items()) + ").")
+                  + ", ".join(f"{a.upper()} ε = {bound_text(v, 3)}" for a, v in ver["epsilon"].items()) + ").")
     else:
         md.append("**Privacy verification FAILED — do not publish this model as private.**")
     md += ["", r["headline"], "", "| | | |", "| --- | --- | --- |"]

@@ -12,6 +12,7 @@ from pipeline.artifacts import artifact
 from pipeline.distributed import barrier
 from pipeline.io import atomic_dir, read_json, write_json
 from pipeline.privacy import release
+from pipeline.privacy.accounting import bound_text
 from pipeline.privacy.training import nonprivate_params, setup, train_nonprivate, train_private
 
 
@@ -40,9 +41,9 @@ def run(params: dict, ctx) -> None:
     barrier(world)
     ctx.tracker.log_metrics({"epsilon": record["epsilon"], "sigma": plan.sigma, "steps": trainer.ledger.steps,
                              "sample_rate": plan.sample_rate})
-    ctx.tracker.set_tags({"dpfm.epsilon": f"{record['epsilon']:.4f}", "dpfm.accountant": plan.accountant})
+    ctx.tracker.set_tags({"dpfm.epsilon": bound_text(record["epsilon"], 4), "dpfm.accountant": plan.accountant})
     print(f"dp-train: {trainer.ledger.steps} steps on n={plan.n}, q={plan.sample_rate:.4f}, σ={plan.sigma:.4f}, "
-          f"ε={record['epsilon']:.3f} (δ={plan.delta:.2e}, {plan.accountant}, {plan.adjacency.replace('_', '-')})")
+          f"ε={bound_text(record['epsilon'], 3)} (δ={bound_text(plan.delta, 2, exponent=True)}, {plan.accountant}, {plan.adjacency.replace('_', '-')})")
     # What this stage itself released outside that ε (its held-out loss reads an eval split carved out
     # of the private source: the shards' public stats say so).
     reasons = release.not_private_reasons(params, read_json(artifact("shards") / "stats.json"))

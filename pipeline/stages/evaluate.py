@@ -40,6 +40,7 @@ from pipeline.artifacts import ARTIFACTS
 from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.privacy import release
+from pipeline.privacy.accounting import bound_text
 from pipeline.eval.evalsets import EvalSet
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import features, probe_outcomes
@@ -259,7 +260,7 @@ def run(params: dict, ctx) -> None:
     if not_private:  # beside the ε this run logs
         ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(not_private)})
     # A test run's model (a known noise key) is saved not private: the report plots no DP point for it.
-    ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": f"{ver['epsilon_reported']:.4f}",
+    ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": bound_text(ver["epsilon_reported"], 4),
                           "dpfm.model_private": str(dp_ckpt.private).lower(), "dpfm.primary_set": metrics["primary_set"],
                           "dpfm.adjacency": ver.get("adjacency", "add_remove")})
     ctx.tracker.log_artifact(str(out))

@@ -40,7 +40,8 @@ def run(params: dict, ctx) -> None:
                             | ({"epsilon_composed": final["epsilon_composed"]} if final["private"] else {}))
     ctx.tracker.set_tags({"dpfm.private": str(final["private"]).lower()})
     # Every registered version on this budget, whichever run (or Snakemake invocation) registered it.
-    ctx.tracker.tag_dp_models(release.registry_tags(final["epsilon_composed"], final["runs"], final["not_private"]),
+    ctx.tracker.tag_dp_models(release.registry_tags(final["epsilon_composed"], final["delta_composed"], final["runs"],
+                                                    final["not_private"]),
                               budget.registry_id())
     ctx.tracker.log_artifact(str(st.output("report")), "report")
     ctx.tracker.log_artifact(str(st.output("privacy")))

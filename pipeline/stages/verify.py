@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.errors import VerificationFailed
 from pipeline.io import write_json
 from pipeline.privacy import budget, owner, release
+from pipeline.privacy.accounting import bound_text
 from pipeline.privacy.run_checks import load_run, owner_record, verify
 
 
@@ -46,7 +47,7 @@ def run(params: dict, ctx) -> None:
     write_json(out, result)
     # verify.accountants that account the run's adjacency (rdp and prv account add/remove alone)
     others = "".join(f", {a}: {e:.3f}" for a, e in result["epsilon"].items())
-    print(f"verify: passed; ε = {result['epsilon_reported']:.3f} ({result['accountant']}, "
+    print(f"verify: passed; ε = {bound_text(result['epsilon_reported'], 3)} ({result['accountant']}, "
           f"{result['adjacency'].replace('_', '-')}){others}"
           + ("" if result["adjacency"] == "add_remove" else
              "; add/remove (the literature's): " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon_add_remove"].items())))
@@ -54,8 +55,8 @@ def run(params: dict, ctx) -> None:
     if c["runs"] > 1:
         # Which runs share examples with this one is the owner's to know: the tighter figure is theirs,
         # computed on request (its time follows the overlaps; this stage's time is published).
-        print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {c['epsilon_dp_runs']:.3f} at δ = "
-              f"{result['delta']:.2e} (this run alone: {result['epsilon_reported']:.3f}; over only the runs that "
+        print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {bound_text(c['epsilon_dp_runs'], 3)} "
+              f"at δ = {bound_text(c['delta'], 2, exponent=True)} (this run alone: {bound_text(result['epsilon_reported'], 3)}; over only the runs that "
               "share examples with it, for the data owner: `dpfm owner-composition`)")
     # epsilon_composed goes to MLflow from the report, after the curve's and the seeds' DP trainings:
     # here it would be stale.
@@ -75,5 +76,5 @@ def run(params: dict, ctx) -> None:
         print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
         return
     ctx.tracker.log_dp_model(dp_dir / "checkpoint.pt", result["epsilon_reported"], result["delta"], c["epsilon"],
-                             private=not reasons, budget=budget.registry_id())
-    ctx.tracker.tag_dp_models(release.registry_tags(c["epsilon"], c["runs"], reasons), budget.registry_id())
+                             c["delta"], private=not reasons, budget=budget.registry_id())
+    ctx.tracker.tag_dp_models(release.registry_tags(c["epsilon"], c["delta"], c["runs"], reasons), budget.registry_id())

@@ -164,7 +164,7 @@ def _run_epsilon(args) -> int:
     except ValueError as exc:
         args._parser.error(str(exc))
     lines = [f"sigma={args.sigma:g}  " + _settings_line(args.steps, q, delta, args.sensitivity, args.adjacency)]
-    lines += [f"epsilon[{name}] = {value:.4f}" for name, value in results.items()]
+    lines += [f"epsilon[{name}] = {accounting.bound_text(value, 4)}" for name, value in results.items()]
     payload = {
         "command": "epsilon",
         "sigma": args.sigma,
@@ -177,11 +177,6 @@ def _run_epsilon(args) -> int:
     }
     _emit(args, payload, lines)
     return 0
-
-
-def _round_up(value: float, decimals: int = 6) -> float:
-    scale = 10**decimals
-    return math.ceil(value * scale - 1e-9) / scale
 
 
 def _run_calibrate(args) -> int:
@@ -208,7 +203,7 @@ def _run_calibrate(args) -> int:
     ]
     # Printed sigma is rounded *up*: more noise never breaks the target.
     lines += [
-        f"sigma[{name}] = {_round_up(sigmas[name]):.6f}  (epsilon = {achieved[name]:.4f})"
+        f"sigma[{name}] = {accounting.round_up(sigmas[name], 6):.6f}  (epsilon = {accounting.bound_text(achieved[name], 4)})"
         for name in sigmas
     ]
     payload = {
