@@ -154,6 +154,10 @@ def test_editing_params_replans_exactly_the_dependent_stages(finished_run):
         # What only names or schedules a run re-runs nothing (a dp-train re-run would spend privacy again).
         set_params(work, {"run": {"experiment": "renamed", "threads": 1}, "shards": {"workers": 2, "scan_groups": 4}})
         assert planned_rules(snakemake(work, "-n")) == set()
+        # Nor does how a stage computes (stages.HOW_IT_RUNS): a finished GPU job is not queued again.
+        set_params(work, {"synthetic": {"workers": 3}, "pretrain": {"data_workers": 2, "checkpoint_every": 7},
+                          "dp": {"physical_batch_size": 5, "data_workers": 2, "compile": True}})
+        assert planned_rules(snakemake(work, "-n")) == set()
     finally:
         (work / "params.yaml").write_text(original)
 

@@ -10,7 +10,8 @@ import yaml
 from pipeline.cli import main
 from pipeline.config import read_resolved
 from pipeline.dvc_export import check_dvc_yaml, render_dvc_yaml
-from pipeline.stages import STAGES, TRACKED, UNTRACKED, Stage, check_table, tracked
+from pipeline.privacy import training
+from pipeline.stages import HOW_IT_RUNS, STAGES, TRACKED, UNTRACKED, Stage, check_table, tracked
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -32,10 +33,11 @@ def test_export_dvc_check_catches_a_table_change(tmp_path, monkeypatch, capsys):
     assert main(["export-dvc", "--check", "--output", str(path)]) == 0
     import pipeline.dvc_export as dvc_export
 
-    changed = STAGES[:-1] + (Stage("report", "x", ("run",), outputs=("curve",)),)
+    changed = STAGES[:-1] + (Stage("summary", "x", ("run",), outputs=("curve",)),)
     monkeypatch.setattr(dvc_export, "STAGES", changed)
     assert main(["export-dvc", "--check", "--output", str(path)]) == 1
-    assert "+    - results/curve/curve.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "+  summary:\n+    cmd: dpfm summary\n" in err and "-  report:\n" in err, err[-2000:]
 
 
 def dry_run(tmp_path, *args) -> str:
@@ -108,6 +110,26 @@ def test_naming_and_scheduling_keys_are_untracked_and_the_rest_tracked():
     params = {"run": {"seed": 3, "experiment": "x", "threads": 4, "device": "cuda"}, "dp": {"epsilon": 8}}
     assert tracked(params, ("run", "dp")) == {"run": {"seed": 3}, "dp": {"epsilon": 8}}
     assert render_dvc_yaml().count("- run.seed") == len(STAGES) and "- run\n" not in render_dvc_yaml()
+
+
+def test_how_a_stage_computes_re_runs_nothing_and_what_it_makes_re_runs_it():
+    """Edited one at a time from params.yaml: each HOW_IT_RUNS key leaves every stage's tracked params
+    (what Snakemake compares) and dvc.yaml's list alone; the keys beside them still move them."""
+    schema = yaml.safe_load((ROOT / "schemas/params.schema.yaml").read_text())["properties"]
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    dvc = render_dvc_yaml()
+    for section, keys in HOW_IT_RUNS.items():
+        assert set(keys) <= set(schema[section]["properties"]) and not set(keys) & set(UNTRACKED.get(section, ()))
+        users = [st for st in STAGES if section in st.sections]
+        for key in keys:
+            edited = {**params, section: {**params[section], key: "another"}}
+            assert all(tracked(edited, st.sections) == tracked(params, st.sections) for st in users), (section, key)
+            assert f"- {section}.{key}\n" not in dvc
+        other = next(k for k in schema[section]["properties"] if k not in keys)
+        edited = {**params, section: {**params[section], other: "another"}}
+        assert all(tracked(edited, st.sections) != tracked(params, st.sections) for st in users), (section, other)
+        assert f"- {section}.{other}\n" in dvc
+    assert set(HOW_IT_RUNS["dp"]) < set(training.HOW_IT_RUNS)  # and dp-train's state key leaves them out too
 
 
 def test_no_stage_imports_another_stage():

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline import checkpoints
+from pipeline import checkpoints, stages
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 from pipeline.data.loader import BatchLoader
@@ -173,7 +173,7 @@ NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "nonprivate_clipped"
 # Keys of how a run is computed, not what it releases (the same batches, clip bound and noise): after an
 # out-of-memory a smaller dp.physical_batch_size, as its message advises, must resume the run, not
 # start another under a fresh key and charge the whole budget again.
-HOW_IT_RUNS = ("physical_batch_size", "data_workers", "checkpoint_every", "eval_every", "compile", "compile_backend")
+HOW_IT_RUNS = (*stages.HOW_IT_RUNS["dp"], "eval_every")  # eval_every: the history's points, not the run
 RUN_SECTIONS = ("run", "model", "dp")  # what a DP training is: dp-train, the curve and the seeds key it by them
 
 

@@ -135,6 +135,14 @@ UNTRACKED = {"run": ("experiment", "threads", "device"), "shards": ("workers", "
 TRACKED = {"run": ("seed",),
            "shards": ("source", "urls", "path", "limit", "private_limit", "image_size", "eval_fraction", "samples_per_shard",
                       "cache_dir", "download")}
+# Keys of how a stage computes, not what it makes (decoding processes, the micro-batch, compilation,
+# checkpoint cadence): a change re-runs nothing under Snakemake or DVC, so a GPU job finished under one
+# value is not queued again for another (pretrain would train from scratch; dp-train, the curve and
+# evaluate's seeds would resume finished after days in the queue). Unlike UNTRACKED they keep their
+# place in the resumable state's key (train.state_dir; dp-train's leaves them out itself, with
+# dp.eval_every: privacy/training.HOW_IT_RUNS): moving them would orphan the runs keyed with them.
+HOW_IT_RUNS = {"dp": ("physical_batch_size", "data_workers", "checkpoint_every", "compile", "compile_backend"),
+               "pretrain": ("data_workers", "checkpoint_every"), "synthetic": ("workers",)}
 
 # Sources whose shards are scanned where they live: Snakemake splits their scan into
 # shards.scan_groups `dpfm scan-shards` jobs before the shards stage (rules/scan.smk). `download`
@@ -143,13 +151,22 @@ SCAN_GROUP_SOURCES = ("urls", "img2dataset")
 
 
 def tracked(params: dict, sections) -> dict:
-    """The params a stage's results depend on: its sections less the naming and scheduling keys."""
-    return {s: {k: v for k, v in params[s].items() if k not in UNTRACKED.get(s, ())} for s in sections}
+    """The params a stage's results depend on: its sections less the naming, scheduling and how-it-runs keys."""
+    return {s: {k: v for k, v in params[s].items() if k not in UNTRACKED.get(s, ()) + HOW_IT_RUNS.get(s, ())}
+            for s in sections}
 
 
 def dvc_params(st: Stage) -> list[str]:
     """The stage's params as dvc.yaml lists them: whole sections, or a section's tracked keys."""
-    return [item for s in st.sections for item in ([f"{s}.{k}" for k in TRACKED[s]] if s in TRACKED else [s])]
+    from pipeline.config import load_schema
+
+    def keys(s: str) -> list[str]:
+        if s in TRACKED:
+            return list(TRACKED[s])
+        return [k for k in load_schema()["properties"][s]["properties"] if k not in HOW_IT_RUNS[s]]
+
+    return [item for s in st.sections
+            for item in ([f"{s}.{k}" for k in keys(s)] if s in TRACKED or s in HOW_IT_RUNS else [s])]
 
 
 def stage(name: str) -> Stage:
