@@ -26,6 +26,14 @@ class StageContext:
 def resolve_device(requested: str) -> str:
     import torch
 
+    from pipeline.launch import JOB_GPUS_ENV
+
+    given = int(os.environ.get(JOB_GPUS_ENV) or 0)  # by pipeline.launch, from the job's resources
+    if requested != "cpu" and given and not torch.cuda.is_available():
+        raise ParamsError([f"run.device: {requested}: this job was given {given} GPU(s) but torch "
+                           f"{torch.__version__} sees no CUDA device (a driver older than its CUDA "
+                           f"{torch.version.cuda or '(none: a CPU-only build)'}, or CUDA_VISIBLE_DEVICES empty); "
+                           "it would hold them and train on the CPU. Set run.device: cpu to mean that"])
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():

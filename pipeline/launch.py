@@ -24,6 +24,9 @@ STOP_NOTICE_S = 300
 # How long torchrun waits for its workers to save after a SIGTERM before it kills them: its own default,
 # 30 s, is shorter than a step plus a checkpoint at scale. A minute is left for the job to end.
 SHUTDOWN_GRACE_S = STOP_NOTICE_S - 60
+# The GPUs the job was given, for the stage (cli.resolve_device): a job that asked for GPUs must not
+# fall back to the CPU because torch cannot see them (a driver older than its CUDA, a CPU-only build).
+JOB_GPUS_ENV = "DPFM_JOB_GPUS"
 
 
 def launch_command(command: list[str], nodes: int = 1, gpus: int = 0, head: str | None = None,
@@ -93,6 +96,7 @@ def main(argv=None) -> int:
         return 0
     print(f"launch: {rendered}", file=sys.stderr, flush=True)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))  # srun passes it on
+    os.environ[JOB_GPUS_ENV] = str(args.gpus)
     os.execvp(argv_out[0], argv_out)  # the stage's exit status becomes the rule's
 
 

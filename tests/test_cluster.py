@@ -141,6 +141,32 @@ def test_launcher_passes_the_stage_exit_status_through(tmp_path):
     assert bad.returncode == 2 and "must start inside a SLURM job" in bad.stderr
 
 
+def test_a_stage_given_gpus_it_cannot_see_refuses_to_train_on_the_cpu(monkeypatch):
+    """Measured through the launcher: the job's GPU count reaches the stage, and `auto` (or `cuda`) with
+    GPUs given but none visible to torch (a driver older than its CUDA, a CPU-only build) stops with one
+    line, where `auto` fell back to the CPU and held the GPUs for days. This machine has no CUDA device."""
+    import torch
+
+    from pipeline.cli import resolve_device
+    from pipeline.config import ParamsError
+
+    show = "import os; print(os.environ['DPFM_JOB_GPUS'])"
+    for gpus in ("0", "1"):
+        done = subprocess.run([sys.executable, "-m", "pipeline.launch", "--gpus", gpus, "--", sys.executable, "-c", show],
+                              capture_output=True, text=True, timeout=60, env=tool_env())
+        assert done.returncode == 0 and done.stdout.strip() == gpus, done.stderr
+    assert not torch.cuda.is_available()
+    monkeypatch.delenv("DPFM_JOB_GPUS", raising=False)
+    assert resolve_device("auto") == "cpu"  # no launcher (a test, a laptop): the CPU it is
+    monkeypatch.setenv("DPFM_JOB_GPUS", "0")
+    assert resolve_device("auto") == "cpu"  # a CPU job (DPFM_GPUS_PER_NODE=0)
+    monkeypatch.setenv("DPFM_JOB_GPUS", "8")
+    for requested in ("auto", "cuda"):
+        with pytest.raises(ParamsError, match="given 8 GPU"):
+            resolve_device(requested)
+    assert resolve_device("cpu") == "cpu"  # said outright
+
+
 WORKER_THAT_SAVES_SLOWLY = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
