@@ -182,7 +182,10 @@ def _validate(args) -> None:
     from pipeline.artifacts import artifact
     from pipeline.io import read_json
 
+    from pipeline.privacy import release
+
     params = load_params(args.params, args.set)
+    release.check_asked_for(params)
     stats = artifact("shards") / "stats.json"
     if not stats.exists():
         print(f"{args.params}: ok (the schema and model shapes; dp-train's privacy plan needs n: "

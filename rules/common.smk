@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from pipeline import tracking
-from pipeline.privacy import owner
+from pipeline.privacy import owner, release
 from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
                              write_resolved)
 from pipeline.launch import STOP_NOTICE_S
@@ -27,6 +27,7 @@ if workflow.is_main_process:
         for configfile in workflow.configfiles:
             read_yaml(configfile)
         validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
+        release.check_asked_for(config)
     except ParamsError as e:
         print(f"dpfm: {e}", file=sys.stderr)
         sys.exit(2)

@@ -131,8 +131,8 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml"):
         (shutil.copytree if (root / item).is_dir() else shutil.copy)(root / item, tmp_path / item)
 
-    def dry(config):
-        return subprocess.run([str(snakemake), "-n", "-p", "--cores", "1", "--config", config, "--", "models/dp"],
+    def dry(*config):
+        return subprocess.run([str(snakemake), "-n", "-p", "--cores", "1", "--config", *config, "--", "models/dp"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
     ok = dry("dp={epsilon: 2, sigma: null}")
@@ -153,6 +153,15 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     (tmp_path / "params.yaml").write_text(text.replace("\ndp:\n", "\ndp:\n  epsilon: 1.0\n", 1))  # the budget, twice
     bad = dry("dp={sigma: null}")
     assert bad.returncode == 2 and "key 'epsilon' is written twice" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "params.yaml").write_text(text)
+    # A web source with the default curve's ε = ∞ point: refused as the workflow starts, not by the
+    # curve job after pretrain and dp-train (release.check_asked_for); asked for by name, it plans.
+    web = "shards={source: urls, urls: ['/data/w-{000000..000009}.tar']}"
+    bad = dry(web)
+    assert bad.returncode == 2 and "curve.epsilons' ε = ∞ point trains WITHOUT differential privacy" in bad.stderr, \
+        bad.stderr[-2000:]
+    assert dry(web, "privacy={nonprivate_on_private_data: true}").returncode == 0
+    assert dry(web, "curve={epsilons: [1, 8]}").returncode == 0
 
 
 def test_a_key_written_twice_is_refused_naming_both_lines_and_a_merge_may_be_overridden(tmp_path):

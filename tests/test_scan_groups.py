@@ -39,7 +39,8 @@ def web_project(work: Path, shards_dir: Path, **shards) -> Path:
     """A project whose private data are the five local tar shards in `shards_dir` (a `urls` source)."""
     snakemake_project(work)
     set_params(work, {"shards": {"source": "urls", "urls": [str(shards_dir / "s-{000000..000004}.tar")],
-                                 "image_size": 8, "eval_fraction": 0.3, **shards}})  # both splits to compare
+                                 "image_size": 8, "eval_fraction": 0.3, **shards},  # both splits to compare
+                      "curve": {"epsilons": [2]}})  # an ε = ∞ point on a web source is refused as the run starts
     return work
 
 
@@ -95,7 +96,7 @@ def test_dry_run_plans_one_scan_job_per_group_then_the_shards_gather(tmp_path, s
 @pytest.mark.parametrize("source", ["digits", "download"])
 def test_digits_and_download_plan_no_scan_jobs(tmp_path, source):
     work = snakemake_project(tmp_path)
-    set_params(work, {"shards": {"source": source, "path": "pairs.parquet", "scan_groups": 3}})
+    set_params(work, {"shards": {"source": source, "path": "pairs.parquet", "scan_groups": 3}, "curve": {"epsilons": [2]}})
     out = snakemake(work, "-n")
     assert planned_rules(out) == STAGE_RULES and "scan_shards" not in out
 

@@ -63,6 +63,18 @@ def check_noise_seed(dp: dict, privacy: dict) -> None:
                            "NOT PRIVATE, never registered as private)"], source="privacy")
 
 
+def check_asked_for(params: dict) -> None:
+    """What dp-train and the curve refuse before they train (check_noise_seed, check_nonprivate), refused
+    from the params alone when a workflow starts: the curve refused a web source's ε = ∞ point only once
+    it ran, after pretrain and dp-train had held GPUs for days."""
+    check_noise_seed(params["dp"], params["privacy"])
+    source = params["shards"]["source"]  # the shards stage records it as it is (stats.json's `source`)
+    if any(math.isinf(e) for e in params["curve"]["epsilons"]):
+        check_nonprivate(params["privacy"], source, "curve.epsilons' ε = ∞ point")
+    if params["dp"]["nonprivate_baseline"]:
+        check_nonprivate(params["privacy"], source, "dp.nonprivate_baseline")
+
+
 def not_private_reasons(params: dict, stats: dict, composition: dict | None = None) -> list[str]:
     """Why this run's outputs, as a whole, are not covered by its ε (empty when they are). `composition`
     (budget.composition): the releases outside DP that the budget records, this run's or earlier ones'."""
