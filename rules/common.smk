@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from snakemake.settings.types import DeploymentMethod
+
 from pipeline import tracking
 from pipeline.privacy import owner, release
 from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
@@ -46,6 +48,9 @@ else:
 
 STAGE_ENV = "../envs/dpfm.yaml"
 PYTHON = sys.executable  # the interpreter running Snakemake, by absolute path: jobs need no activated venv
+# A job's interpreter: this one, or under `--sdm conda` its environment's own (envs/dpfm.yaml; its
+# post-deploy script installs the project), which a node can reach where this venv may not be.
+JOB_PYTHON = "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else PYTHON
 
 
 # Outputs of these stages are registered for `snakemake --report` (captions in report/).
@@ -65,11 +70,11 @@ def rule_outputs(st):
 
 
 def stage_command(st, resources):
-    """How a job starts its stage: by this interpreter's absolute path (no activated environment),
-    through pipeline/launch.py for the stages that ask for GPUs."""
-    cli = f"{PYTHON} -m pipeline.cli {st.name}"
+    """How a job starts its stage: by JOB_PYTHON (no activated environment needed), through
+    pipeline/launch.py for the stages that ask for GPUs."""
+    cli = f"{JOB_PYTHON} -m pipeline.cli {st.name}"
     if st.resources.gpu:
-        return f"{PYTHON} -m pipeline.launch --nodes {resources.nodes} --gpus {resources.gpu} -- {cli}"
+        return f"{JOB_PYTHON} -m pipeline.launch --nodes {resources.nodes} --gpus {resources.gpu} -- {cli}"
     return cli
 
 

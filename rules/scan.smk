@@ -20,7 +20,7 @@ rule scan_shards:
         # A function, as in the stage rules: URL brace patterns pass through unexpanded.
         tracked=lambda wildcards: scan_params(),
         groups=scan_groups(),
-        python=PYTHON,
+        python=JOB_PYTHON,
     log:
         "logs/scan_shards/{group}.log",
     benchmark:

@@ -83,6 +83,7 @@ def test_brace_patterns_and_templates_pass_through_the_dag_unchanged(tmp_path):
     """A URL brace pattern and a `{c}` template are not Snakemake wildcards (they once crashed the DAG)."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["shards"].update(source="urls", urls=["s3://b/laion/{00000..00099}.tar"])
+    params["curve"]["epsilons"] = [1, 8]  # an ε = ∞ point on a web source is refused as the run starts
     params["evaluate"]["sets"] = [{"name": "pets", "source": "folder", "path": "/data/pets",
                                    "templates": ["a photo of a {c}."]}]
     (tmp_path / "edited.yaml").write_text(yaml.safe_dump(params))
@@ -91,6 +92,42 @@ def test_brace_patterns_and_templates_pass_through_the_dag_unchanged(tmp_path):
     resolved = read_resolved(resolved)
     assert resolved["shards"]["urls"] == ["s3://b/laion/{00000..00099}.tar"]
     assert resolved["evaluate"]["sets"][0]["templates"] == ["a photo of a {c}."]
+
+
+FAKE_CONDA = """#!/bin/sh
+case "$*" in
+  "info --json") echo '{"conda_version": "25.1.0", "platform": "linux-64", "root_prefix": "/nowhere", "conda_prefix": "/nowhere", "envs_dirs": [], "pkgs_dirs": []}';;
+  "--version") echo "conda 25.1.0";;
+  *"config --get"*) echo '{"get": {"channel_priority": "strict"}}';;
+  *) echo '{}';;
+esac
+"""
+
+
+def test_under_sdm_conda_jobs_run_the_environments_python_which_installs_the_project(tmp_path):
+    """Snakemake builds envs/dpfm.yaml from a copy under .snakemake/conda/, where a relative pip path
+    (`-e ..`) names .snakemake/: the project is installed by the post-deploy script, from the project's
+    directory, and the jobs run the environment's `python`, not this venv's (which a node may not
+    see). Planned under `--sdm conda` with a stand-in `conda` that answers Snakemake's checks (conda's
+    channels are unreachable here)."""
+    env = yaml.safe_load((ROOT / "envs/dpfm.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert not [p for p in pip if p.startswith(("-e", ".", "/", "file:"))], pip
+    script = ROOT / "envs/dpfm.post-deploy.sh"
+    assert os.access(script, os.X_OK) and "python -m pip install --quiet -c constraints.txt -e ." in script.read_text()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/conda").write_text(FAKE_CONDA)
+    (tmp_path / "bin/conda").chmod(0o755)
+    for item in ("Snakefile", "rules", "schemas", "envs", "profiles", "params.yaml", "report"):
+        (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, tmp_path / item)
+    plan = subprocess.run([str(BIN / "snakemake"), "-n", "-p", "--forceall", "--cores", "2", "--sdm", "conda"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+    assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr[-3000:]
+    commands = [line for line in plan.stdout.splitlines() if "-m pipeline.cli " in line]
+    assert len(commands) == len(STAGES) and all(" python -m pipeline." in c for c in commands), commands
+    assert str(BIN) not in "".join(commands)
+    assert "-m pipeline.launch --nodes 1 --gpus 0 -- python -m pipeline.cli dp-train" in plan.stdout
 
 
 def test_cli_has_a_subcommand_per_stage(capsys):
