@@ -122,7 +122,8 @@ def scan_params():
 # What a training job needs on SLURM to stay correct, whatever sizes the profile or the command line
 # give it (a command-line --set-resources replaces the profile's whole set-resources block):
 # SIGTERM 5 min before the time limit, so the step in flight ends and a checkpoint is saved, and
-# no --ntasks-per-gpu, so SLURM starts the rule once (per node), not once per GPU.
+# no --ntasks-per-gpu, so SLURM starts the rule once (per node), not once per GPU. A command-line
+# slurm_extra of a training rule replaces this one: it must carry the signal itself (docs/cluster.md).
 TRAINING_ON_SLURM = {"slurm_extra": f"'--signal=TERM@{STOP_NOTICE_S}'", "tasks_per_gpu": 0}
 
 
