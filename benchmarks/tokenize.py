@@ -61,8 +61,9 @@ def main() -> None:
     print(f"{'':<24}{'µs per caption':>16}")
     print(f"{'per caption (baseline)':<24}{us['per_caption']:>16.1f}")
     print(f"{'Tokenizer.encode':<24}{us['encode']:>16.1f}   {base_s / new_s:.2f}× faster, same ids")
-    print(json.dumps({"captions": len(captions), "max_len": args.max_len, "us_per_caption_baseline": round(us["per_caption"], 2),
-                      "us_per_caption": round(us["encode"], 2), "speedup": round(base_s / new_s, 2)}))
+    print(json.dumps({"captions": len(captions), "max_len": args.max_len,
+                      "us_per_caption_baseline": round(us["per_caption"], 2), "us_per_caption": round(us["encode"], 2),
+                      "speedup": round(base_s / new_s, 2)}))
 
 
 if __name__ == "__main__":

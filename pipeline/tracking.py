@@ -70,8 +70,9 @@ DVC_IGNORED = frozenset({SNAKEMAKE_MARKER, NONPRIVATE_TWIN})  # file names, as .
 
 def dvc_hash(path: str | Path, known: dict | None = None) -> str:
     """The md5 DVC records for a file, or its `<md5>.dir` hash for a directory (without Snakemake's
-    marker and the non-private twin, as .dvcignore has it). `known` (resolved path -> [size, mtime_ns, inode, md5], updated in
-    place) spares reading a file that has not changed since an earlier call, as DVC's state database does."""
+    marker and the non-private twin, as .dvcignore has it). `known` (resolved path -> [size, mtime_ns,
+    inode, md5], updated in place) spares reading a file that has not changed since an earlier call,
+    as DVC's state database does."""
     path = Path(path)
     md5 = (lambda p: file_digest(p, "md5")) if known is None else (lambda p: known_md5(p, known))
     if path.is_file():
@@ -409,7 +410,8 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
         name = client.get_run(run_id).info.run_name  # the start's, when verify did not run
         if verification:
             objective = read_json(ledger)["objective"] if ledger.is_file() else ""
-            name = f"{recipe_name(objective)} ε={bound_text(verification['epsilon_reported'], 2)} σ={verification['sigma']:.2f}"
+            name = (f"{recipe_name(objective)} ε={bound_text(verification['epsilon_reported'], 2)} "
+                    f"σ={verification['sigma']:.2f}")
         if privacy and not privacy["private"] and not name.startswith("NOT PRIVATE"):
             name = "NOT PRIVATE " + name
         _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))

@@ -43,7 +43,8 @@ def run(params: dict, ctx) -> None:
                              "sample_rate": plan.sample_rate})
     ctx.tracker.set_tags({"dpfm.epsilon": bound_text(record["epsilon"], 4), "dpfm.accountant": plan.accountant})
     print(f"dp-train: {trainer.ledger.steps} steps on n={plan.n}, q={plan.sample_rate:.4f}, σ={plan.sigma:.4f}, "
-          f"ε={bound_text(record['epsilon'], 3)} (δ={bound_text(plan.delta, 2, exponent=True)}, {plan.accountant}, {plan.adjacency.replace('_', '-')})")
+          f"ε={bound_text(record['epsilon'], 3)} (δ={bound_text(plan.delta, 2, exponent=True)}, {plan.accountant}, "
+          f"{plan.adjacency.replace('_', '-')})")
     # What this stage itself released outside that ε (its held-out loss reads an eval split carved out
     # of the private source: the shards' public stats say so).
     reasons = release.not_private_reasons(params, read_json(artifact("shards") / "stats.json"))

@@ -260,7 +260,8 @@ def run(params: dict, ctx) -> None:
     if not_private:  # beside the ε this run logs
         ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(not_private)})
     # A test run's model (a known noise key) is saved not private: the report plots no DP point for it.
-    ctx.tracker.set_tags({"dpfm.objective": metrics["objective"], "dpfm.epsilon": bound_text(ver["epsilon_reported"], 4),
+    ctx.tracker.set_tags({"dpfm.objective": metrics["objective"],
+                          "dpfm.epsilon": bound_text(ver["epsilon_reported"], 4),
                           "dpfm.model_private": str(dp_ckpt.private).lower(), "dpfm.primary_set": metrics["primary_set"],
                           "dpfm.adjacency": ver.get("adjacency", "add_remove")})
     ctx.tracker.log_artifact(str(out))

@@ -55,8 +55,9 @@ def run(params: dict, ctx) -> None:
     if c["runs"] > 1:
         # Which runs share examples with this one is the owner's to know: the tighter figure is theirs,
         # computed on request (its time follows the overlaps; this stage's time is published).
-        print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = {bound_text(c['epsilon_dp_runs'], 3)} "
-              f"at δ = {bound_text(c['delta'], 2, exponent=True)} (this run alone: {bound_text(result['epsilon_reported'], 3)}; over only the runs that "
+        print(f"verify: the {c['runs']} DP runs charged to data/budget compose to ε = "
+              f"{bound_text(c['epsilon_dp_runs'], 3)} at δ = {bound_text(c['delta'], 2, exponent=True)} (this run "
+              f"alone: {bound_text(result['epsilon_reported'], 3)}; over only the runs that "
               "share examples with it, for the data owner: `dpfm owner-composition`)")
     # epsilon_composed goes to MLflow from the report, after the curve's and the seeds' DP trainings:
     # here it would be stale.

@@ -203,7 +203,8 @@ def _run_calibrate(args) -> int:
     ]
     # Printed sigma is rounded *up*: more noise never breaks the target.
     lines += [
-        f"sigma[{name}] = {accounting.round_up(sigmas[name], 6):.6f}  (epsilon = {accounting.bound_text(achieved[name], 4)})"
+        f"sigma[{name}] = {accounting.round_up(sigmas[name], 6):.6f}  "
+        f"(epsilon = {accounting.bound_text(achieved[name], 4)})"
         for name in sigmas
     ]
     payload = {
