@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import tarfile
+import time
 import types
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from pipeline.stages import shards as shards_stage, stage
 from pipeline.data.index import build_index
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset, encode_png
+from pipeline.io import file_digest
 from pipeline.data.transforms import decode_image
 from pipeline.io import read_json
 
@@ -155,7 +158,7 @@ def test_a_shard_list_that_cannot_be_read_is_one_line_naming_it_before_any_scan(
 
 # -- downloading a (url, caption) table ------------------------------------------------------------------
 
-def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys):
+def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys, monkeypatch):
     rng = np.random.default_rng(0)
     (tmp_path / "www").mkdir()
     for i in range(10):
@@ -188,17 +191,31 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys):
     assert index_stats["private"]["usable"] == len(ds) == 11
     assert ds.image(0).shape == (16, 16, 3) and ds.caption(10) == "flaky" and ds.meta(10)["row"] == 13
 
-    # Resume: complete shards (size and sha256 as recorded) are kept without a request.
+    # Resume: complete shards (size and sha256 as recorded) are kept without a request, and without
+    # reading them back: their size, mtime and inode are as when their sha256 was taken.
     requests = sum(server.requests.values())
+    read = []
+    monkeypatch.setattr(sources, "file_digest", lambda path, *a: read.append(Path(path).name) or file_digest(path, *a))
     shards2, stats2 = sources.download(str(table), out, **kwargs)
     assert shards2 == shards and stats2["download"]["reused_shards"] == 3
-    assert sum(server.requests.values()) == requests
-    # A damaged shard is downloaded again; the others are still kept.
+    assert sum(server.requests.values()) == requests and read == []
+    # A damaged shard is downloaded again; the others are still kept, unread.
     damaged = Path(shards[1])
     damaged.write_bytes(damaged.read_bytes()[:1000])
     _, stats3 = sources.download(str(table), out, **kwargs)
     assert stats3["download"]["reused_shards"] == 2 and stats3["download"]["written"] == 11
     assert server.requests["/img6.png"] == 2 and server.requests["/img0.png"] == 1
+    assert read == [damaged.name]  # the new shard's own sha256, as it is written
+    # Rewritten in place at its size (bytes flipped): the moved mtime sends it to its sha256, which
+    # tells, and it is downloaded again.
+    data = bytearray(damaged.read_bytes())
+    data[600] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    os.utime(damaged, ns=(time.time_ns(), time.time_ns() + 10**9))
+    read.clear()
+    _, stats4 = sources.download(str(table), out, **kwargs)
+    assert stats4["download"]["reused_shards"] == 2 and server.requests["/img6.png"] == 3
+    assert read == [damaged.name, damaged.name]  # checked, then written again
     assert not list(out.glob(".*.tmp"))  # writes are atomic: no temporary files left
 
 

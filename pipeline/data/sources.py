@@ -243,14 +243,27 @@ def _rows_digest(urls, captions, image_size: int) -> str:
     return h.hexdigest()
 
 
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def _finished(out_dir: Path, name: str, digest: str) -> dict | None:
-    """The shard's manifest if its tar is complete: same input rows, same size and sha256."""
+    """The shard's manifest if its tar is complete: same input rows, same size and sha256. The sha256 is
+    read again only when the tar's size, mtime or inode moved since it was recorded (as DVC's state
+    does): a re-run of a 233M-row table would otherwise read every finished shard back, terabytes."""
     manifest, tar = out_dir / f"{name}.json", out_dir / f"{name}.tar"
     if not (manifest.exists() and tar.exists()):
         return None
     m = read_json(manifest)
-    if m.get("rows_sha256") != digest or tar.stat().st_size != m.get("size") or file_digest(tar) != m.get("sha256"):
+    stamp = _stamp(tar)
+    if m.get("rows_sha256") != digest or stamp[0] != m.get("size"):
         return None
+    if m.get("stamp") != stamp:
+        if file_digest(tar) != m.get("sha256"):
+            return None
+        m["stamp"] = stamp  # checked: the next run need not read it
+        write_json(manifest, m)
     return m
 
 
@@ -315,7 +328,8 @@ def _write_shard(out_dir: Path, name: str, rows: range, urls: list, captions: li
         shard.abort(type(e), e, e.__traceback__)
         raise
     size = shard.close()
-    manifest = {"shard": f"{name}.tar", "size": size, "sha256": file_digest(out_dir / f"{name}.tar"),
+    tar = out_dir / f"{name}.tar"
+    manifest = {"shard": f"{name}.tar", "size": size, "sha256": file_digest(tar), "stamp": _stamp(tar),
                 "first_row": rows.start, "rows": len(rows), "rows_sha256": digest, "written": written,
                 "failed": failed}
     write_json(out_dir / f"{name}.json", manifest)
