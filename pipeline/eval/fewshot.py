@@ -40,7 +40,10 @@ def kshot_subsets(labels: np.ndarray, k: int, repeats: int, seed: int) -> list[n
 
 
 def summarise(accs: list[float]) -> dict:
-    return {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": [float(a) for a in accs]}
+    """Mean and sample standard deviation over the subsets (None for one: a spread of one run is no
+    spread, where "± 0.0" said there was none)."""
+    std = float(np.std(accs, ddof=1)) if len(accs) > 1 else None
+    return {"mean": float(np.mean(accs)), "std": std, "runs": [float(a) for a in accs]}
 
 
 def fewshot_logreg(train_x, train_y, test_x, test_y, shots, repeats: int, c: float | str, seed: int) -> dict:
