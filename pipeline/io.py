@@ -44,6 +44,23 @@ def atomic_path(path: str | Path, mode: int | None = None):
             os.unlink(tmp)
 
 
+def append_durably(fd: int, text: str, path: str | Path) -> None:
+    """Append `text` to the file open at `fd` (O_APPEND) and fsync it: a record that must be on disk
+    before what it records happens (a ledger's charge, a budget's run). Unbuffered, so that a full disk
+    raises here, naming the file, and not again from a close; the torn line it may leave is dropped by
+    the next reader (drop_torn_tail)."""
+    data = text.encode()
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise OSError(e.errno, f"{os.strerror(e.errno)} while appending to {path}: the record was not made, "
+                                   "and what it records did not happen: free space and re-run", str(path)) from e
+        raise
+
+
 def remove_stale_temps(directory: str | Path, name: str = "*") -> None:
     """Delete the temporaries that atomic writes of `name` in `directory` left behind when killed
     (kill -9 skips every `finally`). Call it where one writer owns the directory: at a stage's start."""

@@ -128,6 +128,15 @@ if "noise-std" in faults:  # each rank writes the noise std it adds at every ste
             f.write(f"{noise_std!r}\n")
         return real_add_noise(clipper, noise_std, *args)
     engine.add_noise = add_noise
+if "diskfull" in faults:  # the disk fills while step k's charge is written: half its line lands
+    import errno
+    real_write, full_at = os.write, b'"step": %d}' % int(faults["diskfull"])
+    def write(fd, data):
+        if full_at in data:
+            real_write(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+    os.write = write
 if "lazy-ledger" in faults:  # BROKEN on purpose: steps kept in memory, not on disk before the update
     real_append = Ledger._append
     Ledger._append = lambda self, rec: real_append(self, rec) if "header" in rec else None

@@ -144,6 +144,24 @@ def test_kill_9_mid_step_mid_checkpoint_and_after_an_update_resumes_to_the_unint
     check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
 
 
+def test_a_full_disk_at_a_charge_names_the_ledger_and_a_rerun_resumes_to_the_uninterrupted_run(
+        data_dir, tmp_path, uninterrupted):
+    """A full disk is no failure of the private data: the stage says which file it could not append to
+    (it said "No space left on device" alone, or sent the user to the owner's log), applies nothing of
+    that step, and once there is room a re-run drops the torn half line and charges the step again."""
+    work = project(data_dir, tmp_path)
+    assert dpfm(work, ["dp-train"], "diskfull:2").wait(timeout=300) == 1
+    last = log_tail(work).strip().splitlines()[-1]
+    assert last.startswith("dpfm: No space left on device while appending to ") and "ledger.jsonl" in last, last
+    assert "data owner" not in log_tail(work)
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    *whole, torn = (state / "ledger.jsonl").read_text().split("\n")
+    assert torn and [json.loads(line).get("step") for line in whole[1:]] == [0, 1]  # step 2's half line
+    assert torch.load(state / "checkpoint.pt", weights_only=False)["step"] == 2  # nothing of step 2 applied
+    complete(dpfm(work, ["dp-train"]), work)
+    check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+
+
 def test_sigterm_mid_step_finishes_the_step_checkpoints_and_resumes_to_the_uninterrupted_run(
         data_dir, tmp_path, uninterrupted):
     """SLURM's SIGTERM (time limit, preemption) costs no step: the one in flight ends, then a checkpoint."""

@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.errors import BudgetCorrupt, BudgetNotHere
-from pipeline.io import atomic_path, drop_torn_tail
+from pipeline.io import append_durably, atomic_path, drop_torn_tail
 from pipeline.objectives import objective
 from pipeline.privacy.accountant_backends import composed_epsilon as composed_pld_epsilon
 from pipeline.privacy.noise_edge import SHARE_OF_DELTA, UNRECORDED_EDGE, largest_move, noise_edge_floor
@@ -115,9 +115,7 @@ def _merge_recorded(pointer: Path) -> None:
         have = set(f.read().splitlines())
         missing = [line for line in files["runs.jsonl"].read_text().splitlines() if line.strip() and line not in have]
         if missing:
-            f.write("".join(line + "\n" for line in missing))
-            f.flush()
-            os.fsync(f.fileno())
+            append_durably(f.fileno(), "".join(line + "\n" for line in missing), BUDGET_DIR / "runs.jsonl")
             print(f"budget: {len(missing)} run(s) of the budget {pointer} records, charged elsewhere, added to "
                   f"{BUDGET_DIR}/runs.jsonl")
 
@@ -254,9 +252,7 @@ def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...
         forms = [entry, *({**entry, **change} for change in earlier)]
         if any(all(e.get(k) == form[k] for k in same) for e in _parse(f.read(), BUDGET_DIR / "runs.jsonl") for form in forms):
             return  # a resume: the same batches and noise (an entry from before keys were recorded charges again)
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        append_durably(f.fileno(), json.dumps(entry, sort_keys=True) + "\n", BUDGET_DIR / "runs.jsonl")
 
 
 @contextmanager

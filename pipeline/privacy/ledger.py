@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
-from pipeline.io import drop_torn_tail
+from pipeline.io import append_durably, drop_torn_tail
 from pipeline.privacy import owner
 from pipeline.privacy.plan import Plan
 
@@ -58,9 +57,7 @@ class Ledger:
     def _append(self, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            append_durably(f.fileno(), json.dumps(record, sort_keys=True) + "\n", self.path)
 
     def record_step(self, step: int, batch_size: int) -> None:
         """Charge step `step` before its update is applied."""

@@ -34,7 +34,7 @@ from pipeline.data.tokenizer import Tokenizer, public_captions
 from pipeline.distributed import (broadcast_int, fingerprint, gather_with_grad, init_world, same_on_every_rank,
                                   spread_over_ranks)
 from pipeline.errors import PrivateDataError, RanksDisagree, VerificationFailed
-from pipeline.io import read_json
+from pipeline.io import DISK_FULL, read_json
 from pipeline.locking import training_lock
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
@@ -432,7 +432,9 @@ class Trainer:
                                  physical_batch_size=physical, ledger=ledger)
             except (PrivateDataError, LedgerError, StepRefused, RanksDisagree):  # messages written to be published
                 raise
-            except Exception as e:
+            except Exception as e:  # but a full disk: the ledger's charge (io.append_durably names the file)
+                if isinstance(e, OSError) and e.errno in DISK_FULL:
+                    raise
                 raise kept_for_owner(step, e) from None
             counters["nonfinite"] += result.nonfinite  # private: kept for the ledger, not logged
             optimizer.step()
