@@ -97,13 +97,15 @@ def atomic_dir(path: str | Path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path.parent, path.name)  # a killed earlier run's half-written copy
+    old = path.with_name(f".{path.name}.old")
+    if old.exists() and not path.exists():  # killed between the two renames below: the last output back
+        os.replace(old, path)
+    shutil.rmtree(old, ignore_errors=True)  # (of the private shards, a whole copy that no clean-up sees)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from fault_hooks import complete, dpfm, kill_at_fault, log_tail, with_sets
 from PIL import Image
 from shard_data import excluded, good, index, raw_tar
@@ -121,6 +122,37 @@ def test_the_next_write_reclaims_what_a_killed_writer_left(tmp_path):
         (out / "private.tar").write_text("whole")
     assert not stale.exists() and unrelated.exists()
     assert [p.name for p in (tmp_path / "shards").iterdir()] == ["private.tar"]
+
+
+def test_a_writer_killed_between_its_two_renames_loses_no_output_and_leaves_no_copy(tmp_path):
+    """atomic_dir moves the old output aside, then the new one in: killed between the two, neither was at
+    its path, and the old one (of the private shards, a whole copy) stayed under a hidden name that no
+    later write or clean-up removed. The next write puts it back first, and removes it once replaced."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards/private.tar").write_text("v1")
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import os, time\n"
+        "from pipeline import io\n"
+        "real, calls = os.replace, []\n"
+        "def replace(a, b):\n"
+        "    calls.append(a)\n"
+        "    if len(calls) == 2:  # the old output is aside, the new one not yet in\n"
+        "        open('fault.reached', 'w').close()\n"
+        "        time.sleep(600)\n"
+        "    return real(a, b)\n"
+        "io.os.replace = replace\n"
+        "with io.atomic_dir('shards') as out:\n"
+        "    (out / 'private.tar').write_text('v2')\n")], cwd=tmp_path, start_new_session=True)
+    kill_at_fault(writer, tmp_path)
+    assert not (tmp_path / "shards").exists() and (tmp_path / ".shards.old/private.tar").read_text() == "v1"
+    with pytest.raises(RuntimeError):  # a write that fails leaves the last good output in place
+        with atomic_dir(tmp_path / "shards"):
+            raise RuntimeError("the stage failed")
+    assert (tmp_path / "shards/private.tar").read_text() == "v1" and not (tmp_path / ".shards.old").exists()
+    with atomic_dir(tmp_path / "shards") as out:
+        (out / "private.tar").write_text("v3")
+    assert (tmp_path / "shards/private.tar").read_text() == "v3"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".shards")) == []
 
 
 # -- bad images: every mode decodes to the same RGB, bombs and empty files are excluded and counted -----------

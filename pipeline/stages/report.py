@@ -18,6 +18,8 @@ from pipeline.report.render import render_html, render_markdown
 
 def run(params: dict, ctx) -> None:
     st = ctx.stage
+    # An earlier run's final ε must not outlive a failed report (it may count fewer runs than the budget).
+    st.output("privacy").unlink(missing_ok=True)
     dp_dir, stats_path = st.input("dp"), st.input("shards") / "stats.json"
     ver, metrics = read_json(st.input("verification")), read_json(st.input("metrics"))
     ledger = read_json(dp_dir / "ledger.json")
