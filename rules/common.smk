@@ -123,7 +123,7 @@ def scan_params():
 # give it (a command-line --set-resources replaces the profile's whole set-resources block):
 # SIGTERM 5 min before the time limit, so the step in flight ends and a checkpoint is saved, and
 # no --ntasks-per-gpu, so SLURM starts the rule once (per node), not once per GPU. A command-line
-# slurm_extra of a training rule replaces this one: it must carry the signal itself (docs/cluster.md).
+# slurm_extra for a training job replaces this one, so it must carry the signal itself (docs/cluster.md).
 TRAINING_ON_SLURM = {"slurm_extra": f"'--signal=TERM@{STOP_NOTICE_S}'", "tasks_per_gpu": 0}
 
 
