@@ -165,12 +165,13 @@ def test_low_precision_runs_with_fp32_accounting(data_dir, tmp_path, precision):
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in ckpt.model.values())
 
 
-def test_nonprivate_baseline_is_saved_beside_the_dp_model_and_never_pushed(data_dir, tmp_path):
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_nonprivate_baseline_is_saved_beside_the_dp_model_and_never_pushed(data_dir, tmp_path, objective):
     """The twin is read where dp-train wrote it, but models/dp is a pushed DVC output: DVC must ignore
     the twin (its hash, cache and remote hold the DP model alone), and dvc_hash, which tags MLflow runs
     with DVC's hashes, must agree. Neither file holds the run's known noise seed (stage_runs: 123)."""
     work = project(data_dir, tmp_path)
-    ledger, ckpt = train(work, ["dp.nonprivate_baseline=true"])
+    ledger, ckpt = train(work, [f"dp.objective={objective}", "dp.nonprivate_baseline=true"])
     base = checkpoints.load(work / "models/dp/nonprivate.pt")
     assert base.model.keys() == ckpt.model.keys()
     assert any(not torch.equal(base.model[k], ckpt.model[k]) for k in base.model)
