@@ -115,6 +115,13 @@ def atomic_dir(path: str | Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def file_stamp(path: str | Path) -> list[int]:
+    """[size, mtime_ns, inode]: what moves when a file is rewritten (atomic writes rename, so a new inode),
+    recorded beside a digest so that an unchanged file need not be read again (as DVC's state does)."""
+    st = Path(path).stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def file_digest(path: str | Path, algorithm: str = "sha256") -> str:
     """Hex digest of a file's bytes, read in 1 MiB blocks (shards can be large)."""
     h = hashlib.new(algorithm)

@@ -23,7 +23,7 @@ import yaml
 from pipeline.errors import Stopped
 from pipeline.eval.stats import released
 from pipeline.privacy.accounting import bound_text
-from pipeline.io import file_digest
+from pipeline.io import file_digest, file_stamp
 
 PARENT_ENV = "DPFM_PARENT_RUN_ID"
 FILE_DIGESTS = "file-digests"  # owner record: the md5s input_tag read, by file stamp
@@ -87,8 +87,7 @@ def known_md5(path: Path, known: dict) -> str:
     """`path`'s md5, read again only when its size, mtime or inode moved (shards are written to a
     temporary name and renamed, so a rewrite has a new inode). Stat before reading: a file changed
     during the read is recorded under its old stamp and read again next time."""
-    st = path.stat()
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp = file_stamp(path)
     key = str(path.resolve())
     if known.get(key, [None])[:3] != stamp:
         known[key] = [*stamp, file_digest(path, "md5")]

@@ -27,7 +27,7 @@ from pipeline.config import ParamsError
 from pipeline.data import remote
 from pipeline.data.shards import TarShard
 from pipeline.data.transforms import decode_image, encode_jpeg
-from pipeline.io import file_digest, read_json, remove_stale_temps, write_json
+from pipeline.io import file_digest, file_stamp, read_json, remove_stale_temps, write_json
 from pipeline.privacy import owner
 from pipeline.progress import ShareBar
 
@@ -243,11 +243,6 @@ def _rows_digest(urls, captions, image_size: int) -> str:
     return h.hexdigest()
 
 
-def _stamp(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
 def _finished(out_dir: Path, name: str, digest: str) -> dict | None:
     """The shard's manifest if its tar is complete: same input rows, same size and sha256. The sha256 is
     read again only when the tar's size, mtime or inode moved since it was recorded (as DVC's state
@@ -256,7 +251,7 @@ def _finished(out_dir: Path, name: str, digest: str) -> dict | None:
     if not (manifest.exists() and tar.exists()):
         return None
     m = read_json(manifest)
-    stamp = _stamp(tar)
+    stamp = file_stamp(tar)
     if m.get("rows_sha256") != digest or stamp[0] != m.get("size"):
         return None
     if m.get("stamp") != stamp:
@@ -329,7 +324,7 @@ def _write_shard(out_dir: Path, name: str, rows: range, urls: list, captions: li
         raise
     size = shard.close()
     tar = out_dir / f"{name}.tar"
-    manifest = {"shard": f"{name}.tar", "size": size, "sha256": file_digest(tar), "stamp": _stamp(tar),
+    manifest = {"shard": f"{name}.tar", "size": size, "sha256": file_digest(tar), "stamp": file_stamp(tar),
                 "first_row": rows.start, "rows": len(rows), "rows_sha256": digest, "written": written,
                 "failed": failed}
     write_json(out_dir / f"{name}.json", manifest)
