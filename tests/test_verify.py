@@ -87,6 +87,29 @@ def test_realistic_clip_run_passes(tmp_path, dp):
     assert failed(run_verify(ledger, dp=dp)) == set()
 
 
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
+def test_every_epsilon_and_delta_a_check_states_is_at_least_the_bound(tmp_path, dp, adjacency, monkeypatch):
+    """The checks' lines are published in the report beside its ε: each ε and δ in them is rounded up.
+    The accountants are made to answer figures that round down to nearest (7.98441 to 7.9844, 9.60001
+    to 9.6000, δ = 3.97452e-4 to 0.000397), so a line that rounds to nearest is caught."""
+    import re
+
+    from pipeline.privacy import accountant_backends
+
+    dp = {**dp, "delta": 3.97452e-4}
+    ledger = realistic_ledger(tmp_path, dp, adjacency=adjacency)
+    answers = {"pld": 7.98441, "rdp": 9.60001}
+    monkeypatch.setattr(V.accounting, "epsilon", lambda *a, accountant="pld", **k: answers[accountant])
+    monkeypatch.setattr(accountant_backends, "_rdp_bound", lambda *a, **k: 9.70001)
+    result = run_verify(_with(ledger, epsilon=7.98441), dp=dp)
+    stated = [(c["name"], name, text) for c in result["checks"]
+              for name, text in re.findall(r"(ε|δ)=([\d.e+-]*\d)", c["detail"])]
+    assert len(stated) >= 4
+    for check, name, text in stated:
+        truth = min((3.97452e-4, 7.98441, 9.60001, 9.70001), key=lambda b: abs(b - float(text)) / b)
+        assert float(text) >= truth, f"{check}: {name}={text} below {truth}"
+
+
 def test_epsilon_curve_ends_at_the_reported_epsilon(valid):
     result = run_verify(valid)
     curve = result["epsilon_curve"]

@@ -20,6 +20,7 @@ from pipeline.errors import VerificationFailed
 from pipeline.io import read_json
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import accounting, owner
+from pipeline.privacy.accounting import bound_text
 from pipeline.privacy.noise_edge import UNRECORDED_EDGE, edge_problem, largest_move
 
 CURVE_POINTS = 40  # ε-against-step points written for the report and MLflow
@@ -135,7 +136,8 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
     check("batch_sizes_binomial", batch_sizes_pass(sizes, alpha),
           f"realised batch sizes tested against Binomial(n={n}, q={q:.5g}) at α = {alpha:g} (p-values: data owner only)")
     check("delta_below_1_over_n", delta < 1 / n,
-          f"δ={delta:.3g} must be below 1/n = {1 / n:.3g}: a larger δ allows publishing whole records")
+          f"δ={bound_text(delta, 2, exponent=True)} must be below 1/n = {1 / n:.3g}: a larger δ allows publishing "
+          "whole records")
     want_delta = accounting.parse_delta(dp["delta"], n)
     asked = {"objective": (ledger["objective"], dp["objective"]), "clip_norm": (ledger["clip_norm"], dp["clip_norm"]),
              "target_epsilon": (ledger["target_epsilon"], dp["epsilon"]), "delta": (delta, want_delta),
@@ -178,22 +180,23 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
           problem or f"the noise reaches {edge:.2f} std: its edge gives away under a tenth of δ")
     target = dp["epsilon"]  # what the user asked for, not what the ledger says it was asked
     check("epsilon_within_target", main_eps <= target * (1 + 1e-9),
-          f"ε={main_eps:.4f} ({main}, {relation.replace('_', '-')}) vs target {target} (params.yaml dp.epsilon)")
+          f"ε={bound_text(main_eps, 4)} ({main}, {relation.replace('_', '-')}) vs target {target} "
+          "(params.yaml dp.epsilon)")
     claimed = ledger["epsilon"]
     check("claimed_epsilon_reproduced", math.isclose(claimed, main_eps, rel_tol=1e-3),
-          f"training claimed ε={claimed:.4f}, recomputed {main_eps:.4f} ({main})")
+          f"training claimed ε={bound_text(claimed, 4)}, recomputed {bound_text(main_eps, 4)} ({main})")
     if relation == "replace_one":
         # Replace-one is remove-then-add: never below add/remove, never above its group-privacy bound.
         from pipeline.privacy.accountant_backends import _rdp_bound
 
         ar, group = accounting.epsilon(multiplier, q, steps, delta), _rdp_bound(multiplier, q, steps, delta, relation)
         check("accountants_agree", ar * (1 - 1e-3) <= main_eps <= group,
-              f"replace-one PLD ε={main_eps:.4f} must lie between add/remove PLD ε={ar:.4f} and the group-privacy "
-              f"bound {group:.4f}")
+              f"replace-one PLD ε={bound_text(main_eps, 4)} must lie between add/remove PLD "
+              f"ε={bound_text(ar, 4)} and the group-privacy bound {bound_text(group, 4)}")
     elif "pld" in eps and "rdp" in eps:
         # RDP is an upper bound too, only looser: a PLD above it means one of them is wrong.
         check("accountants_agree", eps["pld"] <= eps["rdp"] * 1.01,
-              f"PLD ε={eps['pld']:.4f} must not exceed RDP ε={eps['rdp']:.4f}")
+              f"PLD ε={bound_text(eps['pld'], 4)} must not exceed RDP ε={bound_text(eps['rdp'], 4)}")
     return {"passed": all(c["passed"] for c in checks), "checks": checks, "epsilon": eps,
             "epsilon_reported": main_eps, "accountant": main, "adjacency": relation, "delta": delta, "steps": steps,
             "epsilon_add_remove": {a: literature[a] for a in accountants},
