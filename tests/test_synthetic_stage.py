@@ -127,11 +127,22 @@ def test_staging_is_keyed_by_what_decides_the_bytes():
     assert synthetic_stage.staging_dir({**CFG, "samples_per_shard": 9}, 7) != key
 
 
+@pytest.mark.parametrize("part,value", [("torch", "9.9.9"), ("cpu", "DEFAULT"), ("pillow", "0.1")])
+def test_staging_is_keyed_by_the_machine_that_renders(monkeypatch, part, value):
+    """Resumed on a node whose torch picks other CPU kernels (or another torch or PNG encoder), the
+    shards left by the first node are not taken as this one's."""
+    key = synthetic_stage.staging_dir(CFG, 7)
+    build = synthetic_stage.renderer_build()
+    assert set(build) == {"torch", "cpu", "pillow"} and build[part] != value
+    monkeypatch.setattr(synthetic_stage, "renderer_build", lambda: {**build, part: value})
+    assert synthetic_stage.staging_dir(CFG, 7) != key
+
+
 def test_staging_is_keyed_by_every_generator_module(tmp_path, monkeypatch):
     sources = synthetic_stage.generator_sources()
     package = Path(synthetic.__file__).parent
     assert [p for p in sources if p.parent == package] == sorted(package.glob("*.py"))
-    assert {"__init__.py", "raymarch.py", "rng.py", "splitmix.py", "synthetic.py"} <= {p.name for p in sources}
+    assert {"__init__.py", "raymarch.py", "rng.py", "splitmix.py", "shards.py", "synthetic.py"} <= {p.name for p in sources}
     copies = []
     for p in sources:  # hash copies, so one can be edited
         copies.append(tmp_path / p.name)

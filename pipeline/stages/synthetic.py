@@ -18,11 +18,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import PIL
 import pyarrow as pa
+import torch
 from tqdm import tqdm
 
 from pipeline import processes
-from pipeline.data import splitmix, synthetic
+from pipeline.data import shards as shard_format, splitmix, synthetic
 from pipeline.data.index import INDEX_NAME, SCHEMA, index_writer
 from pipeline.data.shards import ShardDataset, encode_png, write_shard
 from pipeline.io import atomic_dir, file_digest, read_json, remove_stale_temps, write_json
@@ -56,17 +58,25 @@ def shard_items(cfg: dict, shard: int) -> list[tuple[int, int]]:
 
 def generator_sources() -> list[Path]:
     """The code that decides a shard's bytes: every module of the synthetic package (sorted by name),
-    the splitmix64 it draws from, and this file."""
-    return sorted(Path(synthetic.__file__).parent.glob("*.py")) + [Path(splitmix.__file__), Path(__file__)]
+    the splitmix64 it draws from, the shard writer and this file."""
+    return sorted(Path(synthetic.__file__).parent.glob("*.py")) + [Path(splitmix.__file__), Path(shard_format.__file__),
+                                                                    Path(__file__)]
+
+
+def renderer_build() -> dict:
+    """What else moves a pixel: torch's version and the CPU kernels it picked (AVX2 and plain kernels
+    differ by a grey level on about one image in sixty), and the PNG encoder. A run resumed on another
+    kind of node starts over rather than mix two machines' shards."""
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "pillow": PIL.__version__}
 
 
 def staging_dir(cfg: dict, seed: int) -> Path:
-    """Keyed by everything that decides the bytes (seed, params but the worker count, generator code),
-    so shards left by another config or an older generator are never reused."""
+    """Keyed by everything that decides the bytes (seed, params but the worker count, generator code,
+    the renderer's build), so shards left by another config, generator or machine are never reused."""
     code = hashlib.sha256()
     for path in generator_sources():
         code.update(path.name.encode() + b"\0" + path.read_bytes())
-    return state_dir("synthetic", {"seed": seed, "code": code.hexdigest(),
+    return state_dir("synthetic", {"seed": seed, "code": code.hexdigest(), "build": renderer_build(),
                                    "synthetic": {k: v for k, v in cfg.items() if k != "workers"}})
 
 

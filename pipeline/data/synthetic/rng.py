@@ -83,8 +83,20 @@ class _Rng:
             if math.log(u) < 0.5 * x * x + d - d * v + d * math.log(v):
                 return d * v
 
+    def log_gamma(self, alpha: float) -> float:
+        """log of `gamma(alpha)`'s draw, from the same random numbers: below alpha = 1 its boost
+        U**(1/alpha) underflows to 0 (at alpha = 0.001, one U in five), where its log does not."""
+        if alpha < 1.0:
+            boosted = self.gamma(alpha + 1.0)
+            return math.log(boosted) + math.log(max(self.random(), 1e-300)) / alpha
+        return math.log(self.gamma(alpha))
+
     def dirichlet(self, k: int, alpha: float) -> list[float]:
-        g = [self.gamma(alpha) for _ in range(k)]
+        if alpha >= 1.0:
+            g = [self.gamma(alpha) for _ in range(k)]
+        else:  # normalised in log space: every draw may underflow, and 0/0 is no weight
+            logs = [self.log_gamma(alpha) for _ in range(k)]
+            g = [math.exp(x - max(logs)) for x in logs]
         s = sum(g)
         return [x / s for x in g]
 
