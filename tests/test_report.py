@@ -380,6 +380,11 @@ def test_the_curve_caption_says_when_the_non_private_point_has_a_schedule_of_its
     assert "steps 600, lr 0.001" in own and "the DP points: steps 40, lr 0.0005" in own
 
 
+def verdict_line(root) -> str:
+    """report.md's first statement, under its title and subtitle."""
+    return (root / "results/report/report.md").read_text().split("\n\n")[2]
+
+
 def test_a_run_with_non_private_training_on_private_data_says_not_private_everywhere(project):
     """The curve's ε = ∞ point trains without DP on the private shards: the run's outputs as a whole
     are then not DP. The headline says so first, privacy.json and MLflow carry composed ε = ∞, and
@@ -397,6 +402,7 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     assert private.tags["model.private"] == "true" and float(private.tags["model.epsilon"]) == pytest.approx(
         final["epsilon_composed"], abs=1e-4)
     assert "NOT PRIVATE" not in (root / "results/report/report.md").read_text()
+    assert final["runs"] == 1 and verdict_line(root).startswith("**(ε = 7.99, δ = ")  # one run: the model's own
 
     params["curve"]["epsilons"] = [1, 8, math.inf]
     public = RecordingTracker()
@@ -413,6 +419,8 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     assert "the curve's ε = ∞ point trains without DP on the private shards" in final["not_private"]
     md = (root / "results/report/report.md").read_text()
     assert "NOT PRIVATE as a whole: the curve's ε = ∞ point" in md and "ε of this run's outputs | ∞" in md
+    assert verdict_line(root).startswith("**NOT PRIVATE as a whole: the curve's ε = ∞ point")
+    assert "class='verdict warn'" in (root / "results/report/report.html").read_text()
     assert "epsilon_composed" not in public.metrics and public.tags["dpfm.private"] == "false"
     assert public.tags["model.private"] == "false" and public.tags["model.epsilon"] == "inf"
 
@@ -469,3 +477,36 @@ def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(pro
     assert f"**ε = {three:.2f}**" in card and "3 DP runs" in card and "the released model alone: ε = 7.99" in card
     assert [(p["epsilon"], p["accuracy"]) for p in stars if p["current"]] == [(7.99, 0.801)]
     assert f"with every DP run charged to the budget, ε = {three:.2f}" in md
+    # ... and so does the first thing the report says, above the released model's own
+    first = verdict_line(root)
+    assert first.startswith(f"**(ε = {three:.2f}, δ = ") and "all this report releases (3 DP runs" in first
+    assert "The released model alone is (ε = 7.99, δ = " in first
+
+
+def test_the_experiment_plot_keeps_its_whole_legend_and_skips_points_it_cannot_place(project, monkeypatch):
+    """A wide legend (a run NOT PRIVATE as a whole, the twin) was cut at both sides of the picture, and
+    one run logged with a NaN accuracy or ε = ∞ stopped the whole report. Every edge of the PNG is now
+    background, and such runs are left off the axes with a word in the caption."""
+    import math
+
+    from PIL import Image
+
+    from pipeline.report import plots
+
+    root, params = project
+    points = [{"epsilon": 2.0, "accuracy": 0.8, "objective": "mae", "current": False, "private_as_a_whole": False},
+              {"epsilon": 4.0, "accuracy": 0.85, "objective": "caption", "current": False},
+              {"epsilon": 8.0, "accuracy": float("nan"), "objective": "clip", "current": False},
+              {"epsilon": math.inf, "accuracy": 0.9, "objective": "clip", "current": False}]
+    monkeypatch.setattr(report, "experiment_points", lambda *_: (points, "from MLflow"))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    assert "from MLflow; 2 logged without a finite ε and accuracy, not drawn" in (
+        root / "results/report/report.md").read_text()
+
+    path = root / "pu.png"
+    plots.plot_privacy_utility(points[:2] + [{**points[1], "current": True, "private_as_a_whole": False}],
+                               {"synthetic": ("synthetic only", 0.7), "random": ("random init", 0.5),
+                                "nonprivate": ("DP (non-private twin, without DP, ε = ∞)", 0.9)}, path)
+    image = np.asarray(Image.open(path).convert("L"))
+    edges = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
+    assert edges.min() == 255, "the legend runs past the picture's edge"

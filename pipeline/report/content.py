@@ -123,6 +123,10 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     plots.plot_losses(*histories, figures["losses"])
     shutil.copyfile(contact_sheet, figures["contact_sheet"])
     points, source = mlflow_points
+    drawable = [p for p in points if math.isfinite(p["epsilon"]) and math.isfinite(p["accuracy"])]
+    if len(drawable) < len(points):  # a run logged with a NaN accuracy or no finite ε has no place on the axes
+        source += f"; {len(points) - len(drawable)} logged without a finite ε and accuracy, not drawn"
+        points = drawable
     if not any(p["current"] for p in points):  # the released model at its ε (over seeds, the first is it)
         dp_row = metrics["sets"][primary]["results"]["dp"]
         points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": released(dp_row)["linear_probe"],
@@ -147,7 +151,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     model = params.get("model", {})
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return {
-        "title": params["report"]["title"], "verification": ver, "curve": curve, "sets": sets, "figures": figures,
+        "title": params["report"]["title"], "verification": ver, "privacy": privacy, "curve": curve, "sets": sets, "figures": figures,
         "subtitle": (f"{recipe_title(plan.objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
                      f"· generated {when} · commit {git_commit()[:12]}"),
         "headline": headline + (" " + curve["sentence"] if curve else ""),

@@ -22,7 +22,7 @@ STYLE = {"axes.spines.top": False, "axes.spines.right": False, "axes.grid": True
 
 def _save(fig, path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # a legend placed outside the axes stays in the picture
     plt.close(fig)
 
 
@@ -108,7 +108,7 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
         for name, ls in (("nonprivate", "--"), ("random", ":")):
             if name in baselines:
                 label, acc = baselines[name]
-                suffix = " (ε = ∞)" if name == "nonprivate" else ""
+                suffix = " (ε = ∞)" if name == "nonprivate" and "ε = ∞" not in label else ""
                 ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.2, label=label + suffix)
         accs = [p["accuracy"] for p in points] + [a for _, a in baselines.values()]
         lo = max(0.0, math.floor(min(accs) * 10 - 0.5) * 10) if accs else 0.0

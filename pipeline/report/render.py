@@ -91,6 +91,7 @@ border-bottom:1px solid var(--line)}h3{font-size:15px;margin:18px 0 6px}
 .sub{color:var(--muted);margin:0 0 18px;font-size:14px}
 .verdict{border-radius:8px;padding:14px 18px;margin:8px 0 18px;border:1px solid}
 .verdict.ok{background:var(--okbg);border-color:#9fd3b0}.verdict.bad{background:var(--badbg);border-color:#f0a8a2}
+.verdict.warn{background:#fff4e0;border-color:#f0c27a}.verdict.warn .big{color:#8a5300}
 .verdict .big{font-size:21px;font-weight:700}.verdict.ok .big{color:var(--ok)}.verdict.bad .big{color:var(--bad)}
 .cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(170px,1fr));gap:12px;margin:0 0 8px}
 .card{border:1px solid var(--line);border-radius:8px;padding:10px 14px}
@@ -118,22 +119,38 @@ footer{color:var(--muted);font-size:12px;margin-top:36px;border-top:1px solid va
 """.replace("TABLE_HEAD", TABLE_HEAD_COLOR)
 
 
+def verdict(r: dict, sep: str) -> tuple[str, str, str]:
+    """The first thing the report says, (kind, headline, detail): what everything it releases is, not
+    the released model alone, when the two differ (the curve's points and extra seeds are trained on
+    the same private data; an ε = ∞ point or a non-private twin makes the whole run not private)."""
+    ver, privacy = r["verification"], r["privacy"]
+    checks = (f"{sum(c['passed'] for c in ver['checks'])} of {len(ver['checks'])} checks passed, reported with "
+              f"the {ver['accountant'].upper()} accountant ("
+              + sep.join(f"{a.upper()} ε = {bound_text(v, 3)}" for a, v in ver["epsilon"].items()) + ")")
+    if not ver["passed"]:
+        return "bad", "Privacy verification FAILED — do not publish this model as private", f"Not verified: {checks}."
+    model = f"(ε = {bound_text(ver['epsilon_reported'], 2)}, δ = {r['delta_text']})-DP"
+    if not privacy["private"]:
+        return ("warn", "NOT PRIVATE as a whole: " + "; ".join(privacy["not_private"]),
+                f"The released model alone is {model}, verified: {checks}.")
+    if privacy["runs"] > 1:
+        runs = f"{privacy['runs']} DP runs charged to data/budget"
+        return ("ok", f"(ε = {bound_text(privacy['epsilon_composed'], 2)}, "
+                      f"δ = {bound_text(privacy['delta_composed'], 2, exponent=True)})-DP: all this report releases "
+                      f"({runs})", f"The released model alone is {model}, verified: {checks}.")
+    return "ok", model, f"Verified: {checks}."
+
+
 def render_html(r: dict) -> str:
     """r: the report's content, as built by pipeline.report.content.build."""
     e = html.escape
     ver = r["verification"]
-    ok = ver["passed"]
-    n_pass = sum(c["passed"] for c in ver["checks"])
-    eps_line = (f"(ε = {bound_text(ver['epsilon_reported'], 2)}, δ = {r['delta_text']})-DP" if ok
-                else "Privacy verification FAILED — do not publish this model as private")
-    acc_eps = " · ".join(f"{a.upper()} ε = {bound_text(v, 3)}" for a, v in ver["epsilon"].items())
+    kind, big, detail = verdict(r, " · ")
     out = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
            f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{e(r['title'])}</title>"
            f"<style>{CSS}</style></head><body><main>",
            f"<h1>{e(r['title'])}</h1><p class='sub'>{e(r['subtitle'])}</p>",
-           f"<section class='verdict {'ok' if ok else 'bad'}' id='verdict'><div class='big'>{e(eps_line)}</div>"
-           f"<div>{'Verified' if ok else 'Not verified'}: {n_pass} of {len(ver['checks'])} checks passed. "
-           f"Reported with the {ver['accountant'].upper()} accountant; {e(acc_eps)}.</div></section>",
+           f"<section class='verdict {kind}' id='verdict'><div class='big'>{e(big)}</div><div>{e(detail)}</div></section>",
            f"<p class='headline'>{e(r['headline'])}</p>",
            "<div class='cards'>" + "".join(
                f"<div class='card'><div class='k'>{e(k)}</div><div class='v'>{e(v)}</div>"
@@ -180,14 +197,9 @@ def render_html(r: dict) -> str:
 
 def render_markdown(r: dict) -> str:
     ver = r["verification"]
-    n_pass = sum(c["passed"] for c in ver["checks"])
     md = [f"# {r['title']}", "", f"_{r['subtitle']}_", ""]
-    if ver["passed"]:
-        md.append(f"**(ε = {bound_text(ver['epsilon_reported'], 2)}, δ = {r['delta_text']})-DP**, verified: "
-                  f"{n_pass} of {len(ver['checks'])} checks passed ({ver['accountant'].upper()} accountant; "
-                  + ", ".join(f"{a.upper()} ε = {bound_text(v, 3)}" for a, v in ver["epsilon"].items()) + ").")
-    else:
-        md.append("**Privacy verification FAILED — do not publish this model as private.**")
+    _, big, detail = verdict(r, ", ")
+    md.append(f"**{big}.** {detail}")
     md += ["", r["headline"], "", "| | | |", "| --- | --- | --- |"]
     md += [f"| {k} | **{v}** | {d} |" for k, v, d in r["cards"]]
     for s in r["sets"]:
