@@ -16,6 +16,7 @@ Prints a table, then ONE JSON line; `measure()` returns the same figures for oth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import sys
@@ -80,8 +81,9 @@ def measure(latency_ms: float = 20, samples: int = 20000, per_shard: int = 2500,
         server.start()
         try:
             url = parent.recv()
-            build_index([f"{url}/{n}" for n in names], tmp / "index", eval_fraction=0, seed=0,
-                        cache_dir=tmp / "cache", workers=1, check_size=IMAGE_SIZE)
+            with contextlib.chdir(tmp):  # the scan's owner log goes with its scratch, not into the project
+                build_index([f"{url}/{n}" for n in names], tmp / "index", eval_fraction=0, seed=0,
+                            cache_dir=tmp / "cache", workers=1, check_size=IMAGE_SIZE)
             ds = ShardDataset(tmp / "index/private")
             rng = np.random.default_rng(seed)
 

@@ -176,3 +176,49 @@ def test_a_reader_of_thousands_of_local_shards_holds_few_open(tmp_path):
     for path in files:
         assert _check_end(path, 64, 64 + 2 * 512) is None
     assert open_descriptors() == before
+
+
+def test_a_stalled_read_is_given_up_on_and_named(shards, monkeypatch):
+    """A server that accepts the request and never answers (tests/http_server.py's /slow/) held a
+    micro-batch for aiohttp's 300 s an attempt, and the other ranks' NCCL watchdog killed them first
+    with an error naming no shard. Each attempt now waits READ_TIMEOUT_S for the next byte."""
+    import time
+
+    _, server, _, _ = shards
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 0.3)
+    reader = RangeReader([f"{server.url}/slow/s-000000.tar"], max_gap=0)
+    started = time.monotonic()
+    with pytest.raises(ShardReadError, match="/slow/s-000000.tar"):
+        reader.read_many([(0, 0, 512)])
+    assert time.monotonic() - started < 30
+    assert server.requests["/slow/s-000000.tar"] >= 2  # timed out, retried, timed out
+
+
+def test_an_answer_a_retry_would_get_again_is_not_retried():
+    """An expired credential (403) or a forbidden file was retried like a dropped connection, ~3.5 s of
+    backoff a micro-batch before the error; a throttled (429), timed-out (408) or failing (5xx) server
+    still is."""
+    from aiohttp import ClientResponseError, RequestInfo
+    from yarl import URL
+
+    def answer(status):
+        return ClientResponseError(RequestInfo(URL("http://h/s.tar"), "GET", {}), (), status=status)
+
+    calls = []
+
+    def failing(e):
+        def fn():
+            calls.append(e)
+            raise e
+        return fn
+
+    for permanent in (answer(403), answer(416), PermissionError("denied"), FileNotFoundError("gone")):
+        calls.clear()
+        with pytest.raises(type(permanent)):
+            remote.retry(failing(permanent))
+        assert len(calls) == 1, permanent
+    for passing in (answer(503), answer(429), answer(408), ConnectionResetError(), TimeoutError()):
+        calls.clear()
+        with pytest.raises(type(passing)):
+            remote.retry(failing(passing))
+        assert len(calls) == 4, passing

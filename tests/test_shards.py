@@ -424,6 +424,24 @@ def test_batch_loader_in_workers_matches_in_process_and_keeps_order(tmp_path):
     assert torch.allclose(x[0], ((pixels - mean) / std).permute(2, 0, 1), atol=1e-6)
 
 
+
+def test_an_example_that_no_longer_decodes_is_named(tmp_path, monkeypatch):
+    """Bytes changed after the scan (a shard rewritten in place): the error names the example, so the
+    data owner, who alone reads it (dp-train's owner log), can find it; it said only 'cannot identify
+    image file <_io.BytesIO ...>'."""
+    write_set(tmp_path, n=8, per_shard=4)
+    ds = ShardDataset(tmp_path)
+    read = ds.read_samples
+
+    def zeroed(indices, members):
+        return [{**raw, "image": bytes(len(raw["image"]))} if i == 5 else raw
+                for i, raw in zip(indices, read(indices, members))]
+
+    monkeypatch.setattr(ds, "read_samples", zeroed)
+    with pytest.raises(ValueError, match=f"example {ds.key(5)} \\(row 5\\) no longer decodes"):
+        BatchLoader(ds, 4).load(np.array([1, 5]))
+
+
 # -- the stage ----------------------------------------------------------------------------------------------
 
 def run_digits(eval_fraction=0.3) -> None:

@@ -142,7 +142,7 @@ def test_a_shard_list_that_cannot_be_read_is_one_line_naming_it_before_any_scan(
 
     with pytest.raises(sources.SourceError, match="Unbalanced braces"):
         sources.expand_urls(["/x/{0..3.tar"])
-    monkeypatch.setattr(remote.fsspec.core, "url_to_fs", lambda url: (_ for _ in ()).throw(ImportError("no s3fs")))
+    monkeypatch.setattr(remote.fsspec.core, "url_to_fs", lambda url, **options: (_ for _ in ()).throw(ImportError("no s3fs")))
     with pytest.raises(sources.SourceError, match=r"s3:// protocol needs the package s3fs"):
         sources.expand_urls(["s3://bucket/{0..2}.tar"])
     import shutil

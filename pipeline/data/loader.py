@@ -32,7 +32,11 @@ class _Decoded(torch.utils.data.Dataset):
         captions = []
         # The whole micro-batch in one read_samples: its remote reads overlap instead of queueing.
         for j, raw in enumerate(self.dataset.read_samples(indices.tolist(), members)):
-            images[j] = decode_image(raw["image"], self.image_size)
+            try:
+                images[j] = decode_image(raw["image"], self.image_size)
+            except Exception as e:  # which example: dp-train keeps this line for the data owner only
+                raise ValueError(f"example {self.dataset.key(int(indices[j]))} (row {int(indices[j])}) no longer "
+                                 f"decodes, though its shard's scan decoded it: {type(e).__name__}: {e}") from e
             if self.captions:
                 captions.append(raw["txt"].decode("utf-8"))
         return indices, torch.from_numpy(images), captions

@@ -54,10 +54,29 @@ def canonical(url: str) -> str:
     return str(Path(local_path(url)).resolve()) if is_local(url) else url
 
 
+# A stalled connection is given up on and retried, not waited on: aiohttp (fsspec's http client) waits
+# 300 s for a whole answer and forever for its next byte, and `retry`'s attempts of that would outlast
+# NCCL's 10-minute watchdog, which kills the other ranks with an error that names no shard.
+CONNECT_TIMEOUT_S = 30
+READ_TIMEOUT_S = 60  # the longest silence within one answer, not its whole length
+
+
+def storage_options(protocol: str) -> dict:
+    """The connect and read timeouts, in each client's own terms."""
+    if protocol in ("http", "https"):
+        import aiohttp
+
+        return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                                                   sock_read=READ_TIMEOUT_S)}}
+    if protocol in ("s3", "s3a"):
+        return {"config_kwargs": {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}}
+    return {}
+
+
 def filesystem(url: str):
     """(fsspec filesystem, path) with a clear error when the protocol's package is missing."""
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **storage_options(url.split("://", 1)[0] if "://" in url else "file"))
     except ImportError as e:
         protocol = url.split("://", 1)[0]
         extra = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(protocol, str(e))
@@ -72,9 +91,16 @@ def backoff(attempt: int) -> None:
     time.sleep(BACKOFF_S * 2 ** attempt * (0.5 + random.random()))  # jitter: retries do not march in step
 
 
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
 def transient(e: BaseException) -> bool:
-    """Worth retrying (see TRANSIENT)."""
-    return isinstance(e, TRANSIENT) and not isinstance(e, FileNotFoundError)
+    """Worth retrying (see TRANSIENT): not a missing or forbidden file, nor an HTTP answer that a retry
+    gets again (403 from an expired credential, 416); a timeout (408), throttling (429) or 5xx is."""
+    status = getattr(e, "status", None)  # aiohttp's ClientResponseError
+    if isinstance(e, PERMANENT) or (isinstance(status, int) and status < 500 and status not in (408, 425, 429)):
+        return False
+    return isinstance(e, TRANSIENT)
 
 
 def retry(fn, *, attempts: int = 4, retry_on=TRANSIENT):
@@ -82,9 +108,9 @@ def retry(fn, *, attempts: int = 4, retry_on=TRANSIENT):
     for attempt in range(attempts - 1):
         try:
             return fn()
-        except FileNotFoundError:
-            raise
-        except retry_on:
+        except retry_on as e:
+            if not transient(e):
+                raise
             backoff(attempt)
     return fn()
 
