@@ -339,7 +339,18 @@ def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
     report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     out = root / "results/report"
     page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
-    assert "| Linear probe | ε = 1 | ε = 8 | ε = ∞ |" in md
+    # Each ε's column carries the noise its points trained with: σ calibrated to that ε on the recipe's q and T.
+    from pipeline.privacy import accounting
+
+    ver, dp = read_json(root / "results/privacy/verification.json"), params["dp"]
+    q, delta = dp["expected_batch_size"] / ver["n"], accounting.parse_delta(dp["delta"], ver["n"])
+    noise = [accounting.calibrate_sigma(e, q, dp["steps"], delta, accountant=dp["accountant"],
+                                        adjacency=ver.get("adjacency", "add_remove")) / dp["expected_batch_size"]
+             for e in (1, 8)]
+    assert f"| Linear probe | ε = 1 (σ/B = {noise[0]:.3g}) | ε = 8 (σ/B = {noise[1]:.3g}) | ε = ∞ |" in md
+    ledger = read_json(root / "models/dp/ledger.json")  # the released model's own mechanism
+    batch = ledger["sample_rate"] * ledger["n"]
+    assert f"linear probe on digits; σ = {ver['sigma']:.3g}, σ/B = {ledger['sigma'] / batch:.3g}" in md
     assert "| DP from the synthetic warm start | 80.0 (77.0–83.0) | 81.0 (78.0–84.0) | 85.0 (82.0–88.0) |" in md
     assert "| DP from random init | 50.0 (47.0–53.0) |" in md
     assert "id='curve'" in page and "over 3 training seeds" in page

@@ -15,7 +15,8 @@ from pipeline.privacy.plan import Plan
 from pipeline.report import plots
 from pipeline.report.accuracy import headline_sentence, points_ci, protocol_legend, signed
 from pipeline.report.curves import curve_section
-from pipeline.report.privacy import adjacency_text, data_card, delta_text, epsilon_curves, noise_text
+from pipeline.report.privacy import (adjacency_text, data_card, delta_text, epsilon_curves, noise_scale_text,
+                                     noise_text)
 from pipeline.report.render import accuracy_table, params_yaml
 
 
@@ -39,7 +40,7 @@ def accuracy_sets(metrics: dict, objective: str, out: Path) -> list[dict]:
 
 
 def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dict, versus: dict, primary: str,
-                  privacy: dict) -> list:
+                  privacy: dict, noise: str) -> list:
     """The cards at the top: ε, the data, and each model's linear probe against the DP model's. The ε is
     what everything the report releases composes to: with the curve's points or evaluate's extra seeds
     (a row's mean over k DP trainings), more than the released model's own."""
@@ -55,10 +56,18 @@ def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dic
                   f"ε = {bound_text(ver['epsilon_reported'], 2)}, {mechanism}")]
     cards.append(data_card(stats) if stats is not None else ("Data", "n/a", "no shard stats"))
     for name in lp:
-        diff = (f"linear probe on {primary}" if name == "dp" else
+        diff = (f"linear probe on {primary}; σ = {ver['sigma']:.3g}, {noise}" if name == "dp" else
                 f"DP model {points_ci(versus[name]) if name in versus else signed(100 * (lp['dp'] - lp[name])) + ' points'}")
         cards.append((models[name]["label"], f"{100 * lp[name]:.1f}%", diff))
     return cards
+
+
+def point_plan(params: dict, ver: dict, epsilon: float) -> Plan:
+    """The mechanism the curve trained its point at `epsilon` with: the recipe's, σ calibrated to it."""
+    from pipeline.privacy.plan import plan_mechanism
+    from pipeline.privacy.training import point_params
+
+    return plan_mechanism(point_params(params, "pretrain", epsilon)["dp"], ver["n"], ver.get("adjacency", "add_remove"))
 
 
 def clipping_options_text(dp: dict) -> str:
@@ -137,7 +146,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
                                         if n in lp}, figures["privacy_utility"])
     curve = curve_section(metrics.get("privacy_utility"),
                           {n: (models[n]["label"], lp[n]) for n in ("synthetic", "random", "pixels") if n in lp},
-                          out / "privacy_utility_curve.png", dp)
+                          out / "privacy_utility_curve.png", dp, lambda e: noise_scale_text(point_plan(params, ver, e)))
 
     primary_set = metrics["sets"][primary]
     headline = headline_sentence(primary, primary_set, models, {
@@ -155,7 +164,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
         "subtitle": (f"{recipe_title(plan.objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
                      f"· generated {when} · commit {git_commit()[:12]}"),
         "headline": headline + (" " + curve["sentence"] if curve else ""),
-        "cards": summary_cards(ver, dp, stats, lp, models, primary_set.get("dp_versus", {}), primary, privacy),
+        "cards": summary_cards(ver, dp, stats, lp, models, primary_set.get("dp_versus", {}), primary, privacy,
+                               noise_scale_text(plan)),
         "delta_text": delta_text(ver["delta"], dp.get("delta")),
         "mechanism": mechanism_rows(ver, plan, dp, privacy), "colors": plots.MODEL_COLORS,
         "params_yaml": params_yaml(params),

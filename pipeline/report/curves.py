@@ -99,8 +99,9 @@ def twin_text(dp: dict) -> str:
             + ", ".join(f"{k} {v:g}" for k, v in own.items()) + f"; the DP points: steps {dp['steps']}, lr {dp['lr']:g})")
 
 
-def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict) -> dict | None:
-    """The privacy–utility curve's figure, table (one row per init, one column per ε) and sentence."""
+def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict, noise_at=None) -> dict | None:
+    """The privacy–utility curve's figure, table (one row per init, one column per ε, headed by the
+    noise `noise_at(ε)` its points were trained with) and sentence."""
     if not curve or not curve.get("points"):
         return None
     points = curve["points"]
@@ -130,5 +131,6 @@ def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict) -> 
                f"interval {over}) of the {recipe_title(curve['objective'])} recipe retrained at each ε, from each init; "
                f"{twin_text(dp)}. {len(spent)} of the points are DP trainings on the "
                "private data: what all DP runs charged to the budget compose to is in the mechanism table.")
-    return {"figure": path, "columns": ["ε = ∞" if e == "inf" else f"ε = {e:g}" for e in epsilons], "rows": rows,
+    columns = ["ε = ∞" if e == "inf" else f"ε = {e:g}" + (f" ({noise_at(e)})" if noise_at else "") for e in epsilons]
+    return {"figure": path, "columns": columns, "rows": rows,
             "caption": caption, "sentence": sentence + "."}

@@ -59,6 +59,15 @@ def noise_text(ver: dict, plan: Plan) -> str:
     return f"σ = {ver['sigma']:.4f} (std {std:.4f}, drawn to {plan.noise_edge:.2f} std); {per}"
 
 
+def noise_scale_text(plan: Plan) -> str:
+    """What a DP accuracy is read beside: the noise on one coordinate of the averaged gradient, σ/B
+    (per example: it falls as the batch grows), or Dp-CLIP's 2σC on the batch's clipped mean (per
+    batch: whatever B)."""
+    if plan.clipping == "per_batch":
+        return f"2σC = {plan.noise_std:.3g}, whatever B"
+    return f"σ/B = {plan.sigma / plan.denominator:.3g}"
+
+
 def delta_text(delta: float, param) -> str:
     named = f" = {param}" if isinstance(param, str) else ""
     return f"{bound_text(delta, 2, exponent=True)}{named}"
