@@ -196,7 +196,8 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
     whole = client.create_run(exp, tags={"dpfm.pipeline": "true", "dpfm.private": "false"}).info.run_id
     stage_run("evaluate", "p2", {"dp_linear_probe_acc": 0.7, "epsilon": 8.0},
               {"dvc.input.models/dp": "h2", "dpfm.objective": "mae", **digits})
-    stage_run("evaluate", whole, {"dp_linear_probe_acc": 0.75, "epsilon": 8.0},
+    stage_run("evaluate", whole, {"dp_linear_probe_acc": 0.75, "epsilon": 8.0, "digits.dp.linear_probe_ci_lo": 0.7,
+                                  "digits.dp.linear_probe_ci_hi": 0.79},
               {"dvc.input.models/dp": "h2", "dpfm.objective": "mae", **digits})
     # An ε under add/remove is on another axis (about half replace-one's for the same mechanism).
     stage_run("evaluate", "p7", {"dp_linear_probe_acc": 0.8, "epsilon": 4.0},
@@ -212,6 +213,7 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
     points, note = report_curves.experiment_points("dpfm", current_model_hash="h2", primary_set="digits")
     got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"], p["private_as_a_whole"]) for p in points)
     assert got == [(2.0, 0.6, "clip", False, None), (8.0, 0.75, "mae", True, False)]
+    assert sorted((p["epsilon"], p["ci"]) for p in points) == [(2.0, None), (8.0, [0.7, 0.79])]  # where it was logged
     assert "2 DP model(s) evaluated on digits" in note and "1 evaluation(s) under the other adjacency" in note
     assert [p["accuracy"] for p in report_curves.experiment_points("dpfm", None, "digits", "add_remove")[0]] == [0.8]
     assert [p["accuracy"] for p in report_curves.experiment_points("dpfm", None, "fashion")[0]] == [0.91]
@@ -521,3 +523,8 @@ def test_the_experiment_plot_keeps_its_whole_legend_and_skips_points_it_cannot_p
     image = np.asarray(Image.open(path).convert("L"))
     edges = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
     assert edges.min() == 255, "the legend runs past the picture's edge"
+    # A point's 95% interval, where its run logged one, is drawn as an error bar from lo to hi.
+    bars = []
+    monkeypatch.setattr(plots.plt.Axes, "errorbar", lambda ax, x, y, yerr, **kw: bars.append((x, y, yerr)))
+    plots.plot_privacy_utility([{**points[1], "ci": [0.8, 0.87]}, points[0]], {}, path)
+    assert [(x, y, [[round(a, 6) for a in e] for e in yerr]) for x, y, yerr in bars] == [(4.0, 85.0, [[5.0], [2.0]])]

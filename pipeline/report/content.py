@@ -139,7 +139,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     if not any(p["current"] for p in points):  # the released model at its ε (over seeds, the first is it)
         dp_row = metrics["sets"][primary]["results"]["dp"]
         points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": released(dp_row)["linear_probe"],
-                            "objective": plan.objective, "current": True}]
+                            "ci": released(dp_row).get("linear_probe_ci"), "objective": plan.objective,
+                            "current": True}]
     # This run's verdict is the report's own (its parent is tagged after it ends).
     points = [p | {"private_as_a_whole": privacy["private"]} if p["current"] else p for p in points]
     plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
@@ -169,7 +170,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
         "delta_text": delta_text(ver["delta"], dp.get("delta")),
         "mechanism": mechanism_rows(ver, plan, dp, privacy), "colors": plots.MODEL_COLORS,
         "params_yaml": params_yaml(params),
-        "pu_caption": (f"Linear-probe accuracy on {primary} against verified ε. {source}. Star: this run. "
+        "pu_caption": (f"Linear-probe accuracy on {primary} against verified ε (linear up to 1, logarithmic "
+                       f"beyond), with its 95% interval where the run logged one. {source}. Star: this run. "
                        f"Baselines from this run: synthetic-only (no private data, ε = 0), non-private (ε = ∞, "
                        f"when trained) and random init. Each point keeps the eval protocol of its own run."
                        + (" A hollow point is a model DP at its ε from a run NOT PRIVATE as a whole (its other "

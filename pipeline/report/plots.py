@@ -77,8 +77,15 @@ def plot_accuracy(columns: list[str], rows: list[dict], chance: float, path) -> 
         _save(fig, path)
 
 
+def _interval_bar(ax, x: float, accuracy: float, ci) -> None:
+    """A 95% interval [lo, hi] (fractions) as an error bar at x, in %."""
+    below, above = max(accuracy - ci[0], 0.0), max(ci[1] - accuracy, 0.0)  # a clipped end cannot go negative
+    ax.errorbar(x, 100 * accuracy, yerr=[[100 * below], [100 * above]], fmt="none", ecolor=MODEL_COLORS["dp"],
+                elinewidth=0.9, capsize=2, alpha=0.6, zorder=2)
+
+
 def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
-    """points: {epsilon, accuracy, objective, current, private_as_a_whole} per DP model (hollow when its
+    """points: {epsilon, accuracy, ci ([lo, hi] or None), objective, current, private_as_a_whole} per DP model (hollow when its
     run was NOT PRIVATE as a whole: the model is DP at its ε, the run's other outputs are not);
     baselines: {name: (label, accuracy)}."""
     with plt.rc_context(STYLE):
@@ -90,6 +97,8 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
             key = (obj, whole)
             label = None if key in seen else f"DP runs ({recipe_name(obj)}){'' if whole else ', run NOT PRIVATE'}"
             seen.add(key)
+            if p.get("ci"):
+                _interval_bar(ax, p["epsilon"], p["accuracy"], p["ci"])
             ax.scatter(p["epsilon"], 100 * p["accuracy"], marker=markers.get(obj, "D"), s=36, alpha=0.75,
                        color=MODEL_COLORS["dp"] if whole else "none", edgecolor="white" if whole else MODEL_COLORS["dp"],
                        lw=0.5 if whole else 1.2, label=label, zorder=3)
@@ -100,7 +109,7 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
             ax.scatter(c["epsilon"], 100 * c["accuracy"], marker="*", s=220, color=MODEL_COLORS["dp"] if whole else "none",
                        edgecolor="black", lw=0.8, label="this run" + ("" if whole else " (NOT PRIVATE as a whole)"),
                        zorder=4)
-        xmax = max([p["epsilon"] for p in points] + [1.0]) * 1.15
+        xmax = max([p["epsilon"] for p in points] + [1.0]) * 1.5
         if "synthetic" in baselines:  # no private data seen: ε = 0
             label, acc = baselines["synthetic"]
             ax.scatter(0, 100 * acc, marker="D", s=40, color=MODEL_COLORS["synthetic"], label=f"{label}, ε = 0",
@@ -110,10 +119,15 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
                 label, acc = baselines[name]
                 suffix = " (ε = ∞)" if name == "nonprivate" and "ε = ∞" not in label else ""
                 ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.2, label=label + suffix)
-        accs = [p["accuracy"] for p in points] + [a for _, a in baselines.values()]
+        accs = [p["accuracy"] for p in points] + [a for _, a in baselines.values()] + \
+            [end for p in points for end in p.get("ci") or ()]
         lo = max(0.0, math.floor(min(accs) * 10 - 0.5) * 10) if accs else 0.0
         hi = min(100.0, math.ceil(max(accs) * 10 + 0.5) * 10) if accs else 100.0
-        ax.set(xlim=(-0.02 * xmax, xmax), ylim=(lo, hi), xlabel="ε (verified)", ylabel="linear-probe accuracy (%)",
+        ax.set_xscale("symlog", linthresh=1.0)  # runs from ε = 0.5 to 64 apart; the warm start at ε = 0
+        ticks = [t for t in (0, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256) if t <= xmax]
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.set(xlim=(0, xmax), ylim=(lo, hi), xlabel="ε (verified)", ylabel="linear-probe accuracy (%)",
                title="Privacy–utility across the experiment's runs")
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
         _save(fig, path)
