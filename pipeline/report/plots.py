@@ -85,9 +85,9 @@ def _interval_bar(ax, x: float, accuracy: float, ci) -> None:
 
 
 def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
-    """points: {epsilon, accuracy, ci ([lo, hi] or None), objective, current, private_as_a_whole} per DP model (hollow when its
-    run was NOT PRIVATE as a whole: the model is DP at its ε, the run's other outputs are not);
-    baselines: {name: (label, accuracy)}."""
+    """points: {epsilon, accuracy, ci ([lo, hi] or None), objective, current, private_as_a_whole} per DP
+    model (hollow when its run was NOT PRIVATE as a whole: the model is DP at its ε, the run's other
+    outputs are not); baselines: {name: (label, accuracy)}."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(5.0, 4.2))
         markers = {"mae": "o", "caption": "s", "clip": "^"}
