@@ -5,7 +5,9 @@
 Renders the way the `synthetic` stage does (render_items over a block of
 programs x frames) at 64x64 and 224x224: on CPU with one thread (the per-core
 figure the pipeline plans with) and, where torch.cuda.is_available(), on the
-GPU.  Prints a table, then ONE JSON line with the figures and target ratios.
+GPU. Then the stage's other per-image cost, the PNG it stores each image as, at
+the stage's zlib level beside pillow's usual 6, on the 224 px images. Prints a
+table, then ONE JSON line with the figures and target ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline.data import synthetic as S  # noqa: E402
+from pipeline.data.shards import encode_png  # noqa: E402
+from pipeline.stages.synthetic import PNG_LEVEL  # noqa: E402
 
 TARGET_CPU_224_PER_CORE = 50.0   # images/s on one core
 TARGET_CUDA_224 = 5000.0         # images/s on one GPU
@@ -35,6 +39,16 @@ def _warm_up(device) -> None:
     """First calls of each kernel and the noise bank are one-off costs: pay them
     on programs (ids 0..63, every block kind) outside the timed workloads."""
     S.render_items(_items(64, 1, first=0), 32, base_seed=BASE_SEED, device=device)
+
+
+def _png_ms(images, level: int, repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` ms per image to encode `images` at zlib `level`, and KiB per image."""
+    best, size = float("inf"), 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        size = sum(len(encode_png(im, level)) for im in images)
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best / len(images), size / len(images) / 1024
 
 
 def _time(items, resolution, device, repeats) -> tuple[float, float]:
@@ -73,6 +87,8 @@ def main(argv=None) -> dict:
             secs, ips = _time(_items(progs, frames), res, "cpu", repeats)
             fig[f"cpu_{res}_per_core"] = round(ips, 1)
             rows.append(("cpu x1 thread", res, progs * frames, secs, ips))
+        images = S.render_items(_items(*cpu_cases[-1][1:]), 224, base_seed=BASE_SEED).numpy()
+        png = {level: _png_ms(images, level, repeats) for level in (6, PNG_LEVEL)}
     finally:
         torch.set_num_threads(threads_before)
 
@@ -88,6 +104,13 @@ def main(argv=None) -> dict:
         print(f"{dev:<26}{res:>6}{n:>8}{secs:>10.2f}{ips:>11.1f}")
     print(f"(best of {repeats}; targets: {TARGET_CPU_224_PER_CORE:.0f}/s per core at 224, "
           f"{TARGET_CUDA_224:.0f}/s per GPU at 224)")
+    render_ms = 1e3 / fig["cpu_224_per_core"]
+    stage = {level: render_ms + ms for level, (ms, _) in png.items()}
+    for level, (ms, kib) in png.items():
+        print(f"224 px PNG at zlib level {level}: {ms:.1f} ms and {kib:.0f} KiB an image; rendered and stored: "
+              f"{stage[level]:.1f} ms an image on one core")
+    print(f"the stage's level {PNG_LEVEL} against 6: {stage[6] / stage[PNG_LEVEL]:.2f}x the images per core, "
+          f"{png[PNG_LEVEL][1] / png[6][1]:.2f}x the bytes")
 
     result = {
         **fig,
@@ -96,6 +119,9 @@ def main(argv=None) -> dict:
         "cuda_224": fig.get("cuda_224"),
         "target_cuda_224": TARGET_CUDA_224,
         "cuda_224_ratio": round(fig["cuda_224"] / TARGET_CUDA_224, 2) if "cuda_224" in fig else None,
+        "png_224_ms": {str(level): round(ms, 2) for level, (ms, _) in png.items()},
+        "png_224_kib": {str(level): round(kib, 1) for level, (_, kib) in png.items()},
+        "stage_224_speedup_over_level_6": round(stage[6] / stage[PNG_LEVEL], 2),
         "quick": args.quick,
         "repeats": repeats,
         "torch": torch.__version__,

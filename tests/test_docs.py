@@ -411,3 +411,10 @@ def test_the_checks_catch_mistakes(snakemake_help):
             f"{fine!r} was reported:\n{reported}"
     # The continuation line joins its command, reported at the line the command starts on.
     assert "docs/planted.md:11: `python -m benchmarks.scale_utility --dir /tmp/x --no-such-flag 3`" in reported
+
+
+def test_no_benchmark_takes_the_name_of_a_standard_module():
+    """`python benchmarks/X.py`, as several docstrings show it, puts benchmarks/ first on sys.path: a
+    benchmarks/tokenize.py stopped every such run (numpy's import of inspect found it, not Python's)."""
+    names = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    assert names & set(sys.stdlib_module_names) == set()

@@ -142,10 +142,11 @@ def write_shard(path: Path, shard_id: int, samples: Iterable[tuple[str, bytes, s
     return rows, shard.close()
 
 
-def encode_png(image: np.ndarray) -> bytes:
+def encode_png(image: np.ndarray, compress_level: int = 6) -> bytes:
+    """Lossless, so the level moves only the bytes and the time. Fixed, so the bytes do not depend on
+    pillow's default; a labelled set's level is part of its examples' content hashes (the budget's)."""
     buf = io.BytesIO()
-    # compress_level fixed so the bytes do not depend on pillow defaults changing.
-    Image.fromarray(image).save(buf, format="PNG", compress_level=6)
+    Image.fromarray(image).save(buf, format="PNG", compress_level=compress_level)
     return buf.getvalue()
 
 

@@ -1,7 +1,7 @@
 """Tokenizing sampled captions (pipeline/data/tokenizer.py, Tokenizer.encode), as dp-train does for
 every micro-batch of the captioner and CLIP in its own process.
 
-    python -m benchmarks.tokenize [--captions 100000] [--max-len 14] [--vocab-size 512]
+    python -m benchmarks.caption_tokens [--captions 100000] [--max-len 14] [--vocab-size 512]
 
 Trains the tokenizer stage's model on its public corpus, then encodes --captions digits captions
 with Tokenizer.encode and with the baseline it replaced (one tensor per caption, the encode of
