@@ -79,6 +79,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             data = f.read(end - start)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Accept-Ranges", "none" if server.ignore_range else "bytes")
+        stat = file.stat()
+        self.send_header("ETag", f'"{stat.st_mtime_ns:x}-{stat.st_size:x}"')  # as nginx forms it
         self.end_headers()
         if body:
             try:

@@ -222,3 +222,29 @@ def test_an_answer_a_retry_would_get_again_is_not_retried():
         with pytest.raises(type(passing)):
             remote.retry(failing(passing))
         assert len(calls) == 4, passing
+
+
+def test_a_remote_shard_rewritten_in_place_is_refused_before_training(tmp_path, serve):
+    """Two images of one size swapped inside a remote shard: every member keeps its name and size, so
+    each read's header check passes and training would read bytes the scan never decoded and the
+    budget never counted. The index keeps the store's ETag, and dp-train's first open asks again."""
+    from pipeline.data.index import IndexMismatch
+
+    write_set(tmp_path / "w", n=10, per_shard=10)
+    server = serve(tmp_path / "w")
+    _, ds = index([f"{server.url}/s-000000.tar"], tmp_path)
+    assert ds.shards[0]["ETag"]  # kept from the scan
+    ShardDataset(tmp_path / "out" / "private", check_versions=True)  # unchanged: opens
+
+    local = ShardDataset(tmp_path / "w")
+    sizes, offsets = local._rows.sizes["image"], local._rows.offsets["image"]
+    a, b = next((a, b) for a in range(10) for b in range(a + 1, 10) if sizes[a] == sizes[b])
+    tar = tmp_path / "w" / "s-000000.tar"
+    data, size = bytearray(tar.read_bytes()), int(sizes[a])
+    (oa, ob) = (int(offsets[a]), int(offsets[b]))
+    data[oa:oa + size], data[ob:ob + size] = data[ob:ob + size], data[oa:oa + size]
+    tar.write_bytes(bytes(data))
+
+    assert len(ds.read_samples([a, b], ("image",))) == 2  # a read alone does not notice
+    with pytest.raises(IndexMismatch, match="s-000000.tar is not the shard .* version tag has changed"):
+        ShardDataset(tmp_path / "out" / "private", check_versions=True)

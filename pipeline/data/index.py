@@ -95,7 +95,7 @@ def open_index(path: str | Path) -> pq.ParquetFile:
 @contextmanager
 def index_writer(path: str | Path, shards: list[dict]):
     """Stream tables into an index file written atomically, then derive its usable.idx from it;
-    `shards` is [{"url", "size"}] by shard_id."""
+    `shards` is [{"url", "size"} and the store's version tags, if any] by shard_id."""
     schema = SCHEMA.with_metadata({META_KEY: json.dumps({"version": VERSION, "shards": shards})})
     with atomic_path(path) as tmp:
         writer = pq.ParquetWriter(tmp, schema)
@@ -171,7 +171,7 @@ def write_usable(parquet: Path) -> None:
 
 
 def read_index(directory: str | Path) -> tuple[UsableRows, list[dict], dict]:
-    """(usable rows, shards [{"url": resolved, "size"}], counts by status) of a shard directory.
+    """(usable rows, shards [{"url": resolved, "size", version tags}], counts by status) of a shard directory.
 
     The rows are mapped read-only from usable.idx, which is derived from index.parquet first where
     it is missing (an index written before it existed) or was derived from another index.parquet.
@@ -189,7 +189,7 @@ def read_index(directory: str | Path) -> tuple[UsableRows, list[dict], dict]:
                     raise OSError(e.errno, f"{usable} is missing or out of date and cannot be written ({e}): "
                                            "re-run the shards stage, or make the directory writable") from e
     rows, footer = map_usable(usable)
-    shards = [{"url": resolve_shard(directory, s["url"]), "size": s.get("size")} for s in footer["shards"]]
+    shards = [{**s, "url": resolve_shard(directory, s["url"]), "size": s.get("size")} for s in footer["shards"]]
     return rows, shards, footer["counts"]
 
 
@@ -462,7 +462,8 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     same_content = duplicate_mask(contents, usable & ~dup)
     del contents
 
-    shards = [{"url": info["url"], "size": info["size"]} for _, info in good]
+    shards = [{"url": info["url"], "size": info["size"], **{k: info[k] for k in remote.VERSION_TAGS if k in info}}
+              for _, info in good]
     counts = {s: dict.fromkeys(STATUSES, 0) for s in ("private", "eval")}
     out_dir = Path(out_dir)
     with index_writer(out_dir / "private" / INDEX_NAME, shards) as write_private, \

@@ -258,12 +258,18 @@ def _cat_or_error(fs, path: str, start: int, end: int):
         return e
 
 
+# What a store says of an object's content version (HTTP's and S3's ETag, GCS's generation): the tags
+# the index keeps, to tell before training that a shard was rewritten in place. Times are not among them:
+# a copy, or a re-upload of the same bytes, moves them.
+VERSION_TAGS = ("ETag", "etag", "generation")
+
+
 def fingerprint(url: str) -> dict:
     """Size and, where the store has one, a version tag: enough to tell that a shard changed."""
     fs, path = filesystem(url)
     info = fs.info(path)
     out = {"size": info.get("size")}
-    for key in ("mtime", "ETag", "etag", "LastModified", "generation"):
+    for key in ("mtime", *VERSION_TAGS, "LastModified"):
         if key in info:
             out[key] = str(info[key])
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
@@ -19,7 +20,8 @@ from PIL import Image
 
 from pipeline.data.index import INDEX_NAME, IndexMismatch, content_hash, read_index, read_usable_table, write_index
 from pipeline.data.index_mmap import USABLE_NAME, map_usable
-from pipeline.data.remote import RangeReader, ShardReadError, is_local, local_path
+from pipeline.data.remote import (MAX_CONCURRENCY, VERSION_TAGS, RangeReader, ShardReadError, fingerprint, is_local,
+                                  local_path, retry)
 from pipeline.data.transforms import decode_image
 from pipeline.io import atomic_path
 from pipeline.privacy import owner
@@ -172,10 +174,12 @@ class ShardDataset:
     and checks the tar headers around them against the index.
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, check_versions: bool = False):
         self.directory = Path(directory)
         self._rows, self.shards, self.status_counts = read_index(self.directory)
         self._check_local_sizes()
+        if check_versions:
+            self.check_remote_versions()
         self._reader = RangeReader([s["url"] for s in self.shards])
         self._index_dict = None
 
@@ -193,6 +197,21 @@ class ShardDataset:
                                            f"was built from {s['size']} bytes")
                 raise IndexMismatch(f"{path} is not the shard {self.directory / INDEX_NAME} was built from (its size "
                                     f"differs: {log}): re-run the shards stage")
+
+    def check_remote_versions(self) -> None:
+        """Once before training: every remote shard whose store gave a version tag at the scan (an ETag,
+        a generation) is asked for it again, concurrently. A shard rewritten in place with members of
+        the same names and sizes passes every read's header check, and its examples would be neither
+        the ones the scan decoded nor the ones the budget counts."""
+        tagged = [s for s in self.shards if not is_local(s["url"]) and any(k in s for k in VERSION_TAGS)]
+        if not tagged:
+            return
+        with ThreadPoolExecutor(min(MAX_CONCURRENCY, len(tagged))) as pool:
+            now = list(pool.map(lambda s: retry(lambda: fingerprint(s["url"])), tagged))
+        for s, current in zip(tagged, now):
+            if current.get("size") != s["size"] or any(current.get(k) != s[k] for k in VERSION_TAGS if k in s):
+                raise IndexMismatch(f"{s['url']} is not the shard {self.directory / INDEX_NAME} was built from (the "
+                                    "store's version tag has changed since the scan): re-run the shards stage")
 
     @property
     def index(self) -> dict:

@@ -131,7 +131,7 @@ def setup(params: dict, device: str) -> "Trainer":
     tokenizer = Tokenizer(artifact("tokenizer")) if objective(dp["objective"]).tokens else None
     mcfg = ModelConfig.from_params(params["model"], dp["objective"], tokenizer.vocab_size if tokenizer else None)
     shards = artifact("shards")
-    n = len(ShardDataset(shards / "private"))
+    n = len(ShardDataset(shards / "private", check_versions=True))  # a shard rewritten since: stop before any charge
     stats = read_json(shards / "stats.json")
     stats_n = stats["private"]["usable"]
     if n != stats_n:
