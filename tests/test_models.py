@@ -179,6 +179,14 @@ def test_random_masking_uses_given_noise():
     assert torch.equal(torch.gather(torch.argsort(noise, 1), 1, ids_restore), torch.arange(8).expand(2, 8))
 
 
+def test_the_mask_counts_patches_exactly_in_bf16_activations():
+    """MAE's loss is the sum over masked patches over their count: a bf16 mask (the activations'
+    dtype under autocast) reads the 271 masked patches of a 19x19 grid as 272."""
+    x = torch.zeros(1, 361, 4, dtype=torch.bfloat16)
+    _, mask, _ = random_masking(x, 0.75, torch.rand(1, 361))
+    assert mask.dtype == torch.float32 and mask.sum().item() == 361 - int(361 * 0.25)
+
+
 def test_masked_patches_do_not_reach_encoder():
     vit = build_encoder(MICRO)
     imgs, noise = images(1), mask_noise(1)

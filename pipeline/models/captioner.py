@@ -38,7 +38,6 @@ class Captioner(nn.Module):
         self.encoder = encoder
         self.mask_ratio = mask_ratio
         self.pad_id = pad_id
-        self.max_len = max_len
         self.image_proj = nn.Linear(encoder.width, width, bias=bias)
         self.decoder = TextTransformer(
             vocab_size, width, depth, heads, max_len, mlp_ratio, bias=bias, cross_attention=True

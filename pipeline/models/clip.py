@@ -80,11 +80,6 @@ class CLIP(nn.Module):
         pooled = torch.gather(x, 1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
         return F.normalize(self.text_proj(pooled), dim=-1)
 
-    def logits(self, imgs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Scaled cosine similarities, (B, B): row i = image i against every caption."""
-        img, txt = self.encode_image(imgs), self.encode_text(tokens)
-        return self._scale(img).unsqueeze(1) * img @ txt.t()
-
     def _scale(self, img: torch.Tensor) -> torch.Tensor:
         # The (B,) broadcast of the log temperature keeps the leaf-module contract; clamp as CLIP.
         return self.logit_scale(img).clamp(max=math.log(100.0)).exp()

@@ -72,7 +72,6 @@ class LogitScale(BroadcastParameter):
         super().__init__(init_value=math.log(1.0 / init_temperature))
 
 
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """Multi-head attention on (B, heads, L, head_dim) tensors."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
