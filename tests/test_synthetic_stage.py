@@ -196,3 +196,18 @@ def test_quality_sample_is_seeded_and_capped(tmp_path, monkeypatch):
     again = synthetic_stage.quality_sample(tmp_path / artifact("synthetic"), 36, 7)
     assert first.shape == (10, 16, 16, 3) and np.array_equal(first, again)
     shutil.rmtree(tmp_path / ".dpfm", ignore_errors=True)
+
+
+def test_a_finished_run_removes_what_another_configurations_killed_run_left(reference, tmp_path, monkeypatch, capsys):
+    """Killed at 32 px, then run to the end at 16 px: the 32 px shards would never be resumed by it,
+    and at ViP's scale they are ~70 GB of .dpfm/state."""
+    ref, _ = reference
+    with monkeypatch.context() as m:
+        patch_build(m, fail_after=2)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run_stage(tmp_path, resolution=32)
+    assert len(staged(tmp_path)) == 2
+    run_stage(tmp_path)
+    assert staged(tmp_path) == [] and list((tmp_path / ".dpfm/state").glob("synthetic-*")) == []
+    assert "2 shards another configuration's unfinished run left" in capsys.readouterr().out
+    assert output_bytes(tmp_path) == output_bytes(ref)

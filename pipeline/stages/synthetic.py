@@ -146,6 +146,17 @@ def assemble(out: Path, staging: Path, records: list[dict]) -> None:
     write_json(out / MANIFEST, {"shards": [{k: r[k] for k in fields} for r in records]})
 
 
+def remove_other_renders(kept: Path) -> None:
+    """The shards a killed run left for another configuration (other params, seed, generator or machine):
+    nothing resumes them once this one is done, and at ViP's scale each is ~70 GB. The stage's lock
+    (one synthetic job per project) means no other render is in flight here."""
+    for old in sorted(kept.parent.glob("synthetic-*")):
+        if old != kept and old.is_dir():
+            tars = len(list(old.glob("*.tar")))
+            shutil.rmtree(old, ignore_errors=True)
+            print(f"synthetic: removed {old}: {tars} shards another configuration's unfinished run left")
+
+
 def run(params: dict, ctx) -> None:
     cfg, seed = params["synthetic"], params["run"]["seed"]
     n, shards = total_images(cfg), num_shards(cfg)
@@ -175,6 +186,7 @@ def run(params: dict, ctx) -> None:
                  "near_constant_target": NEAR_CONSTANT_TARGET, "diversity": synthetic.diversity(sample)}
         write_json(out / "stats.json", stats)
     shutil.rmtree(staging, ignore_errors=True)  # the output now holds every shard
+    remove_other_renders(staging)
 
     ctx.tracker.log_metrics({"images": n, "shards_resumed": shards - len(todo),
                              "near_constant_fraction": stats["near_constant_fraction"],
