@@ -67,8 +67,9 @@ def random_masking(x: torch.Tensor, mask_ratio: float, noise: torch.Tensor | Non
     ids_restore = torch.argsort(ids_shuffle, dim=1)
     ids_keep = ids_shuffle[:, :len_keep]
     x_kept = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, D))
-    # Build the mask in shuffled order (first len_keep kept), then unshuffle.
-    mask = torch.ones(B, L, device=x.device)  # fp32 under autocast too: bf16 counts masked patches past 256 inexactly
+    # Build the mask in shuffled order (first len_keep kept), then unshuffle. fp32 under autocast too:
+    # bf16 counts masked patches past 256 inexactly.
+    mask = torch.ones(B, L, device=x.device)
     mask[:, :len_keep] = 0
     mask = torch.gather(mask, 1, ids_restore)
     return x_kept, mask, ids_restore
