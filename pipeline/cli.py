@@ -105,6 +105,13 @@ def run_stage(name: str, params_path: str = "params.yaml", overrides=(), resolve
         run(params, StageContext(st, tracker, threads, device))
 
 
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (every core) or more, got {value}")
+    return value
+
+
 def add_params_arguments(p: argparse.ArgumentParser, threads: str | None = None) -> None:
     """--params and --set, for a command that reads params.yaml; with `threads` (its help), also what
     Snakemake passes the jobs it runs: --resolved and --threads."""
@@ -113,7 +120,7 @@ def add_params_arguments(p: argparse.ArgumentParser, threads: str | None = None)
                    help="override one parameter (repeatable); the value is parsed as YAML")
     if threads is not None:
         p.add_argument("--resolved", help=argparse.SUPPRESS)  # the params Snakemake validated (rules/common.smk)
-        p.add_argument("--threads", type=int, default=0, help=threads)
+        p.add_argument("--threads", type=non_negative, default=0, help=threads)
 
 
 def build_parser() -> argparse.ArgumentParser:

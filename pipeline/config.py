@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import re
 from pathlib import Path
@@ -122,6 +123,7 @@ def apply_overrides(params: dict, overrides) -> dict:
     params = copy.deepcopy(params)
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()  # 'dp.epsilon = 4' names dp.epsilon
         if not sep or not key:
             raise ParamsError([f"--set {item!r}: expected section.key=value"])
         node = params
@@ -257,7 +259,9 @@ def _describe_error(error: jsonschema.ValidationError, schema: dict) -> str:
         allowed = sorted(node.get("properties", {}))
         unknown = sorted(str(k) for k in set(error.instance) - set(allowed))  # YAML keys may be null or numbers
         prefix = f"{path}." if error.absolute_path else ""
-        return f"unknown key {', '.join(prefix + u for u in unknown)} (allowed keys: {', '.join(allowed)})"
+        close = [f"{prefix}{c}" for u in unknown for c in difflib.get_close_matches(u, allowed, n=1)]
+        return (f"unknown key {', '.join(prefix + u for u in unknown)}"
+                + (f" (did you mean {', '.join(close)}?)" if close else "") + f" (allowed keys: {', '.join(allowed)})")
     if kind == "required":
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         prefix = f"{path}." if error.absolute_path else ""

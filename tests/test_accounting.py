@@ -372,6 +372,20 @@ def test_cli_plan_schedules_reach_epsilon_and_larger_batches_cut_the_noise(capsy
     assert "must lie in 1..n=100" in capsys.readouterr().err
 
 
+def test_cli_plan_of_per_batch_clipping_divides_its_noise_by_no_batch(capsys):
+    """Dp-CLIP releases the batch's clipped mean with noise 2σC: a larger B does not lower it. `plan`
+    once divided it by B too (σ/B = 8.4e-3), telling a user that the batch would help CLIP."""
+    main(["plan", "--n", "10000", "--epsilon", "4", "--epochs", "2", "--batch-sizes", "100", "1000",
+          "--clipping", "per_batch", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["sensitivity"] == 2.0
+    for r in out["schedules"]:
+        assert r["noise_per_coordinate"] == pytest.approx(2 * r["sigma"])
+        assert r["noise_over_run"] == pytest.approx(2 * r["sigma"] / math.sqrt(r["steps"]))
+    small, large = out["schedules"]
+    assert large["noise_per_coordinate"] > small["noise_per_coordinate"]  # fewer steps, more σ: no gain from B
+
+
 def test_cli_plan_noise_over_the_run_is_set_by_n_once_sigma_is_large(capsys):
     """sigma/(B*sqrt(T)) is the noise on the mean of all T steps' gradients. Past sigma ~1.5 it hardly
     moves with B or T, where sigma/B moves several-fold; ten times the data cuts it about ten times."""

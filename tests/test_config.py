@@ -50,7 +50,15 @@ def test_each_violation_names_key_and_allowed_values(in_tmp, override, expected)
 
 def test_unknown_key_lists_allowed_keys(in_tmp):
     (problem,) = errors_for("dp.epsilom=3")
-    assert problem.startswith("unknown key dp.epsilom (allowed keys: accountant, checkpoint_every, clip_norm, clipping, compile, compile_backend, data_workers, delta,")
+    assert problem.startswith("unknown key dp.epsilom (did you mean dp.epsilon?) (allowed keys: accountant, "
+                              "checkpoint_every, clip_norm, clipping, compile, compile_backend, data_workers, delta,")
+    (far,) = errors_for("dp.zzz=3")  # nothing close: no guess
+    assert far.startswith("unknown key dp.zzz (allowed keys: ")
+
+
+def test_spaces_around_a_set_key_name_the_key(in_tmp):
+    """`--set 'dp.epsilon = 4'` was refused as 'unknown key dp.epsilon ', its trailing space unseen."""
+    assert load_params("params.yaml", ["dp.epsilon = 4"])["dp"]["epsilon"] == 4
 
 
 def test_unknown_section(in_tmp):

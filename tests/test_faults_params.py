@@ -227,3 +227,12 @@ def test_nonprivate_training_on_private_data_is_opt_in_for_web_sources(source, e
     else:
         with pytest.raises(ParamsError, match="WITHOUT differential privacy"):
             release.check_nonprivate(privacy, source, "the curve's ε = ∞ point")
+
+
+def test_a_negative_thread_count_is_refused_by_its_option(capsys):
+    """`--threads -3` reached torch.set_num_threads and ended in its traceback."""
+    from pipeline import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["verify", "--threads", "-3"])
+    assert stopped.value.code == 2 and "--threads: must be 0 (every core) or more, got -3" in capsys.readouterr().err

@@ -152,3 +152,16 @@ def test_a_ledger_from_before_the_noise_recorded_its_edge_is_not_resumed(tmp_pat
     with pytest.raises(RuntimeError, match="noise stops at 5.77 std"):
         dp_step(0, sampler=None, fetch=None, clipper=None, key=0,
                 plan=dataclasses.replace(plan, noise_edge=noise_edge.UNRECORDED_EDGE))
+
+
+def test_the_refusal_says_what_lets_the_plan_through():
+    """ε = 100 in one step on 1,258 examples: σ is calibrated so small that the noise edge gives away
+    more than δ/10. The refusal said "take fewer steps", which a calibrated σ cannot take; more steps
+    raise σ, and following the advice passes."""
+    from pipeline.config import load_params
+
+    dp = {**load_params("params.yaml")["dp"], "epsilon": 100, "sigma": None}
+    with pytest.raises(ValueError, match="lower dp.epsilon or take more steps") as refused:
+        plan_mechanism({**dp, "steps": 1}, 1258, "replace_one")
+    assert "with dp.sigma given, raise it or take fewer steps" in str(refused.value)
+    assert plan_mechanism({**dp, "steps": 5}, 1258, "replace_one").sigma > 0

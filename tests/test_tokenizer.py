@@ -237,3 +237,13 @@ def test_clip_public_negatives_are_every_labelled_caption_then_a_fixed_draw(clea
     assert all(tuple(row) in encoded for row in ids[len(labelled):].tolist())
     with pytest.raises(ParamsError, match="model.public_negatives=100000, but the public caption corpus holds"):
         public_negative_tokens(t, ModelConfig.of({"size": "micro", "public_negatives": 100_000}))
+
+
+def test_a_missing_tokenizer_is_one_line_naming_it_and_what_makes_it(tmp_path):
+    """dp-train of a caption or clip objective before the tokenizer stage ended in sentencepiece's
+    traceback (RuntimeError: NOT_FOUND)."""
+    from pipeline.data.tokenizer import Tokenizer
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError, match=r"spm.model is missing: .*dpfm tokenizer"):
+        Tokenizer(tmp_path / "models/tokenizer")

@@ -25,6 +25,7 @@ import torch
 
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
+from pipeline.errors import InputError
 
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -154,7 +155,11 @@ class Tokenizer:
     """Captions -> fixed-length token ids: BOS, pieces, EOS, then PAD."""
 
     def __init__(self, directory: str | Path):
-        self.sp = spm.SentencePieceProcessor(model_file=str(Path(directory) / "spm.model"))
+        model = Path(directory) / "spm.model"
+        if not model.is_file():
+            raise InputError(f"{model} is missing: the caption and clip objectives need the tokenizer "
+                             "(dpfm tokenizer, or snakemake, makes it)")
+        self.sp = spm.SentencePieceProcessor(model_file=str(model))
         self.vocab_size = self.sp.get_piece_size()
 
     def encode(self, captions: list[str], max_len: int, *, public: bool = False) -> torch.Tensor:

@@ -149,7 +149,7 @@ def check_delta(delta: float, n: int) -> float:
     if delta >= 1.0 / n:
         raise ValueError(
             f"delta={delta:g} is >= 1/n = {1.0 / n:g} (n={n}): such a delta allows "
-            "leaking whole records; use delta < 1/n, e.g. 1/(2n)"
+            "leaking whole records; use delta < 1/n, e.g. 1/2n"
         )
     return delta
 

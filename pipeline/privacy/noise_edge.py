@@ -59,4 +59,5 @@ def check_noise_edge(sigma: float, sample_rate: float, steps: int, delta: float,
     """Refuse, before any work, a mechanism whose noise edge gives away too much (`edge_problem`)."""
     problem = edge_problem(sigma, sample_rate, steps, delta, move=move)
     if problem:
-        raise ValueError(f"{problem}; lower dp.epsilon, raise dp.sigma or take fewer steps")
+        raise ValueError(f"{problem}; lower dp.epsilon or take more steps (σ, calibrated to them, grows); with "
+                         "dp.sigma given, raise it or take fewer steps")

@@ -19,6 +19,7 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from pipeline.objectives import SENSITIVITY
 from pipeline.privacy import accounting
 from pipeline.privacy.accountant_backends import supports
 from pipeline.privacy.noise_edge import SHARE_OF_DELTA, largest_move, noise_edge_floor
@@ -80,7 +81,7 @@ def add_accounting_commands(subparsers) -> None:
         "plan", help="DP schedules for n examples and a compute budget: B, steps, sigma and sigma/B side by side",
         description="For each expected batch B and number of epochs (passes over the data), the steps T = "
                     "epochs*n/B and the sigma that reaches --epsilon, with the noise on one coordinate of the "
-                    "averaged gradient, sigma*sensitivity/B (in units of C). At a fixed compute budget "
+                    "averaged gradient, sigma/B (in units of C; per-batch clipping: 2*sigma, whatever B). At a fixed compute budget "
                     "(epochs), a larger B means fewer but far less noisy steps; the papers train with B of "
                     "1-10% of n over a few thousand steps. Pick the largest B that still leaves the "
                     "optimizer enough steps (a few hundred).",
@@ -92,7 +93,9 @@ def add_accounting_commands(subparsers) -> None:
                       help="passes over the data the compute budget allows")
     plan.add_argument("--batch-sizes", type=int, nargs="+",
                       help="expected batch sizes (default: n/1000 .. n/8 by powers of 2)")
-    plan.add_argument("--sensitivity", type=float, default=1.0, help="2 for per-batch clipping (Dp-CLIP)")
+    plan.add_argument("--clipping", choices=list(SENSITIVITY), default="per_sample",
+                      help="per_sample (ViP, DP-Cap: noise sigma*C/B) or per_batch (Dp-CLIP: sensitivity 2C on the "
+                           "batch's clipped mean, noise 2*sigma*C whatever B)")
     plan.add_argument("--examples-per-s", type=float, help="training throughput, to print hours per schedule")
     plan.add_argument("--accountant", choices=list(accounting.ACCOUNTANTS), default="pld")
     plan.add_argument("--adjacency", choices=["replace_one", "add_remove"], default="replace_one",
@@ -223,22 +226,24 @@ def _run_calibrate(args) -> int:
 
 
 def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float], batch_sizes: Sequence[int],
-                   sensitivity: float = 1.0, accountant: str = "pld",
+                   clipping: str = "per_sample", accountant: str = "pld",
                    adjacency: str = "replace_one") -> List[Dict[str, float]]:
     """Every (B, epochs) schedule: T = ceil(epochs * n / B) steps, its calibrated sigma, sigma/B (the noise on
     one step's averaged gradient) and sigma/(B*sqrt(T)) (the noise left on the mean of all T steps' gradients:
     what a signal that holds its direction for the run is weighed against). Once sigma is past ~1.5 the
     last barely moves with B or T: it tends to a constant over n*epsilon, so at a fixed n only epsilon
-    and the signal itself raise what the run can learn; compute buys the optimizer's steps, not less noise."""
+    and the signal itself raise what the run can learn; compute buys the optimizer's steps, not less noise.
+    Per batch (Dp-CLIP) the release is already a mean: its noise, 2*sigma, is divided by no B."""
+    sensitivity = SENSITIVITY[clipping]
     rows = []
     for batch in batch_sizes:
         for e in epochs:
             steps = max(1, math.ceil(e * n / batch))
             q = batch / n
             sigma = accounting.calibrate_sigma(epsilon, q, steps, delta, accountant=accountant, adjacency=adjacency)
+            per = sigma * sensitivity / (1 if clipping == "per_batch" else batch)
             rows.append({"batch": batch, "sample_rate": q, "epochs": e, "steps": steps, "sigma": sigma,
-                         "noise_per_coordinate": sigma * sensitivity / batch,
-                         "noise_over_run": sigma * sensitivity / batch / math.sqrt(steps),
+                         "noise_per_coordinate": per, "noise_over_run": per / math.sqrt(steps),
                          "noise_edge_floor": noise_edge_floor(sigma, q, steps, move=largest_move(sensitivity, adjacency, q))})
     return rows
 
@@ -259,18 +264,21 @@ def _run_plan(args) -> int:
     if any(e <= 0 for e in args.epochs):
         parser.error("--epochs must be positive")
     try:
-        rows = plan_schedules(args.n, args.epsilon, delta, args.epochs, batches, args.sensitivity, args.accountant,
+        rows = plan_schedules(args.n, args.epsilon, delta, args.epochs, batches, args.clipping, args.accountant,
                               args.adjacency)
     except ValueError as exc:
         parser.error(str(exc))
     for r in rows:
         if args.examples_per_s:
             r["hours"] = r["epochs"] * args.n / args.examples_per_s / 3600
-    lines = [f"n={args.n}  epsilon={args.epsilon:g}  delta={delta:.3g}  sensitivity={args.sensitivity:g}  "
-             f"({args.accountant}, {args.adjacency}); noise per averaged coordinate = sigma*sensitivity/B, in units of C;",
-             "over the run = sigma*sensitivity/(B*sqrt(steps)), the noise on the mean of every step's gradient: "
+    per = ("2*sigma on the batch's clipped mean, whatever B (Dp-CLIP: a larger B does not lower it)"
+           if args.clipping == "per_batch" else "sigma/B")
+    lines = [f"n={args.n}  epsilon={args.epsilon:g}  delta={delta:.3g}  {args.clipping} clipping  "
+             f"({args.accountant}, {args.adjacency}); noise per averaged coordinate = {per}, in units of C;",
+             "over the run = that over sqrt(steps), the noise on the mean of every step's gradient: "
              "the figure to compare schedules by",
-             f"{'B':>9} {'q':>9} {'epochs':>7} {'steps':>7} {'sigma':>8} {'sigma/B':>10} {'over run':>10}"
+             f"{'B':>9} {'q':>9} {'epochs':>7} {'steps':>7} {'sigma':>8} "
+             f"{'2*sigma' if args.clipping == 'per_batch' else 'sigma/B':>10} {'over run':>10}"
              + (f" {'hours':>8}" if args.examples_per_s else "")]
     for r in rows:
         lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {r['sigma']:>8.3f} "
@@ -278,7 +286,7 @@ def _run_plan(args) -> int:
                      + ("  refused by dp-train: sigma too small for the noise's edge (docs/privacy.md)"
                         if r["noise_edge_floor"] > SHARE_OF_DELTA * delta else ""))
     _emit(args, {"command": "plan", "n": args.n, "epsilon": args.epsilon, "delta": delta,
-                 "sensitivity": args.sensitivity, "schedules": rows}, lines)
+                 "clipping": args.clipping, "sensitivity": SENSITIVITY[args.clipping], "schedules": rows}, lines)
     return 0
 
 
