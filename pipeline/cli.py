@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.config import ParamsError, load_params, read_resolved, sections_of
 from pipeline.errors import (BudgetCorrupt, BudgetNotHere, InputError, PrivateDataError, RanksDisagree, StageBusy,
@@ -259,6 +260,15 @@ def _print_stages(args) -> int:
     return 0
 
 
+def missing_text(e: FileNotFoundError) -> str:
+    """A missing file, and the stage that makes it where it is a stage's output."""
+    missing = str(Path(e.filename)) if e.filename else ""
+    for st in STAGES:
+        if any(missing == out.rstrip("/") or missing.startswith(out) for out in st.all_outputs):
+            return f"{missing} is missing: `dpfm {st.name}` makes it (snakemake runs every stage it needs)"
+    return str(e)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -273,9 +283,11 @@ def main(argv=None) -> int:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
     # No traceback: PrivateDataError's would name what it keeps owner-only.
-    except (StageBusy, RanksDisagree, PrivateDataError, BudgetNotHere, BudgetCorrupt, InputError,
-            FileNotFoundError) as e:  # a missing input's message names it (and the stage that writes it)
+    except (StageBusy, RanksDisagree, PrivateDataError, BudgetNotHere, BudgetCorrupt, InputError) as e:
         print(f"dpfm: {e}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as e:
+        print(f"dpfm: {missing_text(e)}", file=sys.stderr)
         return 1
     except OSError as e:
         from pipeline.io import DISK_FULL

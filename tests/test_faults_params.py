@@ -236,3 +236,16 @@ def test_a_negative_thread_count_is_refused_by_its_option(capsys):
     with pytest.raises(SystemExit) as stopped:
         cli.main(["verify", "--threads", "-3"])
     assert stopped.value.code == 2 and "--threads: must be 0 (every core) or more, got -3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage_name,missing,maker", [("report", "results/privacy/verification.json", "verify"),
+                                                     ("curve", "data/shards/stats.json", "shards"),
+                                                     ("evaluate", "results/privacy/verification.json", "verify")])
+def test_a_stage_run_before_its_input_names_the_stage_that_makes_it(in_tmp, no_tracking, capsys, stage_name,
+                                                                    missing, maker):
+    """`dpfm report` in a fresh project printed `[Errno 2] No such file or directory: '...'`."""
+    from pipeline import cli
+
+    assert cli.main([stage_name]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dpfm: {missing} is missing: `dpfm {maker}` makes it (snakemake runs every stage it needs)")
