@@ -6,7 +6,7 @@
 Each recipe (one `SECTION.KEY=VALUE` override, or several joined by commas, of the scale benchmark's
 recipe: `benchmarks/scale_utility.py`, MAE's schedule) pretrains its own warm start on the shader
 images in DIR/<recipe>/ (the Fashion-MNIST shards, shader images and tokenizer are made once, in the
-first recipe's folder, and shared). The warm start's encoder is then scored as the scale benchmark's
+first recipe's folder, and shared; a recipe that sets `synthetic.*` renders its own images). The warm start's encoder is then scored as the scale benchmark's
 `--validate` scores a row: on the probe-train part of the public eval set, 3-fold cross-fitted, C
 chosen on each fold's fit part, with --refits probes refit on resamples for the intervals; the
 probe-test part is never read. Prints each recipe's accuracy, then each against the first, paired
@@ -62,7 +62,8 @@ def main() -> None:
         params["shards"]["path"] = str(su.ROOT / "data/public/fashion-mnist")
         device = resolve_device(params["run"]["device"])
         work = (args.dir / recipe.replace("/", "_") / f"n-{su.FULL}").resolve()
-        for rel in SHARED if first is not None else ():
+        own_images = any(o.startswith("synthetic.") for o in recipe.split(","))
+        for rel in [r for r in SHARED if not (own_images and r == "data/synthetic")] if first is not None else ():
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             if not (work / rel).exists():
                 (work / rel).symlink_to(first / rel)

@@ -80,16 +80,32 @@ def test_seed_rows_pair_by_seed_and_against_a_single_row():
 @pytest.mark.parametrize("fits", [1, 3])
 def test_unequal_seed_counts_keep_each_models_own_seed_spread(fits):
     """Two seeds that disagree completely (one right on every example, one wrong) against four that
-    agree: the bootstrap draws of the difference must spread as a mean of two seeds drawn with
-    replacement does, sd 0.5/sqrt(2) = 0.354. Repeating the two rows to meet the four would draw four
-    of them, sd 0.25: an interval a third too narrow. With probe refits too (one fit per draw)."""
+    agree: the bootstrap draws of the difference must spread as the mean of two fresh seeds would,
+    by the standard error s/sqrt(2) = 0.5 (s the seeds' sample sd, 0.707). Repeating the two rows to
+    meet the four would draw four of them (sd 0.35 after scaling), and resampling two seeds without
+    scaling their spread reads 0.5/sqrt(2) = 0.35: an interval a third too narrow. With refits too."""
     from pipeline.eval.stats import _resampled_means
 
     two = np.repeat(np.stack([np.ones(200), np.zeros(200)])[:, None], fits, axis=1)
     four = np.zeros((4, fits, 200))
     draws = _resampled_means([two, four], seed=0, resamples=4000)
     assert draws.mean() == pytest.approx(0.5, abs=0.02)
-    assert draws.std() == pytest.approx(0.5 / np.sqrt(2), abs=0.015)
+    assert draws.std() == pytest.approx(0.5, abs=0.02)
+
+
+@pytest.mark.parametrize("seeds", [2, 3, 5])
+def test_the_seed_spread_is_the_standard_error_of_their_mean(seeds):
+    """Seeds whose accuracies differ (every test image answered alike within a seed, so the test
+    images add nothing): the draws of the mean spread by the seeds' sample sd over sqrt(S), what a
+    re-run with S fresh seeds would move by. Plain resampling reads sqrt((S-1)/S) of it: at two seeds
+    0.71, far outside the tolerance."""
+    from pipeline.eval.stats import _resampled_means
+
+    accuracy = np.linspace(0.6, 0.8, seeds)
+    rows = np.repeat(accuracy[:, None, None], 300, axis=2)  # (seeds, one fit, examples)
+    draws = _resampled_means([rows], seed=1, resamples=20_000)
+    assert draws.mean() == pytest.approx(accuracy.mean(), abs=0.003)
+    assert draws.std() == pytest.approx(accuracy.std(ddof=1) / np.sqrt(seeds), rel=0.05)
 
 
 def _probe_draw(rng, w, train_n, test_n):

@@ -7,7 +7,10 @@ examples, which removes the variation they share (the difficulty of the draw) fr
 
 Outcomes may be one row per training seed, (seeds, examples): the accuracy is then the mean over
 seeds, and the bootstrap resamples the seeds too (a two-level bootstrap), so the interval also
-covers how much a re-run with another seed would move it.
+covers how much a re-run with another seed would move it, with the seeds' spread scaled to its
+unbiased estimate (a bootstrap over S seeds alone reads (S-1)/S of it). Two or three seeds still
+estimate that spread loosely: where seeds disagree by more than the test images resolve, read an
+interval over two seeds as narrower than 95%.
 
 A probe fit on a few thousand images moves by about half a point (one s.d.) with the images it is
 fit on, as much as the test images move it. Given `refits`, the outcomes of probes refit on
@@ -57,6 +60,18 @@ def _as_fits(refits, seeds: int, examples: int) -> np.ndarray:
     return np.broadcast_to(refits, (seeds, *refits.shape[1:]))
 
 
+def _spread_as_estimated(seeds: np.ndarray) -> np.ndarray:
+    """Rows (seeds, ...) moved away from their mean by sqrt(S/(S-1)). The mean of S seeds drawn with
+    replacement from S varies by (S-1)/S of what the mean of S fresh seeds does (the plug-in variance
+    divides by S, not S-1): at two seeds the interval would read half the seed variance. Scaling the
+    deviations makes the bootstrap's seed variance the unbiased estimate and leaves the mean as it was."""
+    s = len(seeds)
+    if s < 2:
+        return seeds
+    mean = seeds.mean(axis=0, dtype=np.float64)
+    return mean + np.sqrt(s / (s - 1)) * (seeds - mean)
+
+
 def _resampled_means(models: list[np.ndarray], seed: int, resamples: int, chunk: int = 100) -> np.ndarray:
     """Over `resamples` draws of the test examples with replacement (the same draws for every model of
     a set, seeded by their count), of one fit for all seeds and of several seeds of each model's seeds:
@@ -64,6 +79,7 @@ def _resampled_means(models: list[np.ndarray], seed: int, resamples: int, chunk:
     many seeds draw the same seeds, paired seed s with seed s (the way a sweep trains them); with
     unequal counts each model draws from its own, so each interval reads its own seeds' spread. Made
     `chunk` draws at a time to bound memory."""
+    models = [_spread_as_estimated(m) for m in models]
     f, n = models[0].shape[1:]
     most = max(len(m) for m in models)
     rng, fit_rng = np.random.default_rng([seed, n]), np.random.default_rng([seed, n, most, f])
