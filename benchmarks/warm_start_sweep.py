@@ -6,11 +6,12 @@
 Each recipe (one `SECTION.KEY=VALUE` override, or several joined by commas, of the scale benchmark's
 recipe: `benchmarks/scale_utility.py`, MAE's schedule) pretrains its own warm start on the shader
 images in DIR/<recipe>/ (the Fashion-MNIST shards, shader images and tokenizer are made once, in the
-first recipe's folder, and shared; a recipe that sets `synthetic.*` renders its own images). The warm start's encoder is then scored as the scale benchmark's
-`--validate` scores a row: on the probe-train part of the public eval set, 3-fold cross-fitted, C
-chosen on each fold's fit part, with --refits probes refit on resamples for the intervals; the
-probe-test part is never read. Prints each recipe's accuracy, then each against the first, paired
-(95% bootstrap over images and refits), then ONE JSON line. `make fashion-mnist` first.
+first recipe's folder, and shared; a recipe that sets `synthetic.*` renders its own images). The warm
+start's encoder is then scored as the scale benchmark's `--validate` scores a row: on the probe-train
+part of the public eval set, 3-fold cross-fitted, C chosen on each fold's fit part, with --refits
+probes refit on resamples for the intervals; the probe-test part is never read. Prints each recipe's
+accuracy, then each against the first, paired (95% bootstrap over images and refits), then ONE JSON
+line. `make fashion-mnist` first.
 """
 
 from __future__ import annotations
