@@ -63,7 +63,8 @@ def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dic
 
 
 def point_plan(params: dict, ver: dict, epsilon: float) -> Plan:
-    """The mechanism the curve trained its point at `epsilon` with: the recipe's, σ calibrated to it."""
+    """The mechanism the curve trained its point at `epsilon` with: the recipe's, σ calibrated to it
+    (the same from either init)."""
     from pipeline.privacy.plan import plan_mechanism
     from pipeline.privacy.training import point_params
 
@@ -161,7 +162,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     model = params.get("model", {})
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return {
-        "title": params["report"]["title"], "verification": ver, "privacy": privacy, "curve": curve, "sets": sets, "figures": figures,
+        "title": params["report"]["title"], "verification": ver, "privacy": privacy, "curve": curve, "sets": sets,
+        "figures": figures,
         "subtitle": (f"{recipe_title(plan.objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
                      f"· generated {when} · commit {git_commit()[:12]}"),
         "headline": headline + (" " + curve["sentence"] if curve else ""),

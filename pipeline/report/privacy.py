@@ -53,7 +53,7 @@ def noise_text(ver: dict, plan: Plan) -> str:
         per = (f"on the clipped batch mean {std:.3g}, whatever the batch; over its {plan.steps} steps "
                f"std/√T = {std / math.sqrt(plan.steps):.3g}")
     else:
-        per = (f"per averaged coordinate std/B = {std / batch:.3g} (σ/B = {ver['sigma'] / batch:.3g}); "
+        per = (f"per averaged coordinate std/B = {std / batch:.3g} ({noise_scale_text(plan)}); "
                f"over its {plan.steps} steps std/(B·√T) = {std / batch / math.sqrt(plan.steps):.3g}")
     # Where the draws stop (privacy/noise_edge.py): 12.12 std now, 5.77 for a ledger from fp32 noise.
     return f"σ = {ver['sigma']:.4f} (std {std:.4f}, drawn to {plan.noise_edge:.2f} std); {per}"

@@ -150,7 +150,8 @@ def render_html(r: dict) -> str:
            f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{e(r['title'])}</title>"
            f"<style>{CSS}</style></head><body><main>",
            f"<h1>{e(r['title'])}</h1><p class='sub'>{e(r['subtitle'])}</p>",
-           f"<section class='verdict {kind}' id='verdict'><div class='big'>{e(big)}</div><div>{e(detail)}</div></section>",
+           f"<section class='verdict {kind}' id='verdict'><div class='big'>{e(big)}</div>"
+           f"<div>{e(detail)}</div></section>",
            f"<p class='headline'>{e(r['headline'])}</p>",
            "<div class='cards'>" + "".join(
                f"<div class='card'><div class='k'>{e(k)}</div><div class='v'>{e(v)}</div>"

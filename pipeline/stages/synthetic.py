@@ -64,8 +64,8 @@ def shard_items(cfg: dict, shard: int) -> list[tuple[int, int]]:
 def generator_sources() -> list[Path]:
     """The code that decides a shard's bytes: every module of the synthetic package (sorted by name),
     the splitmix64 it draws from, the shard writer and this file."""
-    return sorted(Path(synthetic.__file__).parent.glob("*.py")) + [Path(splitmix.__file__), Path(shard_format.__file__),
-                                                                    Path(__file__)]
+    package = sorted(Path(synthetic.__file__).parent.glob("*.py"))
+    return package + [Path(splitmix.__file__), Path(shard_format.__file__), Path(__file__)]
 
 
 def renderer_build() -> dict:

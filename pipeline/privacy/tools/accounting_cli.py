@@ -81,8 +81,8 @@ def add_accounting_commands(subparsers) -> None:
         "plan", help="DP schedules for n examples and a compute budget: B, steps, sigma and sigma/B side by side",
         description="For each expected batch B and number of epochs (passes over the data), the steps T = "
                     "epochs*n/B and the sigma that reaches --epsilon, with the noise on one coordinate of the "
-                    "averaged gradient, sigma/B (in units of C; per-batch clipping: 2*sigma, whatever B). At a fixed compute budget "
-                    "(epochs), a larger B means fewer but far less noisy steps; the papers train with B of "
+                    "averaged gradient, sigma/B (in units of C; per-batch clipping: 2*sigma, whatever B). At a "
+                    "fixed compute budget (epochs), a larger B means fewer but far less noisy steps; the papers train with B of "
                     "1-10% of n over a few thousand steps. Pick the largest B that still leaves the "
                     "optimizer enough steps (a few hundred).",
     )
