@@ -185,24 +185,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args) -> None:
-    """The schema and the model's shapes; once the shards are built, dp-train's privacy plan at their n
-    too (an ε no σ reaches, δ ≥ 1/n, a batch larger than n), which needs n."""
+    """The schema, the model's shapes and what DP training refuses from its params alone; once the
+    shards are built, dp-train's privacy plan at their n too (an ε no σ reaches, δ ≥ 1/n, a batch larger
+    than n), which needs n."""
     from pipeline.artifacts import artifact
     from pipeline.io import read_json
-
     from pipeline.privacy import release
+    from pipeline.privacy.params_check import check_dp_params
 
     params = load_params(args.params, args.set)
     release.check_asked_for(params)
+    check_dp_params(params)
     stats = artifact("shards") / "stats.json"
     if not stats.exists():
-        print(f"{args.params}: ok (the schema and model shapes; dp-train's privacy plan needs n: "
+        print(f"{args.params}: ok (the schema, model shapes and DP settings; dp-train's privacy plan needs n: "
               f"validate again once `dpfm shards` has run)")
         return
     from pipeline.privacy.plan import checked_plan
 
     checked_plan(params["dp"], read_json(stats)["private"]["usable"], params["privacy"]["adjacency"])
-    print(f"{args.params}: ok (the schema, model shapes, and dp-train's privacy plan at the shards' n)")
+    print(f"{args.params}: ok (the schema, model shapes, DP settings and dp-train's privacy plan at the shards' n)")
 
 
 def _owner_composition(args) -> int:

@@ -8,6 +8,7 @@ from snakemake.settings.types import DeploymentMethod
 
 from pipeline import tracking
 from pipeline.privacy import owner, release
+from pipeline.privacy.params_check import check_dp_params
 from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
                              write_resolved)
 from pipeline.launch import STOP_NOTICE_S
@@ -30,6 +31,7 @@ if workflow.is_main_process:
             read_yaml(configfile)
         validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
         release.check_asked_for(config)
+        check_dp_params(config)  # torch on the meta device: about 3 s, once a workflow
     except ParamsError as e:
         print(f"dpfm: {e}", file=sys.stderr)
         sys.exit(2)

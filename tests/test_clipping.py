@@ -199,7 +199,7 @@ def test_mask_views_are_refused_where_rows_cannot_be_grouped():
     with pytest.raises(ValueError, match="per-batch clipping has no per-example gradient"):
         PerBatchClipper(build_model("clip", {"size": "micro", "vocab_size": 50, "max_len": 8}), 1.0, views=2)
     with pytest.raises(ValueError, match="dp.mask_views needs bookkeeping or vmap"):
-        check_clipping("opacus-ghost", "fp32", "cpu", views=2)
+        check_clipping("opacus-ghost", "fp32", views=2)
     model, batch = view_cases()["mae"]
     with pytest.raises(ValueError, match="17 rows are not whole examples of 3 views"):
         clipped_sum(BookKeepingClipper, model, tuple(x[:17] for x in batch), 1.0, views=VIEWS)
@@ -544,7 +544,7 @@ def test_opacus_ghost_lets_an_example_whose_tokens_cancel_through_so_dp_train_re
     assert cancelling_release_moves("linear", "fp32", 4e6, 100.0, method="opacus-ghost") > 50
     assert cancelling_release_moves("linear", "fp32", 4e6, 100.0, method="opacus-hooks") <= 1 + 1e-6
     with pytest.raises(ValueError, match="opacus-ghost can let one example exceed"):
-        check_clipping("opacus-ghost", "fp32", "cpu")
+        check_clipping("opacus-ghost", "fp32")
 
 
 class OneWideLayer(nn.Module):
@@ -635,7 +635,7 @@ def test_an_opacus_baseline_is_refused_on_exactly_the_models_its_hooks_cannot_ru
     except (AttributeError, IndexError, RuntimeError):
         runs = False
     try:
-        check_clipping("opacus-hooks", "fp32", "cpu", objective=objective)
+        check_clipping("opacus-hooks", "fp32", objective=objective)
         refused = False
     except ValueError as e:
         refused = "cannot run the" in str(e)

@@ -170,6 +170,10 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
         bad.stderr[-2000:]
     assert dry(web, "privacy={nonprivate_on_private_data: true}").returncode == 0
     assert dry(web, "curve={epsilons: [1, 8]}").returncode == 0
+    # What dp-train refuses from its params alone (params_check.py), refused before the shards are built.
+    bad = dry("dp={objective: clip, mask_views: 2}")
+    assert bad.returncode == 2 and "its views would be copies" in bad.stderr and "Traceback" not in bad.stderr, \
+        bad.stderr[-2000:]
 
 
 def test_a_key_written_twice_is_refused_naming_both_lines_and_a_merge_may_be_overridden(tmp_path):
@@ -277,6 +281,37 @@ def test_every_knob_added_since_runs_were_keyed_is_registered_with_a_neutral_val
     assert len({(s, k) for s, k, _ in ADDED_KNOBS}) == len(ADDED_KNOBS)
     for section, key, neutral in ADDED_KNOBS:
         load_params(overrides=[f"{section}.{key}={json.dumps(neutral)}"])
+
+
+# Settings dp-train refuses from its params alone, per objective: each with the words of its refusal.
+REFUSED_DP_SETTINGS = {
+    "mae": [(["dp.clipping=opacus-ghost"], "can let one example exceed the clip norm"),
+            (['dp.frozen=["encoder.nope"]'], "dp.frozen names ['encoder.nope']"),
+            (['dp.frozen=["encoder", "decoder_embed", "mask_token", "decoder_blocks", "decoder_norm", "decoder_pred"]'],
+             "freezes every parameter")],
+    "caption": [(["dp.clipping=opacus-hooks"], "cannot run the caption model"),
+                (["dp.mask_views=2"], "its views would be copies"),
+                (["dp.clipping=vmap", "dp.encoder_clip_share=0.5", 'dp.frozen=["encoder"]'],
+                 "none of its parameters")],
+    "clip": [(["dp.precision=fp16"], "overflows a whole-batch loss's gradient"),
+             (["dp.mask_views=2"], "its views would be copies"),
+             (["dp.clipping=opacus-hooks", "dp.encoder_clip_share=0.5"], "has one clip bound")],
+}
+
+
+@pytest.mark.parametrize("objective", sorted(REFUSED_DP_SETTINGS))
+def test_dpfm_validate_refuses_what_dp_train_would_before_anything_runs(in_tmp, capsys, objective):
+    """dp-train refused these only once it ran, after the shards and pretrain (hours of GPU on a cluster);
+    `dpfm validate`, and so a workflow's start (rules/common.smk), refuses them with no shards built."""
+    from pipeline import cli
+
+    assert cli.main(["validate", "--set", f"dp.objective={objective}"]) == 0
+    capsys.readouterr()
+    for settings, words in REFUSED_DP_SETTINGS[objective]:
+        sets = [a for s in [f"dp.objective={objective}", *settings] for a in ("--set", s)]
+        assert cli.main(["validate", *sets]) == 2, settings
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, (settings, err)
 
 
 def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, capsys):

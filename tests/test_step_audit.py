@@ -82,7 +82,7 @@ def test_low_precision_steps_are_consistent_and_their_audits_catch_a_clip_bound_
         if precision == "fp16" and OBJECTIVES[name].clipping == "per_batch":
             assert "measured nothing" in audited(name, None, World(), precision)["problems"][0]
             with pytest.raises(ValueError, match="overflows a whole-batch loss"):
-                check_clipping("bookkeeping", precision, "cpu", mode="per_batch")
+                check_clipping("bookkeeping", precision, mode="per_batch")
             continue
         result = audited(name, None, World(), precision)
         assert result["verdict"] == "consistent", (name, result["problems"])
@@ -176,7 +176,7 @@ def accepted(method, precision, mode="per_sample"):
     from pipeline.privacy.engine import check_clipping
 
     try:
-        check_clipping(method, precision, "cpu", mode=mode)
+        check_clipping(method, precision, mode=mode)
         return True
     except ValueError:
         return False
@@ -346,6 +346,6 @@ def test_clippers_that_exceed_c_are_refused(method, precision):
     from pipeline.privacy.engine import check_clipping
 
     with pytest.raises(ValueError, match="bookkeeping"):
-        check_clipping(method, precision, "cpu")
+        check_clipping(method, precision)
     if method == "opacus-hooks":
-        check_clipping(method, "fp32", "cpu")
+        check_clipping(method, "fp32")

@@ -57,7 +57,7 @@ CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
 OPACUS_CANNOT_RUN = {"opacus-hooks": ("caption",), "opacus-ghost": ("caption", "clip-public")}
 
 
-def check_clipping(method: str, precision: str, device: str, encoder_share: float | None = None,
+def check_clipping(method: str, precision: str, encoder_share: float | None = None,
                    views: int = 1, mode: str = "per_sample", objective: str | None = None) -> None:
     """Refuse a clipper × precision whose clipped sum can exceed C (the accounted sensitivity), clip
     groups or mask views on a clipper that has one bound per row, fp16 for a whole-batch loss, and an

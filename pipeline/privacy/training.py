@@ -39,9 +39,10 @@ from pipeline.locking import training_lock
 from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
-from pipeline.privacy.clipping import group_bounds, view_rows
-from pipeline.privacy.engine import StepRefused, check_clipping, dp_step, make_clipper, micro_batches, pieces
+from pipeline.privacy.clipping import view_rows
+from pipeline.privacy.engine import StepRefused, dp_step, make_clipper, micro_batches, pieces
 from pipeline.privacy.ledger import Ledger, LedgerError
+from pipeline.privacy.params_check import check_dp_params
 from pipeline.privacy.plan import agreed_plan, checked_plan, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
@@ -136,25 +137,12 @@ def setup(params: dict, device: str) -> "Trainer":
     stats_n = stats["private"]["usable"]
     if n != stats_n:
         raise ValueError(f"{shards}/private index has {n} usable examples but stats.json says {stats_n}")
-    release.check_noise_seed(dp, params["privacy"])
-    try:
-        check_clipping(dp["clipping"], dp["precision"], device, dp["encoder_clip_share"], dp["mask_views"],
-                       objective(dp["objective"]).clipping, dp["objective"])
-    except ValueError as e:
-        raise ParamsError([str(e)], source="dp params") from None
-    if dp["mask_views"] > 1 and not mcfg.reads_masks(dp["objective"]):
-        raise ParamsError([f"dp.mask_views={dp['mask_views']} averages masked views, but the {dp['objective']} model "
-                           "masks nothing (mae; caption with model.caption_mask_ratio > 0): its views would be "
-                           "copies"], source="dp params")
-    try:  # on the meta device: names and clip groups checked without building a single weight
-        with torch.device("meta"):
-            model = build_model(dp["objective"], mcfg)
-            if dp["init"] == "pretrain":  # its tensors fit (a model section edited after pretrain ran by hand)
-                checkpoints.load(artifact("pretrain") / "checkpoint.pt").check_fits(model, dp["objective"], mcfg.to_dict())
-            freeze(model, dp["frozen"])
-            group_bounds(model, dp["clip_norm"], dp["encoder_clip_share"])
-    except ValueError as e:
-        raise ParamsError([str(e)], source="dp params") from None
+    model = check_dp_params(params, mcfg)
+    if dp["init"] == "pretrain":  # its tensors fit (a model section edited after pretrain ran by hand)
+        try:
+            checkpoints.load(artifact("pretrain") / "checkpoint.pt").check_fits(model, dp["objective"], mcfg.to_dict())
+        except ValueError as e:
+            raise ParamsError([str(e)], source="dp params") from None
     if getattr(model, "per_sample", False):  # clip-public: enough public captions for its negatives
         public_negative_tokens(tokenizer, mcfg)
     if dp["nonprivate_baseline"]:
