@@ -16,8 +16,10 @@ import sys
 
 from pipeline import slurm
 
-BASE_PORT = 20000  # rendezvous ports: BASE_PORT + job id mod PORT_SPAN, so jobs sharing a head node differ
-PORT_SPAN = 20000
+# Rendezvous ports: BASE_PORT + job id mod PORT_SPAN, so jobs sharing a head node differ; all below Linux's
+# ephemeral range (32768-60999), where an outgoing connection on the head may already hold the port.
+BASE_PORT = 15000
+PORT_SPAN = 17000
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # not `torchrun`: a job's PATH may lack the venv
 # SLURM tells a training job to stop this long before its time limit (rules/common.smk asks for it).
 STOP_NOTICE_S = 300

@@ -18,10 +18,19 @@ from tqdm import tqdm
 UNTIMED = {"mininterval": 0, "maxinterval": math.inf}  # redraws decided by the count alone
 
 
+class _CountBar(tqdm):
+    def close(self):
+        # Cut short (a piece failed): tqdm redraws at the count reached, which names the failing piece
+        # (a DP step: when a private example was first sampled); the bar stays at its last redraw.
+        if self.total is not None and self.n < self.total:
+            self.n = self.last_print_n
+        super().close()
+
+
 def untimed_bar(total: int, desc: str, *, iterable: Iterable | None = None, initial: int = 0,
                 unit: str = "") -> tqdm:
     """A bar over `total` pieces that shows the count, redrawn every hundredth of the work."""
-    return tqdm(iterable, desc=desc, total=total, initial=initial, miniters=max(1, (total - initial) // 100),
+    return _CountBar(iterable, desc=desc, total=total, initial=initial, miniters=max(1, (total - initial) // 100),
                 bar_format="{l_bar}{bar}|" + f" {{n_fmt}}/{{total_fmt}} {unit}".rstrip(), **UNTIMED)
 
 
@@ -42,5 +51,7 @@ class ShareBar:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, *exc):
+        for _ in range(100 - self.bar.n if kind is None else 0):  # no piece at all (an empty scan group): its
+            self.bar.update(1)                                    # bar, done, reads as any other's
         self.bar.close()

@@ -12,7 +12,7 @@ from pipeline.privacy.params_check import check_dp_params
 from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
                              write_resolved)
 from pipeline.launch import STOP_NOTICE_S
-from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, stage, tracked
+from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, eval_files_tag, stage, tracked
 
 # The file of validated params every job reads (`--resolved "$DPFM_RESOLVED_PARAMS"`). An environment
 # variable, not one of the params: its path changes with the config, and a param change re-runs a stage
@@ -89,7 +89,10 @@ def stage_params(name):
     """The params a stage's results depend on: a change to them (only) re-runs the stage. Naming and
     scheduling keys (run.experiment, run.threads, run.device) re-run nothing. The stage itself reads
     the resolved params (RESOLVED_ENV); this JSON text is only what Snakemake compares with the last run's."""
-    return json.dumps(tracked(config, stage(name).sections), sort_keys=True)
+    values = tracked(config, stage(name).sections)
+    if "evaluate" in stage(name).sections:  # the eval sets' files, not only their paths
+        values["evaluate_files"] = eval_files_tag(config["evaluate"]["sets"])
+    return json.dumps(values, sort_keys=True)
 
 
 def stage_inputs(st):

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SIGMA, Q, STEPS, DELTA = 0.9, 0.01, 300, 1e-6
 
 
-def plan(steps=STEPS, sigma=SIGMA):
-    return Plan(objective="mae", clipping="per_sample", n=10_000, sample_rate=Q, sigma=sigma, clip_norm=1.0,
+def plan(steps=STEPS, sigma=SIGMA, objective="mae"):
+    return Plan(objective=objective, clipping="per_sample", n=10_000, sample_rate=Q, sigma=sigma, clip_norm=1.0,
                 steps=steps, delta=DELTA, accountant="pld", adjacency="add_remove", target_epsilon=8.0, epsilon=8.0)
 
 
@@ -128,7 +128,8 @@ def test_the_budget_names_a_key_by_a_fingerprint_that_is_slow_to_try_and_old_run
     assert new == hashlib.scrypt(b"11", salt=b"dpfm budget key", n=1 << 14, r=8, p=1, dklen=16).hex() != old
     charge(*d, "old", key=11)
     path = budget.BUDGET_DIR / "runs.jsonl"
-    path.write_text(path.read_text().replace(new, old))  # as the version before wrote it
+    path.write_text(path.read_text().replace(new, old))  # as the version before wrote it (keeping no charges)
+    budget.CHARGES.unlink()
     charge(*d, "old", key=11)  # its resume
     charge(*d, "old", key=12)  # started again without its state: a new key
     assert [e["key"] for e in budget.runs(d[0])] == [old, budget.key_fingerprint(12)]
@@ -384,6 +385,31 @@ def test_a_budget_behind_the_version_git_records_gains_its_runs_and_a_push_keeps
         budget.sync()
 
 
+def test_an_older_budget_checked_out_over_this_one_gets_the_runs_charged_since_back(in_tmp):
+    """`dvc checkout` (after `git checkout data/budget.dvc`, or in `dvc exp apply`) puts the pushed, older
+    budget back over the charges made since, without asking: measured with DVC itself. Every later
+    composition left those runs out. The charges this checkout made, kept in the owner's zone where DVC
+    never writes, are added back at the budget's next use."""
+    dvc = [str(ROOT / ".venv/bin/dvc")]
+    subprocess.run(dvc + ["init", "-q", "--no-scm"], check=True)
+    d = shard(in_tmp / "d", examples(10))
+    budget.record(*d, "A", plan(objective="mae"), 1)
+    subprocess.run(dvc + ["add", "-q", "data/budget"], check=True)  # `make push`
+    budget.record(*d, "B", plan(objective="caption"), 2)
+    budget.record(*d, "C", plan(objective="clip"), 3)
+    assert (budget.BUDGET_DIR / "runs.jsonl").read_text().count("\n") == 3
+    subprocess.run(dvc + ["checkout", "-q", "-f", "data/budget.dvc"], check=True)
+    assert (budget.BUDGET_DIR / "runs.jsonl").read_text().count("\n") == 1  # the older version, as DVC leaves it
+    ledger = {**plan().header(), "run": "D", "data_identity": d[0]}
+    composed = budget.composition(ledger, DELTA)
+    assert composed["runs"] == 4 and [r["run"] for r in composed["by_run"]] == ["A", "B", "C", "D"]
+    assert composed["epsilon"] == pytest.approx(accounting.epsilon(SIGMA, Q, 4 * STEPS, DELTA), rel=1e-3)
+    assert [e["run"] for e in budget._entries()] == ["A", "B", "C"] and budget.CHARGES.stat().st_mode & 0o077 == 0
+    # A kill between the two appends leaves the charge kept in the owner's zone alone: added at the next use.
+    (budget.BUDGET_DIR / "runs.jsonl").write_text((budget.BUDGET_DIR / "runs.jsonl").read_text().split("\n", 1)[1])
+    assert [e["run"] for e in budget._entries()] == ["B", "C", "A"]
+
+
 def test_a_budget_deleted_before_it_was_ever_pushed_is_refused_while_runs_it_charged_are_here(in_tmp):
     """`rm -rf data` (or `git clean -X`) with no data/budget.dvc: a new key and an empty budget restarted the
     composition, so the same examples were trained and registered again as private at one run's ε."""
@@ -476,3 +502,19 @@ def test_runs_compose_at_the_smallest_delta_of_theirs(in_tmp):
     assert c["epsilon"] == pytest.approx(
         budget.composed_epsilon([entry("big", big), entry("small", small)], big.delta, "add_remove"))
     assert c["epsilon"] > at_small_delta + 1  # the pair it used to state: 9.7 at δ = 5e-4 beside δ = 5e-7
+
+
+def test_a_charge_in_a_temporary_dvc_workspace_is_refused(in_tmp, monkeypatch):
+    """`dvc exp run --temp` runs the stages in a copy of the project, with DVC_ROOT naming the project: the
+    copy's budget, not a stage output, is deleted with it, and the run was never composed."""
+    d = shard(in_tmp / "d", examples(10))
+    for root in (in_tmp, in_tmp.parent):  # `dvc exp run` in the workspace (the project, or a folder of the repository)
+        monkeypatch.setenv("DVC_ROOT", str(root))
+        charge(*d, f"in {root}")
+    monkeypatch.setenv("DVC_ROOT", str(in_tmp.parent))
+    copy = in_tmp.parent / ".dvc/tmp/exps/tmpab12" / in_tmp.name  # where DVC puts a temporary workspace
+    shutil.copytree(in_tmp, copy)
+    monkeypatch.chdir(copy)
+    with pytest.raises(budget.BudgetNotHere, match="without --temp or --queue"):
+        charge(*d, "in a copy")
+    assert len(budget._entries()) == 2

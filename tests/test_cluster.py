@@ -104,12 +104,19 @@ def fake_scontrol(monkeypatch, jobs: dict[str, str], pids: dict[int, str] | None
 JOB = "JobId=41234 JobName=dp_train UserId=me(1) NumNodes=2 NumCPUs=32 NumTasks=2 NodeList=gpu[017-018] Partition=gpu"
 
 
+def test_rendezvous_ports_differ_for_neighbouring_jobs_and_stay_below_the_ephemeral_range():
+    """Ports from 20,000 to 39,999 put a third of the jobs in Linux's ephemeral range (32,768 on), where an
+    outgoing connection on the head node may already hold the port and the rendezvous store cannot bind."""
+    ports = [launch.rendezvous_port(str(job)) for job in range(4_000_000, 4_017_000)]
+    assert len(set(ports)) == len(ports) and 1024 <= min(ports) and max(ports) < 32768
+
+
 def test_rendezvous_comes_from_scontrol_not_from_stripped_variables(monkeypatch):
     """The SLURM plugin's job step keeps SLURM_JOB_ID and drops SLURM_JOB_NODELIST (jobstep 0.6.1):
     the launcher once stopped there, naming the wrong variable."""
     fake_scontrol(monkeypatch, {"41234": JOB})
     env = {"SLURM_JOB_ID": "41234"}  # what the jobstep plugin leaves
-    assert launch.slurm_rendezvous(2, env) == ("gpu017.ib.cluster", 20000 + 41234 % 20000, "41234")
+    assert launch.slurm_rendezvous(2, env) == ("gpu017.ib.cluster", launch.rendezvous_port("41234"), "41234")
     with pytest.raises(RuntimeError, match="has 2 node"):
         launch.slurm_rendezvous(4, env)
     monkeypatch.setattr(slurm, "_in_slurm_cgroup", lambda: False)

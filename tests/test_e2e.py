@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 from snakemake_project import MICRO, planned_rules, set_params, snakemake_project
 
 from pipeline.io import file_digest
@@ -30,15 +32,23 @@ def snakemake(workdir: Path, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    work = dvc_project(tmp_path_factory.mktemp("project"))
+    """The DAG run once, scoring the digits and an image folder of two classes (a user's own eval set)."""
+    pets = tmp_path_factory.mktemp("pets")
+    for name, value in (("cat", 40), ("dog", 200)):
+        (pets / name).mkdir()
+        for i in range(24):  # 12 a class in probe-train: ten-shot takes ten
+            Image.fromarray(np.full((8, 8, 3), value + i, np.uint8)).save(pets / name / f"{i}.png")
+    sets = [{"name": "digits", "source": "digits"}, {"name": "pets", "source": "folder", "path": str(pets)}]
+    work = dvc_project(tmp_path_factory.mktemp("project"), {"evaluate": {"sets": sets}})
     out = snakemake(work)
     return work, out
 
 
-def dvc_project(work: Path) -> Path:
-    """The workflow as a user's clone has it: a git and DVC repository, params at MICRO."""
+def dvc_project(work: Path, edits: dict | None = None) -> Path:
+    """The workflow as a user's clone has it: a git and DVC repository, params at MICRO (and `edits`)."""
     snakemake_project(work, "dvc.yaml", ".gitignore", ".dvcignore")
     set_params(work, MICRO)
+    set_params(work, edits or {})
     git(work, "init", "-q")  # DVC then checks what git ignores
     subprocess.run([str(BIN / "dvc"), "init", "-q"], cwd=work, check=True)
     shutil.copy(ROOT / ".dvc/config", work / ".dvc/config")  # the local remote, ../dvc-remote
@@ -157,6 +167,15 @@ def test_editing_params_replans_exactly_the_dependent_stages(finished_run):
         # Nor does how a stage computes (stages.HOW_IT_RUNS): a finished GPU job is not queued again.
         set_params(work, {"synthetic": {"workers": 3}, "pretrain": {"data_workers": 2, "checkpoint_every": 7},
                           "dp": {"physical_batch_size": 5, "data_workers": 2, "compile": True}})
+        assert planned_rules(snakemake(work, "-n")) == set()
+        # An eval set's files, not only its path: an image relabelled in place re-runs what scored it.
+        params = yaml.safe_load(original)
+        cat = Path(params["evaluate"]["sets"][1]["path"]) / "cat/0.png"
+        kept, times = cat.read_bytes(), (cat.stat().st_atime_ns, cat.stat().st_mtime_ns)
+        cat.write_bytes((cat.parent.parent / "dog/0.png").read_bytes())
+        assert planned_rules(snakemake(work, "-n")) == {"curve", "evaluate", "report"}
+        cat.write_bytes(kept)
+        os.utime(cat, ns=times)
         assert planned_rules(snakemake(work, "-n")) == set()
     finally:
         (work / "params.yaml").write_text(original)

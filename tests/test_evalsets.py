@@ -255,3 +255,31 @@ def test_unreadable_images_name_their_file(tmp_path, monkeypatch):
 
 
 # -- the stage ---------------------------------------------------------------------------------
+
+
+def test_the_eval_files_tag_follows_every_file_under_a_sets_paths(tmp_path):
+    """Snakemake compares it as a param of evaluate and the curve (rules/common.smk): the paths are params,
+    the files under them were not, and images replaced or relabelled in place left the old accuracies."""
+    import os
+
+    from pipeline.stages import eval_files_tag
+
+    for part in ("train", "test"):
+        for name, value in (("cat", 20), ("dog", 200)):
+            (tmp_path / part / name).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(tmp_path / part / name / f"{i}.png")
+    sets = [{"name": "digits", "source": "digits"},
+            {"name": "pets", "source": "folder", "train": str(tmp_path / "train"), "test": str(tmp_path / "test")}]
+    seen = {eval_files_tag(sets)}
+    assert eval_files_tag(sets) in seen  # nothing changed: the same tag
+    cat = tmp_path / "test/cat/0.png"
+    cat.write_bytes((tmp_path / "test/dog/0.png").read_bytes())  # relabelled in place: same size, new time
+    os.utime(cat, ns=(cat.stat().st_atime_ns, cat.stat().st_mtime_ns + 10**9))
+    seen.add(eval_files_tag(sets))
+    (tmp_path / "train/dog/3.png").write_bytes(cat.read_bytes())  # one more
+    seen.add(eval_files_tag(sets))
+    (tmp_path / "train/cat/1.png").unlink()
+    seen.add(eval_files_tag(sets))
+    assert len(seen) == 4
+    assert eval_files_tag([{"name": "gone", "source": "folder", "path": str(tmp_path / "nowhere")}])  # named when run

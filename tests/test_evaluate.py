@@ -313,9 +313,10 @@ def make_project(root, objective="caption", nonprivate=True, steps=3):
                          private=False, config={})
     checkpoints.save(root / "models/pretrain/checkpoint.pt", build_model("mae", cfg), objective="mae", model_cfg=cfg,
                      steps=0, private=False, config={})
+    write_json(root / "models/dp/ledger.json", {"run": "r1", "steps": steps, "epsilon": 3.0})
     write_json(root / "results/privacy/verification.json",
-               {"passed": True, "checks": [], "epsilon": {"pld": 3.0}, "epsilon_reported": 3.0, "accountant": "pld",
-                "delta": 1e-5, "steps": steps, "sigma": 1.0, "sample_rate": 0.1, "n": 100})
+               {"passed": True, "checks": [], "run": "r1", "epsilon": {"pld": 3.0}, "epsilon_reported": 3.0,
+                "accountant": "pld", "delta": 1e-5, "steps": steps, "sigma": 1.0, "sample_rate": 0.1, "n": 100})
 
 
 def eval_params(**overrides):
@@ -424,6 +425,12 @@ def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, mo
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "steps": 2}))
     with pytest.raises(VerificationFailed, match="2 verified steps vs 3 applied"):
         evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu", threads=1))
+    # dp-train run again at another ε, the same steps, and evaluate run by hand before verify: the
+    # verification left is the earlier run's, and its ε would be logged beside the new model.
+    (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "run": "r0"}))
+    with pytest.raises(VerificationFailed, match="another DP run"):
+        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
+                                                    threads=1))
 
 
 def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, monkeypatch):

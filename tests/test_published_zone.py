@@ -1,9 +1,10 @@
 """Nothing published holds a statistic of the private data (privacy/owner.py).
 
 The whole DAG runs under Snakemake on a web source with bad samples (so there are exclusions to
-count), once per objective. Afterwards every published artifact is scanned: the files under
-results/ and models/ (DVC outputs `make push` uploads), data/shards/stats.json, logs/, what
-Snakemake printed, and everything in MLflow (params, metrics, tags, artifacts, the registry). The
+count), once per objective. Afterwards every published artifact is scanned: every file the project
+holds outside the owner's zone and the data (results/ and models/, the DVC outputs `make push`
+uploads; logs/; whatever a stage writes elsewhere), data/shards/stats.json, what Snakemake printed,
+and everything in MLflow (params, metrics, tags, artifacts, the registry). The
 needles are the values the owner-only zone (`.dpfm/owner/`) holds for each run: the realised batch
 sizes, the batch-size test's p-values, the exclusion counts by reason; and the names under which
 they used to leak (`batch_sizes`, `nonfinite_examples`, `excluded`, `steps_per_s` of a private run).
@@ -45,7 +46,8 @@ def web_source(root: Path) -> str:
     caption and 1 caption without an image."""
     write_set(root, n=60, per_shard=15, prefix="w")
     rng = np.random.default_rng(1)
-    members = [(f"bad{i}.png", b"not a png") for i in range(3)] + [(f"bad{i}.txt", b"a caption") for i in range(3)]
+    # Each corrupt image beside its caption: a sample's members are consecutive in a webdataset tar.
+    members = [m for i in range(3) for m in ((f"bad{i}.png", b"not a png"), (f"bad{i}.txt", b"a caption"))]
     members += [(f"bare{i}.png", encode_png(picture(rng))) for i in range(2)] + [("lonely.txt", b"no image")]
     with tarfile.open(root / "w-000004.tar", "w") as t:
         for name, data in members:
@@ -55,17 +57,26 @@ def web_source(root: Path) -> str:
     return str(root / "w-{000000..000004}.tar")
 
 
+# What the walk of the project leaves out: the owner's zone, the private data with its budget, and the
+# tools' own state (Snakemake's copy of what it printed is "snakemake output"; DVC's cache holds the
+# outputs' bytes, scanned where they are).
+UNPUBLISHED = {".dpfm", "data", ".snakemake", ".git", ".dvc"}
+
+
 def published_texts(work: Path, printed: str) -> dict[str, str]:
-    """Every published file's text, by path; of a checkpoint, the params it keeps beside the weights."""
+    """Every published file's text, by path (every file the project holds outside UNPUBLISHED, whichever
+    stage wrote it); of a checkpoint, the params it keeps beside the weights."""
     from pipeline import checkpoints
 
     texts = {"snakemake output": printed}
-    for top in ("results", "models", "logs", "mlartifacts"):
-        for f in (work / top).rglob("*") if (work / top).exists() else ():
-            if f.is_file() and f.suffix in TEXT_SUFFIXES:
-                texts[str(f.relative_to(work))] = f.read_text(errors="replace")
-            elif f.is_file() and f.suffix == ".pt":
-                texts[str(f.relative_to(work))] = json.dumps(checkpoints.load(f).config, default=str)
+    for f in work.rglob("*"):
+        if not f.is_file() or f.relative_to(work).parts[0] in UNPUBLISHED:
+            continue
+        if f.suffix in TEXT_SUFFIXES:
+            texts[str(f.relative_to(work))] = f.read_text(errors="replace")
+        elif f.suffix == ".pt":
+            texts[str(f.relative_to(work))] = json.dumps(checkpoints.load(f).config, default=str)
+    assert {"results", "models", "logs", "mlartifacts"} <= {Path(k).parts[0] for k in texts}, sorted(texts)[:20]
     texts["data/shards/stats.json"] = (work / "data/shards/stats.json").read_text()
     # Git tracks dvc.lock (docs/pipeline.md: commit it with the run), and data/budget.dvc once pushed.
     for f in ("dvc.lock", "data/budget.dvc"):
@@ -101,7 +112,7 @@ def owner_needles(work: Path) -> dict[str, list[str]]:
     for split in ("private", "eval"):
         for reason, count in shards[split]["excluded"].items():
             total[reason] = total.get(reason, 0) + count
-    assert total, "the web source has bad samples: the owner file must count them"
+    assert set(REASONS) <= set(total), "the web source has each kind of bad sample: the owner file must count them"
     needles["exclusions"] = [json.dumps(total, sort_keys=True)[1:-1], f"{shards['private']['rows']} rows"]
     for f in (owner / "runs").glob("*.json"):
         record = json.loads(f.read_text())

@@ -18,6 +18,7 @@ from pipeline.stages import report, stage
 from pipeline.report.render import TABLE_HEAD_COLOR
 from pipeline.io import read_json, write_json
 from pipeline.privacy.plan import Plan
+from pipeline.errors import VerificationFailed
 from pipeline.privacy import accounting
 from recording import RecordingTracker
 
@@ -66,7 +67,7 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     write_json("results/privacy/verification.json", {
-        "passed": True, "checks": [check("sampler_is_poisson"), check("epsilon_within_target")],
+        "passed": True, "checks": [check("sampler_is_poisson"), check("epsilon_within_target")], "run": "this",
         "epsilon": {"pld": 7.99, "rdp": 9.6}, "epsilon_reported": 7.99, "accountant": "pld", "delta": 4e-4,
         "steps": 40, "sigma": 0.67, "sample_rate": 0.1, "n": 1258,
         "epsilon_curve": {"pld": [[1, 2.3], [20, 5.8], [40, 7.99]], "rdp": [[1, 3.1], [20, 7.3], [40, 9.6]]}})
@@ -75,7 +76,7 @@ def project(tmp_path, monkeypatch):
     from pipeline.privacy import budget
 
     budget.registry_id()  # the budget dp-train charged (its key): composing without one would be refused
-    write_json("models/dp/ledger.json", {**plan.header(), "steps": 40, "epsilon": 7.99})
+    write_json("models/dp/ledger.json", {**plan.header(), "steps": 40, "epsilon": 7.99, "run": "this"})
     write_json("results/eval/metrics.json", metrics_json())
     write_json("models/pretrain/history.json", history("loss", range(0, 300, 20)))
     write_json("models/dp/history.json", history("heldout_loss", range(0, 40, 10)))
@@ -115,6 +116,17 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
     for name in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):  # Markdown images sit beside it
         assert (out / name).is_file(), name
     assert tracker.artifacts == [("results/report", "report"), ("results/privacy/privacy.json", None)]
+
+
+def test_a_verification_of_another_dp_run_is_refused(project):
+    """dp-train run again (another ε, the same steps) and the report run by hand before verify: the
+    verification left would state the earlier run's ε for the new model."""
+    root, params = project
+    ver = json.loads((root / "results/privacy/verification.json").read_text())
+    write_json("results/privacy/verification.json", {**ver, "run": "an earlier run"})
+    with pytest.raises(VerificationFailed, match="another DP run"):
+        report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    assert not (root / "results/report").exists()
 
 
 def test_every_epsilon_and_delta_the_report_states_is_rounded_up(project):
@@ -210,11 +222,19 @@ def test_privacy_utility_points_come_from_finished_mlflow_runs(local_mlflow, tmp
     # A model evaluated on another set is on another axis: the figure's caption names one set.
     stage_run("evaluate", "p6", {"dp_linear_probe_acc": 0.91, "epsilon": 3.0},
               {"dvc.input.models/dp": "h5", "dpfm.objective": "mae", **digits, "dpfm.primary_set": "fashion"})
+    # Evaluated over three seeds: its point is the released model's (the first seed's), and so is its interval.
+    stage_run("evaluate", "p8", {"dp_linear_probe_acc": 0.776, "epsilon": 6.0,
+                                 "digits.dp.linear_probe_ci_lo": 0.765, "digits.dp.linear_probe_ci_hi": 0.887,
+                                 "digits.dp.first_seed_linear_probe_ci_lo": 0.758,
+                                 "digits.dp.first_seed_linear_probe_ci_hi": 0.794},
+              {"dvc.input.models/dp": "h7", "dpfm.objective": "caption", **digits})
     points, note = report_curves.experiment_points("dpfm", current_model_hash="h2", primary_set="digits")
     got = sorted((p["epsilon"], p["accuracy"], p["objective"], p["current"], p["private_as_a_whole"]) for p in points)
-    assert got == [(2.0, 0.6, "clip", False, None), (8.0, 0.75, "mae", True, False)]
-    assert sorted((p["epsilon"], p["ci"]) for p in points) == [(2.0, None), (8.0, [0.7, 0.79])]  # where it was logged
-    assert "2 DP model(s) evaluated on digits" in note and "1 evaluation(s) under the other adjacency" in note
+    assert got == [(2.0, 0.6, "clip", False, None), (6.0, 0.776, "caption", False, None),
+                   (8.0, 0.75, "mae", True, False)]
+    assert sorted((p["epsilon"], p["ci"]) for p in points) == [(2.0, None), (6.0, [0.758, 0.794]),
+                                                               (8.0, [0.7, 0.79])]  # where it was logged
+    assert "3 DP model(s) evaluated on digits" in note and "1 evaluation(s) under the other adjacency" in note
     assert [p["accuracy"] for p in report_curves.experiment_points("dpfm", None, "digits", "add_remove")[0]] == [0.8]
     assert [p["accuracy"] for p in report_curves.experiment_points("dpfm", None, "fashion")[0]] == [0.91]
     none, note = report_curves.experiment_points("elsewhere", None, "digits")

@@ -150,3 +150,18 @@ def test_rerunning_a_group_takes_every_scan_from_the_cache(two_and_one_groups, m
     assert main(["scan-shards", "--group", "1", "--groups", "2", "--threads", "1", "--summary", "again.json"]) == 0
     summary = json.loads((work / "again.json").read_text())
     assert (summary["shards"], summary["cached"], summary["scanned"], summary["skipped"]) == (3, 3, 0, [])
+
+
+def test_a_share_bar_prints_the_same_lines_whatever_its_total_an_empty_group_too(capsys):
+    """A scan group's bar is published (logs/scan_shards/{g}.log); with more groups than shards, the groups
+    left empty stayed at 0% while the others reached 100%: how many shards img2dataset finished, which
+    is the owner's."""
+    from pipeline.progress import ShareBar
+
+    shown = []
+    for total in (0, 1, 3, 250):
+        with ShareBar(total, "scan shards") as bar:
+            for _ in range(total):
+                bar.update()
+        shown.append(capsys.readouterr().err)
+    assert len(set(shown)) == 1 and "100%" in shown[0], shown

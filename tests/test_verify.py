@@ -2,6 +2,8 @@
 fails exactly the check that guards it; the stage exits 3 and leaves no verification.json."""
 
 import copy
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -453,3 +455,26 @@ def test_verify_composes_every_run_without_reading_which_sets_overlap(project, i
     monkeypatch.setattr(budget, "_load_sketch", overlaps)
     assert cli.main(["verify"]) == 0
     assert read_json(in_tmp / artifact("verification"))["composition_at_verify"]["runs"] == 2
+
+
+def test_every_epsilon_verify_prints_is_rounded_up(project, in_tmp, monkeypatch, capsys):
+    """Every ε published is rounded up, so that the figure shown still bounds the accountant's: verify's
+    line showed its independent accountants' ε to the nearest (7.99134 as 7.991). Each ε is moved to just
+    above a thousandth here, where rounding to the nearest goes down."""
+    from pipeline.stages import verify as verify_stage
+
+    def just_above(result):
+        for key in ("epsilon", "epsilon_add_remove"):
+            result[key] = {a: math.floor(e * 1000) / 1000 + 1e-4 for a, e in result[key].items()}
+        return result
+
+    real = verify_stage.verify
+    monkeypatch.setattr(verify_stage, "verify", lambda *a, **kw: just_above(real(*a, **kw)))
+    assert cli.main(["verify"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("verify: passed"))
+    own, add_remove = line.split("add/remove")
+    result = read_json(in_tmp / artifact("verification"))
+    for part, key in ((own.split(")", 1)[1], "epsilon"), (add_remove, "epsilon_add_remove")):
+        shown = {a: float(v) for a, v in re.findall(r"(\w+): (\d+\.\d+)", part)}
+        assert shown and set(shown) == set(result[key]), (line, result[key])
+        assert all(shown[a] >= result[key][a] for a in shown), (line, result[key])

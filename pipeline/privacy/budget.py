@@ -49,11 +49,16 @@ from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.errors import BudgetCorrupt, BudgetNotHere
 from pipeline.io import append_durably, atomic_path, drop_torn_tail
 from pipeline.objectives import objective
+from pipeline.privacy import owner
 from pipeline.privacy.accountant_backends import composed_epsilon as composed_pld_epsilon
 from pipeline.privacy.noise_edge import SHARE_OF_DELTA, UNRECORDED_EDGE, largest_move, noise_edge_floor
 from pipeline.privacy.plan import Plan
 
 BUDGET_DIR = Path("data/budget")
+# Every charge this checkout made or merged, kept where DVC never writes: `dvc checkout`, `dvc exp apply`
+# or `git checkout data/budget.dvc` put back an older runs.jsonl without a prompt (its version is in the
+# cache once pushed), and the runs charged since would drop out of every later composition.
+CHARGES = owner.OWNER_DIR / "budget-charges.jsonl"
 SKETCH_BITS = 24  # 2 MiB per set: disjoint sets of n₁ and n₂ examples share a bit with chance ≈ n₁n₂/2²⁴
 
 
@@ -65,19 +70,32 @@ def _check_here() -> None:
     if any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
         if pointer.exists():
             _merge_recorded(pointer)
+        _merge_lines(_charges_kept(), "charged or merged here, were missing: an older version of the budget was "
+                                      "checked out over it (`dvc checkout`, `dvc exp apply`); they are")
         return
     if pointer.exists():
         raise BudgetNotHere(f"{pointer} records a privacy budget that is not in {BUDGET_DIR}/: run `dvc pull "
                             f"{pointer}` (or `make restore`) first, so that this run composes with the runs it holds")
     # Never pushed, then deleted (`rm -rf data`, `git clean -X`): a DP run's ledger left here says a budget
     # charged it, and a new one would publish ε without it (and register the same examples as private again).
-    charged = sorted(str(p) for p in [*Path(".dpfm/state").glob("dp-train-*/ledger.jsonl"), Path("models/dp/ledger.json")]
-                     if p.is_file())
+    left = [*Path(".dpfm/state").glob("dp-train-*/ledger.jsonl"), Path("models/dp/ledger.json"), CHARGES]
+    charged = sorted(str(p) for p in left if p.is_file())
     if charged:
-        raise BudgetNotHere(f"{BUDGET_DIR}/ is gone but DP runs it charged left their ledgers ({', '.join(charged[:3])}"
+        raise BudgetNotHere(f"{BUDGET_DIR}/ is gone but DP runs it charged left their records ({', '.join(charged[:3])}"
                             f"{', ...' if len(charged) > 3 else ''}): restore {BUDGET_DIR}/ from a backup; only if "
-                            "nothing those runs trained was ever released, delete .dpfm/state/dp-train-* and models/dp "
-                            "to start a new budget")
+                            f"nothing those runs trained was ever released, delete .dpfm/state/dp-train-*, models/dp "
+                            f"and {CHARGES} to start a new budget")
+
+
+def _check_not_a_temporary_workspace() -> None:
+    """`dvc exp run --temp` (or `--queue`) runs the stages in a copy of the project under the repository's
+    .dvc/tmp/exps/, deleted after, with DVC_ROOT naming the repository: a charge made to the copy's
+    budget, not a stage output, is lost with it, and the project's budget never composes that run."""
+    root = os.environ.get("DVC_ROOT")
+    if root and Path.cwd().resolve().is_relative_to(Path(root).resolve() / ".dvc"):
+        raise BudgetNotHere(f"this DP run would charge the privacy budget of a temporary DVC workspace ({Path.cwd()}), "
+                            f"which is deleted after the experiment, and {root}/{BUDGET_DIR} would never count it: "
+                            "run `dvc exp run` without --temp or --queue")
 
 
 def sync() -> None:
@@ -111,13 +129,37 @@ def _merge_recorded(pointer: Path) -> None:
         if rel.startswith("sets/") and not (BUDGET_DIR / rel).exists():
             with atomic_path(BUDGET_DIR / rel) as tmp:
                 tmp.write_bytes(cached.read_bytes())
+    _merge_lines(files["runs.jsonl"].read_text().splitlines(), f"of the budget {pointer} records, charged elsewhere,")
+
+
+def _merge_lines(lines: list[str], whose: str) -> None:
+    """Append to runs.jsonl, and to the charges kept here, each of `lines` (charges) it lacks."""
     with _locked_runs() as f:
         have = set(f.read().splitlines())
-        missing = [line for line in files["runs.jsonl"].read_text().splitlines() if line.strip() and line not in have]
+        missing = [line for line in lines if line.strip() and line not in have]
         if missing:
+            _keep_charges(missing)
             append_durably(f.fileno(), "".join(line + "\n" for line in missing), BUDGET_DIR / "runs.jsonl")
-            print(f"budget: {len(missing)} run(s) of the budget {pointer} records, charged elsewhere, added to "
-                  f"{BUDGET_DIR}/runs.jsonl")
+            print(f"budget: {len(missing)} run(s) {whose} added to {BUDGET_DIR}/runs.jsonl")
+
+
+def _keep_charges(lines: list[str]) -> None:
+    """Append charges to CHARGES (owner-only, fsynced) before runs.jsonl gets them: a kill between the
+    two leaves a charge kept here, added to the budget at its next use."""
+    owner.zone()
+    fd = os.open(CHARGES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        drop_torn_tail(CHARGES)
+        append_durably(fd, "".join(line + "\n" for line in lines), CHARGES)
+    finally:
+        os.close(fd)
+
+
+def _charges_kept() -> list[str]:
+    if not CHARGES.exists():
+        return []
+    drop_torn_tail(CHARGES)
+    return CHARGES.read_text().splitlines()
 
 
 def _names_key() -> bytes:
@@ -245,6 +287,7 @@ def record_outside_dp(identity: str, sketch: np.ndarray, run: str, why: str, pub
 def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...], earlier: list[dict] = ()) -> None:
     """Append `entry` to the budget unless an entry agrees on `same` with it, or with it as an earlier
     version wrote it (`entry` updated by one of `earlier`): a resume."""
+    _check_not_a_temporary_workspace()
     _check_here()
     _save_sketch(identity, sketch)
     entry["recorded"] = int(time.time())  # whole seconds: a fixed width
@@ -252,7 +295,9 @@ def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...
         forms = [entry, *({**entry, **change} for change in earlier)]
         if any(all(e.get(k) == form[k] for k in same) for e in _parse(f.read(), BUDGET_DIR / "runs.jsonl") for form in forms):
             return  # a resume: the same batches and noise (an entry from before keys were recorded charges again)
-        append_durably(f.fileno(), json.dumps(entry, sort_keys=True) + "\n", BUDGET_DIR / "runs.jsonl")
+        line = json.dumps(entry, sort_keys=True)
+        _keep_charges([line])
+        append_durably(f.fileno(), line + "\n", BUDGET_DIR / "runs.jsonl")
 
 
 @contextmanager
@@ -364,8 +409,6 @@ def keep_overlap_composition(ledger: dict, delta: float) -> Path:
     """Write the owner's composition to their zone; returns where. Only `dpfm owner-composition` does:
     how long it takes follows which sets share examples (the runs it composes), so no stage, whose
     wall time is published, computes it."""
-    from pipeline.privacy import owner
-
     return owner.write("composition", overlap_composition(ledger, delta))
 
 

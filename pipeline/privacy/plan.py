@@ -123,8 +123,8 @@ def plan_mechanism(dp: dict, n: int, adjacency: str) -> Plan:
     sigma = dp["sigma"] or accounting.calibrate_sigma(dp["epsilon"], q, dp["steps"], delta, **acc)
     eps = accounting.epsilon(sigma, q, dp["steps"], delta, **acc)
     if eps > dp["epsilon"]:
-        raise ValueError(f"dp.sigma={sigma} gives ε={eps:.3f} after {dp['steps']} steps, above the target "
-                         f"dp.epsilon={dp['epsilon']}: raise sigma or lower steps")
+        raise ValueError(f"dp.sigma={sigma} gives ε={accounting.bound_text(eps, 3)} after {dp['steps']} steps, above "
+                         f"the target dp.epsilon={dp['epsilon']}: raise sigma or lower steps")
     check_noise_edge(sigma, q, dp["steps"], delta, move=largest_move(objective(dp["objective"]).sensitivity, adjacency, q))
     return Plan(objective=dp["objective"], clipping=objective(dp["objective"]).clipping, n=n, sample_rate=q,
                 sigma=sigma, clip_norm=dp["clip_norm"], steps=dp["steps"], delta=delta, accountant=dp["accountant"],

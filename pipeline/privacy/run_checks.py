@@ -197,7 +197,7 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
         # RDP is an upper bound too, only looser: a PLD above it means one of them is wrong.
         check("accountants_agree", eps["pld"] <= eps["rdp"] * 1.01,
               f"PLD ε={bound_text(eps['pld'], 4)} must not exceed RDP ε={bound_text(eps['rdp'], 4)}")
-    return {"passed": all(c["passed"] for c in checks), "checks": checks, "epsilon": eps,
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "run": ledger.get("run"), "epsilon": eps,
             "epsilon_reported": main_eps, "accountant": main, "adjacency": relation, "delta": delta, "steps": steps,
             "epsilon_add_remove": {a: literature[a] for a in accountants},
             "sigma": ledger["sigma"], "noise_multiplier": multiplier, "sample_rate": q, "n": n,
@@ -218,6 +218,16 @@ def with_batch_sizes(ledger: dict) -> dict:
         raise VerificationFailed(f"{owner.path(name)} is missing: the realised batch sizes of run {ledger.get('run')} "
                                  "are kept owner-only on the machine that trained it; verify there")
     return {**ledger, "batch_sizes": record["batch_sizes"]}
+
+
+def check_verifies(ver: dict, verification: Path, dp_dir: Path) -> None:
+    """Refuse `ver` (verification.json) unless it was made for the run in `dp_dir`: a stage run by hand after
+    dp-train ran again with other params (another ε, the same steps), before verify, would publish the
+    earlier run's ε beside the new model."""
+    ledger = read_json(dp_dir / "ledger.json")
+    if ver.get("run") != ledger.get("run"):
+        raise VerificationFailed(f"{verification} is the verification of another DP run than {dp_dir} (run "
+                                 f"{ver.get('run')}, not {ledger.get('run')}): run `dpfm verify` first")
 
 
 def load_run(dp_dir: str | Path) -> tuple[dict, int]:

@@ -59,9 +59,11 @@ def experiment_points(experiment: str, current_model_hash: str | None, primary_s
         seen.add(model)
         objective = tags.get("dpfm.objective") or (dp_run.data.params.get("dp.objective") if dp_run else None)
         private = {"true": True, "false": False}.get(whole.get(tags.get("mlflow.parentRunId")))
-        ci = [m.get(f"{primary_set}.dp.linear_probe_ci_lo"), m.get(f"{primary_set}.dp.linear_probe_ci_hi")]
+        # The point is the released model's (over seeds, the first's): so is its interval, not the seeds' mean's.
+        names = (f"{primary_set}.dp.first_seed_linear_probe_ci", f"{primary_set}.dp.linear_probe_ci")
+        ci = next(([m[f"{n}_lo"], m[f"{n}_hi"]] for n in names if f"{n}_lo" in m and f"{n}_hi" in m), None)
         points.append({"epsilon": eps, "accuracy": acc, "objective": objective, "current": model == current_model_hash,
-                       "private_as_a_whole": private, "ci": None if None in ci else ci})
+                       "private_as_a_whole": private, "ci": ci})
     source = f"{len(points)} DP model(s) evaluated on {primary_set} in MLflow experiment {experiment!r}"
     return points, source + (f" ({other} evaluation(s) under the other adjacency left out)" if other else "")
 

@@ -156,6 +156,30 @@ def tracked(params: dict, sections) -> dict:
             for s in sections}
 
 
+def eval_files_tag(sets: list[dict]) -> str:
+    """A digest of the names, sizes and modification times of the files under the eval sets' local paths
+    (`path`, `train`, `test`), for Snakemake to compare as a param: the paths are params, the files under
+    them not, so images replaced, relabelled or added under the same path left evaluate and the curve up
+    to date with the accuracies of the old files. Names and sizes of public data only."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256()
+    for spec in sets:
+        for key in ("path", "train", "test"):
+            root = Path(spec[key]) if spec.get(key) else None
+            walked = os.walk(root) if root and root.is_dir() else [(root.parent, [], [root.name])] if root else []
+            for folder, dirs, files in walked:
+                dirs.sort()
+                for name in sorted(files):
+                    try:
+                        st = os.stat(Path(folder) / name)
+                    except FileNotFoundError:  # a missing path: the stage names it when it runs
+                        continue
+                    digest.update(f"{Path(folder) / name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def dvc_params(st: Stage) -> list[str]:
     """The stage's params as dvc.yaml lists them: whole sections, or a section's tracked keys."""
     from pipeline.config import load_schema

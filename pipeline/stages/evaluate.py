@@ -41,6 +41,7 @@ from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.privacy import release
 from pipeline.privacy.accounting import bound_text
+from pipeline.privacy.run_checks import check_verifies
 from pipeline.eval.evalsets import EvalSet
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import features, probe_outcomes
@@ -222,6 +223,7 @@ def run(params: dict, ctx) -> None:
     if not ver["passed"] or ver["steps"] != dp_steps:
         raise VerificationFailed(f"{verification} does not vouch for {dp_path} (passed={ver['passed']}, "
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
+    check_verifies(ver, verification, st.input("dp"))
     candidates = load_candidates(st, cfg["baselines"], seed, with_text=cfg["zero_shot"])
     encoder = candidates[0].encoder  # the DP model's: its input size, its depth
     # Checked, and with extra seeds to train and charge every image decoded once, before them.

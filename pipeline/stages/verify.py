@@ -46,11 +46,12 @@ def run(params: dict, ctx) -> None:
     result["composition_at_verify"] = budget.composition(ledger, result["delta"])
     write_json(out, result)
     # verify.accountants that account the run's adjacency (rdp and prv account add/remove alone)
-    others = "".join(f", {a}: {e:.3f}" for a, e in result["epsilon"].items())
+    others = "".join(f", {a}: {bound_text(e, 3)}" for a, e in result["epsilon"].items())
     print(f"verify: passed; ε = {bound_text(result['epsilon_reported'], 3)} ({result['accountant']}, "
           f"{result['adjacency'].replace('_', '-')}){others}"
           + ("" if result["adjacency"] == "add_remove" else
-             "; add/remove (the literature's): " + ", ".join(f"{a}: {e:.3f}" for a, e in result["epsilon_add_remove"].items())))
+             "; add/remove (the literature's): "
+             + ", ".join(f"{a}: {bound_text(e, 3)}" for a, e in result["epsilon_add_remove"].items())))
     c = result["composition_at_verify"]
     if c["runs"] > 1:
         # Which runs share examples with this one is the owner's to know: the tighter figure is theirs,

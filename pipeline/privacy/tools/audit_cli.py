@@ -99,6 +99,7 @@ def _step(args) -> int:
 
 def _one_run(args) -> int:
     from pipeline.io import write_json
+    from pipeline.privacy.accounting import bound_text
     from pipeline.privacy.tools.canary_audit import run_audit
 
     fields = {k: getattr(args, k) for k in ("canaries", "steps", "expected_batch_size", "epsilon", "delta", "clipping",
@@ -112,7 +113,7 @@ def _one_run(args) -> int:
     print(f"audit: {args.canaries} canaries ({result['included']} included), {args.steps} steps, "
           f"q={result['sample_rate']:.4g}, σ={result['sigma']:.4g}, δ={args.delta:g}"
           + (f"; faults injected: {', '.join(faults)}" if faults else ""))
-    print(f"  {'ε claimed (PLD)':<20} = {result['epsilon_claimed']:.3f}")
+    print(f"  {'ε claimed (PLD)':<20} = {bound_text(result['epsilon_claimed'], 3)}")
     how = (f"{result['correct']}/{result['guesses']} correct: top {result['k_in']} guessed in, "
            f"bottom {result['k_out']} out" if result["guesses"] else "no guess count beats chance")
     print(f"  {f'ε lower ({args.confidence:.0%} conf.)':<20} = {result['epsilon_lower']:.3f}   ({how})")
