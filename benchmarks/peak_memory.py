@@ -63,11 +63,12 @@ def tree_memory_kib(root: int) -> dict[str, int]:
     return total
 
 
-def peak_memory(module: str, mode: str, directory: Path) -> Peak:
-    """Peak memory of `python -m benchmarks.<module> --child <mode> --dir <directory>`, run alone in its
-    own process so nothing measured before counts; /proc is sampled every 10 ms until it exits."""
+def peak_memory(module: str, mode: str, directory: Path, *options: str) -> Peak:
+    """Peak memory of `python -m benchmarks.<module> --child <mode> --dir <directory> [options]`, run alone
+    in its own process so nothing measured before counts; /proc is sampled every 10 ms until it exits."""
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", "--child", mode, "--dir", str(directory)],
+    proc = subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", "--child", mode, "--dir", str(directory),
+                             *options],
                             cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
     peak = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0}
     while True:

@@ -192,6 +192,7 @@ def _validate(args) -> None:
     from pipeline.io import read_json
     from pipeline.privacy import release
     from pipeline.privacy.params_check import check_dp_params
+    from pipeline.stages import params_digest
 
     params = load_params(args.params, args.set)
     release.check_asked_for(params)
@@ -201,9 +202,15 @@ def _validate(args) -> None:
         print(f"{args.params}: ok (the schema, model shapes and DP settings; dp-train's privacy plan needs n: "
               f"validate again once `dpfm shards` has run)")
         return
+    built = read_json(stats)
+    if built.get("params_digest", params_digest(params, "shards")) != params_digest(params, "shards"):
+        print(f"{args.params}: ok (the schema, model shapes and DP settings; dp-train's privacy plan needs the n of "
+              f"shards built with these params, and {stats.parent} was built with others: validate again once "
+              f"`dpfm shards` has run)")
+        return
     from pipeline.privacy.plan import checked_plan
 
-    checked_plan(params["dp"], read_json(stats)["private"]["usable"], params["privacy"]["adjacency"])
+    checked_plan(params["dp"], built["private"]["usable"], params["privacy"]["adjacency"])
     print(f"{args.params}: ok (the schema, model shapes, DP settings and dp-train's privacy plan at the shards' n)")
 
 

@@ -60,22 +60,23 @@ def test_one_node_starts_torchrun_standalone_with_a_process_per_gpu():
 
 
 def test_two_nodes_of_eight_gpus_render_srun_with_one_torchrun_per_node():
-    got = launch.launch_command(STAGE, nodes=2, gpus=16, head="gpu001", port=21234, job_id="41234")
+    got = launch.launch_command(STAGE, nodes=2, gpus=16, head="gpu001.ib", port=21234, job_id="41234",
+                                head_node="gpu001")
     assert shlex.join(got) == (
         "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        f"{shlex.join(launch.TORCHRUN)} --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d "
-        "--rdzv_endpoint=gpu001:21234 --rdzv_id=41234 --no-python dpfm dp-train --threads 8")
+        f"{shlex.quote(sys.executable)} -m pipeline.launch --agent-of gpu001 -- --nnodes=2 --nproc_per_node=8 "
+        "--rdzv_backend=c10d --rdzv_endpoint=gpu001.ib:21234 --rdzv_id=41234 --no-python dpfm dp-train --threads 8")
 
 
 @pytest.mark.parametrize("nodes, gpus, match", [(2, 13, "multiple of 2"), (2, 3, "multiple of 2"),
                                                 (0, 8, "nodes must be"), (1, -1, "gpus must be")])
 def test_bad_resources_are_named(nodes, gpus, match):
     with pytest.raises(ValueError, match=match):
-        launch.launch_command(STAGE, nodes=nodes, gpus=gpus, head="h", port=1, job_id="1")
+        launch.launch_command(STAGE, nodes=nodes, gpus=gpus, head="h", port=1, job_id="1", head_node="h")
 
 
 def test_two_cpu_nodes_run_one_gloo_process_each():
-    got = launch.launch_command(STAGE, nodes=2, gpus=0, head="cpu001", port=21234, job_id="7")
+    got = launch.launch_command(STAGE, nodes=2, gpus=0, head="cpu001", port=21234, job_id="7", head_node="cpu001")
     assert "--nnodes=2" in got and "--nproc_per_node=1" in got and got[0] == "srun"
 
 
@@ -116,7 +117,8 @@ def test_rendezvous_comes_from_scontrol_not_from_stripped_variables(monkeypatch)
     the launcher once stopped there, naming the wrong variable."""
     fake_scontrol(monkeypatch, {"41234": JOB})
     env = {"SLURM_JOB_ID": "41234"}  # what the jobstep plugin leaves
-    assert launch.slurm_rendezvous(2, env) == ("gpu017.ib.cluster", launch.rendezvous_port("41234"), "41234")
+    assert launch.slurm_rendezvous(2, env) == ("gpu017.ib.cluster", launch.rendezvous_port("41234"), "41234",
+                                               "gpu017")
     with pytest.raises(RuntimeError, match="has 2 node"):
         launch.slurm_rendezvous(4, env)
     monkeypatch.setattr(slurm, "_in_slurm_cgroup", lambda: False)
@@ -211,13 +213,29 @@ def test_torchrun_gives_its_workers_longer_than_its_own_30_s_to_save_after_sigte
     assert all((tmp_path / f"saved{r}").exists() for r in (0, 1)), job.stderr.read()[-3000:]
 
 
-def test_the_rendered_multi_node_torchrun_meets_on_one_rendezvous():
-    """Two torchrun agents (the two srun tasks), here both on loopback: 2 nodes x 1 process = world of 2."""
+# torch's guess of whether this machine hosts the rendezvous store, as it goes where the head's NodeAddr
+# names another interface than its hostname (an InfiniBand name): no node matches it.
+NO_NODE_MATCHES = """
+import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as backend
+backend._matches_machine_hostname = lambda host: False
+"""
+
+
+@pytest.mark.parametrize("endpoint_matches", [True, False], ids=["hostname", "another-interface"])
+def test_the_rendered_multi_node_torchrun_meets_on_one_rendezvous(tmp_path, endpoint_matches):
+    """Two torchrun agents (the two srun tasks, on nodes node0 and node1), here both on loopback: 2 nodes x
+    1 process = world of 2. Where no node's name or address matched the endpoint, every node took
+    itself for a client of a store nobody hosted, and none met: the head's agent is told it hosts."""
+    env = tool_env()
+    if not endpoint_matches:
+        (tmp_path / "sitecustomize.py").write_text(NO_NODE_MATCHES)  # in every interpreter the agents start
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     say = ["sh", "-c", 'echo "rank=$RANK world=$WORLD_SIZE"']
-    argv = launch.launch_command(say, nodes=2, gpus=2, head="127.0.0.1", port=free_port(), job_id="7")
-    agent = argv[argv.index("torch.distributed.run") - 2:]  # what srun starts on each node
-    procs = [subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=tool_env())
-             for _ in range(2)]
+    argv = launch.launch_command(say, nodes=2, gpus=2, head="127.0.0.1", port=free_port(), job_id="7",
+                                 head_node="node0")
+    agent = argv[argv.index("pipeline.launch") - 2:]  # what srun starts on each node
+    procs = [subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**env, "SLURMD_NODENAME": f"node{i}"}) for i in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sorted(line for o in outs for line in o.splitlines() if line.startswith("rank=")) == [

@@ -330,3 +330,17 @@ def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, caps
     assert "dp.expected_batch_size=101 exceeds the 100 usable private examples" in capsys.readouterr().err
     assert cli.main(["validate", "--set", "dp.expected_batch_size=50"]) == 0
     assert "dp-train's privacy plan at the shards' n" in capsys.readouterr().out
+    # Shards built with other shards params: their n is not the n dp-train will plan with.
+    from pipeline.config import load_params
+    from pipeline.stages import params_digest
+
+    def built_with(*overrides):
+        digest = params_digest(load_params(overrides=list(overrides)), "shards")
+        (in_tmp / "data/shards/stats.json").write_text(json.dumps({"private": {"usable": 100}, "params_digest": digest}))
+
+    built_with("shards.limit=500")
+    assert cli.main(["validate", *bad]) == 0
+    assert "was built with others" in capsys.readouterr().out
+    built_with()
+    assert cli.main(["validate", *bad]) == 2
+    assert "dp params (n=100 usable private examples) is invalid" in capsys.readouterr().err

@@ -27,7 +27,8 @@ from PIL import Image
 from shard_data import SIZE, excluded, good, index, picture, raw_tar, write_set
 
 from pipeline.stages import shards as shards_stage, stage
-from pipeline.data.index import (INDEX_NAME, MEMBERS, IndexMismatch, _split_hash, build_index, duplicate_mask, key_hash,
+from pipeline.data.dedup import duplicate_mask, duplicate_rows
+from pipeline.data.index import (INDEX_NAME, MEMBERS, IndexMismatch, _split_hash, build_index, key_hash,
                                   read_index, read_usable_table)
 from pipeline.data.index_mmap import MAGIC, TAIL, USABLE_NAME, CorruptIndex, read_footer
 from pipeline.data.loader import BatchLoader
@@ -167,6 +168,27 @@ def test_duplicate_check_keeps_a_later_copy_when_the_first_is_unusable():
     hashes = np.array([5, 7, 5, 5, 7], dtype=np.uint64)
     usable = np.array([False, True, True, True, True])
     assert duplicate_mask(hashes, usable).tolist() == [False, False, False, True, True]
+
+
+@pytest.mark.parametrize("bucket_rows", [10**9, 4096, 37])  # one bucket; 16 buckets; 1,024
+def test_duplicates_found_in_buckets_on_disk_are_those_of_one_sort_of_the_whole_column(tmp_path, bucket_rows):
+    """build_index once sorted every row's hash at once (52 bytes a row: 12 GB at 233M rows); in buckets
+    by the hash's top bits, sorted one at a time, it must mark exactly the rows the one sort marks (the
+    first usable row of each hash kept), across pieces of any size, empty ones too."""
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 500, 3, 7000, 0, 4000, 2]
+    n = sum(sizes)
+    hashes = rng.choice(rng.integers(0, 2**64, 3000, dtype=np.uint64, endpoint=False), n)  # many repeats
+    hashes[:40] = np.uint64(2**64 - 1)  # a hash in the top bucket, and 0 in the bottom one
+    hashes[40:80] = 0
+    usable = rng.random(n) < 0.8
+    bounds = np.cumsum([0, *sizes])
+    pieces = ((hashes[a:b], usable[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+    found = duplicate_rows(pieces, n, tmp_path / "buckets", bucket_rows=bucket_rows)
+    expected = duplicate_mask(hashes, usable)
+    assert expected.sum() > n // 2 and np.array_equal(found.get(0, n), expected)
+    assert all(np.array_equal(found.get(a, b), expected[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+    assert not list((tmp_path / "buckets").iterdir())
 
 
 def test_tar_truncated_inside_a_member(tmp_path):
@@ -481,14 +503,15 @@ def test_digits_stage_writes_splits_and_stats(in_tmp):
 def test_digits_shards_are_the_pinned_bytes(in_tmp):
     """The digits shards byte for byte: tars, usable.idx and stats.json, the index row for row (its
     parquet footer names the pyarrow version). Re-pinned when the index gained each example's
-    content digest (the privacy budget's identity) and stats.json lost the owner-only counts."""
+    content digest (the privacy budget's identity), when stats.json lost the owner-only counts, and when
+    it gained the digest of the params the shards were built with (dpfm validate's check of n)."""
     run_digits(eval_fraction=None)
     digest = hashlib.sha256()
     for f in sorted(f for f in Path("data/shards").rglob("*") if f.is_file()):
         data = (json.dumps(pq.read_table(f).to_pylist(), sort_keys=True).encode() if f.name == INDEX_NAME
                 else f.read_bytes())
         digest.update(f"{f.relative_to('data/shards')}\n".encode() + data)
-    assert digest.hexdigest() == "8dcc63b9070b1b8777d3b339aa7b6a9431878325330387e1a97972b448720264"
+    assert digest.hexdigest() == "8beeb2f1097ead56ba63736b00ff2d5271525ce979820af663c641c22fe30437"
 
 
 def test_index_dict_keeps_per_format_offset_columns(tmp_path):

@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 import tarfile
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import ParamsError
 from pipeline.data import remote
+from pipeline.data.dedup import duplicate_rows
 from pipeline.data.index_mmap import (MEMBERS, USABLE_NAME, UsableRows, build_lock, derived_from, map_usable,
                                       source_id, usable_writer)
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
@@ -97,11 +99,25 @@ def index_writer(path: str | Path, shards: list[dict]):
     """Stream tables into an index file written atomically, then derive its usable.idx from it;
     `shards` is [{"url", "size"} and the store's version tags, if any] by shard_id."""
     schema = SCHEMA.with_metadata({META_KEY: json.dumps({"version": VERSION, "shards": shards})})
+    pending = []  # tables gathered into row groups of ROW_GROUP_ROWS: one per write (a shard, and an empty one
+    # for each shard that gives the eval split none) kept ~10 KB of metadata a shard until the file closed
+
+    def flush() -> None:
+        if pending:
+            writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+            pending.clear()
+
+    def write(table: pa.Table) -> None:
+        if len(table):
+            pending.append(table.select(schema.names).cast(schema))
+        if sum(map(len, pending)) >= ROW_GROUP_ROWS:
+            flush()
+
     with atomic_path(path) as tmp:
         writer = pq.ParquetWriter(tmp, schema)
         try:
-            yield lambda table: writer.write_table(table.select(schema.names).cast(schema),
-                                                   row_group_size=ROW_GROUP_ROWS)
+            yield write
+            flush()
         finally:
             writer.close()
     write_usable(Path(path))
@@ -405,21 +421,6 @@ def _split_hash(hashes: np.ndarray, seed: int) -> np.ndarray:
     return mix64_np(hashes ^ np.uint64((seed * GOLDEN) & MASK64)) >> np.uint64(11)
 
 
-def duplicate_mask(hashes: np.ndarray, usable: np.ndarray) -> np.ndarray:
-    """True for every usable row whose hash (of its key, or of its content) equals an earlier usable
-    row's (the first is kept).
-
-    64-bit hashes: a collision between different keys or contents (~n²/2⁶⁵) only drops one more
-    example, and the n counted is still what training reads.
-    """
-    dup = np.zeros(len(hashes), dtype=bool)
-    idx = np.flatnonzero(usable)
-    order = np.argsort(hashes[idx], kind="stable")
-    ranked = hashes[idx][order]
-    dup[idx[order[1:][ranked[1:] == ranked[:-1]]]] = True
-    return dup
-
-
 def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, seed: int, cache_dir: str | Path,
                 workers: int, check_size: int) -> dict:
     """Scan the shards, drop duplicate keys and contents, split by key hash and write
@@ -448,36 +449,44 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     owner.note("shards", f"{sum(info['cached'] for _, info in good)} of {len(urls)} shard scans found in the cache")
     print(f"shards: any shard skipped or damaged is listed for the data owner only: {owner.OWNER_DIR}/shards.log")
 
-    usable = np.concatenate([pc.equal(pq.read_table(p, columns=["status"]).column("status"), "ok")
-                             .to_numpy(zero_copy_only=False) for p, _ in good])
-    hashes = np.concatenate([pq.read_table(p, columns=["key_hash"]).column("key_hash").to_numpy() for p, _ in good])
-    dup = duplicate_mask(hashes, usable)
-    to_eval = _split_hash(hashes, seed) < np.uint64(int(eval_fraction * 2**53))
-    del hashes  # one column of n digits at a time
-    # The same image and caption under another key (two shards of one crawl) is the same example: kept
-    # twice, a step that sampled both would add up to 2C of it against a charge for C, and the budget
-    # counts examples by content.
-    contents = np.concatenate([pq.read_table(p, columns=["content_hash"]).column("content_hash").fill_null(0)
-                               .to_numpy() for p, _ in good])
-    same_content = duplicate_mask(contents, usable & ~dup)
-    del contents
+    out_dir = Path(out_dir)
+    rows = sum(pq.ParquetFile(p).metadata.num_rows for p, _ in good)
+
+    def column(name: str, exclude=None):  # (hashes, usable rows less `exclude`'s) of each piece in turn
+        start = 0
+        for p, _ in good:
+            t = pq.read_table(p, columns=["status", name])
+            usable = pc.equal(t.column("status"), "ok").to_numpy(zero_copy_only=False)
+            if exclude is not None:
+                usable &= ~exclude.get(start, start + len(t))
+            yield t.column(name).fill_null(0).to_numpy(), usable
+            start += len(t)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as buckets:  # inside the output: removed before it is renamed
+        dup = duplicate_rows(column("key_hash"), rows, buckets)
+        # The same image and caption under another key (two shards of one crawl) is the same example: kept
+        # twice, a step that sampled both would add up to 2C of it against a charge for C, and the budget
+        # counts examples by content.
+        same_content = duplicate_rows(column("content_hash", exclude=dup), rows, buckets)
 
     shards = [{"url": info["url"], "size": info["size"], **{k: info[k] for k in remote.VERSION_TAGS if k in info}}
               for _, info in good]
     counts = {s: dict.fromkeys(STATUSES, 0) for s in ("private", "eval")}
-    out_dir = Path(out_dir)
     with index_writer(out_dir / "private" / INDEX_NAME, shards) as write_private, \
             index_writer(out_dir / "eval" / INDEX_NAME, shards) as write_eval:
         start = 0
         for shard_id, (piece, _) in enumerate(good):
             t = pq.read_table(piece)
             stop = start + len(t)
-            status = pc.if_else(pa.array(dup[start:stop]), "duplicate_key",
-                                pc.if_else(pa.array(same_content[start:stop]), "duplicate_content", t.column("status")))
+            status = pc.if_else(pa.array(dup.get(start, stop)), "duplicate_key",
+                                pc.if_else(pa.array(same_content.get(start, stop)), "duplicate_content",
+                                           t.column("status")))
+            to_eval = _split_hash(t.column("key_hash").to_numpy(), seed) < np.uint64(int(eval_fraction * 2**53))
             t = t.set_column(t.schema.get_field_index("status"), "status", status)
             t = t.set_column(t.schema.get_field_index("shard_id"), "shard_id",
                              pa.array(np.full(len(t), shard_id, np.int32)))
-            mask = pa.array(to_eval[start:stop])
+            mask = pa.array(to_eval)
             for split, write, part in (("private", write_private, t.filter(pc.invert(mask))),
                                        ("eval", write_eval, t.filter(mask))):
                 write(part)

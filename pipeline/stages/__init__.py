@@ -156,6 +156,15 @@ def tracked(params: dict, sections) -> dict:
             for s in sections}
 
 
+def params_digest(params: dict, name: str) -> str:
+    """A digest of the params stage `name` was run with (those that re-run it): a later command can tell
+    whether its output is from the params it has now."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(tracked(params, stage(name).sections), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def eval_files_tag(sets: list[dict]) -> str:
     """A digest of the names, sizes and modification times of the files under the eval sets' local paths
     (`path`, `train`, `test`), for Snakemake to compare as a param: the paths are params, the files under

@@ -30,7 +30,7 @@ from pipeline.data.shards import encode_png, write_shard
 from pipeline.io import atomic_dir, atomic_path, write_json
 from pipeline.privacy import owner
 from pipeline.progress import untimed_bar
-from pipeline.stages import SCAN_GROUP_SOURCES
+from pipeline.stages import SCAN_GROUP_SOURCES, params_digest
 from pipeline.tracking import input_tag
 
 SPLITS = ("private", "eval")
@@ -171,7 +171,7 @@ def run(params: dict, ctx) -> None:
     fraction = eval_fraction(cfg)
     # A web source's eval split is private data: whatever is computed on it is released unprotected.
     stats = {"source": cfg["source"], "eval_fraction": fraction,
-             "eval_from_private": not labelled and fraction > 0}
+             "eval_from_private": not labelled and fraction > 0, "params_digest": params_digest(params, "shards")}
     out_dir = ctx.stage.output("shards")
     # The digest vouches for the shards beside it: gone before they are replaced, so a stage stopped
     # after the swap (run by hand; Snakemake and DVC delete outputs first) leaves none for the new ones.
@@ -208,10 +208,10 @@ PUBLIC_SPLIT_KEYS = ("usable", "shards", "classes")  # n is public (privacy.adja
 
 
 def split_stats(stats: dict) -> tuple[dict, dict]:
-    """(published, owner-only) parts of the stage's statistics. Published: the source, the split and
-    each split's usable count n. Everything else (rows read, exclusions by reason, what the download
+    """(published, owner-only) parts of the stage's statistics. Published: the source, the split,
+    each split's usable count n and a digest of the (public) params the shards were built with. Everything else (rows read, exclusions by reason, what the download
     and the shard scan reported) is a statistic of the private data: owner-only (privacy/owner.py)."""
-    public = {k: stats[k] for k in ("source", "eval_fraction", "eval_from_private")}
+    public = {k: stats[k] for k in ("source", "eval_fraction", "eval_from_private", "params_digest")}
     for split in SPLITS:
         public[split] = {k: v for k, v in stats[split].items() if k in PUBLIC_SPLIT_KEYS}
     return public, stats
