@@ -405,6 +405,7 @@ def test_an_older_budget_checked_out_over_this_one_gets_the_runs_charged_since_b
     assert composed["runs"] == 4 and [r["run"] for r in composed["by_run"]] == ["A", "B", "C", "D"]
     assert composed["epsilon"] == pytest.approx(accounting.epsilon(SIGMA, Q, 4 * STEPS, DELTA), rel=1e-3)
     assert [e["run"] for e in budget._entries()] == ["A", "B", "C"] and budget.CHARGES.stat().st_mode & 0o077 == 0
+    assert budget.CHARGES.read_text().count("\n") == 3  # each charge kept once, however often it is put back
     # A kill between the two appends leaves the charge kept in the owner's zone alone: added at the next use.
     (budget.BUDGET_DIR / "runs.jsonl").write_text((budget.BUDGET_DIR / "runs.jsonl").read_text().split("\n", 1)[1])
     assert [e["run"] for e in budget._entries()] == ["B", "C", "A"]

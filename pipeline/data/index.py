@@ -99,8 +99,8 @@ def index_writer(path: str | Path, shards: list[dict]):
     """Stream tables into an index file written atomically, then derive its usable.idx from it;
     `shards` is [{"url", "size"} and the store's version tags, if any] by shard_id."""
     schema = SCHEMA.with_metadata({META_KEY: json.dumps({"version": VERSION, "shards": shards})})
-    pending = []  # tables gathered into row groups of ROW_GROUP_ROWS: one per write (a shard, and an empty one
-    # for each shard that gives the eval split none) kept ~10 KB of metadata a shard until the file closed
+    pending = []  # tables gathered into row groups of ROW_GROUP_ROWS: a row group per write (a shard, and an empty
+    # one for each shard that gives the eval split none) kept 25k groups' metadata open at 233M rows
 
     def flush() -> None:
         if pending:

@@ -71,7 +71,7 @@ def _check_here() -> None:
         if pointer.exists():
             _merge_recorded(pointer)
         _merge_lines(_charges_kept(), "charged or merged here, were missing: an older version of the budget was "
-                                      "checked out over it (`dvc checkout`, `dvc exp apply`); they are")
+                                      "checked out over it (`dvc checkout`, `dvc exp apply`); they are", kept=True)
         return
     if pointer.exists():
         raise BudgetNotHere(f"{pointer} records a privacy budget that is not in {BUDGET_DIR}/: run `dvc pull "
@@ -132,13 +132,15 @@ def _merge_recorded(pointer: Path) -> None:
     _merge_lines(files["runs.jsonl"].read_text().splitlines(), f"of the budget {pointer} records, charged elsewhere,")
 
 
-def _merge_lines(lines: list[str], whose: str) -> None:
-    """Append to runs.jsonl, and to the charges kept here, each of `lines` (charges) it lacks."""
+def _merge_lines(lines: list[str], whose: str, kept: bool = False) -> None:
+    """Append to runs.jsonl each of `lines` (charges) it lacks, and to the charges kept here unless they
+    are `kept` there already."""
     with _locked_runs() as f:
         have = set(f.read().splitlines())
         missing = [line for line in lines if line.strip() and line not in have]
         if missing:
-            _keep_charges(missing)
+            if not kept:
+                _keep_charges(missing)
             append_durably(f.fileno(), "".join(line + "\n" for line in missing), BUDGET_DIR / "runs.jsonl")
             print(f"budget: {len(missing)} run(s) {whose} added to {BUDGET_DIR}/runs.jsonl")
 
