@@ -34,15 +34,8 @@ from typing import Callable, Iterable, List, Optional, Tuple
 from pipeline.privacy.accountant_backends import (_PLD_SEARCH_INTERVALS, _eps_noise, _pld_eps_at, _pld_epsilon_and_interval,
                                           _rdp_bound, _round_off_swamps_delta, check_adjacency)
 
-__all__ = [
-    "ACCOUNTANTS",
-    "epsilon",
-    "calibrate_sigma",
-    "epsilon_curve",
-    "steps_to_reach",
-    "parse_delta",
-    "check_delta",
-]
+__all__ = ["ACCOUNTANTS", "epsilon", "calibrate_sigma", "epsilon_curve", "steps_to_reach", "parse_delta",
+           "check_delta"]
 
 ACCOUNTANTS = ("pld", "rdp", "prv")
 
