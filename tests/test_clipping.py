@@ -558,12 +558,13 @@ class OneWideLayer(nn.Module):
         return (self.fc(x) ** 2).mean((1, 2)) * 1e3
 
 
-@pytest.mark.parametrize("engine", ["bookkeeping-instantiated", "vmap", "opacus-hooks"])
+@pytest.mark.parametrize("engine", ["bookkeeping-instantiated", "vmap", "opacus-hooks", "per-batch"])
 def test_a_wide_layers_instantiated_gradient_is_clipped_within_c(monkeypatch, engine):
     """Measured: what one example's clipped gradient adds to the sum, through a layer of 8.4M weights
     whose per-example gradient is instantiated. One fp32 norm over the whole row read it 8e-5 low on
     CPU, so the example carried 1.00035·C; norms over runs, raised by their rounding bound
-    (layer_rules.bounded_sq_norms), keep it within C. Fails with the one norm put back."""
+    (layer_rules.bounded_sq_norms), keep it within C. Fails with the one norm put back. Per batch
+    (CLIP's clipper: here a batch of one) the sum's one fp32 norm carried 1.00000006·C."""
     from pipeline.privacy import clipping
     from pipeline.privacy.tools import opacus_clipper
     from pipeline.privacy.tools.opacus_clipper import OpacusHooksClipper
@@ -572,7 +573,8 @@ def test_a_wide_layers_instantiated_gradient_is_clipped_within_c(monkeypatch, en
         torch.manual_seed(0)
         x, model = torch.randn(2, 3, 2048), OneWideLayer()
         clipper = (VmapClipper(model, 1.0) if engine == "vmap" else OpacusHooksClipper(model, 1.0)
-                   if engine == "opacus-hooks" else BookKeepingClipper(model, 1.0, ghost=False))
+                   if engine == "opacus-hooks" else PerBatchClipper(model, 1.0) if engine == "per-batch"
+                   else BookKeepingClipper(model, 1.0, ghost=False))
         moves = []
         for i in range(2):  # one example at a time: its contribution alone
             clipper.reset()
@@ -585,7 +587,7 @@ def test_a_wide_layers_instantiated_gradient_is_clipped_within_c(monkeypatch, en
     one_norm = lambda v: torch.linalg.vector_norm(v.reshape(len(v), -1), dim=1).square()  # noqa: E731
     monkeypatch.setattr(clipping, "bounded_sq_norms", one_norm)
     monkeypatch.setattr(opacus_clipper, "bounded_sq_norms", one_norm)
-    assert worst() > 1.0001
+    assert worst() > (1.0 if engine == "per-batch" else 1.0001)
 
 
 @pytest.mark.parametrize("device", DEVICES)

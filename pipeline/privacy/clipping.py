@@ -473,8 +473,8 @@ class PerBatchClipper(ClippedSum):
         device = next(iter(self.sum.values())).device
         with fp32_only(device):
             sq = torch.zeros(len(self.bounds), dtype=torch.float32, device=device)  # of the summed gradient, per group
-            for n, v in self.sum.items():
-                sq[self.group_of[id(self.params[n])]] += v.pow(2).sum()
+            for n, v in self.sum.items():  # never read low: a sum clipped by a low norm carries more than C
+                sq[self.group_of[id(self.params[n])]] += bounded_sq_norms(v.reshape(1, -1))[0]
             factors, finite = clip_factors(sq.sqrt() / batch_size, self.bounds)  # the batch mean's norms
             finite = finite.all()
             for n, v in self.sum.items():
