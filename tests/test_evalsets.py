@@ -69,6 +69,19 @@ def test_webdataset_set_reads_labels_from_json_or_text(tmp_path):
         load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:species"}, 16)
 
 
+def test_unnamed_integer_labels_are_the_classes_found(tmp_path):
+    """Labels 1..3 (no `classes`): three classes named by their values. Counting up from 0 made a phantom
+    class "0" with no example, so the split refused the set and zero-shot ranked a fourth prompt."""
+    img = png_bytes(np.zeros((8, 8, 3), np.uint8))
+    write_tar(tmp_path / "a.tar", [(f"s{i:03d}", {"png": img, "json": json.dumps({"label": 1 + i % 3}).encode()})
+                                   for i in range(9)])
+    es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path)}, 16)
+    assert es.classes == ["1", "2", "3"] and es.labels.tolist() == [i % 3 for i in range(9)]
+    assert len(es.prompts()) == 3 and es.prompts()[0] == ["a photo of a 1."]
+    tr, te = es.split(0.5, seed=0)
+    assert sorted(es.labels[tr].tolist() + es.labels[te].tolist()) == sorted(es.labels.tolist())
+
+
 def test_official_train_and_test_parts_are_used_as_they_are(tmp_path):
     for part, per_class in (("train", 3), ("test", 2)):
         for name, value in (("cat", 20), ("dog", 200)):

@@ -289,16 +289,21 @@ def _tar_samples(tars: list[Path]):
 
 
 def _encode_labels(names: list, class_names: list | None, set_name: str) -> tuple[np.ndarray, list[str]]:
-    """Raw labels (ints, or class-name strings) -> (int labels, class names)."""
+    """Raw labels (ints, or class-name strings) -> (int labels, class names). Unnamed integer labels are
+    classes by their values, as found: labels 1..10 make ten classes "1".."10", never a phantom "0"
+    that a split refuses, a probe head keeps and zero-shot ranks against."""
     if all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in names):
         labels = np.asarray(names, dtype=int)
+        if class_names is None:
+            values, labels = np.unique(labels, return_inverse=True)
+            return labels, [str(v) for v in values]
         if labels.min() < 0:
             raise EvalSetError(f"eval set {set_name!r}: integer labels must be >= 0, found {labels.min()}")
         num = int(labels.max()) + 1
         if class_names is not None and len(class_names) < num:
             raise EvalSetError(f"eval set {set_name!r}: `classes` names {len(class_names)} classes "
                                 f"but labels go up to {num - 1}")
-        return labels, list(class_names or (str(i) for i in range(num)))
+        return labels, list(class_names)
     if not all(isinstance(n, str) for n in names):
         raise EvalSetError(f"eval set {set_name!r}: labels must be all integers or all strings, got "
                             f"{sorted({type(n).__name__ for n in names})}")
