@@ -57,9 +57,16 @@ def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, one
     assert not (work / artifact("curve")).exists()
 
 
-def test_each_seed_is_its_own_dp_training(data_dir, tmp_path):
+def test_each_seed_is_its_own_dp_training(data_dir, tmp_path, monkeypatch):
+    """...probed as evaluate probes its rows' seeds: with the run's probe seed, so a point at training
+    seed k and evaluate's row at seed k differ by nothing else (the probe seed followed k here once)."""
+    from pipeline.stages import curve
+
+    probe_seeds, probe_outcomes = [], curve.probe_outcomes
+    monkeypatch.setattr(curve, "probe_outcomes", lambda *a: probe_seeds.append(a[4]) or probe_outcomes(*a))
     work = project(data_dir, tmp_path)
-    result = run_curve(work, ["curve.epsilons=[2]", "curve.seeds=2"])
+    result = run_curve(work, ["curve.epsilons=[2]", "curve.seeds=2", "run.seed=5"])
+    assert probe_seeds == [5, 5]
     (point,) = result["points"]
     assert point["seeds"] == result["seeds"] == 2
     runs = charged_runs(work)

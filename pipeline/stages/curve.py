@@ -49,7 +49,8 @@ def run(params: dict, ctx) -> None:
                 p = {**params, "run": {**params["run"], "seed": seed + k}}
                 model, eps, is_main = train_point(p, ctx, init, epsilon)
                 x = features(model.encoder, es.images, ev, ctx.device)
-                outcomes, refit = probe_outcomes(x, es.labels, split, ev, seed + k, ctx.device)  # evaluate's protocol
+                # evaluate's protocol, its probe seed too: only the training seed varies, as in evaluate's rows
+                outcomes, refit = probe_outcomes(x, es.labels, split, ev, seed, ctx.device)
                 rows.append(outcomes)
                 if refit is not None:  # the interval covers which images the probe is fit on, as evaluate's does
                     refits.append(refit)
