@@ -56,7 +56,7 @@ def metrics_json():
             "protocol": {"pool": "cls", "last_k_blocks": 1, "probe_fraction": 0.5, "probe_solver": "logreg",
                          "probe_c": 1.0, "fewshot": {"shots": [1, 10], "repeats": 2},
                          "finetune": {"enabled": False, "repeats": 1}, "zero_shot": True},
-            "privacy": {"epsilon": 7.99, "delta": 4e-4, "accountant": "pld"},
+            "privacy": {"run": "this", "epsilon": 7.99, "delta": 4e-4, "accountant": "pld"},
             "sets": {"digits": {"classes": [str(i) for i in range(10)], "n_probe_train": 269, "n_probe_test": 270,
                                 "chance": 0.102, "results": results, "dp_versus": versus}}}
 
@@ -125,6 +125,16 @@ def test_a_verification_of_another_dp_run_is_refused(project):
     ver = json.loads((root / "results/privacy/verification.json").read_text())
     write_json("results/privacy/verification.json", {**ver, "run": "an earlier run"})
     with pytest.raises(VerificationFailed, match="another DP run"):
+        report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    assert not (root / "results/report").exists()
+
+
+def test_an_evaluation_of_another_dp_run_is_refused(project):
+    """dp-train and verify run again (another ε), evaluate not: the accuracies left are the earlier
+    model's, and the report would put them beside the new run's ε."""
+    root, params = project
+    write_json("results/eval/metrics.json", {**metrics_json(), "privacy": {**metrics_json()["privacy"], "run": "earlier"}})
+    with pytest.raises(VerificationFailed, match="metrics.json was made for another DP run .* run `dpfm evaluate`"):
         report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     assert not (root / "results/report").exists()
 

@@ -220,14 +220,14 @@ def with_batch_sizes(ledger: dict) -> dict:
     return {**ledger, "batch_sizes": record["batch_sizes"]}
 
 
-def check_verifies(ver: dict, verification: Path, dp_dir: Path) -> None:
-    """Refuse `ver` (verification.json) unless it was made for the run in `dp_dir`: a stage run by hand after
-    dp-train ran again with other params (another ε, the same steps), before verify, would publish the
-    earlier run's ε beside the new model."""
+def check_made_for(run: str | None, artifact: Path, dp_dir: Path, remake: str) -> None:
+    """Refuse an artifact made for the DP run `run` unless that is the run in `dp_dir`: a stage run by hand
+    after dp-train ran again with other params (another ε, the same steps), before `remake`, would publish
+    the earlier run's ε or accuracies beside the new model."""
     ledger = read_json(dp_dir / "ledger.json")
-    if ver.get("run") != ledger.get("run"):
-        raise VerificationFailed(f"{verification} is the verification of another DP run than {dp_dir} (run "
-                                 f"{ver.get('run')}, not {ledger.get('run')}): run `dpfm verify` first")
+    if run != ledger.get("run"):
+        raise VerificationFailed(f"{artifact} was made for another DP run than {dp_dir} (run {run}, not "
+                                 f"{ledger.get('run')}): run `{remake}` first")
 
 
 def load_run(dp_dir: str | Path) -> tuple[dict, int]:

@@ -41,7 +41,7 @@ from pipeline.errors import VerificationFailed
 from pipeline.objectives import recipe_name
 from pipeline.privacy import release
 from pipeline.privacy.accounting import bound_text
-from pipeline.privacy.run_checks import check_verifies
+from pipeline.privacy.run_checks import check_made_for
 from pipeline.eval.evalsets import EvalSet
 from pipeline.eval.fewshot import fewshot_finetune, fewshot_logreg
 from pipeline.eval.probe import features, probe_outcomes
@@ -223,7 +223,7 @@ def run(params: dict, ctx) -> None:
     if not ver["passed"] or ver["steps"] != dp_steps:
         raise VerificationFailed(f"{verification} does not vouch for {dp_path} (passed={ver['passed']}, "
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
-    check_verifies(ver, verification, st.input("dp"))
+    check_made_for(ver.get("run"), verification, st.input("dp"), "dpfm verify")
     candidates = load_candidates(st, cfg["baselines"], seed, with_text=cfg["zero_shot"])
     encoder = candidates[0].encoder  # the DP model's: its input size, its depth
     # Checked, and with extra seeds to train and charge every image decoded once, before them.
@@ -250,7 +250,8 @@ def run(params: dict, ctx) -> None:
                                          "probe_refits", "fewshot", "finetune", "zero_shot", "seeds")},
         # ε is dp-train's model's own. The DP row pools evaluate.seeds DP trainings, each charged to the
         # budget: what every run on the examples composes to is the report's (results/privacy/privacy.json).
-        "privacy": {"epsilon": ver["epsilon_reported"], "delta": ver["delta"], "accountant": ver["accountant"],
+        "privacy": {"run": ver["run"], "epsilon": ver["epsilon_reported"], "delta": ver["delta"],
+                    "accountant": ver["accountant"],
                     "dp_trainings": cfg["seeds"], "epsilon_composed_in": ARTIFACTS["privacy"],
                     "not_private": not_private},
         "sets": sets,

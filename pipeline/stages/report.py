@@ -10,7 +10,7 @@ from __future__ import annotations
 from pipeline.io import atomic_dir, read_json, write_json
 from pipeline.privacy import budget, release
 from pipeline.privacy.plan import Plan
-from pipeline.privacy.run_checks import check_verifies
+from pipeline.privacy.run_checks import check_made_for
 from pipeline.report import content
 from pipeline.report.curves import experiment_points
 from pipeline.report.privacy import final_privacy
@@ -23,7 +23,8 @@ def run(params: dict, ctx) -> None:
     st.output("privacy").unlink(missing_ok=True)
     dp_dir, stats_path = st.input("dp"), st.input("shards") / "stats.json"
     ver, metrics = read_json(st.input("verification")), read_json(st.input("metrics"))
-    check_verifies(ver, st.input("verification"), dp_dir)
+    check_made_for(ver.get("run"), st.input("verification"), dp_dir, "dpfm verify")
+    check_made_for(metrics["privacy"].get("run"), st.input("metrics"), dp_dir, "dpfm evaluate")  # its accuracies
     ledger = read_json(dp_dir / "ledger.json")
     stats = read_json(stats_path) if stats_path.exists() else None
     from pipeline.tracking import dvc_hash
