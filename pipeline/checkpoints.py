@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,11 @@ class Checkpoint:
                   if k in self.model_cfg and self.model_cfg[k] != model_cfg[k]]
         if not differ and ({k: tuple(v.shape) for k, v in module.state_dict().items()}
                            == {k: tuple(v.shape) for k, v in state.items()}):
+            broken = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+            if broken:  # every example's gradient would be non-finite and dropped: a charged run that learns nothing
+                raise ValueError(f"dp.init=pretrain: the synthetic warm start holds non-finite weights ({broken[0]}"
+                                 f"{f' and {len(broken) - 1} more' if len(broken) > 1 else ''}): pretrain diverged; "
+                                 "run it again with a lower pretrain.lr")
             return
         raise ValueError(f"dp.init=pretrain: the synthetic warm start was pretrained with other model settings "
                          f"({'; '.join(differ) or 'other tensor shapes'}): run pretrain again (snakemake does) or "
@@ -105,7 +111,11 @@ def load(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
-    raw = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:  # truncated, or not a checkpoint at all
+        raise CheckpointError(f"{path} cannot be read as a dpfm checkpoint ({type(e).__name__}: {e}): "
+                              "write it again with the stage that made it") from None
     steps = next((raw[k] for k in ("steps", *LEGACY_STEP_KEYS) if isinstance(raw, dict) and k in raw), None)
     missing = [k for k in ("objective", "model_cfg", "encoder") if not isinstance(raw, dict) or k not in raw]
     if missing or steps is None:

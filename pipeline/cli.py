@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ParamsError, load_params, read_resolved, sections_of
-from pipeline.errors import (BudgetCorrupt, BudgetNotHere, InputError, PrivateDataError, RanksDisagree, StageBusy,
+from pipeline.errors import (BudgetCorrupt, BudgetNotHere, Diverged, InputError, PrivateDataError, RanksDisagree, StageBusy,
                              Stopped, VerificationFailed)
 from pipeline.stages import STAGES, Stage, stage
 
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
         print(f"dpfm: {e}", file=sys.stderr)
         return 128 + e.signum
     # No traceback: PrivateDataError's would name what it keeps owner-only.
-    except (StageBusy, RanksDisagree, PrivateDataError, BudgetNotHere, BudgetCorrupt, InputError) as e:
+    except (StageBusy, RanksDisagree, PrivateDataError, BudgetNotHere, BudgetCorrupt, InputError, Diverged) as e:
         print(f"dpfm: {e}", file=sys.stderr)
         return 1
     except FileNotFoundError as e:

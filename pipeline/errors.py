@@ -23,6 +23,11 @@ class Stopped(RuntimeError):
         self.signum = signum
 
 
+class Diverged(RuntimeError):
+    """Non-private training's loss or gradients became non-finite: the weights are left as they were
+    before the step, never saved as a model a DP run would warm-start from."""
+
+
 class StageBusy(RuntimeError):
     """Another process is running the same stage in this directory."""
 

@@ -5,6 +5,7 @@ session-wide `data_dir` fixture (conftest.py) makes once."""
 
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import yaml
 from stage_runs import flat, initial_model, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline import checkpoints
+from pipeline.artifacts import artifact
 from pipeline.privacy import training
 from pipeline.privacy import engine
 from pipeline.config import ParamsError, load_params
@@ -443,6 +445,32 @@ def test_a_warm_start_pretrained_with_other_model_settings_is_refused_before_any
     assert charged_runs(work) == []
     train(work, sets) if ranks == 1 else torchrun(work, "dp-train", sets)  # the settings it was pretrained with
     assert len(charged_runs(work)) == 1
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_a_diverged_warm_start_is_refused_before_anything_is_charged(data_dir, tmp_path, objective_name, ranks):
+    """A warm start holding a NaN weight (a pretrain that diverged, saved by a version that did not stop):
+    dp-train charged the run, and every example's gradient, non-finite, was dropped. It is refused first."""
+    from stage_runs import charged_runs
+
+    work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.init=pretrain"]
+    with inside(work):
+        run_in_process("synthetic", PUBLIC_WARM_START)
+        run_in_process("pretrain", PUBLIC_WARM_START)
+    path = work / artifact("pretrain") / "checkpoint.pt"
+    raw = torch.load(path, weights_only=False)
+    for part in ("model", "encoder"):
+        raw[part][("" if part == "encoder" else "encoder.") + "patch_embed.weight"][0] = math.nan
+    torch.save(raw, path)
+    named = "patch_embed.weight): pretrain diverged"  # the first weight that is not finite
+    if ranks == 1:
+        with pytest.raises(ParamsError, match=re.escape(named)):
+            train(work, sets)
+    else:
+        refused = torchrun(work, "dp-train", sets, check=False)
+        assert refused.returncode != 0 and refused.stderr.count(named) == 2, refused.stderr[-3000:]
+    assert charged_runs(work) == []
 
 
 def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ saved encoder initialises every DP objective, bf16 autocast runs on CPU, and cur
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -225,3 +226,23 @@ def test_two_gloo_ranks_train_the_one_process_model(uninterrupted, tmp_path):
             d = v.shape[0] // 3
             v, g = torch.cat([v[:d], v[2 * d:]]), torch.cat([g[:d], g[2 * d:]])
         torch.testing.assert_close(g, v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_diverged_run_stops_and_saves_no_warm_start(tmp_path, monkeypatch):
+    """The third step's activations overflow (a fault put there): that step meets a non-finite gradient
+    and stops the stage before the optimiser applies it. Saved, the NaN model passed every check, and
+    dp-train charged a run that dropped every example as non-finite and trained nothing."""
+    from pipeline.errors import Diverged
+
+    project, real_build, calls = make_project(tmp_path), pretrain.build_model, []
+
+    def overflowing_build(objective, cfg):
+        model = real_build(objective, cfg)
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        first.register_forward_hook(lambda mod, args, out: calls.append(1) or (out * math.inf if len(calls) == 3 else out))
+        return model
+
+    monkeypatch.setattr(pretrain, "build_model", overflowing_build)
+    with pytest.raises(Diverged, match="non-finite gradient"):
+        run_stage(project, monkeypatch, steps=6)
+    assert len(calls) == 3 and not (project / artifact("pretrain")).exists()

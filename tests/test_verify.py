@@ -375,6 +375,10 @@ def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, va
     torch.save({"model": {}}, "models/dp/checkpoint.pt")
     assert cli.main(["verify"]) == 3
     assert "has no objective, model_cfg, encoder: it was not written by a dpfm stage" in capsys.readouterr().err
+    whole = (in_tmp / "models/dp/checkpoint.pt").read_bytes()
+    (in_tmp / "models/dp/checkpoint.pt").write_bytes(whole[:len(whole) // 2])  # a copy cut short: a traceback once
+    assert cli.main(["verify"]) == 3
+    assert "models/dp/checkpoint.pt cannot be read as a dpfm checkpoint" in capsys.readouterr().err
     (in_tmp / "models/dp/checkpoint.pt").unlink()
     assert cli.main(["verify"]) == 3
     assert "checkpoint.pt is missing" in capsys.readouterr().err

@@ -141,6 +141,8 @@ def setup(params: dict, device: str) -> "Trainer":
     if dp["init"] == "pretrain":  # its tensors fit (a model section edited after pretrain ran by hand)
         try:
             checkpoints.load(artifact("pretrain") / "checkpoint.pt").check_fits(model, dp["objective"], mcfg.to_dict())
+        except checkpoints.CheckpointError:
+            raise  # a missing or unreadable file, named as such: not a params problem
         except ValueError as e:
             raise ParamsError([str(e)], source="dp params") from None
     if getattr(model, "per_sample", False):  # clip-public: enough public captions for its negatives

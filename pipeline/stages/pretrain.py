@@ -10,6 +10,7 @@ run resumes exactly.
 from __future__ import annotations
 
 import functools
+import math
 import shutil
 import time
 
@@ -21,6 +22,7 @@ from pipeline import checkpoints
 from pipeline.data.loader import BatchLoader
 from pipeline.data.shards import ShardDataset
 from pipeline.distributed import barrier, init_world
+from pipeline.errors import Diverged
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import ModelConfig, build_model
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
@@ -58,11 +60,14 @@ def mae_step(model, optimizer, images: torch.Tensor, noise: torch.Tensor, device
     for p in model.parameters():  # fp16's fixed loss scale, taken back out before clipping
         if p.grad is not None and loss_scale(precision) != 1.0:
             p.grad.div_(loss_scale(precision))
-    metrics = {"loss": loss.item()}
-    if grad_clip > 0:
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    # The norm of the gradients (all-reduced: every rank stops alike), clipped to grad_clip where one is set.
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip > 0 else
+                      torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+    if not math.isfinite(grad_norm):  # one such step makes every weight NaN, and dp-train would start from it
+        raise Diverged(f"pretrain diverged: a non-finite gradient (loss {loss.item()}) before the optimiser step; "
+                       "lower pretrain.lr, set pretrain.grad_clip, or train in bf16 or fp32 (pretrain.precision)")
     optimizer.step()
-    return metrics
+    return {"loss": loss.item()} | ({"grad_norm": grad_norm} if grad_clip > 0 else {})
 
 
 def run(params: dict, ctx) -> None:
