@@ -209,9 +209,13 @@ def _validate(args) -> None:
               f"`dpfm shards` has run)")
         return
     from pipeline.privacy.plan import checked_plan
+    from pipeline.privacy.training import check_point_plans
 
     checked_plan(params["dp"], built["private"]["usable"], params["privacy"]["adjacency"])
-    print(f"{args.params}: ok (the schema, model shapes, DP settings and dp-train's privacy plan at the shards' n)")
+    if params["curve"]["inits"]:
+        check_point_plans(params, built["private"]["usable"])
+    print(f"{args.params}: ok (the schema, model shapes, DP settings and the privacy plans of dp-train and the "
+          "curve's points at the shards' n)")
 
 
 def _owner_composition(args) -> int:

@@ -329,7 +329,13 @@ def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, caps
     assert cli.main(["validate", "--set", "dp.expected_batch_size=101"]) == 2
     assert "dp.expected_batch_size=101 exceeds the 100 usable private examples" in capsys.readouterr().err
     assert cli.main(["validate", "--set", "dp.expected_batch_size=50"]) == 0
-    assert "dp-train's privacy plan at the shards' n" in capsys.readouterr().out
+    assert "the privacy plans of dp-train and the curve's points at the shards' n" in capsys.readouterr().out
+    # A curve point dp-train's own plan does not show: ε = 100 in one step, σ below the noise edge.
+    point = ["--set", "dp.expected_batch_size=50", "--set", "dp.steps=1", "--set", "curve.epsilons=[2, 100]"]
+    assert cli.main(["validate", *point]) == 2
+    assert "the curve's point at ε = 100 (dp params, curve.epsilons' ε)" in capsys.readouterr().err
+    assert cli.main(["validate", *point, "--set", "curve.inits=[]"]) == 0  # no curve: no point to plan
+    capsys.readouterr()
     # Shards built with other shards params: their n is not the n dp-train will plan with.
     from pipeline.config import load_params
     from pipeline.stages import params_digest

@@ -57,6 +57,17 @@ def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, one
     assert not (work / artifact("curve")).exists()
 
 
+def test_a_point_dp_train_would_refuse_stops_the_curve_before_any_point_is_charged(data_dir, tmp_path):
+    """ε = 100 in one step: the noise edge refuses its σ. The curve trained and charged ε = 2 first, then
+    stopped at that point's plan; every point is planned before the first is charged."""
+    from pipeline.config import ParamsError
+
+    work = project(data_dir, tmp_path)
+    with pytest.raises(ParamsError, match=r"(?s)the curve's point at ε = 100 .*never passes 12.12 std"):
+        run_curve(work, ["curve.epsilons=[2, 100]", "dp.steps=1"])
+    assert charged_runs(work) == [] and not (work / artifact("curve")).exists()
+
+
 def test_each_seed_is_its_own_dp_training(data_dir, tmp_path, monkeypatch):
     """...probed as evaluate probes its rows' seeds: with the run's probe seed, so a point at training
     seed k and evaluate's row at seed k differ by nothing else (the probe seed followed k here once)."""

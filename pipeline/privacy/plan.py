@@ -131,9 +131,9 @@ def plan_mechanism(dp: dict, n: int, adjacency: str) -> Plan:
                 adjacency=adjacency, target_epsilon=dp["epsilon"], epsilon=eps)
 
 
-def checked_plan(dp: dict, n: int, adjacency: str) -> Plan:
+def checked_plan(dp: dict, n: int, adjacency: str, what: str = "dp params") -> Plan:
     """`plan_mechanism`, its contradictions refused as params errors naming the keys (dp-train, `dpfm validate`)."""
     try:
         return plan_mechanism(dp, n, adjacency)
     except ValueError as e:
-        raise ParamsError([str(e)], source=f"dp params (n={n} usable private examples)") from None
+        raise ParamsError([str(e)], source=f"{what} (n={n} usable private examples)") from None

@@ -471,6 +471,13 @@ def point_params(params: dict, init: str, epsilon: float) -> dict:
     return {**{s: params[s] for s in TRAIN_SECTIONS}, "dp": dp}
 
 
+def check_point_plans(params: dict, n: int) -> None:
+    """Plan each private curve point as dp-train will, before the first is charged (the curve, `dpfm validate`)."""
+    for epsilon in filter(math.isfinite, params["curve"]["epsilons"]):
+        checked_plan(point_params(params, "random", epsilon)["dp"], n, params["privacy"]["adjacency"],
+                     what=f"the curve's point at ε = {epsilon} (dp params, curve.epsilons' ε)")
+
+
 def train_point(params: dict, ctx, init: str, epsilon: float):
     """(model, verified ε or None for ∞, whether this is the main process) of one point."""
     p = point_params(params, init, epsilon)

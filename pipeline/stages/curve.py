@@ -27,14 +27,16 @@ from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
 from pipeline.models import VIT_SIZES, ModelConfig
 from pipeline.privacy import release
-from pipeline.privacy.training import train_point
+from pipeline.privacy.training import check_point_plans, train_point
 
 
 def run(params: dict, ctx) -> None:
     cfg, ev, seed = params["curve"], params["evaluate"], params["run"]["seed"]
+    stats = read_json(ctx.stage.input("shards") / "stats.json")
     if any(math.isinf(e) for e in cfg["epsilons"]):  # refused before any DP point spends budget
-        release.check_nonprivate(params["privacy"], read_json(ctx.stage.input("shards") / "stats.json").get("source"),
-                                 "curve.epsilons' ε = ∞ point")
+        release.check_nonprivate(params["privacy"], stats.get("source"), "curve.epsilons' ε = ∞ point")
+    if cfg["inits"]:  # a point dp-train would refuse (its σ, the noise edge) stops the stage before one is charged
+        check_point_plans(params, stats["private"]["usable"])
     # The curve probes the first eval set, split as evaluate splits it. Every set is checked against
     # evaluate's protocol, and every image decoded, before any point is charged: evaluate runs after
     # these trainings, and what it would refuse must stop them.
