@@ -372,6 +372,28 @@ def test_cli_plan_schedules_reach_epsilon_and_larger_batches_cut_the_noise(capsy
     assert "must lie in 1..n=100" in capsys.readouterr().err
 
 
+def test_cli_plan_prints_a_sigma_that_reaches_epsilon_when_copied_into_dp_sigma(capsys):
+    """Measured on the printed table: each σ as shown, at its steps and q, meets ε. Rounded to nearest,
+    B = 256 for 10 epochs of 60k showed 0.545 (ε = 8.010), which dp-train refuses as dp.sigma."""
+    main(["plan", "--n", "60000", "--epsilon", "8", "--epochs", "3", "10", "--batch-sizes", "32", "256", "1024"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["32"], ["256"], ["1024"])]
+    assert len(rows) == 6
+    for batch, _, _, steps, sigma, *_ in rows:
+        assert acc.epsilon(float(sigma), int(batch) / 60000, int(steps), 1 / 120000, adjacency="replace_one") <= 8
+
+
+@pytest.mark.parametrize("flag, value, said", [("--epochs", "inf", "--epochs must be positive and finite (got inf)"),
+                                               ("--epochs", "nan", "--epochs must be positive and finite (got nan)"),
+                                               ("--epsilon", "0", "--epsilon must be positive and finite (got 0)"),
+                                               ("--examples-per-s", "0", "--examples-per-s must be positive")])
+def test_cli_plan_refuses_a_value_it_cannot_plan_with_naming_its_flag(capsys, flag, value, said):
+    """--epochs inf ended in an OverflowError traceback, --examples-per-s 0 was ignored and -5 gave negative hours."""
+    args = {"--n": "100", "--epsilon": "8", "--batch-sizes": "10", "--epochs": "1"} | {flag: value}
+    with pytest.raises(SystemExit):
+        main(["plan", *[a for kv in args.items() for a in kv]])
+    assert said in capsys.readouterr().err
+
+
 def test_cli_plan_of_per_batch_clipping_divides_its_noise_by_no_batch(capsys):
     """Dp-CLIP releases the batch's clipped mean with noise 2σC: a larger B does not lower it. `plan`
     once divided it by B too (σ/B = 8.4e-3), telling a user that the batch would help CLIP."""

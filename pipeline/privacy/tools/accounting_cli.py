@@ -238,7 +238,7 @@ def plan_schedules(n: int, epsilon: float, delta: float, epochs: Sequence[float]
     rows = []
     for batch in batch_sizes:
         for e in epochs:
-            steps = max(1, math.ceil(e * n / batch))
+            steps = max(1, math.ceil(round(e * n / batch, 9)))  # 1.1 epochs of 100 at B = 1: 110, not 111
             q = batch / n
             sigma = accounting.calibrate_sigma(epsilon, q, steps, delta, accountant=accountant, adjacency=adjacency)
             per = sigma * sensitivity / (1 if clipping == "per_batch" else batch)
@@ -261,15 +261,19 @@ def _run_plan(args) -> int:
                                                                  int(math.log2(max(args.n // 8, 1))) + 1)})
     if any(b < 1 or b > args.n for b in batches):
         parser.error(f"--batch-sizes must lie in 1..n={args.n}")
-    if any(e <= 0 for e in args.epochs):
-        parser.error("--epochs must be positive")
+    if any(not (math.isfinite(e) and e > 0) for e in args.epochs):
+        parser.error(f"--epochs must be positive and finite (got {' '.join(f'{e:g}' for e in args.epochs)})")
+    if not (math.isfinite(args.epsilon) and args.epsilon > 0):
+        parser.error(f"--epsilon must be positive and finite (got {args.epsilon:g})")
+    if args.examples_per_s is not None and not (math.isfinite(args.examples_per_s) and args.examples_per_s > 0):
+        parser.error(f"--examples-per-s must be positive and finite (got {args.examples_per_s:g})")
     try:
         rows = plan_schedules(args.n, args.epsilon, delta, args.epochs, batches, args.clipping, args.accountant,
                               args.adjacency)
     except ValueError as exc:
         parser.error(str(exc))
     for r in rows:
-        if args.examples_per_s:
+        if args.examples_per_s is not None:
             r["hours"] = r["epochs"] * args.n / args.examples_per_s / 3600
     per = ("2*sigma on the batch's clipped mean, whatever B (Dp-CLIP: a larger B does not lower it)"
            if args.clipping == "per_batch" else "sigma/B")
@@ -279,10 +283,11 @@ def _run_plan(args) -> int:
              "the figure to compare schedules by",
              f"{'B':>9} {'q':>9} {'epochs':>7} {'steps':>7} {'sigma':>8} "
              f"{'2*sigma' if args.clipping == 'per_batch' else 'sigma/B':>10} {'over run':>10}"
-             + (f" {'hours':>8}" if args.examples_per_s else "")]
+             + (f" {'hours':>8}" if args.examples_per_s is not None else "")]
     for r in rows:
-        lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {r['sigma']:>8.3f} "
-                     f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s else "")
+        sigma = accounting.round_up(r["sigma"], 3)  # up: more noise, so the figure copied into dp.sigma still reaches ε
+        lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {sigma:>8.3f} "
+                     f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s is not None else "")
                      + ("  refused by dp-train: sigma too small for the noise's edge (docs/privacy.md)"
                         if r["noise_edge_floor"] > SHARE_OF_DELTA * delta else ""))
     _emit(args, {"command": "plan", "n": args.n, "epsilon": args.epsilon, "delta": delta,
