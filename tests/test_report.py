@@ -107,6 +107,9 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
     table = page[page.index("<table class='acc'"):]
     rows = [table.index(m) for m in ("DP (DP-Cap)", "Not private", "Synthetic only", "Raw pixels", "Random init")]
     assert rows == sorted(rows)
+    # Every DP accuracy beside its noise; every card's accuracy with its interval.
+    assert "| DP (DP-Cap) (σ/B = 0.00533) | 82.2 (77.4–86.7) |" in md and "DP (DP-Cap) (σ/B = 0.00533)" in page
+    assert md.count("95% CI") >= len(metrics_json()["models"]) + 1, md  # the cards' and the headline's
     assert "123456" not in page and "123456" not in md  # a known noise seed would undo the noise
     assert "objective: mae" in page  # the params of the run are shown
     # Nothing is fetched: every image is inlined and no attribute points anywhere.
@@ -330,9 +333,10 @@ def test_data_card_reports_usable_n_and_never_the_exclusion_counts():
 
 def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
     metrics = metrics_json()
-    mechanism = {"n": 1258, "batch": 125.8, "sigma": 0.67, "epsilon": 7.99, "noise": 0.67 / 125.8, "per_batch": False}
+    mechanism = {"n": 1258, "batch": 125.8, "sigma": 0.67, "epsilon": 7.99, "noise": 0.67 / 125.8, "per_batch": False,
+                 "scale": "σ/B = 0.00533"}
     text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
-    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%)")
+    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%; σ/B = 0.00533)")
     assert "it beats Random init by +32.2 points (95% CI +27.0 to +37.4)" in text
     assert "it is BELOW Not private (DP-Cap without DP, ε = ∞): −7.8 points (95% CI −11.1 to −4.4)" in text
     assert ("it cannot be told apart from Synthetic only (Syn-ViP): +1.8 points (95% CI −1.1 to +4.8), an interval "
@@ -353,7 +357,7 @@ def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
         seeds=3, first_seed={"linear_probe": 0.801, "linear_probe_ci": [0.752, 0.849]})
     text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"],
                                              {**mechanism, "epsilon_composed": 15.23})
-    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%), the mean of 3 "
+    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%; σ/B = 0.00533), the mean of 3 "
                            "DP trainings (with every DP run charged to the budget, ε = 15.23); the released "
                            "checkpoint's own, at ε = 7.99, is 80.1% (95% CI 75.2–84.9%): it beats")
 
@@ -386,7 +390,9 @@ def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
     assert "| DP from the synthetic warm start | 80.0 (77.0–83.0) | 81.0 (78.0–84.0) | 85.0 (82.0–88.0) |" in md
     assert "| DP from random init | 50.0 (47.0–53.0) |" in md
     assert "id='curve'" in page and "over 3 training seeds" in page
-    assert "from the synthetic warm start, 80.0% at ε = 1 → 81.0% at ε = 8 → 85.0% at ε = ∞" in md
+    assert (f"from the synthetic warm start, 80.0% (77.0–83.0) at ε = 1, σ/B = {noise[0]:.3g} → 81.0% (78.0–84.0) at "
+            f"ε = 8, σ/B = {noise[1]:.3g} → 85.0% (82.0–88.0) at ε = ∞") in md
+    assert "in parentheses, 95% intervals, each point the mean of 3 DP trainings at its ε" in md
     assert (out / "privacy_utility_curve.png").is_file()
 
 
@@ -484,6 +490,21 @@ def test_the_steps_row_names_the_weight_average_and_frozen_modules_only_when_set
     frozen = released_weights_text({"ema_decay": 0.0, "frozen": ["encoder.blocks.2", "encoder.blocks.3"]})
     assert frozen == "; not trained, released as they started (no ε): encoder.blocks.2, encoder.blocks.3"
     assert released_weights_text({"frozen": []}) == ""
+
+
+def test_the_star_is_this_evaluations_accuracy_whatever_mlflow_logged_for_the_model(project, monkeypatch):
+    """MLflow's newest evaluation of the same model (another checkout's protocol, or an older run where this
+    one's logging failed) said 50%: the star took it, beside a table and headline that say 82.2%."""
+    from pipeline.report import plots
+
+    root, params = project
+    logged = [{"epsilon": 7.99, "accuracy": 0.5, "objective": "caption", "current": True, "ci": [0.45, 0.55]},
+              {"epsilon": 2.0, "accuracy": 0.7, "objective": "caption", "current": False, "ci": None}]
+    monkeypatch.setattr(report, "experiment_points", lambda *a: (logged, "2 DP model(s) in MLflow"))
+    drawn, original = [], plots.plot_privacy_utility
+    monkeypatch.setattr(plots, "plot_privacy_utility", lambda points, *a: drawn.extend(points) or original(points, *a))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    assert sorted((p["accuracy"], p["current"]) for p in drawn) == [(0.7, False), (0.822, True)]
 
 
 def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(project):

@@ -62,8 +62,9 @@ def headline_sentence(primary: str, set_metrics: dict, models: dict, mechanism: 
         return ""
     dp = results["dp"]
     text = f"On {primary}, the DP model's linear probe reaches {100 * dp['linear_probe']:.1f}%"
-    if "linear_probe_ci" in dp:
-        text += f" (95% CI {100 * dp['linear_probe_ci'][0]:.1f}–{100 * dp['linear_probe_ci'][1]:.1f}%)"
+    ci = (f"95% CI {100 * dp['linear_probe_ci'][0]:.1f}–{100 * dp['linear_probe_ci'][1]:.1f}%; "
+          if "linear_probe_ci" in dp else "")
+    text += f" ({ci}{mechanism['scale']})"  # a DP accuracy is read beside its noise (each training's, over seeds)
     if "first_seed" in dp:  # a mean over evaluate.seeds trainings: the released checkpoint is the first
         first, composed = dp["first_seed"], mechanism["epsilon_composed"]
         text += (f", the mean of {dp['seeds']} DP trainings (with every DP run charged to the budget, ε = "

@@ -39,9 +39,10 @@ def accuracy_sets(metrics: dict, objective: str, out: Path) -> list[dict]:
     return sets
 
 
-def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dict, versus: dict, primary: str,
-                  privacy: dict, noise: str) -> list:
-    """The cards at the top: ε, the data, and each model's linear probe against the DP model's. The ε is
+def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, lp_ci: dict, models: dict, versus: dict,
+                  primary: str, privacy: dict, noise: str) -> list:
+    """The cards at the top: ε, the data, and each model's linear probe (its 95% interval where there is one)
+    against the DP model's. The ε is
     what everything the report releases composes to: with the curve's points or evaluate's extra seeds
     (a row's mean over k DP trainings), more than the released model's own."""
     mechanism = (f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
@@ -58,7 +59,9 @@ def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, models: dic
     for name in lp:
         diff = (f"linear probe on {primary}; σ = {ver['sigma']:.3g}, {noise}" if name == "dp" else
                 f"DP model {points_ci(versus[name]) if name in versus else signed(100 * (lp['dp'] - lp[name])) + ' points'}")
-        cards.append((models[name]["label"], f"{100 * lp[name]:.1f}%", diff))
+        ci = lp_ci.get(name)
+        cards.append((models[name]["label"], f"{100 * lp[name]:.1f}%",
+                      (f"95% CI {100 * ci[0]:.1f}–{100 * ci[1]:.1f}%; " if ci else "") + diff))
     return cards
 
 
@@ -125,8 +128,11 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     figures = {"losses": out / "losses.png", "epsilon": out / "epsilon.png",
                "privacy_utility": out / "privacy_utility.png", "contact_sheet": out / "contact_sheet.png"}
     sets = accuracy_sets(metrics, plan.objective, out)
+    for row in (r for st in sets for r in st["rows"] if r["name"] == "dp"):  # beside its noise (over seeds: each one's)
+        row["label"] += f" ({noise_scale_text(plan)})"
     primary_rows = {row["name"]: row for row in next(s for s in sets if s["name"] == primary)["rows"]}
     lp = {name: row["cells"][0][0] for name, row in primary_rows.items()}
+    lp_ci = {name: row["cells"][0][2] for name, row in primary_rows.items()}
 
     plots.plot_epsilon(epsilon_curves(ver), plan.target_epsilon, (ver["steps"], ver["epsilon_reported"]),
                        figures["epsilon"])
@@ -137,11 +143,12 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     if len(drawable) < len(points):  # a run logged with a NaN accuracy or no finite ε has no place on the axes
         source += f"; {len(points) - len(drawable)} logged without a finite ε and accuracy, not drawn"
         points = drawable
-    if not any(p["current"] for p in points):  # the released model at its ε (over seeds, the first is it)
-        dp_row = metrics["sets"][primary]["results"]["dp"]
-        points = points + [{"epsilon": ver["epsilon_reported"], "accuracy": released(dp_row)["linear_probe"],
-                            "ci": released(dp_row).get("linear_probe_ci"), "objective": plan.objective,
-                            "current": True}]
+    # The star is the released model at its ε (over seeds, the first is it) as this evaluation scored it: an
+    # MLflow run of the same model may have scored it with another protocol, or be an older one.
+    dp_row = metrics["sets"][primary]["results"]["dp"]
+    points = [p for p in points if not p["current"]] + [
+        {"epsilon": ver["epsilon_reported"], "accuracy": released(dp_row)["linear_probe"],
+         "ci": released(dp_row).get("linear_probe_ci"), "objective": plan.objective, "current": True}]
     # This run's verdict is the report's own (its parent is tagged after it ends).
     points = [p | {"private_as_a_whole": privacy["private"]} if p["current"] else p for p in points]
     plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
@@ -154,7 +161,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     headline = headline_sentence(primary, primary_set, models, {
         "n": ver["n"], "batch": ver["sample_rate"] * ver["n"], "sigma": ver["sigma"],
         "epsilon": ver["epsilon_reported"], "noise": plan.noise_std / plan.denominator,  # per averaged coordinate
-        "per_batch": plan.clipping == "per_batch", "epsilon_composed": privacy["epsilon_composed"]})
+        "per_batch": plan.clipping == "per_batch", "epsilon_composed": privacy["epsilon_composed"],
+        "scale": noise_scale_text(plan)})
     if not privacy["private"]:
         headline = f"NOT PRIVATE as a whole: {'; '.join(privacy['not_private'])}. " + headline
     from pipeline.tracking import git_commit
@@ -167,7 +175,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
         "subtitle": (f"{recipe_title(plan.objective)} · ViT-{model.get('size', '?')} at {model.get('img_size', '?')} px "
                      f"· generated {when} · commit {git_commit()[:12]}"),
         "headline": headline + (" " + curve["sentence"] if curve else ""),
-        "cards": summary_cards(ver, dp, stats, lp, models, primary_set.get("dp_versus", {}), primary, privacy,
+        "cards": summary_cards(ver, dp, stats, lp, lp_ci, models, primary_set.get("dp_versus", {}), primary, privacy,
                                noise_scale_text(plan)),
         "delta_text": delta_text(ver["delta"], dp.get("delta")),
         "mechanism": mechanism_rows(ver, plan, dp, privacy), "colors": plots.MODEL_COLORS,

@@ -116,9 +116,13 @@ def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict, noi
                        for e in epsilons]}
             for init in INIT_LABELS if any(p["init"] == init for p in points)]
 
+    def point_text(init: str, e) -> str:  # its interval, and for a DP point the noise it trained with
+        acc, (lo, hi) = by[init, e]["linear_probe"], by[init, e]["linear_probe_ci"]
+        noise = f", {noise_at(e)}" if noise_at and e != "inf" else ""
+        return f"{100 * acc:.1f}% ({100 * lo:.1f}–{100 * hi:.1f}) at ε = {'∞' if e == 'inf' else f'{e:g}'}{noise}"
+
     def path_text(init: str) -> str:
-        return " → ".join(f"{100 * by[init, e]['linear_probe']:.1f}% at ε = {'∞' if e == 'inf' else f'{e:g}'}"
-                          for e in epsilons if (init, e) in by)
+        return " → ".join(point_text(init, e) for e in epsilons if (init, e) in by)
 
     sentence = "Privacy–utility curve: " + "; ".join(f"{INIT_LABELS[i].replace('DP from', 'from')}, {path_text(i)}"
                                                      for i in INIT_LABELS if any(p["init"] == i for p in points))
@@ -126,6 +130,8 @@ def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict, noi
         sentence += f" (synthetic only, no DP training: {100 * baselines['synthetic'][1]:.1f}%)"
     spent = [p["epsilon_spent"] for p in points if p.get("epsilon_spent")]
     seeds = curve.get("seeds", 1)
+    sentence += "; in parentheses, 95% intervals" + (f", each point the mean of {seeds} DP trainings at its ε, which "
+                                                     "together compose to more" if seeds > 1 else "")
     over = (f"over {seeds} training seeds and the test images; a point's ε is one training's, and its mean pools "
             f"{seeds}, which together compose to more" if seeds > 1 else "over the test images, one seed")
     if curve.get("probe_refits"):
