@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,16 @@ def test_a_number_in_exponent_form_is_a_number_wherever_it_is_written(in_tmp):
     open("params.yaml", "w").write(text)
     assert load_params()["dp"]["delta"] == 1e-6
     assert apply_overrides({"a": {}}, ["a.b=x1e5", "a.c=1.0e5"])["a"] == {"b": "x1e5", "c": 1e5}
+
+
+def test_a_count_written_as_a_float_is_refused_by_the_schema_naming_its_key(in_tmp):
+    """JSON Schema takes 1000.0 as an integer: `--set dp.steps=1e3` passed validate, the shards and pretrain
+    ran, and dp-train's accountant refused it without naming the key."""
+    for written in ("1e3", "1000.0"):
+        with pytest.raises(ParamsError, match=re.escape("dp.steps: 1000.0 is not allowed (type); allowed: integer >= 1 "
+                                                        "(write it as the integer 1000)")):
+            load_params(overrides=[f"dp.steps={written}"])
+    assert load_params(overrides=["dp.steps=1000", "dp.epsilon=8.0"])["dp"]["steps"] == 1000  # a number may be whole
 
 
 def test_overrides_parse_yaml_values():
