@@ -69,7 +69,7 @@ def crash_at(monkeypatch, step_to_fail: int) -> None:
     monkeypatch.setattr(pretrain, "run_loop", run_loop)
 
 
-def interrupted_then_resumed(tmp_path, monkeypatch, break_resume=None) -> tuple[Path, RecordingTracker]:
+def interrupted_then_resumed(tmp_path, monkeypatch, break_resume=None, **resumed_with) -> tuple[Path, RecordingTracker]:
     project = make_project(tmp_path / "project")
     with monkeypatch.context() as m:
         crash_at(m, 5)  # after the checkpoint of step 4, with step 4 done but not saved
@@ -81,7 +81,7 @@ def interrupted_then_resumed(tmp_path, monkeypatch, break_resume=None) -> tuple[
     with monkeypatch.context() as m:
         if break_resume:
             break_resume(m)
-        tracker = run_stage(project, m)
+        tracker = run_stage(project, m, **resumed_with)
     return project, tracker
 
 
@@ -100,6 +100,25 @@ def test_an_interrupted_run_resumes_bit_for_bit(uninterrupted, tmp_path, monkeyp
     # The resumed run's MLflow curve is whole: live points from step 4, the earlier ones as a series.
     assert tracker.curve("loss") == ref_tracker.curve("loss") and sorted(tracker.curve("loss")) == list(range(6))
     assert state_files(project) == []  # the spent state is removed once the output is written
+
+
+def test_a_run_resumes_under_other_decoding_workers_and_checkpoint_cadence(uninterrupted, tmp_path, monkeypatch):
+    """Fewer decoding workers is what a worker out of memory calls for: the run restarted from step 0
+    (its state was keyed by them), up to 720 minutes of pretraining lost. They change nothing it computes."""
+    ref, _ = uninterrupted
+    project, _ = interrupted_then_resumed(tmp_path, monkeypatch, data_workers=1, checkpoint_every=3)
+    assert json.loads((project / artifact("pretrain") / "summary.json").read_text())["resumed_at"] == 4
+    assert params_equal(saved(project).model, saved(ref).model) and state_files(project) == []
+    # A run interrupted while they were in the key resumes under its old values.
+    keyed_by_all = lambda params, images: train.state_dir("pretrain", params, inputs=[images])  # noqa: E731
+    project = make_project(tmp_path / "before")
+    with monkeypatch.context() as m:
+        crash_at(m, 5)
+        m.setattr(pretrain, "resumable_state", keyed_by_all)
+        with pytest.raises(KeyboardInterrupt):
+            run_stage(project, m)
+    run_stage(project, monkeypatch)
+    assert json.loads((project / artifact("pretrain") / "summary.json").read_text())["resumed_at"] == 4
 
 
 def test_decoding_workers_change_nothing(uninterrupted, tmp_path, monkeypatch):

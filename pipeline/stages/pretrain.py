@@ -13,6 +13,7 @@ import functools
 import math
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from pipeline.distributed import barrier, init_world
 from pipeline.errors import Diverged
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import ModelConfig, build_model
+from pipeline.stages import HOW_IT_RUNS
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
                             state_dir, step_generator, uses_bf16)
 
@@ -70,6 +72,17 @@ def mae_step(model, optimizer, images: torch.Tensor, noise: torch.Tensor, device
     return {"loss": loss.item()} | ({"grad_norm": grad_norm} if grad_clip > 0 else {})
 
 
+def resumable_state(params: dict, images) -> Path:
+    """The run's state directory, keyed without how it runs (decoding workers, checkpoint cadence: a resume
+    is bit-exact under any), so a run restarted with fewer workers after one ran out of memory resumes. A
+    run keyed with them, before they left the key, resumes under its old values."""
+    how = HOW_IT_RUNS["pretrain"]
+    path = state_dir("pretrain", {**params, "pretrain": {k: v for k, v in params["pretrain"].items() if k not in how}},
+                     inputs=[images])
+    before = state_dir("pretrain", params, inputs=[images])
+    return before if before.is_dir() and not path.is_dir() else path
+
+
 def run(params: dict, ctx) -> None:
     cfg, seed, device = params["pretrain"], params["run"]["seed"], ctx.device
     batch = cfg["batch_size"]
@@ -91,7 +104,7 @@ def run(params: dict, ctx) -> None:
     trained = model if world.size == 1 else DistributedDataParallel(model)
     mine = slice(world.rank, None, world.size)
     num_patches = (mcfg.img_size // mcfg.patch_size) ** 2
-    work = state_dir("pretrain", params, inputs=[images])
+    work = resumable_state(params, images)
     state, batches = TrainState(model, optimizer), None
 
     def step_fn(step: int) -> dict:
