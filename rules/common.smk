@@ -85,13 +85,19 @@ def stage_outputs(name):
     return [directory(p) for p in st.dir_outputs] + st.file_outputs
 
 
+EVAL_FILES_TAGS = {}  # each eval set's files walked once per workflow parse, not once per rule that evaluates
+
+
 def stage_params(name):
     """The params a stage's results depend on: a change to them (only) re-runs the stage. Naming and
     scheduling keys (run.experiment, run.threads, run.device) re-run nothing. The stage itself reads
     the resolved params (RESOLVED_ENV); this JSON text is only what Snakemake compares with the last run's."""
     values = tracked(config, stage(name).sections)
     if "evaluate" in stage(name).sections:  # the eval sets' files, not only their paths
-        values["evaluate_files"] = eval_files_tag(config["evaluate"]["sets"])
+        sets = json.dumps(config["evaluate"]["sets"], sort_keys=True)
+        if sets not in EVAL_FILES_TAGS:
+            EVAL_FILES_TAGS[sets] = eval_files_tag(config["evaluate"]["sets"])
+        values["evaluate_files"] = EVAL_FILES_TAGS[sets]
     return json.dumps(values, sort_keys=True)
 
 
