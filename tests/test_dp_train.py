@@ -473,6 +473,17 @@ def test_a_diverged_warm_start_is_refused_before_anything_is_charged(data_dir, t
     assert charged_runs(work) == []
 
 
+@pytest.mark.parametrize("objective_name", ["clip", "clip-public"])
+def test_the_clip_scale_is_held_within_clips_clamp_after_each_step(data_dir, tmp_path, monkeypatch, objective_name):
+    """A log scale past ln 100 (here its start, ln 200) got no gradient through the forward pass's clamp
+    and stayed there, moved by noise alone; it is put back within [0, ln 100] after each step."""
+    from pipeline.models import clip, layers
+
+    monkeypatch.setattr(clip, "LogitScale", lambda temperature: layers.LogitScale(1 / 200))
+    _, ckpt = train(project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.steps=2"])
+    assert 4.6 < float(ckpt.model["logit_scale.weight"]) <= math.log(100.0)
+
+
 def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_path, monkeypatch):
     """Re-sharding the same digits (another shards.samples_per_shard) once started a new, empty budget:
     verify printed one run's ε while three runs had trained on the same examples."""

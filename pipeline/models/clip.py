@@ -80,6 +80,12 @@ class CLIP(nn.Module):
         pooled = torch.gather(x, 1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
         return F.normalize(self.text_proj(pooled), dim=-1)
 
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """CLIP's clamp, held on the parameter after each step as open_clip holds it: clamped in the forward
+        pass alone, a log scale past ln 100 gets no gradient, and DP-SGD's noise walks it on unseen."""
+        self.logit_scale.weight.clamp_(0.0, math.log(100.0))
+
     def _scale(self, img: torch.Tensor) -> torch.Tensor:
         # The (B,) broadcast of the log temperature keeps the leaf-module contract; clamp as CLIP.
         return self.logit_scale(img).clamp(max=math.log(100.0)).exp()

@@ -398,6 +398,8 @@ class Trainer:
         state = TrainState(model, optimizer, counters={"applied_updates": 0, "nonfinite": 0})
         counters = state.counters
         optimizer.register_step_post_hook(lambda *_: counters.__setitem__("applied_updates", counters["applied_updates"] + 1))
+        if hasattr(model, "after_optimizer_step"):  # a parameter's range (CLIP's scale): post-processing too
+            optimizer.register_step_post_hook(lambda *_: model.after_optimizer_step())
         if dp["ema_decay"]:  # the average of the noisy iterates is released: post-processing, the same ε
             state.average = WeightAverage(model, dp["ema_decay"])
             optimizer.register_step_post_hook(lambda *_: state.average.update())
