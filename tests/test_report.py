@@ -400,6 +400,8 @@ def test_the_loss_caption_names_where_the_held_out_split_comes_from(project):
     """The DP model's held-out loss is on public data unless the eval split was carved out of a web source
     (shards.eval_fraction): then the caption says so, and that it is not covered by ε."""
     root, params = project
+    write_json("data/shards/stats.json", {"source": "digits", "eval_fraction": 0.3, "eval_from_private": False,
+                                          "private": {"usable": 1000}, "eval": {"usable": 100}})
     report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     md = (root / "results/report/report.md").read_text()
     assert "loss on the public held-out split" in md and "carved out" not in md
@@ -408,6 +410,12 @@ def test_the_loss_caption_names_where_the_held_out_split_comes_from(project):
     report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     md = (root / "results/report/report.md").read_text()
     assert "held-out split carved out of the private data (shards.eval_fraction: NOT covered by ε)" in md
+    assert "public held-out split" not in md
+    # Without the stats (shards are never pushed) where the split came from is not known: not called public.
+    (root / "data/shards/stats.json").unlink()
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert "held-out split (where it came from is recorded in the shards' stats.json, absent here)" in md
     assert "public held-out split" not in md
 
 

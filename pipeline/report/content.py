@@ -190,8 +190,10 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
         "eps_caption": (f"ε after each DP step at δ = {bound_text(ver['delta'], 2, exponent=True)}, per accountant "
                         f"({ver['accountant'].upper()} is reported; the others are independent upper bounds)."),
         "loss_caption": ("Left: MAE loss on synthetic images (non-private). Right: the DP model's loss on the "
-                         + ("held-out split carved out of the private data (shards.eval_fraction: NOT covered by ε)"
-                            if (stats or {}).get("eval_from_private") else "public held-out split")
+                         + ("held-out split (where it came from is recorded in the shards' stats.json, absent here)"
+                            if stats is None else
+                            "held-out split carved out of the private data (shards.eval_fraction: NOT covered by ε)"
+                            if stats.get("eval_from_private") else "public held-out split")
                          + "; the training loss on private data is never shown (it is not DP)."),
         "sheet_caption": "A sample of the procedural (Shaders21k-style) images the encoder was pretrained on.",
         "footer": ("dpfm report · inputs: the verification, the evaluation metrics, the DP model's ledger and the "
