@@ -82,10 +82,14 @@ def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_t
     """An out-of-memory stop advises a smaller dp.physical_batch_size: the run must resume under it (and
     under other checkpoint_every, eval_every), with its batches and noise, charged once, not start again
     under a fresh key and charge the budget twice. A run keyed with those knobs, before they left the
-    key, resumes as well; so does the finished run on 2 ranks."""
+    key, resumes as well; so does the finished run on 2 ranks. So with a model key its objective never reads
+    changed (the MAE's text tower, the others' MAE decoder): keyed by it, the same model trained and was charged
+    again."""
     from stage_runs import charged_runs
 
     obj = [f"dp.objective={objective_name}"]
+    unread = {"mae": "model.text_width=128", "clip": "model.caption_mask_ratio=0.5"}.get(objective_name,
+                                                                                       "model.decoder_width=128")
     ref_ledger, ref = train(project(data_dir, tmp_path / "ref"), obj)
     real = engine.add_noise
 
@@ -109,8 +113,10 @@ def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_t
         with monkeypatch.context() as m:
             if keyed_before:
                 m.setattr(training, "HOW_IT_RUNS", ())
+                m.setattr(training, "model_params_read", lambda model, objective: model)
             stopped_at_step_6(work)
-        resumed = obj + ([] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2", "dp.eval_every=3"])
+        resumed = obj + ([] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2", "dp.eval_every=3",
+                                                  unread])
         ledger, got = train(work, resumed)
         assert [r["run"] for r in charged_runs(work)] == [ledger["run"]], name  # charged once
         assert ledger["steps"] == 6 and ledger["batch_sizes"] == ref_ledger["batch_sizes"], name
@@ -121,7 +127,7 @@ def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_t
     # The finished run (keyed the new way), started again on 2 ranks under yet another micro-batch: the same
     # run, not charged again.
     work, run = finished
-    torchrun(work, "dp-train", obj + ["dp.physical_batch_size=3"])
+    torchrun(work, "dp-train", obj + ["dp.physical_batch_size=3", unread])
     assert json.loads((work / "models/dp/ledger.json").read_text())["run"] == run
     assert [r["run"] for r in charged_runs(work)] == [run]
 

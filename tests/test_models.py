@@ -515,3 +515,34 @@ def test_each_objective_masks_by_its_own_ratio():
     unmasked = build_model("caption", whole)
     assert not whole.reads_masks("caption")
     assert unmasked.encode_image(imgs).shape[1] == 1 + unmasked.encoder.num_patches
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
+def test_the_model_keys_an_objective_is_said_never_to_read_change_nothing_it_builds_or_computes(objective):
+    """models.config.NOT_READ leaves these keys out of a DP run's identity (a change resumes the run, not
+    charges it again): measured, each changed alone gives the same weights and the same losses."""
+    from pipeline.models.config import NOT_READ, ModelConfig
+
+    base = {"size": "micro", "img_size": 16, "patch_size": 4, "mask_ratio": 0.75, "caption_mask_ratio": 0.0,
+            "norm_pix_loss": True, "decoder_width": 32, "decoder_depth": 1, "decoder_heads": 2, "text_width": 32,
+            "text_depth": 1, "text_heads": 2, "max_caption_len": 12, "public_negatives": 4}
+    other = {"mask_ratio": 0.5, "caption_mask_ratio": 0.5, "norm_pix_loss": False, "decoder_width": 64,
+             "decoder_depth": 2, "decoder_heads": 4, "text_width": 64, "text_depth": 2, "text_heads": 4,
+             "max_caption_len": 10, "public_negatives": 7}
+    imgs, tokens = torch.randn(3, 3, 16, 16), torch.randint(4, VOCAB, (3, 12))
+
+    def built(model_params):
+        torch.manual_seed(0)
+        model = build_model(objective, ModelConfig.from_params(model_params, objective, vocab_size=VOCAB)).train()
+        torch.manual_seed(1)
+        losses = model(imgs) if objective == "mae" else model(imgs, tokens)
+        return model.state_dict(), losses
+
+    weights, losses = built(base)
+    assert NOT_READ[objective]
+    for key in NOT_READ[objective]:
+        got_weights, got_losses = built({**base, key: other[key]})
+        assert got_weights.keys() == weights.keys() and all(torch.equal(got_weights[k], weights[k]) for k in weights), key
+        assert torch.equal(got_losses, losses), key
+    read = sorted(set(other) - set(NOT_READ[objective]) - {"max_caption_len"})  # a key it reads changes something
+    assert any(not torch.equal(built({**base, k: other[k]})[1], losses) for k in read)

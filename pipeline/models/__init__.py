@@ -10,7 +10,7 @@ from pipeline.objectives import OBJECTIVES
 
 from .captioner import Captioner
 from .clip import CLIP
-from .config import ModelConfig
+from .config import ModelConfig, model_params_read
 from .layers import (
     BroadcastParameter,
     ClassToken,
@@ -58,6 +58,7 @@ __all__ = [
     "MaskToken",
     "MaskedAutoencoder",
     "ModelConfig",
+    "model_params_read",
     "TextTransformer",
     "VIT_SIZES",
     "VisionTransformer",

@@ -24,6 +24,20 @@ SIZE_DEFAULTS["pico"] = SIZE_DEFAULTS["cpu"]  # the CPU size's images and heads,
 FROM_PARAMS = {"max_caption_len": "max_len"}
 
 
+# params.yaml `model` keys an objective's model never reads: a change to them is not a change of its DP
+# run, which must resume, not train and be charged again. Listed as what is left out, so that a key added
+# later counts for every objective until it is listed here.
+_MAE_ONLY = ("mask_ratio", "norm_pix_loss", "decoder_width", "decoder_depth", "decoder_heads")
+NOT_READ = {"mae": ("caption_mask_ratio", "text_width", "text_depth", "text_heads", "max_caption_len", "public_negatives"),
+            "caption": (*_MAE_ONLY, "public_negatives"), "clip": (*_MAE_ONLY, "caption_mask_ratio", "public_negatives"),
+            "clip-public": (*_MAE_ONLY, "caption_mask_ratio")}
+
+
+def model_params_read(model_params: dict, objective: str) -> dict:
+    """params.yaml's `model` section less the keys `objective`'s model never reads."""
+    return {k: v for k, v in model_params.items() if k not in NOT_READ[objective]}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     size: str = "base"            # ViT size (pipeline.models.VIT_SIZES)

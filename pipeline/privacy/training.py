@@ -36,7 +36,7 @@ from pipeline.distributed import (broadcast_int, fingerprint, gather_with_grad, 
 from pipeline.errors import PrivateDataError, RanksDisagree, VerificationFailed
 from pipeline.io import DISK_FULL, read_json
 from pipeline.locking import training_lock
-from pipeline.models import ModelConfig, build_model
+from pipeline.models import ModelConfig, build_model, model_params_read
 from pipeline.objectives import objective
 from pipeline.privacy import accounting, budget, owner, release
 from pipeline.privacy.clipping import view_rows
@@ -164,7 +164,6 @@ NOT_THE_PRIVATE_RUN = ("nonprivate_baseline", "nonprivate", "nonprivate_clipped"
 # out-of-memory a smaller dp.physical_batch_size, as its message advises, must resume the run, not
 # start another under a fresh key and charge the whole budget again.
 HOW_IT_RUNS = (*stages.HOW_IT_RUNS["dp"], "eval_every")  # eval_every: the history's points, not the run
-RUN_SECTIONS = ("run", "model", "dp")  # what a DP training is: dp-train, the curve and the seeds key it by them
 
 
 def work_dir(params: dict, trainer: "Trainer"):
@@ -176,14 +175,15 @@ def work_dir(params: dict, trainer: "Trainer"):
     dp = {k: v for k, v in params["dp"].items() if k not in NOT_THE_PRIVATE_RUN}
     # The adjacency sets σ (calibrated to it): another adjacency is another mechanism, another run.
     dp["adjacency"] = params["privacy"]["adjacency"]
-    def keyed(form: dict) -> Path:
-        return state_dir("dp-train", {**{s: params[s] for s in RUN_SECTIONS}, "dp": form}, inputs, name=budget.public_name)
+    def keyed(form: dict, model: dict) -> Path:  # what a DP training is (dp-train, the curve's points, the seeds)
+        return state_dir("dp-train", {"run": params["run"], "model": model, "dp": form}, inputs, name=budget.public_name)
 
-    path = keyed({k: v for k, v in dp.items() if k not in HOW_IT_RUNS})
-    if path.is_dir():
-        return path
-    before = keyed(dp)  # a run keyed with them, before they left the key: it resumes under its old values
-    return before if before.is_dir() else path
+    # Nor are the model keys its objective never reads; a run keyed with them, or with the keys of how it
+    # runs, before they left the key, resumes under its old values.
+    the_run = {k: v for k, v in dp.items() if k not in HOW_IT_RUNS}
+    keys = [keyed(the_run, model_params_read(params["model"], dp["objective"])), keyed(the_run, params["model"]),
+            keyed(dp, params["model"])]
+    return next((p for p in keys if p.is_dir()), keys[0])
 
 
 def one_process(work, world):

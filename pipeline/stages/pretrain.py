@@ -25,7 +25,7 @@ from pipeline.data.shards import ShardDataset
 from pipeline.distributed import barrier, init_world
 from pipeline.errors import Diverged
 from pipeline.io import atomic_dir, write_json
-from pipeline.models import ModelConfig, build_model
+from pipeline.models import ModelConfig, build_model, model_params_read
 from pipeline.stages import HOW_IT_RUNS
 from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
                             state_dir, step_generator, uses_bf16)
@@ -74,10 +74,12 @@ def mae_step(model, optimizer, images: torch.Tensor, noise: torch.Tensor, device
 
 def resumable_state(params: dict, images) -> Path:
     """The run's state directory, keyed without how it runs (decoding workers, checkpoint cadence: a resume
-    is bit-exact under any), so a run restarted with fewer workers after one ran out of memory resumes. A
-    run keyed with them, before they left the key, resumes under its old values."""
+    is bit-exact under any), so a run restarted with fewer workers after one ran out of memory resumes, and
+    without the model keys the MAE never reads (the text tower's). A run keyed with them, before they left
+    the key, resumes under its old values."""
     how = HOW_IT_RUNS["pretrain"]
-    path = state_dir("pretrain", {**params, "pretrain": {k: v for k, v in params["pretrain"].items() if k not in how}},
+    path = state_dir("pretrain", {**params, "model": model_params_read(params["model"], "mae"),
+                                  "pretrain": {k: v for k, v in params["pretrain"].items() if k not in how}},
                      inputs=[images])
     before = state_dir("pretrain", params, inputs=[images])
     return before if before.is_dir() and not path.is_dir() else path
