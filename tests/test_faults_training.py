@@ -317,6 +317,22 @@ def test_a_step_that_fails_on_private_data_names_what_failed_to_the_data_owner_o
     assert named[0] in kept.read_text() and kept.stat().st_mode & 0o077 == 0
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_read_that_fails_in_a_decoding_worker_stops_the_run_and_its_workers(data_dir, tmp_path, ranks):
+    """With dp.data_workers the failing read is a worker's: the stage printed its line, then waited for
+    ever at exit on workers that ignore the stop signals, holding its lock and its GPU."""
+    work, args = project(data_dir, tmp_path), with_sets("dp-train", ["dp.data_workers=2"])
+    if ranks == 1:
+        proc = dpfm(work, args, "unreadable:3")
+        assert proc.wait(timeout=300) == 1  # the wait is the failure's detector: broken, it never returns
+        shown = (work / "dpfm.log").read_text()
+    else:
+        done = dpfm_torchrun(work, args, "unreadable:3")
+        assert done.returncode != 0
+        shown = done.stdout + done.stderr
+    assert FAILURES["unreadable:3"][0] in shown, shown[-3000:]
+
+
 def test_a_second_dpfm_on_a_running_stage_is_refused_and_a_killed_holder_leaves_no_lock(data_dir, tmp_path):
     """Snakemake's lock does not cover `dpfm <stage>` run by hand beside it; the stage lock does."""
     work = project(data_dir, tmp_path)

@@ -111,5 +111,9 @@ class BatchLoader:
             batches_in_flight = iter(loader)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        for indices, images, captions in batches_in_flight:
-            yield indices, self._inputs(images, captions)
+        try:
+            for indices, images, captions in batches_in_flight:
+                yield indices, self._inputs(images, captions)
+        finally:  # at once, however this ends: the traceback of a worker's error holds the iterator, whose
+            # workers (stop signals ignored) then outlived it, and the exit waited on them for ever
+            batches_in_flight._shutdown_workers()
