@@ -44,6 +44,20 @@ def test_folder_set_takes_classes_from_folder_names(tmp_path):
     assert es.prompts()[1] == ["a photo of a dog."]
 
 
+def test_a_16_bit_grey_eval_image_is_what_training_decodes(tmp_path):
+    """A 16-bit PNG (medical, scientific sets) came out near-white in evaluation, clipped above 255, while
+    training scaled it to 8 bits: the probe scored other images than the model was trained on."""
+    from pipeline.data.transforms import decode_image
+
+    ramp = (np.arange(16 * 16, dtype=np.uint16).reshape(16, 16) * 257)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for i in range(2):
+            Image.fromarray(ramp).save(tmp_path / name / f"{i}.png")
+    es = load_eval_set({"name": "grey16", "source": "folder", "path": str(tmp_path)}, 16)
+    assert np.array_equal(es.images[0], decode_image(png_bytes(ramp), 16)) and es.images[0].mean() < 200
+
+
 def write_tar(path, samples):
     with tarfile.open(path, "w") as tar:
         for key, members in samples:

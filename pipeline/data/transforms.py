@@ -26,6 +26,13 @@ MEAN = torch.tensor([0.485, 0.456, 0.406])
 STD = torch.tensor([0.229, 0.224, 0.225])
 
 
+def as_rgb(im: Image.Image) -> Image.Image:
+    """RGB, 16-bit grey scaled to 8 bits: convert("RGB") alone would clip every value above 255 to white."""
+    if im.mode.startswith("I"):
+        im = Image.fromarray((np.asarray(im, dtype=np.float64) / 257.0).round().clip(0, 255).astype(np.uint8))
+    return im.convert("RGB")
+
+
 def decode_image(data: bytes, size: int | None = None) -> np.ndarray:
     """Encoded image -> (H, W, 3) uint8; with `size`, the centred square scaled to (size, size).
 
@@ -35,9 +42,7 @@ def decode_image(data: bytes, size: int | None = None) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as im:
         if size:
             im.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale still >= size
-        if im.mode.startswith("I"):  # 16-bit grey: convert("RGB") would clip every value above 255 to white
-            im = Image.fromarray((np.asarray(im, dtype=np.float64) / 257.0).round().clip(0, 255).astype(np.uint8))
-        rgb = im.convert("RGB")
+        rgb = as_rgb(im)
     if size and rgb.size != (size, size):
         w, h = rgb.size
         s = min(w, h)

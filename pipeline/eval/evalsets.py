@@ -30,6 +30,7 @@ from tqdm import tqdm
 from pipeline.config import ParamsError
 from pipeline.data import labelled_sets
 from pipeline.data.shards import INDEX_NAME, ShardDataset
+from pipeline.data.transforms import as_rgb
 from pipeline.errors import EvalSetError
 from pipeline.eval.images import Images, concat, decoded, fill
 
@@ -76,7 +77,7 @@ class EvalSet:
 
 def square(image: Image.Image, size: int) -> np.ndarray:
     """Resize the shorter side to `size` and centre-crop (the papers' eval transform)."""
-    image = image.convert("RGB")
+    image = as_rgb(image)  # 16-bit grey as training decodes it
     if image.size != (size, size):
         w, h = image.size
         s = size / min(w, h)
