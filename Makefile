@@ -43,7 +43,6 @@ restore: $(STAMP)
 # data/budget (every DP run on the private examples, privacy/budget.py) is versioned and pushed with the data.
 push: $(STAMP)
 	if [ -d data/budget ]; then dpfm budget-sync; fi
-	dvc commit --force
 	if [ -d data/budget ]; then dvc add --quiet data/budget; fi
 	dvc push
 

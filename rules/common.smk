@@ -1,12 +1,11 @@
 # Shared by every rule: params validation, the stage table, and the MLflow parent run.
 import json
 import os
-import subprocess
 import sys
 
 from snakemake.settings.types import DeploymentMethod
 
-from pipeline import tracking
+from pipeline import dvc_commit, tracking
 from pipeline.privacy import owner, release
 from pipeline.privacy.params_check import check_dp_params
 from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
@@ -165,14 +164,9 @@ onstart:
 onsuccess:
     owner.seal()
     tracking.end_parent(config["run"]["experiment"], os.environ[tracking.PARENT_ENV], ok=True, params=config)
-    # Version what this run produced: DVC records the outputs' hashes in dvc.lock and its cache.
+    # Version what this run produced: DVC records the outputs' hashes of the stages it ran in dvc.lock and its cache.
     if os.path.isdir(".dvc"):
-        done = subprocess.run([PYTHON, "-m", "dvc", "commit", "--force", "--quiet"], capture_output=True, text=True)
-        if done.returncode:
-            print(f"\nWARNING: `dvc commit` failed, so DVC does not version this run:\n{done.stderr.strip()}",
-                  file=sys.stderr)
-        else:
-            print("\nDVC: outputs cached and recorded in dvc.lock (`git add dvc.lock`, then `dvc push`)")
+        dvc_commit.commit_run(os.environ[tracking.PARENT_ENV], config, PYTHON)
     print("\nReport: results/report/report.html (open it in a browser)")
     uri = tracking.tracking_uri()
     if uri.startswith("sqlite"):

@@ -14,7 +14,7 @@ from PIL import Image
 from snakemake_project import MICRO, planned_rules, set_params, snakemake_project
 
 from pipeline.io import file_digest
-from pipeline.stages import stage
+from pipeline.stages import STAGES, stage
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -239,7 +239,9 @@ def test_dvc_versions_pushes_restores_and_runs_experiments_from_a_fresh_clone(fi
     every row."""
     work = tmp_path / "clone"
     shutil.copytree(finished_run[0], work, symlinks=True)  # this test changes the workspace
-    assert "DVC: outputs cached and recorded in dvc.lock" in finished_run[1]
+    [said] = [line for line in finished_run[1].splitlines() if line.startswith("DVC: outputs of ")]
+    assert said.endswith("cached and recorded in dvc.lock (`git add dvc.lock`, then `dvc push`)")
+    assert sorted(said.removeprefix("DVC: outputs of ").split(" cached")[0].split(", ")) == sorted(s.name for s in STAGES)
     assert "up to date" in dvc(work, "status")
     git(work, "add", "dvc.lock")
     git(work, "commit", "-qm", "a run")

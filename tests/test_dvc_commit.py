@@ -1,0 +1,53 @@
+"""What a Snakemake run versions in DVC (pipeline/dvc_commit.py): the stages it finished, under params.yaml's
+values. Committing every stage wrote params.yaml's values into dvc.lock beside outputs a partial run never
+remade, and a `--config` override's outputs beside params.yaml's values."""
+
+import os
+
+import pytest
+
+from pipeline import dvc_commit
+from pipeline.config import load_params
+from pipeline.tracking import PARENT_ENV
+
+
+@pytest.fixture
+def dvc_calls(in_tmp, monkeypatch):
+    calls = []
+    monkeypatch.setattr(dvc_commit.subprocess, "run", lambda args, **kw: calls.append(args[4:]) or
+                        dvc_commit.subprocess.CompletedProcess(args, 0, "", ""))
+    return calls
+
+
+def finish(monkeypatch, parent, *stage_names):
+    monkeypatch.setenv(PARENT_ENV, parent)
+    for name in stage_names:  # as each job's `dpfm <stage>` does once it succeeds
+        dvc_commit.record_done(name)
+
+
+def test_a_run_commits_the_stages_it_ran_and_no_other(dvc_calls, monkeypatch, capsys):
+    """`snakemake synthetic` after dp.lr was edited: committing dp-train too recorded the new lr beside the
+    model trained with the old one, and `dvc status` called it up to date."""
+    finish(monkeypatch, "run-1", "synthetic", "pretrain")
+    dvc_commit.commit_run("run-1", load_params())
+    assert dvc_calls == [["--force", "--quiet", "pretrain", "synthetic"]]
+    assert "DVC: outputs of pretrain, synthetic cached" in capsys.readouterr().out
+    assert not (dvc_commit.DONE_ROOT / "run-1").exists()  # spent
+    dvc_commit.commit_run("run-2", load_params())  # a run that ran nothing (all up to date, or --touch)
+    assert dvc_calls == [["--force", "--quiet", "pretrain", "synthetic"]]
+
+
+def test_stages_run_with_config_overrides_are_not_committed(dvc_calls, monkeypatch, capsys):
+    """`snakemake --config dp='{epsilon: 16}'`: dvc.lock recorded params.yaml's ε = 8 beside a model trained at
+    ε = 16, a stronger guarantee than the one it has."""
+    finish(monkeypatch, "run-1", "synthetic", "dp-train", "verify")
+    overridden = load_params(overrides=["dp.epsilon=16"])
+    dvc_commit.commit_run("run-1", overridden)
+    assert dvc_calls == [["--force", "--quiet", "synthetic"]]  # its params are params.yaml's
+    assert "DVC does not version dp-train, verify: they ran with params other than params.yaml's" in capsys.readouterr().err
+
+
+def test_a_stage_run_by_hand_marks_nothing(in_tmp, monkeypatch):
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+    dvc_commit.record_done("dp-train")
+    assert not dvc_commit.DONE_ROOT.exists() and not os.path.exists(".dpfm/snakemake-done")
