@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ParamsError, load_params, read_resolved, sections_of
-from pipeline.errors import (BudgetCorrupt, BudgetNotHere, Diverged, InputError, PrivateDataError, RanksDisagree, StageBusy,
-                             Stopped, VerificationFailed)
+from pipeline.errors import (BudgetCorrupt, BudgetNotHere, Diverged, InputError, PrivateDataError, RanksDisagree,
+                             StageBusy, Stopped, VerificationFailed)
 from pipeline.stages import STAGES, Stage, stage
 
 

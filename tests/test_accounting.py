@@ -376,7 +376,8 @@ def test_cli_plan_prints_a_sigma_that_reaches_epsilon_when_copied_into_dp_sigma(
     """Measured on the printed table: each σ as shown, at its steps and q, meets ε. Rounded to nearest,
     B = 256 for 10 epochs of 60k showed 0.545 (ε = 8.010), which dp-train refuses as dp.sigma."""
     main(["plan", "--n", "60000", "--epsilon", "8", "--epochs", "3", "10", "--batch-sizes", "32", "256", "1024"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["32"], ["256"], ["1024"])]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] in (["32"], ["256"], ["1024"])]
     assert len(rows) == 6
     for batch, _, _, steps, sigma, *_ in rows:
         assert acc.epsilon(float(sigma), int(batch) / 60000, int(steps), 1 / 120000, adjacency="replace_one") <= 8

@@ -115,8 +115,8 @@ def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_t
                 m.setattr(training, "HOW_IT_RUNS", ())
                 m.setattr(training, "model_params_read", lambda model, objective: model)
             stopped_at_step_6(work)
-        resumed = obj + ([] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2", "dp.eval_every=3",
-                                                  unread])
+        resumed = obj + ([] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2",
+                                                  "dp.eval_every=3", unread])
         ledger, got = train(work, resumed)
         assert [r["run"] for r in charged_runs(work)] == [ledger["run"]], name  # charged once
         assert ledger["steps"] == 6 and ledger["batch_sizes"] == ref_ledger["batch_sizes"], name

@@ -44,7 +44,8 @@ def test_stages_run_with_config_overrides_are_not_committed(dvc_calls, monkeypat
     overridden = load_params(overrides=["dp.epsilon=16"])
     dvc_commit.commit_run("run-1", overridden)
     assert dvc_calls == [["--force", "--quiet", "synthetic"]]  # its params are params.yaml's
-    assert "DVC does not version dp-train, verify: they ran with params other than params.yaml's" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "DVC does not version dp-train, verify: they ran with params other than params.yaml's" in said
 
 
 def test_a_stage_run_by_hand_marks_nothing(in_tmp, monkeypatch):

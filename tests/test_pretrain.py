@@ -258,7 +258,8 @@ def test_a_diverged_run_stops_and_saves_no_warm_start(tmp_path, monkeypatch):
     def overflowing_build(objective, cfg):
         model = real_build(objective, cfg)
         first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-        first.register_forward_hook(lambda mod, args, out: calls.append(1) or (out * math.inf if len(calls) == 3 else out))
+        first.register_forward_hook(
+            lambda mod, args, out: calls.append(1) or (out * math.inf if len(calls) == 3 else out))
         return model
 
     monkeypatch.setattr(pretrain, "build_model", overflowing_build)

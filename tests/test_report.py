@@ -136,7 +136,8 @@ def test_an_evaluation_of_another_dp_run_is_refused(project):
     """dp-train and verify run again (another ε), evaluate not: the accuracies left are the earlier
     model's, and the report would put them beside the new run's ε."""
     root, params = project
-    write_json("results/eval/metrics.json", {**metrics_json(), "privacy": {**metrics_json()["privacy"], "run": "earlier"}})
+    metrics = metrics_json()
+    write_json("results/eval/metrics.json", {**metrics, "privacy": {**metrics["privacy"], "run": "earlier"}})
     with pytest.raises(VerificationFailed, match="metrics.json was made for another DP run .* run `dpfm evaluate`"):
         report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     assert not (root / "results/report").exists()
@@ -357,7 +358,8 @@ def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
         seeds=3, first_seed={"linear_probe": 0.801, "linear_probe_ci": [0.752, 0.849]})
     text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"],
                                              {**mechanism, "epsilon_composed": 15.23})
-    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%; σ/B = 0.00533), the mean of 3 "
+    assert text.startswith("On digits, the DP model's linear probe reaches 82.2% (95% CI 77.4–86.7%; σ/B = 0.00533), "
+                           "the mean of 3 "
                            "DP trainings (with every DP run charged to the budget, ε = 15.23); the released "
                            "checkpoint's own, at ε = 7.99, is 80.1% (95% CI 75.2–84.9%): it beats")
 

@@ -28,7 +28,8 @@ FROM_PARAMS = {"max_caption_len": "max_len"}
 # run, which must resume, not train and be charged again. Listed as what is left out, so that a key added
 # later counts for every objective until it is listed here.
 _MAE_ONLY = ("mask_ratio", "norm_pix_loss", "decoder_width", "decoder_depth", "decoder_heads")
-NOT_READ = {"mae": ("caption_mask_ratio", "text_width", "text_depth", "text_heads", "max_caption_len", "public_negatives"),
+NOT_READ = {"mae": ("caption_mask_ratio", "text_width", "text_depth", "text_heads", "max_caption_len",
+                    "public_negatives"),
             "caption": (*_MAE_ONLY, "public_negatives"), "clip": (*_MAE_ONLY, "caption_mask_ratio", "public_negatives"),
             "clip-public": (*_MAE_ONLY, "caption_mask_ratio")}
 

@@ -176,7 +176,8 @@ def work_dir(params: dict, trainer: "Trainer"):
     # The adjacency sets σ (calibrated to it): another adjacency is another mechanism, another run.
     dp["adjacency"] = params["privacy"]["adjacency"]
     def keyed(form: dict, model: dict) -> Path:  # what a DP training is (dp-train, the curve's points, the seeds)
-        return state_dir("dp-train", {"run": params["run"], "model": model, "dp": form}, inputs, name=budget.public_name)
+        return state_dir("dp-train", {"run": params["run"], "model": model, "dp": form}, inputs,
+                         name=budget.public_name)
 
     # Nor are the model keys its objective never reads; a run keyed with them, or with the keys of how it
     # runs, before they left the key, resumes under its old values.

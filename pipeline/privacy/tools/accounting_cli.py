@@ -285,9 +285,10 @@ def _run_plan(args) -> int:
              f"{'2*sigma' if args.clipping == 'per_batch' else 'sigma/B':>10} {'over run':>10}"
              + (f" {'hours':>8}" if args.examples_per_s is not None else "")]
     for r in rows:
-        sigma = accounting.round_up(r["sigma"], 3)  # up: more noise, so the figure copied into dp.sigma still reaches ε
+        sigma = accounting.round_up(r["sigma"], 3)  # up: more noise, so copied into dp.sigma it still reaches ε
         lines.append(f"{r['batch']:>9} {r['sample_rate']:>9.2e} {r['epochs']:>7g} {r['steps']:>7} {sigma:>8.3f} "
-                     f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}" + (f" {r['hours']:>8.2f}" if args.examples_per_s is not None else "")
+                     f"{r['noise_per_coordinate']:>10.2e} {r['noise_over_run']:>10.2e}"
+                     + (f" {r['hours']:>8.2f}" if "hours" in r else "")
                      + ("  refused by dp-train: sigma too small for the noise's edge (docs/privacy.md)"
                         if r["noise_edge_floor"] > SHARE_OF_DELTA * delta else ""))
     _emit(args, {"command": "plan", "n": args.n, "epsilon": args.epsilon, "delta": delta,
