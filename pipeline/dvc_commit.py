@@ -42,8 +42,13 @@ def stages_to_commit(parent: str, config: dict, params_path: str = "params.yaml"
 
 def commit_run(parent: str, config: dict, python: str = sys.executable) -> None:
     """`dvc commit` the stages this run finished, with a line saying what DVC now versions."""
+    from pipeline.config import ParamsError
+
     try:
         committed, overridden = stages_to_commit(parent, config)
+    except ParamsError as e:  # params.yaml edited during the run into one that does not validate
+        print(f"\nWARNING: DVC does not version this run: {e}", file=sys.stderr)
+        return
     finally:
         shutil.rmtree(DONE_ROOT / parent, ignore_errors=True)
     if overridden:

@@ -52,3 +52,12 @@ def test_a_stage_run_by_hand_marks_nothing(in_tmp, monkeypatch):
     monkeypatch.delenv(PARENT_ENV, raising=False)
     dvc_commit.record_done("dp-train")
     assert not dvc_commit.DONE_ROOT.exists() and not os.path.exists(".dpfm/snakemake-done")
+
+
+def test_a_params_file_broken_during_the_run_versions_nothing(dvc_calls, monkeypatch, capsys):
+    finish(monkeypatch, "run-1", "synthetic")
+    config = load_params()
+    with open("params.yaml", "a") as f:
+        f.write("unknown_section: 1\n")
+    dvc_commit.commit_run("run-1", config)
+    assert dvc_calls == [] and "DVC does not version this run: params.yaml is invalid" in capsys.readouterr().err

@@ -41,10 +41,10 @@ def accuracy_sets(metrics: dict, objective: str, out: Path) -> list[dict]:
 
 def summary_cards(ver: dict, dp: dict, stats: dict | None, lp: dict, lp_ci: dict, models: dict, versus: dict,
                   primary: str, privacy: dict, noise: str) -> list:
-    """The cards at the top: ε, the data, and each model's linear probe (its 95% interval where there is one)
-    against the DP model's. The ε is
-    what everything the report releases composes to: with the curve's points or evaluate's extra seeds
-    (a row's mean over k DP trainings), more than the released model's own."""
+    """The cards at the top: ε, the data, and each model's linear probe (its 95% interval where there is
+    one) against the DP model's. The ε is what everything the report releases composes to: with the
+    curve's points or evaluate's extra seeds (a row's mean over k DP trainings), more than the released
+    model's own."""
     mechanism = (f"δ = {delta_text(ver['delta'], dp.get('delta'))} ({ver['accountant'].upper()}); "
                  f"{ver['steps']} DP steps on n = {ver['n']}")
     if privacy["private"] and privacy["runs"] == 1:
