@@ -57,14 +57,21 @@ def test_a_point_that_fails_verification_stops_the_stage(data_dir, tmp_path, one
     assert not (work / artifact("curve")).exists()
 
 
-def test_a_point_dp_train_would_refuse_stops_the_curve_before_any_point_is_charged(data_dir, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_a_point_dp_train_would_refuse_stops_the_curve_before_any_point_is_charged(data_dir, tmp_path, objective,
+                                                                                     ranks):
     """ε = 100 in one step: the noise edge refuses its σ. The curve trained and charged ε = 2 first, then
     stopped at that point's plan; every point is planned before the first is charged."""
     from pipeline.config import ParamsError
 
-    work = project(data_dir, tmp_path)
-    with pytest.raises(ParamsError, match=r"(?s)the curve's point at ε = 100 .*never passes 12.12 std"):
-        run_curve(work, ["curve.epsilons=[2, 100]", "dp.steps=1"])
+    work, sets = project(data_dir, tmp_path), [f"dp.objective={objective}", "curve.epsilons=[2, 100]", "dp.steps=1"]
+    if ranks == 1:
+        with pytest.raises(ParamsError, match=r"(?s)the curve's point at ε = 100 .*never passes 12.12 std"):
+            run_curve(work, sets)
+    else:
+        refused = torchrun(work, "curve", ["curve.inits=[random]", *sets], check=False)
+        assert refused.returncode != 0 and "the curve's point at ε = 100" in refused.stderr, refused.stderr[-3000:]
     assert charged_runs(work) == [] and not (work / artifact("curve")).exists()
 
 
