@@ -194,12 +194,14 @@ def _validate(args) -> None:
     from pipeline.artifacts import artifact
     from pipeline.io import read_json
     from pipeline.privacy import release
-    from pipeline.privacy.params_check import check_dp_params
+    from pipeline.privacy.params_check import check_dp_params, schedule_warnings
     from pipeline.stages import params_digest
 
     params = load_params(args.params, args.set)
     release.check_asked_for(params)
     check_dp_params(params)
+    for warning in schedule_warnings(params):
+        print(f"{args.params}: warning: {warning}")
     stats = artifact("shards") / "stats.json"
     if not stats.exists():
         print(f"{args.params}: ok (the schema, model shapes and DP settings; dp-train's privacy plan needs n: "

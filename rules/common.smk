@@ -7,7 +7,7 @@ from snakemake.settings.types import DeploymentMethod
 
 from pipeline import dvc_commit, tracking
 from pipeline.privacy import owner, release
-from pipeline.privacy.params_check import check_dp_params
+from pipeline.privacy.params_check import check_dp_params, schedule_warnings
 from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
                              write_resolved)
 from pipeline.launch import STOP_NOTICE_S
@@ -31,6 +31,8 @@ if workflow.is_main_process:
         validate(config, load_schema(workflow.source_path("../schemas/params.schema.yaml")), source="config")
         release.check_asked_for(config)
         check_dp_params(config)  # torch on the meta device: about 3 s, once a workflow
+        for warning in schedule_warnings(config):
+            print(f"dpfm: warning: {warning}", file=sys.stderr)
     except ParamsError as e:
         print(f"dpfm: {e}", file=sys.stderr)
         sys.exit(2)

@@ -156,6 +156,7 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
 
     ok = dry("dp={epsilon: 2, sigma: null}")
     assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "warning" not in ok.stderr
     # Every job reads the one file Snakemake validated and wrote, named by the variable its shell reads.
     commands = {line.split("--resolved ")[1].split()[0] for line in ok.stdout.splitlines() if "--resolved " in line}
     assert commands == {'"$DPFM_RESOLVED_PARAMS"'}, commands
@@ -166,6 +167,8 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
     bad = dry("dp={epsilon: -2}")
     assert bad.returncode == 2 and "dp.epsilon: -2 is not allowed" in bad.stderr and "Traceback" not in bad.stderr
     assert dry("dp={delta: 1e-5}").returncode == 0  # a number, as YAML 1.2 reads it
+    warned = dry("dp={steps: 2}")  # warned, not refused
+    assert warned.returncode == 0 and "dpfm: warning: dp: warmup_steps=4 outlasts steps=2" in warned.stderr
     bad = dry("model={patch_size: 5}")  # settings the schema takes one by one, no model builds from
     assert bad.returncode == 2 and "model.img_size=32 is not a multiple of model.patch_size=5" in bad.stderr
     text = (tmp_path / "params.yaml").read_text()
@@ -323,6 +326,25 @@ def test_dpfm_validate_refuses_what_dp_train_would_before_anything_runs(in_tmp, 
         assert cli.main(["validate", *sets]) == 2, settings
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err, (settings, err)
+
+
+def test_a_warm_up_longer_than_its_run_is_warned_for_each_schedule_that_has_one(in_tmp, capsys):
+    """A warm-up past the last step leaves the rate climbing for the whole run: a DP run so set spends its ε
+    at a fraction of its lr. `dpfm validate` names each schedule (and the workflow's start, below)."""
+    from pipeline import cli
+
+    assert cli.main(["validate"]) == 0
+    assert "warning" not in capsys.readouterr().out  # params.yaml's schedules warm up within their runs
+    sets = ["pretrain.steps=10", "dp.steps=2", "dp.nonprivate.steps=3"]
+    assert cli.main(["validate", *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    assert "pretrain: warmup_steps=30 outlasts steps=10, so the learning rate climbs" in out and "0.33 × its lr" in out
+    assert "dp: warmup_steps=4 outlasts steps=2" in out and "0.5 × its lr" in out
+    assert "dp.nonprivate (the ε = ∞ twin): warmup_steps=4 outlasts steps=3" in out
+    # Equal is a full warm-up: the last step runs at the lr. The twin's own warm-up can fix its schedule.
+    assert cli.main(["validate", "--set", "dp.steps=4", "--set", "dp.nonprivate.steps=3",
+                     "--set", "dp.nonprivate.warmup_steps=1"]) == 0
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, capsys):

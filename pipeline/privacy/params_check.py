@@ -1,5 +1,5 @@
 """What DP training refuses from its params alone, refused as a workflow starts (rules/common.smk) and by
-`dpfm validate`, not by dp-train once pretrain has held the GPUs for hours."""
+`dpfm validate`, not by dp-train once pretrain has held the GPUs for hours; and the schedules they warn about."""
 
 from __future__ import annotations
 
@@ -35,3 +35,22 @@ def check_dp_params(params: dict, mcfg: ModelConfig | None = None) -> torch.nn.M
     except ValueError as e:
         raise ParamsError([str(e)], source="dp params") from None
     return model
+
+
+def nonprivate_params(params: dict) -> dict:
+    """The ε = ∞ twin's params: the recipe, with `dp.nonprivate`'s schedule where it sets one."""
+    schedule = {k: v for k, v in params["dp"]["nonprivate"].items() if v is not None}
+    return {**params, "dp": {**params["dp"], **schedule}}
+
+
+def schedule_warnings(params: dict) -> list[str]:
+    """Schedules whose warm-up outlasts their steps: the rate climbs for the whole run and ends below its
+    lr. Warned, not refused: tests and quick looks run a few steps on purpose; a real DP run so set spends
+    its ε at a fraction of the rate it asked for."""
+    twin = nonprivate_params(params)["dp"]
+    schedules = {"pretrain": params["pretrain"], "dp": params["dp"]}
+    if any(params["dp"]["nonprivate"][k] is not None for k in ("steps", "warmup_steps")):
+        schedules["dp.nonprivate (the ε = ∞ twin)"] = twin
+    return [f"{name}: warmup_steps={s['warmup_steps']} outlasts steps={s['steps']}, so the learning rate climbs for "
+            f"the whole run and peaks at {s['steps'] / s['warmup_steps']:.2g} × its lr"
+            for name, s in schedules.items() if s["warmup_steps"] > s["steps"]]

@@ -42,7 +42,7 @@ from pipeline.privacy import accounting, budget, owner, release
 from pipeline.privacy.clipping import view_rows
 from pipeline.privacy.engine import StepRefused, dp_step, make_clipper, micro_batches, pieces
 from pipeline.privacy.ledger import Ledger, LedgerError
-from pipeline.privacy.params_check import check_dp_params
+from pipeline.privacy.params_check import check_dp_params, nonprivate_params
 from pipeline.privacy.plan import agreed_plan, checked_plan, secret_key
 from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
@@ -283,12 +283,6 @@ def record_outside_dp(params: dict, run: str, data_id: str, sketch, public_set: 
                         "the eval split carved out of the source (shards.eval_fraction)"))
     for identity, bits, why in reasons:
         budget.record_outside_dp(identity, bits, run, why, public_set)
-
-
-def nonprivate_params(params: dict) -> dict:
-    """The ε = ∞ twin's params: the recipe, with `dp.nonprivate`'s schedule where it sets one."""
-    schedule = {k: v for k, v in params["dp"]["nonprivate"].items() if v is not None}
-    return {**params, "dp": {**params["dp"], **schedule}}
 
 
 def train_nonprivate(params: dict, trainer: "Trainer", ctx):

@@ -13,7 +13,8 @@ from pipeline.distributed import barrier
 from pipeline.io import atomic_dir, read_json, write_json
 from pipeline.privacy import release
 from pipeline.privacy.accounting import bound_text
-from pipeline.privacy.training import nonprivate_params, setup, train_nonprivate, train_private
+from pipeline.privacy.params_check import nonprivate_params
+from pipeline.privacy.training import setup, train_nonprivate, train_private
 
 
 
