@@ -91,21 +91,30 @@ def test_each_seed_is_its_own_dp_training(data_dir, tmp_path, monkeypatch):
     assert len(runs) == 2 and len({r["run"] for r in runs}) == 2  # two identities, both charged
 
 
-def test_every_metric_of_the_curve_carries_the_stages_one_timestamp(data_dir, tmp_path, local_mlflow):
-    """Measured in MLflow's store: two DP trainings in one stage, each logging per step, then each
-    point's probe. With the time of each call, or a stamp per training, the timestamps would split the
-    stage's wall time into how long each training took (which follows the batch sizes it sampled)."""
+def test_every_metric_of_the_curve_carries_the_stages_one_timestamp_and_its_trainings_name(data_dir, tmp_path,
+                                                                                            local_mlflow):
+    """Measured in MLflow's store: two trainings in one stage, each logging per step, then each point's
+    probe. With the time of each call, or a stamp per training, the timestamps would split the stage's
+    wall time into how long each training took (which follows the batch sizes it sampled). Each
+    training's series is its own: under one name they interleaved, two values per step, and MLflow showed
+    whichever was larger as the latest. A run with an ε = ∞ point is labelled NOT PRIVATE on its own run."""
     import mlflow
 
     work = project(data_dir, tmp_path)
     with inside(work):
-        run_in_process("curve", ["curve.inits=[random]", "curve.epsilons=[2, 4]", "dp.eval_every=1"], tracked=True)
+        run_in_process("curve", ["curve.inits=[random]", "curve.epsilons=[2, .inf]", "dp.eval_every=1",
+                                 "run.seed=3"], tracked=True)
     client = mlflow.tracking.MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id])
     history = {k: client.get_metric_history(run.info.run_id, k) for k in run.data.metrics}
-    assert {"heldout_loss", "curve.random.eps_2.linear_probe", "curve.random.eps_4.linear_probe"} <= set(history)
-    assert len(history["heldout_loss"]) > 4  # per step, from both trainings
+    trained = {"curve.random.eps_2.seed_3.": "", "curve.random.eps_inf.seed_3.": "nonprivate_"}
+    assert set(history) == {f"{t}{p}{m}" for t, p in trained.items() for m in ("heldout_loss", "lr")} | {
+        "curve.random.eps_2.linear_probe", "curve.random.eps_inf.linear_probe"}, set(history)
+    for name in ("curve.random.eps_2.seed_3.heldout_loss", "curve.random.eps_inf.seed_3.nonprivate_heldout_loss"):
+        steps = [m.step for m in history[name]]
+        assert len(steps) > 1 and len(steps) == len(set(steps)), (name, steps)  # one training's, per step
     assert {m.timestamp for ms in history.values() for m in ms} == {run.info.start_time}
+    assert run.data.tags["dpfm.private"] == "false" and "ε = ∞ point" in run.data.tags["dpfm.not_private"]
 
 
 def test_no_epsilons_writes_an_empty_curve(data_dir, tmp_path):

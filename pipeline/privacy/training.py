@@ -239,8 +239,9 @@ def check_same_data(plan, world) -> None:
                             f"ranks share, or their samples would overlap")
 
 
-def train_private(params: dict, trainer: "Trainer", ctx):
-    """One DP training, charged to the data's budget before its first step: (model, counters, ledger record)."""
+def train_private(params: dict, trainer: "Trainer", ctx, metrics_as: str = ""):
+    """One DP training, charged to the data's budget before its first step: (model, counters, ledger record).
+    Its per-step metrics go to the stage's run under `metrics_as` (a stage that trains several names each)."""
     world = trainer.world
     work = work_dir(params, trainer)
     check_same_data(trainer.plan, world)
@@ -257,7 +258,7 @@ def train_private(params: dict, trainer: "Trainer", ctx):
             budget.record(data_id, sketch, work.name, trainer.plan, key, public_set=public)
             record_outside_dp(params, work.name, data_id, sketch, public)
         key = broadcast_int(key, world)
-        model, counters, history = trainer.train(key, work, ctx, private=True)
+        model, counters, history = trainer.train(key, work, ctx, private=True, metrics_as=metrics_as)
     record, plan = None, trainer.plan  # the ledger's, on a resume
     if world.is_main:
         record = trainer.ledger.public()
@@ -285,7 +286,7 @@ def record_outside_dp(params: dict, run: str, data_id: str, sketch, public_set: 
         budget.record_outside_dp(identity, bits, run, why, public_set)
 
 
-def train_nonprivate(params: dict, trainer: "Trainer", ctx):
+def train_nonprivate(params: dict, trainer: "Trainer", ctx, metrics_as: str = ""):
     """The recipe without noise (ε = ∞), and without clipping unless `dp.nonprivate_clipped`: for
     comparison only, never to be published. Noise does not limit it, so `dp.nonprivate` may give it a
     longer schedule of its own."""
@@ -299,7 +300,7 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx):
             data_id, sketch = budget.examples_identity(artifact("shards") / "private")
             budget.record_outside_dp(data_id, sketch, f"{work.parent.name}-{work.name}",
                                      "a training without DP on them", release.public_set(trainer.source))
-        return twin.train(params["run"]["seed"], work, ctx, private=False)[0]
+        return twin.train(params["run"]["seed"], work, ctx, private=False, metrics_as=metrics_as)[0]
 
 
 @contextmanager
@@ -366,7 +367,7 @@ class Trainer:
         freeze(model, self.dp["frozen"])
         return model
 
-    def train(self, key: int, work, ctx, private: bool):
+    def train(self, key: int, work, ctx, private: bool, metrics_as: str = ""):
         """(model, counters, history) of the run whose state lives in `work`, resumed from it; the caller
         holds the run's lock (`one_process`)."""
         dp, plan, world, device = self.dp, self.plan, self.world, self.device
@@ -430,7 +431,7 @@ class Trainer:
                 metrics["heldout_loss"] = self.heldout_loss(model)
             return metrics
 
-        prefix = "" if private else "nonprivate_"
+        prefix = metrics_as + ("" if private else "nonprivate_")
         # On private data a step's time tracks its realised batch size: not timed, and its metrics carry
         # the stage's one timestamp (tracking.StageRun), not the time MLflow would give each step.
         try:
@@ -475,14 +476,15 @@ def check_point_plans(params: dict, n: int) -> None:
                      what=f"the curve's point at ε = {epsilon} (dp params, curve.epsilons' ε)")
 
 
-def train_point(params: dict, ctx, init: str, epsilon: float):
-    """(model, verified ε or None for ∞, whether this is the main process) of one point."""
+def train_point(params: dict, ctx, init: str, epsilon: float, metrics_as: str = ""):
+    """(model, verified ε or None for ∞, whether this is the main process) of one point, its per-step
+    metrics named `metrics_as` + metric."""
     p = point_params(params, init, epsilon)
     trainer = setup(p, ctx.device)
     is_main = trainer.world.is_main
     if not math.isfinite(epsilon):
-        return train_nonprivate(p, trainer, ctx), None, is_main
-    model, counters, record = train_private(p, trainer, ctx)
+        return train_nonprivate(p, trainer, ctx, metrics_as), None, is_main
+    model, counters, record = train_private(p, trainer, ctx, metrics_as)
     if not is_main:
         return model, None, is_main
     record.pop("history")

@@ -49,7 +49,7 @@ def run(params: dict, ctx) -> None:
             rows, refits, spent = [], [], []
             for k in range(cfg["seeds"]):  # training seed seed + k: its own init, masks, key and budget entry
                 p = {**params, "run": {**params["run"], "seed": seed + k}}
-                model, eps, is_main = train_point(p, ctx, init, epsilon)
+                model, eps, is_main = train_point(p, ctx, init, epsilon, f"curve.{init}.eps_{epsilon}.seed_{seed + k}.")
                 x = features(model.encoder, es.images, ev, ctx.device)
                 # evaluate's protocol, its probe seed too: only the training seed varies, as in evaluate's rows
                 outcomes, refit = probe_outcomes(x, es.labels, split, ev, seed, ctx.device)
@@ -69,6 +69,9 @@ def run(params: dict, ctx) -> None:
             ctx.tracker.log_metrics({f"curve.{init}.eps_{epsilon}.linear_probe": point["linear_probe"]})
     if not is_main:
         return
+    reasons = release.not_private_reasons(params, stats)  # the ε = ∞ points, a known noise key, ...
+    if reasons:  # labelled on the curve's own run, as dp-train, verify and evaluate label theirs
+        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(reasons)})
     write_json(ctx.stage.output("curve"), {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
                      "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"],
                      "probe_refits": ev["probe_refits"], "points": points})

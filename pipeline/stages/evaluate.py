@@ -119,7 +119,7 @@ def seed_candidates(params: dict, ctx, first: list[Candidate], with_text: bool) 
         p = {**params, "run": {**params["run"], "seed": seed + k}}
         for name, epsilon in (("dp", params["dp"]["epsilon"]), ("nonprivate", math.inf)):
             if name in names:
-                model, _, _ = train_point(p, ctx, params["dp"]["init"], epsilon)
+                model, _, _ = train_point(p, ctx, params["dp"]["init"], epsilon, f"evaluate.seed_{seed + k}.")
                 c = names[name]
                 out.append(replace(c, source=f"{c.source}, training seed {seed + k}", encoder=model.encoder,
                                    text_model=model if c.text_model is not None else None, seed_index=k))
