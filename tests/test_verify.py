@@ -76,7 +76,7 @@ def run_verify(ledger, steps=None, dp=None):
 def test_realistic_run_passes_every_check(valid, dp):
     result = run_verify(valid, dp=dp)
     assert failed(result) == set(), result["checks"]
-    assert len(result["checks"]) == 12
+    assert len(result["checks"]) == 13
     assert result["epsilon_reported"] == pytest.approx(valid["epsilon"], rel=1e-3)
     assert result["epsilon"]["pld"] <= result["epsilon"]["rdp"]
     assert result["epsilon_reported"] <= dp["epsilon"]
@@ -202,7 +202,8 @@ def test_a_ledger_that_records_no_noise_edge_is_checked_at_torchs_fp32_edge(tmp_
 
 
 def test_every_check_has_a_doctored_case(valid):
-    covered = set().union(*(expected for _, expected in DOCTORED.values())) | {"accountants_agree"}  # see below
+    covered = set().union(*(expected for _, expected in DOCTORED.values())) | {  # see below
+        "accountants_agree", "epsilon_not_below_lower_bound"}
     assert {c["name"] for c in run_verify(valid)["checks"]} <= covered
 
 
@@ -247,6 +248,33 @@ def test_broken_accountant_is_caught(valid, monkeypatch):
 
     monkeypatch.setattr(accounting, "epsilon", broken)
     assert failed(run_verify(valid)) == {"accountants_agree"}
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
+@pytest.mark.parametrize("accountants", [["pld", "rdp"], ["pld", "prv"], ["pld"]])
+def test_a_pld_that_under_reports_is_caught_from_below(tmp_path, monkeypatch, objective, adjacency, accountants):
+    """dp-train calibrates σ and claims ε with the very PLD code verify recomputes with, and RDP only bounds
+    it from above: a PLD reading 0.6× the truth trained under too little noise and passed every check
+    (replace-one's lower limit, the add/remove PLD, moved with it). Opacus PRV's lower bound catches it,
+    whichever accountants verify lists; a PRV run is checked against dp_accounting's PLD the same way."""
+    from pipeline.privacy import accountant_backends
+
+    dp = {**default_dp(), "objective": objective, "steps": 37, "accountant": "pld"}  # 37: no cached σ
+    real, real_prv = accountant_backends._pld_parts_at, accountant_backends.prv_bounds
+    monkeypatch.setattr(accountant_backends, "_pld_parts_at", lambda *a: 0.6 * real(*a))
+    broken = realistic_ledger(tmp_path, dp, adjacency=adjacency)  # σ calibrated, ε claimed, by the broken PLD
+    result = V.verify(broken, broken["steps"], dp, accountants, ALPHA, adjacency)
+    assert failed(result) == {"epsilon_not_below_lower_bound"}, result["checks"]
+    monkeypatch.undo()
+    assert failed(V.verify(broken, broken["steps"], dp, accountants, ALPHA, adjacency)) >= {
+        "claimed_epsilon_reproduced"}  # the true PLD: the claim was too small, and ε may pass its target
+    if adjacency == "add_remove":  # PRV's own figure, from below by the PLD
+        prv = {**dp, "accountant": "prv"}
+        monkeypatch.setattr(accountant_backends, "prv_bounds", lambda *a: tuple(0.6 * e for e in real_prv(*a)))
+        ledger = realistic_ledger(tmp_path, prv, key=8, adjacency=adjacency)
+        assert failed(V.verify(ledger, ledger["steps"], prv, accountants, ALPHA, adjacency)) == {
+            "epsilon_not_below_lower_bound"}
 
 
 @pytest.mark.parametrize("doctor, message", [

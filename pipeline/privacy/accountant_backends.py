@@ -285,15 +285,25 @@ def _rdp_eps(noise: float, q: float, steps: int, delta: float) -> float:
     return float(eps)
 
 
-@functools.lru_cache(maxsize=1024)
 def _prv_eps(noise: float, q: float, steps: int, delta: float) -> float:
+    return prv_bounds(noise, q, steps, delta)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def prv_bounds(noise: float, q: float, steps: int, delta: float) -> Tuple[float, float]:
+    """Opacus PRV's (lower, upper) bounds on the add/remove ε at δ, PRV_EPS_ERROR apart: the upper is
+    what Opacus reports (`get_epsilon`); the lower lets verify check an ε from another library from
+    below, which no upper bound (RDP) can. Both as get_epsilon computes them (δ's error δ/1000)."""
     from opacus.accountants import PRVAccountant
 
     accountant = PRVAccountant()
     accountant.history = [(noise, q, steps)]
+    delta_error = delta / 1000  # get_epsilon's default
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus' domain-size chatter
-        return float(accountant.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+        prv = accountant._get_dprv(eps_error=PRV_EPS_ERROR, delta_error=delta_error)
+        lower, _, upper = prv.compute_epsilon(delta, delta_error, PRV_EPS_ERROR)
+    return float(lower), float(upper)
 
 
 def _eps_noise(noise: float, q: float, steps: int, delta: float, accountant: str,

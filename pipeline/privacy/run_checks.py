@@ -197,11 +197,29 @@ def verify(ledger: dict, optimizer_steps: int, dp: dict, accountants: list[str],
         # RDP is an upper bound too, only looser: a PLD above it means one of them is wrong.
         check("accountants_agree", eps["pld"] <= eps["rdp"] * 1.01,
               f"PLD ε={bound_text(eps['pld'], 4)} must not exceed RDP ε={bound_text(eps['rdp'], 4)}")
+    # From below, by another library. Every figure above is an upper bound computed by the code that
+    # calibrated σ and claimed ε, so none of those checks sees an ε too small: the unsafe error.
+    lower, by = lower_bound(multiplier, q, steps, delta, main)
+    never_below = ", which a replace-one ε is never below" if relation == "replace_one" else ""
+    check("epsilon_not_below_lower_bound", main_eps >= lower,
+          f"ε={bound_text(main_eps, 4)} ({main}, {relation.replace('_', '-')}) vs {by}'s lower bound "
+          f"{lower:.4f} on the add/remove ε{never_below}")
     return {"passed": all(c["passed"] for c in checks), "checks": checks, "run": ledger.get("run"), "epsilon": eps,
             "epsilon_reported": main_eps, "accountant": main, "adjacency": relation, "delta": delta, "steps": steps,
             "epsilon_add_remove": {a: literature[a] for a in accountants},
             "sigma": ledger["sigma"], "noise_multiplier": multiplier, "sample_rate": q, "n": n,
             "epsilon_curve": epsilon_curves(multiplier, q, steps, delta, supporting(accountants, relation), relation)}
+
+
+def lower_bound(multiplier: float, q: float, steps: int, delta: float, main: str) -> tuple[float, str]:
+    """A lower bound on the add/remove ε from another library than `main`'s, and its name: Opacus PRV's
+    (about PRV_EPS_ERROR below it), or for PRV itself dp_accounting's PLD less its ladder's tolerance.
+    A replace-one ε is never below it: replacing an example by one whose gradient is zero removes it."""
+    from pipeline.privacy.accountant_backends import PLD_REL_TOL, prv_bounds
+
+    if main == "prv":
+        return accounting.epsilon(multiplier, q, steps, delta) * (1 - PLD_REL_TOL), "dp_accounting PLD"
+    return prv_bounds(multiplier, q, steps, delta)[0], "Opacus PRV"
 
 
 def owner_record(ledger: dict, alpha: float) -> dict:
