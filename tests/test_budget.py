@@ -476,14 +476,26 @@ def test_an_index_without_content_digests_is_refused_by_name(in_tmp):
         budget.examples_identity(in_tmp / "d")
 
 
-def test_make_clean_keeps_the_budget(tmp_path):
-    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
-    for d in ("data/budget/sets", "data/shards/private", "data/synthetic", "models/dp", ".dpfm/state"):
-        (tmp_path / d).mkdir(parents=True)
-    (tmp_path / "data/budget/runs.jsonl").write_text('{"run": "r"}\n')
-    subprocess.run(["make", "-s", "clean"], cwd=tmp_path, check=True)
-    assert (tmp_path / "data/budget/runs.jsonl").read_text() == '{"run": "r"}\n'
-    assert not any((tmp_path / d).exists() for d in ("data/shards", "data/synthetic", "models", ".dpfm"))
+def test_make_clean_keeps_the_budget_and_the_charges_that_bring_back_runs_an_older_budget_lacks(in_tmp):
+    """`make clean` deleted all of .dpfm/, the owner's copy of the charges with it: an older budget put back
+    after it (`dvc checkout`) then dropped every run charged since from each later composition."""
+    dvc = [str(ROOT / ".venv/bin/dvc")]
+    subprocess.run(dvc + ["init", "-q", "--no-scm"], check=True)
+    shutil.copy(ROOT / "Makefile", in_tmp / "Makefile")
+    d = shard(in_tmp / "d", examples(10))
+    budget.record(*d, "A", plan(objective="mae"), 1)
+    subprocess.run(dvc + ["add", "-q", "data/budget"], check=True)  # `make push`
+    budget.record(*d, "B", plan(objective="caption"), 2)
+    for path in ("data/shards/private", "data/synthetic", "models/dp", ".dpfm/state/dp-train-x", ".dpfm/owner/runs"):
+        (in_tmp / path).mkdir(parents=True, exist_ok=True)
+    subprocess.run(["make", "-s", "clean"], cwd=in_tmp, check=True)
+    assert not any((in_tmp / p).exists() for p in ("data/shards", "data/synthetic", "models", ".dpfm/state",
+                                                     ".dpfm/owner/runs"))
+    assert sorted(p.name for p in (in_tmp / ".dpfm").rglob("*")) == ["budget-charges.jsonl", "owner"]
+    assert [e["run"] for e in budget._entries()] == ["A", "B"]
+    subprocess.run(dvc + ["checkout", "-q", "-f", "data/budget.dvc"], check=True)  # the older budget, over it
+    assert (budget.BUDGET_DIR / "runs.jsonl").read_text().count("\n") == 1
+    assert [e["run"] for e in budget._entries()] == ["A", "B"]
 
 
 def test_runs_compose_at_the_smallest_delta_of_theirs(in_tmp):

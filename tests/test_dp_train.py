@@ -501,7 +501,7 @@ def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_p
     first, _ = train(work, ["dp.objective=mae"])
     with inside(work):  # the same examples, re-sharded: other shard files, another index
         run_in_process("shards", ["shards.samples_per_shard=100"])
-        shutil.rmtree(".dpfm")  # what `make clean` deletes (it keeps data/budget)
+        shutil.rmtree(".dpfm")  # the runs' state gone (`make clean` deletes it; it keeps data/budget)
     assert len(list((work / "data/shards/private").glob("*.tar"))) != len(list((data_dir / "data/shards/private").glob("*.tar")))
     second, _ = train(work, ["dp.objective=clip"])
     third, _ = train(work, ["dp.objective=mae", "dp.epsilon=2"])
