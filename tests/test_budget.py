@@ -385,6 +385,35 @@ def test_a_budget_behind_the_version_git_records_gains_its_runs_and_a_push_keeps
         budget.sync()
 
 
+def test_the_owners_copy_of_the_charges_is_cut_and_read_only_under_the_budgets_lock(in_tmp, monkeypatch):
+    """Every use of the budget cuts a torn last line off CHARGES and reads it. Done outside runs.jsonl's
+    lock, as it was, a read that caught another process inside its append cut that charge, complete by
+    then, from the owner's copy. Measured at each cut: a second open of runs.jsonl cannot take the lock."""
+    import fcntl
+
+    from pipeline import io
+
+    cuts = []
+
+    def cut(path):
+        if Path(path).name == budget.CHARGES.name:
+            with open(budget.BUDGET_DIR / "runs.jsonl") as other:
+                try:
+                    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    cuts.append("unlocked")
+                except BlockingIOError:
+                    cuts.append("locked")
+        io.drop_torn_tail(path)
+
+    monkeypatch.setattr(budget, "drop_torn_tail", cut)
+    d = shard(in_tmp / "d", examples(10))
+    budget.record(*d, "A", plan(objective="mae"), 1)
+    budget.record(*d, "B", plan(objective="clip"), 2)
+    budget.sync()
+    assert budget.composition({**plan().header(), "run": "A", "data_identity": d[0]}, DELTA)["runs"] == 2
+    assert len(cuts) >= 4 and set(cuts) == {"locked"}, cuts
+
+
 def test_an_older_budget_checked_out_over_this_one_gets_the_runs_charged_since_back(in_tmp):
     """`dvc checkout` (after `git checkout data/budget.dvc`, or in `dvc exp apply`) puts the pushed, older
     budget back over the charges made since, without asking: measured with DVC itself. Every later

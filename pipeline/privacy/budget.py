@@ -40,6 +40,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow.compute as pc
@@ -70,7 +71,7 @@ def _check_here() -> None:
     if any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
         if pointer.exists():
             _merge_recorded(pointer)
-        _merge_lines(_charges_kept(), "charged or merged here, were missing: an older version of the budget was "
+        _merge_lines(_charges_kept, "charged or merged here, were missing: an older version of the budget was "
                                       "checked out over it (`dvc checkout`, `dvc exp apply`); they are", kept=True)
         return
     if pointer.exists():
@@ -129,15 +130,16 @@ def _merge_recorded(pointer: Path) -> None:
         if rel.startswith("sets/") and not (BUDGET_DIR / rel).exists():
             with atomic_path(BUDGET_DIR / rel) as tmp:
                 tmp.write_bytes(cached.read_bytes())
-    _merge_lines(files["runs.jsonl"].read_text().splitlines(), f"of the budget {pointer} records, charged elsewhere,")
+    _merge_lines(files["runs.jsonl"].read_text().splitlines, f"of the budget {pointer} records, charged elsewhere,")
 
 
-def _merge_lines(lines: list[str], whose: str, kept: bool = False) -> None:
-    """Append to runs.jsonl each of `lines` (charges) it lacks, and to the charges kept here unless they
-    are `kept` there already."""
+def _merge_lines(read_lines: Callable[[], list[str]], whose: str, kept: bool = False) -> None:
+    """Append to runs.jsonl each of the charges `read_lines()` gives that it lacks, and to the charges kept
+    here unless they are `kept` there already. Read under runs.jsonl's lock, as CHARGES is written: a
+    read outside it could cut the tail of a charge another process is appending (drop_torn_tail)."""
     with _locked_runs() as f:
         have = set(f.read().splitlines())
-        missing = [line for line in lines if line.strip() and line not in have]
+        missing = [line for line in read_lines() if line.strip() and line not in have]
         if missing:
             if not kept:
                 _keep_charges(missing)
@@ -158,6 +160,7 @@ def _keep_charges(lines: list[str]) -> None:
 
 
 def _charges_kept() -> list[str]:
+    """The charges kept here; under runs.jsonl's lock (`_merge_lines`)."""
     if not CHARGES.exists():
         return []
     drop_torn_tail(CHARGES)
