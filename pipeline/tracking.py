@@ -425,8 +425,8 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
 
             shown = params_yaml(params)
             _retry(lambda: client.log_text(run_id, shown, "params.yaml"))
-        if report.is_dir():
-            _retry(lambda: client.log_artifacts(run_id, str(report), "report"))
-        if written:
+        if written:  # the report ran in this run (it writes privacy.json after its folder)
+            if report.is_dir():
+                _retry(lambda: client.log_artifacts(run_id, str(report), "report"))
             _retry(lambda: client.log_artifact(run_id, str(privacy_path), "report"))
     _retry(lambda: client.set_terminated(run_id, status="FINISHED" if ok else "FAILED"))

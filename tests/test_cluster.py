@@ -597,28 +597,35 @@ def test_no_stage_records_the_machines_load_while_a_job_on_the_private_shards_wr
         assert not [k for k in metrics if k.startswith("system/")], (name, sorted(metrics))
 
 
-def test_the_parent_is_named_from_this_runs_outputs_only(local_mlflow):
+def test_the_parent_is_named_from_this_runs_outputs_only_and_carries_its_report_only(local_mlflow):
     """A partial target (`snakemake models/dp`) once named its parent from a verification.json that an
-    earlier run had left."""
+    earlier run had left, and attached the report an earlier run had left (another run's ε beside this one)."""
     from pipeline import tracking
     from pipeline.io import write_json
 
     write_json("results/privacy/verification.json", {"epsilon_reported": 7.5, "sigma": 0.9, "delta": 1e-5})
     write_json("models/dp/ledger.json", {"objective": "mae"})
+    write_json("results/privacy/privacy.json", {"private": True, "not_private": [], "epsilon_composed": "7.5"})
+    Path("results/report").mkdir(parents=True)
+    Path("results/report/report.md").write_text("# an earlier run's report")
     old = time.time() - 3600
-    for path in ("results/privacy/verification.json", "models/dp/ledger.json"):
+    for path in ("results/privacy/verification.json", "models/dp/ledger.json", "results/privacy/privacy.json",
+                 "results/report/report.md"):
         os.utime(path, (old, old))
     client = tracking._mlflow("dpfm").tracking.MlflowClient()
-    names = []
+    names, reports = [], []
     for fresh in (False, True):
         parent = tracking.start_parent("dpfm")
         exp_id = client.get_experiment_by_name("dpfm").experiment_id
         client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
-        if fresh:  # this run wrote it
-            os.utime("results/privacy/verification.json")
+        if fresh:  # this run wrote them
+            for path in ("results/privacy/verification.json", "results/privacy/privacy.json"):
+                os.utime(path)
         tracking.end_parent("dpfm", parent, ok=True)
         names.append(client.get_run(parent).data.tags["mlflow.runName"])
+        reports.append(sorted(a.path for a in client.list_artifacts(parent, "report")))
     assert "7.50" not in names[0] and "ε=7.50" in names[1], names
+    assert reports == [[], ["report/privacy.json", "report/report.md"]], reports
 
 
 def test_the_parent_carries_the_params_its_jobs_ran_with_and_the_released_models_figures(local_mlflow):
