@@ -399,6 +399,12 @@ def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, va
     project(valid)
     assert cli.main(["verify", "--set", f"dp.epsilon={valid['epsilon'] / 2}"]) == 3
     assert failed(read_json(in_tmp / failure_report(artifact("verification")))) == {"epsilon_within_target", "ledger_matches_params"}
+    import mlflow  # no failed run's ε in MLflow, where it would read as the run's: its verdict alone
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id])
+    assert len(runs) == 4 and {r.data.tags["dpfm.verified"] for r in runs} == {"false"}  # the 4 that failed checks
+    assert not [k for r in runs for k in r.data.metrics if k.startswith("epsilon")]
 
     torch.save({"model": {}}, "models/dp/checkpoint.pt")
     assert cli.main(["verify"]) == 3

@@ -30,17 +30,18 @@ def run(params: dict, ctx) -> None:
     owner.write(f"{owner.run_record(ledger['run'])}-verify", owner_record(ledger, alpha))
     for c in result["checks"]:
         print(f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")
-    ctx.tracker.log_metrics({f"epsilon_{a}": e for a, e in result["epsilon"].items()}
-                            | {f"epsilon_add_remove_{a}": e for a, e in result["epsilon_add_remove"].items()})
-    curve = result["epsilon_curve"]
-    for a in result["epsilon"]:
-        ctx.tracker.log_series(f"epsilon_curve_{a}", curve[a], curve["steps"])
     ctx.tracker.set_tags({"dpfm.verified": str(result["passed"]).lower()})
     if not result["passed"]:
         write_json(failed_out, result)
         failed = [c["name"] for c in result["checks"] if not c["passed"]]
         raise VerificationFailed(f"privacy verification failed: {', '.join(failed)} (details in {failed_out})")
     failed_out.unlink(missing_ok=True)
+    # Only a verified ε goes to MLflow: a figure that failed its checks is in the failure report alone.
+    ctx.tracker.log_metrics({f"epsilon_{a}": e for a, e in result["epsilon"].items()}
+                            | {f"epsilon_add_remove_{a}": e for a, e in result["epsilon_add_remove"].items()})
+    curve = result["epsilon_curve"]
+    for a in result["epsilon"]:
+        ctx.tracker.log_series(f"epsilon_curve_{a}", curve[a], curve["steps"])
     # The budget as verify found it: the curve's points and evaluate's seeds may be charged after
     # (the run's final composition is the report's, results/privacy/privacy.json).
     result["composition_at_verify"] = budget.composition(ledger, result["delta"])
