@@ -6,7 +6,7 @@ Cases on CPU (one thread unless --threads: the per-core figure, steadier on a sh
 where torch.cuda.is_available(), on the GPU (batch 256 at 32 px, 64 at 224 px, bf16 autocast):
   default-32   the params.yaml model (size cpu, 32 px, patch 4), batch 64, fp32 (and bf16 autocast)
   default-32 + shards   the same, with batches decoded from synthetic shards by the stage's loader
-  vit-tiny-32  ViT-Ti MAE at 32 px, patch 4, batch 64
+  vit-tiny-32  model.size tiny (ViT-S's shape: width 384, 6 heads) MAE at 32 px, patch 4, batch 64
   vit-b-224    ViT-B/16 MAE at 224 px (ViP's encoder), one step of a small batch on CPU
 Ratios side by side: the stage's data path against preloaded tensors (1.0 = free loading) and
 bf16 autocast against fp32. Ends with ONE JSON line.

@@ -1,4 +1,5 @@
-"""The `dpfm` command: one subcommand per pipeline stage, plus tools (export-dvc, epsilon, calibrate, audit)."""
+"""The `dpfm` command: one subcommand per pipeline stage, plus tools (validate, plan, epsilon, calibrate, audit,
+export-dvc, stages, scan-shards, owner-composition, budget-sync)."""
 
 from __future__ import annotations
 

@@ -77,8 +77,9 @@ class UnboundableModel(TypeError):
 def reject_unboundable(model: nn.Module, per_example_rules: bool, per_example: bool = True) -> None:
     """Refuse, before step 1, what would break the bound C: buffers that change with the data
     (BatchNorm's running statistics leave the DP boundary un-noised); per example, normalising over
-    the batch (one example moves the others' gradients: 20·C with a bare BatchNorm1d); for the hook-based
-    clipper also parameters outside a registered layer and tied ones (a norm up to √2 off)."""
+    the batch (one example moves the others' gradients: 20·C with a bare BatchNorm1d); with
+    `per_example_rules` (the book-keeping clipper) also parameters outside a registered layer and tied
+    ones (a norm up to √2 off)."""
     problems = [f"{name or 'the model'} ({type(m).__name__}) " + ("keeps running statistics of its inputs"
                 if m.track_running_stats else "normalises over the batch, which couples the examples")
                 for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._NormBase)
