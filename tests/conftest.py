@@ -1,5 +1,6 @@
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from pipeline.config import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Where the budget marks a project's budget as started (budget.started_mark): the tests' own, not the home's.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="dpfm-test-state-")
 # The helper modules' asserts report their values as a test's own do.
 pytest.register_assert_rewrite("fault_hooks", "shard_data")
 

@@ -92,7 +92,8 @@ def test_the_identity_is_keyed_by_the_owner_and_a_run_charged_before_keys_still_
     assert key.stat().st_mode & 0o077 == 0 and len(key.read_text().strip()) == 64
     assert shard(in_tmp / "b", samples, per_shard=4)[0] == identity
     owners = key.read_bytes()
-    key.unlink()  # another owner's key
+    key.unlink()  # another owner's key (a new budget here: its mark too)
+    budget.started_mark().unlink()
     assert budget.examples_identity(in_tmp / "a")[0] != identity
     key.write_bytes(owners)
     assert budget.examples_identity(in_tmp / "a")[0] == identity
@@ -441,7 +442,7 @@ def test_an_older_budget_checked_out_over_this_one_gets_the_runs_charged_since_b
 
 
 def test_a_budget_deleted_before_it_was_ever_pushed_is_refused_while_runs_it_charged_are_here(in_tmp):
-    """`rm -rf data` (or `git clean -X`) with no data/budget.dvc: a new key and an empty budget restarted the
+    """`rm -rf data` or `git clean -X` with no data/budget.dvc: a new key and an empty budget restarted the
     composition, so the same examples were trained and registered again as private at one run's ε."""
     d = shard(in_tmp / "d", examples(10))
     charge(*d, "before")
@@ -459,10 +460,19 @@ def test_a_budget_deleted_before_it_was_ever_pushed_is_refused_while_runs_it_cha
     assert not budget.BUDGET_DIR.exists()  # no new key in its place
     shutil.copytree(backup, budget.BUDGET_DIR)
     assert budget.composition(ledger, DELTA)["runs"] == 2
-    shutil.rmtree(budget.BUDGET_DIR)
-    shutil.rmtree(".dpfm")  # the owner's word that nothing those runs trained was released
+    # `git clean -X` deletes data/, .dpfm/ and models/ together (all git-ignored): every record of the runs
+    # inside the project goes with the budget, and a new one started from nothing. The mark outside stays.
+    Path("models/dp").mkdir(parents=True)
+    Path("models/dp/ledger.json").write_text("{}")
+    for ignored in ("data", ".dpfm", "models"):
+        shutil.rmtree(ignored)
+    assert budget.started_mark().is_file() and not budget.started_mark().is_relative_to(in_tmp)
+    with pytest.raises(budget.BudgetNotHere, match=r"data/budget/ is gone but DP runs it charged left") as gone:
+        charge(*shard(in_tmp / "d", examples(10)), "after")
+    assert str(budget.started_mark()) in str(gone.value) and not budget.BUDGET_DIR.exists()
+    budget.started_mark().unlink()  # the owner's word that nothing those runs trained was released
     charge(*d, "anew")
-    assert [e["run"] for e in budget.runs(d[0])] == ["anew"]
+    assert [e["run"] for e in budget.runs(d[0])] == ["anew"] and budget.started_mark().is_file()
 
 
 def test_one_run_charged_by_two_processes_at_once_is_charged_once(in_tmp, monkeypatch):

@@ -69,6 +69,7 @@ def _check_here() -> None:
     pushed one holds, under a new owner's key, and the ε published would leave them out."""
     pointer = BUDGET_DIR.with_suffix(".dvc")
     if any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
+        _mark_started()  # a budget from before the mark existed gets its mark at its next use
         if pointer.exists():
             _merge_recorded(pointer)
         _merge_lines(_charges_kept, "charged or merged here, were missing: an older version of the budget was "
@@ -77,15 +78,39 @@ def _check_here() -> None:
     if pointer.exists():
         raise BudgetNotHere(f"{pointer} records a privacy budget that is not in {BUDGET_DIR}/: run `dvc pull "
                             f"{pointer}` (or `make restore`) first, so that this run composes with the runs it holds")
-    # Never pushed, then deleted (`rm -rf data`, `git clean -X`): a DP run's ledger left here says a budget
-    # charged it, and a new one would publish ε without it (and register the same examples as private again).
-    left = [*Path(".dpfm/state").glob("dp-train-*/ledger.jsonl"), Path("models/dp/ledger.json"), CHARGES]
+    # Never pushed, then deleted (`rm -rf data`): a DP run's ledger left here says a budget charged it, and a
+    # new one would publish ε without it (and register the same examples as private again). `git clean -X`
+    # deletes those records too (data/, .dpfm/ and models/ are all ignored): the mark outside the project stays.
+    left = [*Path(".dpfm/state").glob("dp-train-*/ledger.jsonl"), Path("models/dp/ledger.json"), CHARGES,
+            started_mark()]
     charged = sorted(str(p) for p in left if p.is_file())
     if charged:
         raise BudgetNotHere(f"{BUDGET_DIR}/ is gone but DP runs it charged left their records ({', '.join(charged[:3])}"
                             f"{', ...' if len(charged) > 3 else ''}): restore {BUDGET_DIR}/ from a backup; only if "
-                            f"nothing those runs trained was ever released, delete .dpfm/state/dp-train-*, models/dp "
-                            f"and {CHARGES} to start a new budget")
+                            f"nothing those runs trained was ever released, delete .dpfm/state/dp-train-*, models/dp, "
+                            f"{CHARGES} and {started_mark()} to start a new budget")
+
+
+def started_mark() -> Path:
+    """Where this project's budget is marked as started, outside the project ($XDG_STATE_HOME, by default
+    ~/.local/state): git-ignored together with every record of the runs it charged, the budget could be
+    deleted with them, and a new one would start from nothing."""
+    home = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state")
+    project = str(Path.cwd().resolve())
+    return home / "dpfm/budgets" / f"{hashlib.sha256(project.encode()).hexdigest()[:16]}.json"
+
+
+def _mark_started() -> None:
+    mark = started_mark()
+    if mark.exists():
+        return
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(mark) as tmp:
+            tmp.write_text(json.dumps({"project": str(Path.cwd().resolve()), "budget": str(BUDGET_DIR)}) + "\n")
+    except OSError as e:  # a read-only home: the records inside the project still guard it
+        print(f"budget: could not mark the budget as started in {mark} ({e}): a `git clean -X` that deletes "
+              f"{BUDGET_DIR}/ and the runs' records together would go unnoticed")
 
 
 def _check_not_a_temporary_workspace() -> None:
@@ -189,6 +214,7 @@ def _names_key() -> bytes:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        _mark_started()
     return bytes.fromhex(path.read_text().strip())
 
 
