@@ -305,6 +305,16 @@ def keep_freed_memory() -> bool:
     return heap_policy(HEAP_LIMIT, HEAP_LIMIT) or heap_policy(32 << 20, HEAP_LIMIT)
 
 
+def log_earlier(state: TrainState, tracker, keys: tuple[str, ...], prefix: str = "") -> None:
+    """The points logged before this process resumed went to the interrupted stage's MLflow run: give
+    this run the whole curve (one batch per metric)."""
+    earlier = [(s, m) for s, m in zip(state.history["step"], state.history["metrics"]) if s < state.resumed_at]
+    for key in keys:
+        points = [(s, m[key]) for s, m in earlier if key in m]
+        if points:
+            tracker.log_series(prefix + key, [v for _, v in points], [s for s, _ in points])
+
+
 def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dict], checkpointer: Checkpointer,
              desc: str, log: Callable[[int, dict], None] | None = None, world: World = World(),
              timed: bool = True) -> TrainState:

@@ -176,6 +176,11 @@ def test_sigterm_mid_step_finishes_the_step_checkpoints_and_resumes_to_the_unint
     complete(dpfm(work, ["dp-train"]), work)
     assert "resuming at step 3" in log_tail(work)
     check_same_as_uninterrupted(dp_outcome(work), uninterrupted)
+    import mlflow  # the resumed run's MLflow curve is the whole run's, as pretrain's is: 0-2 went to the stopped one
+
+    finished = [r for r in mlflow_runs(work) if r.info.status == "FINISHED"]
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    assert [sorted(m.step for m in client.get_metric_history(r.info.run_id, "lr")) for r in finished] == [list(range(6))]
 
 
 def test_a_second_sigterm_stops_at_once(data_dir, tmp_path):

@@ -48,7 +48,7 @@ from pipeline.privacy.sampling import PoissonSampler
 from pipeline.privacy.run_checks import verify, with_batch_sizes
 from pipeline.artifacts import artifact
 from pipeline.train import (MASKS, STATE_ROOT, Checkpointer, Schedule, TrainState, WeightAverage, autocast, freeze,
-                            loss_scale, make_optimizer, run_loop, state_dir, step_generator)
+                            log_earlier, loss_scale, make_optimizer, run_loop, state_dir, step_generator)
 
 HELDOUT_EXAMPLES = 256  # the held-out loss's fixed sample of the eval split
 
@@ -440,6 +440,7 @@ class Trainer:
                          step_fn, Checkpointer(work, write=world.is_main), desc=f"dp-train{'' if private else ' (non-private)'}",
                          log=lambda s, m: ctx.tracker.log_metrics({prefix + k: v for k, v in m.items()}, step=s),
                          world=world, timed=False)
+            log_earlier(state, ctx.tracker, ("heldout_loss", "lr"), prefix)
         finally:
             stream.close()
         if state.average is not None:

@@ -27,8 +27,8 @@ from pipeline.errors import Diverged
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import ModelConfig, build_model, model_params_read
 from pipeline.stages import HOW_IT_RUNS
-from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, loss_scale, make_optimizer, run_loop,
-                            state_dir, step_generator, uses_bf16)
+from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, log_earlier, loss_scale, make_optimizer,
+                            run_loop, state_dir, step_generator, uses_bf16)
 
 
 
@@ -133,12 +133,7 @@ def run(params: dict, ctx) -> None:
         return
     history, start = state.history, state.resumed_at
     elapsed, steps_now = time.time() - started, cfg["steps"] - start
-    # Points logged before a resume went to the interrupted run: give this run the whole curve.
-    earlier = [(s, m) for s, m in zip(history["step"], history["metrics"]) if s < start]
-    for key in ("loss", "lr", "grad_norm"):
-        points = [(s, m[key]) for s, m in earlier if key in m]
-        if points:
-            ctx.tracker.log_series(key, [v for _, v in points], [s for s, _ in points])
+    log_earlier(state, ctx.tracker, ("loss", "lr", "grad_norm"))
 
     summary = {"images": n, "steps": cfg["steps"], "resumed_at": start,
                "final_loss": history["metrics"][-1]["loss"] if history["step"] else None,
