@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import subprocess
 import time
 from contextlib import contextmanager
@@ -314,7 +315,8 @@ def start_parent(experiment: str, params: dict | None = None) -> str:
     dp = params.get("dp")
     name = f"{dp['objective']} ε≤{dp['epsilon']:g}" if dp else "pipeline"  # renamed after what ran (end_parent)
     run = _retry(lambda: client.create_run(exp_id, run_name=name, tags={
-        "dpfm.pipeline": "true", "dpfm.workdir": workdir, "mlflow.source.git.commit": git_commit()}))
+        "dpfm.pipeline": "true", "dpfm.workdir": workdir, "mlflow.source.git.commit": git_commit(),
+        "dpfm.host": socket.gethostname(), "dpfm.pid": str(os.getpid())}))  # who runs it (mark_killed_runs)
     flat = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in flatten(params).items()
             if not k.endswith("noise_seed")}  # secrets never reach the tracking store
     from mlflow.entities import Param
@@ -355,12 +357,15 @@ def not_private_by_config(params: dict, verification: dict | None) -> dict | Non
 
 def mark_killed_runs(client, experiment_id: str, workdir: str) -> list[str]:
     """A pipeline killed with -9 (a preempted job) never ends its runs: they would show as running
-    forever. We hold Snakemake's lock on `workdir`, so its runs still open are dead: mark them KILLED,
-    with their open stage runs."""
+    forever. Mark this workdir's open ones KILLED, with their open stage runs, unless their Snakemake is
+    still running on this machine: Snakemake locks the files a run makes, not the workdir, so two runs
+    of disjoint targets (`snakemake data/synthetic` beside `snakemake data/shards`) run at once. One on
+    another machine (a requeued job on another node, most often) cannot be asked: it is marked."""
     open_runs = _retry(lambda: client.search_runs(
         [experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=10_000))
     parents = {r.info.run_id for r in open_runs
-               if r.data.tags.get("dpfm.pipeline") == "true" and r.data.tags.get("dpfm.workdir") == workdir}
+               if r.data.tags.get("dpfm.pipeline") == "true" and r.data.tags.get("dpfm.workdir") == workdir
+               and not _running_here(r.data.tags)}
     killed = [r.info.run_id for r in open_runs
               if r.info.run_id in parents or r.data.tags.get("mlflow.parentRunId") in parents]
     for run_id in killed:
@@ -368,6 +373,19 @@ def mark_killed_runs(client, experiment_id: str, workdir: str) -> list[str]:
     if parents:
         print(f"MLflow: marked {len(parents)} pipeline run(s) of this workdir that were killed as KILLED")
     return killed
+
+
+def _running_here(tags: dict) -> bool:
+    """Whether the Snakemake that opened a parent run (its tags) still runs on this machine."""
+    if tags.get("dpfm.host") != socket.gethostname() or not tags.get("dpfm.pid", "").isdigit():
+        return False
+    try:
+        os.kill(int(tags["dpfm.pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = None) -> None:

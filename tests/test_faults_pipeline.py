@@ -57,6 +57,8 @@ def test_a_second_snakemake_on_the_same_workdir_is_locked_out(tmp_path):
 
 
 def test_only_this_workdirs_dead_pipeline_runs_are_marked_killed(local_mlflow):
+    """Dead: its Snakemake's process is gone, or it ran on another machine (a requeued job). One still
+    running here (disjoint targets run side by side: Snakemake locks files, not the workdir) is left open."""
     from pipeline import tracking
 
     client = tracking._mlflow("dpfm").tracking.MlflowClient()
@@ -65,15 +67,22 @@ def test_only_this_workdirs_dead_pipeline_runs_are_marked_killed(local_mlflow):
     finished_stage = client.create_run(exp_id, tags={"mlflow.parentRunId": finished, "dpfm.stage": "shards"})
     client.set_terminated(finished_stage.info.run_id)  # a parent with no stage under it is deleted, not ended
     tracking.end_parent("dpfm", finished, ok=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
     dead = tracking.start_parent("dpfm")  # then kill -9: never ended
+    client.set_tag(dead, "dpfm.pid", str(gone.pid))
     dead_stage = client.create_run(exp_id, tags={"mlflow.parentRunId": dead, "dpfm.stage": "dp-train"}).info.run_id
+    requeued = tracking.start_parent("dpfm")  # on a node the job left
+    client.set_tag(requeued, "dpfm.host", "another-node")
+    live = tracking.start_parent("dpfm")  # this process: alive
+    live_stage = client.create_run(exp_id, tags={"mlflow.parentRunId": live, "dpfm.stage": "synthetic"}).info.run_id
     elsewhere = client.create_run(exp_id, tags={"dpfm.pipeline": "true", "dpfm.workdir": "/another/project"}).info.run_id
     standalone = client.create_run(exp_id, tags={"dpfm.stage": "evaluate"}).info.run_id  # `dpfm evaluate` by hand
     new = tracking.start_parent("dpfm")
-    status = {run_id: client.get_run(run_id).info.status for run_id in (finished, dead, dead_stage, elsewhere,
-                                                                           standalone, new)}
-    assert status == {finished: "FINISHED", dead: "KILLED", dead_stage: "KILLED", elsewhere: "RUNNING",
-                      standalone: "RUNNING", new: "RUNNING"}
+    status = {run_id: client.get_run(run_id).info.status for run_id in (finished, dead, dead_stage, requeued, live,
+                                                                           live_stage, elsewhere, standalone, new)}
+    assert status == {finished: "FINISHED", dead: "KILLED", dead_stage: "KILLED", requeued: "KILLED", live: "RUNNING",
+                      live_stage: "RUNNING", elsewhere: "RUNNING", standalone: "RUNNING", new: "RUNNING"}
 
 
 @pytest.mark.e2e
