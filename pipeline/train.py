@@ -357,7 +357,9 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
                 state.history["metrics"].append(metrics)
                 unsaved.append((step, metrics))
             last = step + 1 == total
-            signum = None if last else requests.agreed(world)
+            # Asked on the last step too: a stop told then would end with this loop, and the stage's next
+            # training (the twin, the curve's next point) would run on as if nothing had been asked.
+            signum = requests.agreed(world)
             if (step + 1) % schedule.checkpoint_every == 0 or last or signum:
                 state.save(checkpointer)
                 for logged in unsaved if log else ():

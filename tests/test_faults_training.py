@@ -183,6 +183,22 @@ def test_sigterm_mid_step_finishes_the_step_checkpoints_and_resumes_to_the_unint
     assert [sorted(m.step for m in client.get_metric_history(r.info.run_id, "lr")) for r in finished] == [list(range(6))]
 
 
+def test_a_sigterm_in_the_last_step_stops_the_stage_before_its_next_training(data_dir, tmp_path):
+    """Told during a training's last step, run_loop ended normally and the signal went with it: the stage's
+    next training (here the ε = ∞ twin; the curve's next point, evaluate's next seed) ran on, as if nothing
+    had been asked, until SLURM's KILL took its steps since the last checkpoint."""
+    work = project(data_dir, tmp_path)
+    twin = with_sets("dp-train", ["dp.nonprivate_baseline=true"])
+    assert dpfm(work, twin, "sigterm:5").wait(timeout=300) == 128 + signal.SIGTERM, log_tail(work)
+    charged, ckpt = dp_state(work)
+    assert charged == [0, 1, 2, 3, 4, 5] and ckpt["step"] == 6
+    assert "dpfm: dp-train stopped by SIGTERM after step 6 of 6;" in log_tail(work)
+    [state] = (work / ".dpfm/state").glob("dp-train-*")
+    assert not (state / "nonprivate").exists() and not (work / "models/dp").exists()  # the twin never started
+    complete(dpfm(work, twin), work)
+    assert "resuming at step 6" in log_tail(work) and (work / "models/dp/nonprivate.pt").is_file()
+
+
 def test_a_second_sigterm_stops_at_once(data_dir, tmp_path):
     work = project(data_dir, tmp_path)
     proc = dpfm(work, ["dp-train"], "sigterm:2,times:2")
