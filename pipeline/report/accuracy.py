@@ -15,7 +15,8 @@ def protocol_legend(protocol: dict, columns: list[str], objective: str | None) -
              + (f", over {refits} refits of the linear probe on resamples of probe-train (which images it is fit on)"
                 if refits else "")
              + (f" and {seeds} training seeds (the DP, non-private and random-init rows are means over the seeds; "
-                "the synthetic encoder and the pixels are one fixed artifact each)." if seeds > 1 else
+                "the synthetic encoder and the pixels are one fixed artifact each; over so few seeds the interval "
+                "reads narrower than 95% where they disagree by more than the test images resolve)." if seeds > 1 else
                 " (one training seed).")
              ,
              f"Linear probe: {protocol['probe_solver']} on frozen {protocol['pool']}-pooled features of "
