@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--seed-sd", type=float, nargs="+", default=[0.5, 3.0], help="seeds' spread, in points")
     args = ap.parse_args()
     t0, rows = time.time(), []
-    print(f"{'test images':>11} {'seed s.d.':>9} {'seeds':>5}  {'accuracy':>8}  {'paired diff':>11}  (coverage; nominal 0.95)")
+    print(f"{'test images':>11} {'seed s.d.':>9} {'seeds':>5}  {'accuracy':>8}  {'paired diff':>11}"
+          "  (coverage; nominal 0.95)")
     for examples in args.examples:
         for sd in args.seed_sd:
             for seeds in args.seeds:

@@ -180,7 +180,8 @@ def test_sigterm_mid_step_finishes_the_step_checkpoints_and_resumes_to_the_unint
 
     finished = [r for r in mlflow_runs(work) if r.info.status == "FINISHED"]
     client = mlflow.tracking.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
-    assert [sorted(m.step for m in client.get_metric_history(r.info.run_id, "lr")) for r in finished] == [list(range(6))]
+    steps = [sorted(m.step for m in client.get_metric_history(r.info.run_id, "lr")) for r in finished]
+    assert steps == [list(range(6))], steps
 
 
 def test_a_sigterm_in_the_last_step_stops_the_stage_before_its_next_training(data_dir, tmp_path):

@@ -27,8 +27,8 @@ from pipeline.errors import Diverged
 from pipeline.io import atomic_dir, write_json
 from pipeline.models import ModelConfig, build_model, model_params_read
 from pipeline.stages import HOW_IT_RUNS
-from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, log_earlier, loss_scale, make_optimizer,
-                            run_loop, state_dir, step_generator, uses_bf16)
+from pipeline.train import (MASKS, Checkpointer, Schedule, TrainState, autocast, log_earlier, loss_scale,
+                            make_optimizer, run_loop, state_dir, step_generator, uses_bf16)
 
 
 
