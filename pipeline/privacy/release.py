@@ -98,6 +98,12 @@ def not_private_reasons(params: dict, stats: dict, composition: dict | None = No
     return reasons
 
 
+def not_private_tags(reasons: list[str]) -> dict:
+    """A stage run's MLflow tags for `reasons` (not_private_reasons): NOT PRIVATE beside the figures it
+    logs; none when there are none."""
+    return {"dpfm.private": "false", "dpfm.not_private": "; ".join(reasons)} if reasons else {}
+
+
 def known_before_the_report(params: dict, stats_path: Path, verification: dict | None) -> list[str]:
     """not_private_reasons as far as a stage before the report (or a parent run whose report did not run)
     can know them: the params, the shards' stats when written, and the budget as verify found it (the

@@ -69,9 +69,8 @@ def run(params: dict, ctx) -> None:
             ctx.tracker.log_metrics({f"curve.{init}.eps_{epsilon}.linear_probe": point["linear_probe"]})
     if not is_main:
         return
-    reasons = release.not_private_reasons(params, stats)  # the ε = ∞ points, a known noise key, ...
-    if reasons:  # labelled on the curve's own run, as dp-train, verify and evaluate label theirs
-        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(reasons)})
+    # The ε = ∞ points, a known noise key, ...: labelled on the curve's own run, as the other stages label theirs.
+    ctx.tracker.set_tags(release.not_private_tags(release.not_private_reasons(params, stats)))
     write_json(ctx.stage.output("curve"), {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
                      "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"],
                      "probe_refits": ev["probe_refits"], "points": points})

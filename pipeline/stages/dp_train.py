@@ -51,8 +51,7 @@ def run(params: dict, ctx) -> None:
     reasons = release.not_private_reasons(params, read_json(artifact("shards") / "stats.json"))
     for reason in reasons:
         print(f"dp-train: NOT PRIVATE as a whole: {reason}")
-    if reasons:
-        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(reasons)})
+    ctx.tracker.set_tags(release.not_private_tags(reasons))
     if dp["log_private_stats"]:  # opted in: released without noise, not covered by the ε above
         nonfinite = counters["nonfinite"]
         ctx.tracker.log_metrics({"private_nonfinite_examples": nonfinite})

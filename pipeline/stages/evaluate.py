@@ -260,8 +260,7 @@ def run(params: dict, ctx) -> None:
     }
     write_json(out, metrics)
     ctx.tracker.log_metrics(mlflow_metrics(metrics))
-    if not_private:  # beside the ε this run logs
-        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(not_private)})
+    ctx.tracker.set_tags(release.not_private_tags(not_private))  # beside the ε this run logs
     # A test run's model (a known noise key) is saved not private: the report plots no DP point for it.
     ctx.tracker.set_tags({"dpfm.objective": metrics["objective"],
                           "dpfm.epsilon": bound_text(ver["epsilon_reported"], 4),

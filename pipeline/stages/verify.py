@@ -73,8 +73,7 @@ def run(params: dict, ctx) -> None:
     reasons = release.not_private_reasons(params, {}, c)
     for reason in reasons:
         print(f"verify: NOT PRIVATE as a whole: {reason}")
-    if reasons:  # beside the ε this run logs
-        ctx.tracker.set_tags({"dpfm.private": "false", "dpfm.not_private": "; ".join(reasons)})
+    ctx.tracker.set_tags(release.not_private_tags(reasons))  # beside the ε this run logs
     if params["privacy"]["testing"]:  # a known noise key: never registered as a private model
         print("verify: privacy.testing is set: the model is NOT PRIVATE and is not registered")
         return
