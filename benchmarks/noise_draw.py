@@ -29,7 +29,7 @@ from benchmarks.dp_overhead import MODELS
 from pipeline.models import build_model
 from pipeline.privacy import engine
 from pipeline.privacy.noise_edge import NOISE_EDGE, largest_move, noise_edge_floor
-from pipeline.privacy.noise import TORCH_EDGES, gaussian
+from pipeline.privacy.noise import TORCH_EDGES, gaussian, step_noise
 from pipeline.train import NOISE, step_generator
 
 KEY = 0x5EC12E7  # a benchmark key; real runs keep theirs secret
@@ -47,9 +47,17 @@ RUNS = [("make run (digits, n = 1,258)", 0.75, 128 / 1258, 40, 1 / (2 * 1258)),
         ("ε = 8, n = 233M, B = 98,304, 10 epochs", 0.489, 98_304 / 233e6, 23_702, 1 / (2 * 233e6))]
 
 
-def count_past(sample, draws: int, device: str, chunk: int = 1 << 26) -> tuple[int, float]:
-    """(draws past FP32_EDGE, largest |z|) over `draws` normals from one step generator."""
-    generator, past, largest = step_generator(KEY, 0, NOISE, device), 0, 0.0
+def torch_generator(key: int, step: int, device: str) -> torch.Generator:
+    """The baselines' generator: torch's own, seeded the way the step's masks are."""
+    return step_generator(key, step, NOISE, device)
+
+
+GENERATORS = {"torch fp32": torch_generator, "torch fp64": torch_generator, "dp-train": step_noise}
+
+
+def count_past(sample, draws: int, device: str, make_generator=step_noise, chunk: int = 1 << 26) -> tuple[int, float]:
+    """(draws past FP32_EDGE, largest |z|) over `draws` normals from one step's generator."""
+    generator, past, largest = make_generator(KEY, 0, device), 0, 0.0
     for start in range(0, draws, chunk):
         z = sample(min(chunk, draws - start), generator, device).abs_()
         past += int((z > FP32_EDGE).sum())
@@ -73,14 +81,14 @@ def noise_fp32_draws(clipper, noise_std, denominator, generator):
         clipper.params[name].grad = total.div_(denominator).to(clipper.params[name].dtype)
 
 
-def seconds_per_step(add_noise, model: torch.nn.Module, device: str, rounds: int) -> float:
+def seconds_per_step(add_noise, model: torch.nn.Module, device: str, rounds: int, make_generator=step_noise) -> float:
     times = []
     for step in range(rounds + 1):
         sums = Sums(model)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        add_noise(sums, 0.8, 1024.0, step_generator(KEY, step, NOISE, device))
+        add_noise(sums, 0.8, 1024.0, make_generator(KEY, step, device))
         if device == "cuda":
             torch.cuda.synchronize()
         if step:  # the first call warms up
@@ -102,7 +110,7 @@ def main(argv=None) -> dict:
           f"a Gaussian: {expected:.1f} expected")
     tails = {}
     for name, sample in SAMPLERS.items():
-        past, largest = count_past(sample, args.tail_draws, args.device)
+        past, largest = count_past(sample, args.tail_draws, args.device, GENERATORS[name])
         edge = EDGES.get(name, EDGES.get(f"{name}, {'CUDA' if args.device == 'cuda' else 'CPU'}"))
         tails[name] = {"past": past, "largest": largest, "edge": edge}
         print(f"   {name:<12} {past:>4} past it, largest |z| {largest:.4f} (its edge {edge:.2f})")
@@ -123,7 +131,7 @@ def main(argv=None) -> dict:
         model = build_model(objective, cfg).to(args.device)
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         new = seconds_per_step(engine.add_noise, model, args.device, args.rounds)
-        old = seconds_per_step(noise_fp32_draws, model, args.device, args.rounds)
+        old = seconds_per_step(noise_fp32_draws, model, args.device, args.rounds, torch_generator)
         costs.append({"model": spec, "params_m": params / 1e6, "ms": new * 1e3, "fp32_ms": old * 1e3,
                       "ratio": new / old})
         print(f"   {spec:<18} {params / 1e6:6.1f}M parameters: add_noise {new * 1e3:7.1f} ms, with torch's fp32 "

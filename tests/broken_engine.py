@@ -33,10 +33,22 @@ def noise_scaled(factor):
                                                                                  denominator, generator)
 
 
+def as_torch_generator(generator, device) -> torch.Generator:
+    """A torch generator seeded from the step's noise generator (numpy's on the CPU, noise.step_noise),
+    for the bugs that draw through torch."""
+    if isinstance(generator, torch.Generator):
+        return generator
+    return torch.Generator(device=device).manual_seed(int(generator.integers(2 ** 63)))
+
+
 def noise_from_the_ranks_own_stream(clipper, noise_std, denominator, generator):
     """Each rank seeds its own noise: W independent draws summed into the update, not one."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return REAL["add_noise"](clipper, noise_std, denominator, generator.manual_seed(generator.initial_seed() + rank))
+    if isinstance(generator, torch.Generator):
+        own = generator.manual_seed(generator.initial_seed() + rank)
+    else:
+        own = np.random.Generator(np.random.PCG64([int(generator.integers(2 ** 63)), rank]))
+    return REAL["add_noise"](clipper, noise_std, denominator, own)
 
 
 def noise_from_the_global_stream(clipper, noise_std, denominator, generator):
@@ -49,7 +61,8 @@ def noise_drawn_in_fp32(clipper, noise_std, denominator, generator):
     """The noise drawn as fp32 normals (then scaled, added and divided in fp64 as the real step does):
     Box-Muller on 24-bit uniforms never passes 5.77 std."""
     for name, total in clipper.sum.items():
-        z = torch.randn(total.shape, generator=generator, device=total.device, dtype=torch.float32)
+        z = torch.randn(total.shape, generator=as_torch_generator(generator, total.device), device=total.device,
+                        dtype=torch.float32)
         noisy = z.double().mul_(noise_std).add_(total)
         clipper.params[name].grad = noisy.div_(denominator).to(clipper.params[name].dtype)
 

@@ -188,10 +188,10 @@ if "otherdata" in faults and os.environ.get("RANK", "0") == faults["otherdata"]:
     training.artifact = artifact
 if "othernoise" in faults and os.environ.get("RANK", "0") == faults["othernoise"]:
     # This rank's GPU is of another kind: torch's CUDA draws, which follow the multiprocessor count,
-    # give it other noise from the same generator (here: another stream of the same key and step).
+    # give it other noise from the same generator (here: the noise of another key at the same step).
     import pipeline.privacy.engine as engine_module
-    real_step_generator = engine_module.step_generator
-    engine_module.step_generator = lambda key, step, stream, device="cpu": real_step_generator(key, step, stream + 7, device)
+    real_step_noise = engine_module.step_noise
+    engine_module.step_noise = lambda key, step, device: real_step_noise(key + 7, step, device)
 # This rank's node reads its own copy of params.yaml: with another micro-batch its part of each step's
 # sample is cut by another rule than the other rank's; with another dp.frozen it sums other tensors.
 OTHER_PARAMS = {"othersplit": "dp.physical_batch_size=8", "otherfrozen": "dp.frozen=[encoder.blocks.0]"}

@@ -43,10 +43,9 @@ from pipeline.distributed import World, all_reduce_sum, spread_over_ranks
 from pipeline.errors import RanksDisagree
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
-from pipeline.privacy.noise import gaussian
+from pipeline.privacy.noise import NoiseGenerator, gaussian, step_noise
 from pipeline.privacy.noise_edge import NOISE_EDGE
 from pipeline.privacy.plan import Plan
-from pipeline.train import NOISE, step_generator
 
 CLIPPERS = {"bookkeeping": BookKeepingClipper, "vmap": VmapClipper}
 
@@ -177,7 +176,7 @@ def dp_step(step: int, *, sampler, fetch: Callable[[int, np.ndarray, np.ndarray]
     count = torch.tensor([float(nonfinite)], dtype=first.dtype, device=first.device)
     all_reduce_sum({**clipper.sum, "__nonfinite__": count}, world)
     dropped = clipper.finish(len(indices))
-    add_noise(clipper, plan.noise_std, plan.denominator, step_generator(key, step, NOISE, first.device))
+    add_noise(clipper, plan.noise_std, plan.denominator, step_noise(key, step, first.device))
     check_same_update(clipper, world)
     return StepResult(len(indices), int(count.item()) + dropped)
 
@@ -200,11 +199,11 @@ def check_same_update(clipper, world: World) -> None:
                             "CUDA draws follow the GPU's multiprocessor count; run every rank on the same kind of GPU")
 
 
-def add_noise(clipper, noise_std: float, denominator: float, generator: torch.Generator) -> None:
+def add_noise(clipper, noise_std: float, denominator: float, generator: NoiseGenerator) -> None:
     """p.grad = (sum + N(0, noise_std²)) / denominator for every parameter the clipper summed, in fp64,
-    rounded to the parameter's dtype last. The noise comes from the step's generator on the sums' device
-    (noise.gaussian: its tail reaches 12.1 std, where fp32 draws stop at 5.77), one parameter after
-    another in a fixed order, so every rank and every re-run draws the same noise."""
+    rounded to the parameter's dtype last. The noise comes from the step's noise generator
+    (noise.step_noise) through noise.gaussian, whose tail reaches 12.1 std where fp32 draws stop at
+    5.77, one parameter after another in a fixed order, so every rank and every re-run draws the same noise."""
     for name, total in clipper.sum.items():
         p = clipper.params[name]
         if noise_std > 0:

@@ -13,16 +13,19 @@ the same on a GPU: torch's own fp64 `rand` gives these on the CPU, but on CUDA i
 (k + 1/2)·2^-53 and turns 1 into 0, so 1 - u never falls below 2^-52 there (an edge of 12.06, not
 the 12.12 the ledger records) and draws near 0 come 1.5 times too often.
 
-Drawn from the step's generator in a fixed order: the same on every rank and on every re-run.
+Drawn from the step's noise generator (`step_noise`) in a fixed order: the same on every rank and on
+every re-run.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from pipeline.privacy.noise_edge import UNRECORDED_EDGE, box_muller_edge
+from pipeline.train import NOISE, step_generator
 
 FINE = 2.0 ** -53  # an fp64 uniform's resolution
 # Where torch's own normals stop (Box-Muller on its smallest uniform), for comparison.
@@ -42,14 +45,31 @@ def box_muller(coarse: torch.Tensor, fine: torch.Tensor, angle: torch.Tensor) ->
     return out
 
 
-def uniforms(count: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """`count` fp64 uniforms k·2^-53, k uniform in [0, 2^53), from 53 bits of the generator on any device
-    (on the CPU, bit for bit what torch.rand draws in fp64)."""
-    k = torch.randint(0, 2 ** 53, (count,), generator=generator, device=device, dtype=torch.int64)
+NoiseGenerator = torch.Generator | np.random.Generator
+
+
+def step_noise(key: int, step: int, device: str | torch.device) -> NoiseGenerator:
+    """The generator of step `step`'s noise under the run's secret `key`. On a GPU, the device's Philox
+    seeded with 63 bits of (key, step) (train.step_generator). Not so on the CPU: torch's Mersenne
+    Twister keeps only the low 32 bits of any seed, so each step's whole noise would be one of 2^32
+    vectors, which a search over them recovers from a single released update (and among 10^5 steps
+    two would draw the same noise, odds 2 in 3). There numpy's PCG64 draws it, seeded with the whole
+    (key, step) SeedSequence: 128 bits of state."""
+    if torch.device(device).type == "cpu":
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence([key, step, NOISE])))
+    return step_generator(key, step, NOISE, device)
+
+
+def uniforms(count: int, generator: NoiseGenerator, device: torch.device) -> torch.Tensor:
+    """`count` fp64 uniforms k·2^-53, k uniform in [0, 2^53), from 53 bits of the generator on any device."""
+    if isinstance(generator, np.random.Generator):
+        k = torch.from_numpy(generator.integers(0, 2 ** 53, size=count, dtype=np.int64)).to(device)
+    else:
+        k = torch.randint(0, 2 ** 53, (count,), generator=generator, device=device, dtype=torch.int64)
     return k.to(torch.float64).mul_(FINE)
 
 
-def gaussian(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+def gaussian(shape: torch.Size, generator: NoiseGenerator, device: torch.device) -> torch.Tensor:
     """fp64 standard normals of `shape` from `generator` (which lives on `device`)."""
     count = math.prod(shape)
     half = (count + 1) // 2
