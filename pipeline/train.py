@@ -4,6 +4,7 @@ and the loop itself. What one step computes is the caller's `step_fn`."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -170,7 +171,8 @@ def loss_scale(precision: str) -> float:
 def step_generator(key: int, step: int, stream: int, device: str | torch.device = "cpu") -> torch.Generator:
     """The one step-seed scheme: an independent generator per (key, step, stream), the same on every
     rank and on every re-run, so a step's randomness does not depend on how the run got there. On a
-    GPU it is the device's own counter-based generator (Philox), so the draws never leave the device."""
+    GPU it is the device's own counter-based generator (Philox), so the draws never leave the device.
+    On the CPU torch keeps 32 bits of the seed: fine for masks, not for the DP noise (noise.step_noise)."""
     seed = int(np.random.SeedSequence([key, step, stream]).generate_state(1, np.uint64)[0] >> np.uint64(1))
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -340,11 +342,14 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
                                 f"{state.step}, from {checkpointer.path.parent}): every node must see the same "
                                 f"`.dpfm/` and `data/budget/`, on the file system the ranks share")
     t0, done, total, unsaved = time.time(), 0, schedule.steps, []
-    with StopRequests() as requests:
-        steps = range(state.step, total)
-        bar = (tqdm(steps, desc=desc, initial=state.step, total=total, unit="step") if timed
-               else untimed_bar(total, desc, iterable=steps, initial=state.step, unit="steps"))
-        for step in bar:
+    steps = range(state.step, total)
+    # Untimed (private data), the bar moves only when a checkpoint holds the steps: the number of a step
+    # that failed says when a private example (one that did not read, say) was sampled, and a bar moved
+    # step by step would print it as its last count; the last checkpoint's step is public anyway.
+    bar = (tqdm(steps, desc=desc, initial=state.step, total=total, unit="step") if timed
+           else untimed_bar(total, desc, initial=state.step, unit="steps"))
+    with StopRequests() as requests, contextlib.nullcontext() if timed else bar:
+        for step in bar if timed else steps:
             for group in state.optimizer.param_groups:
                 group["lr"] = lr_at(step, schedule.lr, schedule.warmup, total) * group.get("lr_scale", 1.0)
             metrics = step_fn(step)
@@ -362,6 +367,8 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
             signum = requests.agreed(world)
             if (step + 1) % schedule.checkpoint_every == 0 or last or signum:
                 state.save(checkpointer)
+                if not timed:
+                    bar.update(state.step - bar.n)
                 for logged in unsaved if log else ():
                     log(*logged)
                 unsaved.clear()
