@@ -41,7 +41,7 @@ from pipeline.progress import ShareBar
 INDEX_NAME = "index.parquet"
 META_KEY = b"dpfm.index"
 VERSION = 2
-SCAN_VERSION = 2  # bump when the scan's verdicts or columns change, so cached scans are redone
+SCAN_VERSION = 3  # bump when the scan's verdicts or columns change, so cached scans are redone
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "tif", "tiff", "gif"})
 STATUSES = ("ok", "truncated", "missing_image", "corrupt_image", "missing_caption", "bad_caption",
             "duplicate_key", "duplicate_content")
@@ -52,7 +52,8 @@ SCHEMA = pa.schema([
     ("json_offset", pa.int64()), ("json_size", pa.int64()), ("caption_len", pa.int32()), ("status", pa.string()),
     ("content_hash", pa.uint64()),  # the example's identity for the privacy budget (privacy/budget.py)
 ])
-SCAN_SCHEMA = SCHEMA.append(pa.field("key_hash", pa.uint64()))
+# The scan's own columns, for finding duplicates: the key's digest and the image's alone.
+SCAN_SCHEMA = SCHEMA.append(pa.field("key_hash", pa.uint64())).append(pa.field("image_hash", pa.uint64()))
 
 # webdataset's rule: the key is the path up to the first dot of the file name, the rest is the extension.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
@@ -63,7 +64,8 @@ class IndexMismatch(ValueError):
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
-    m = _KEY_EXT.match(name)
+    # A name not in UTF-8 (tar's surrogate escapes) keeps its odd bytes as \xNN: arrow refuses surrogates.
+    m = _KEY_EXT.match(name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
     return (m.group(1), m.group(2).lower()) if m else None
 
 
@@ -75,9 +77,8 @@ def content_hash(image: bytes, caption: bytes) -> int:
     """An example's identity, whatever its key, shard or position: a digest of its image and caption
     bytes. The same examples re-sharded, rescanned or reordered keep theirs (privacy/budget.py)."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(len(image).to_bytes(8, "little"))
-    h.update(image)
-    h.update(caption)
+    for part in (len(image).to_bytes(8, "little"), image, caption):
+        h.update(part)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -312,7 +313,8 @@ def scan_shard(url: str, check_size: int) -> tuple[pa.Table, dict]:
             caption = sample.members.get("txt", (0, 0, None))[2] or b""
             rows.append({"key": sample.key, "shard": url, "shard_id": -1, **cols, "status": status,
                          "key_hash": key_hash(sample.key),
-                         "content_hash": None if image is None else content_hash(image, caption)})
+                         "content_hash": None if image is None else content_hash(image, caption),
+                         "image_hash": None if image is None else content_hash(image, b"")})
 
     with remote.open_stream(url) as f:
         try:
@@ -465,10 +467,9 @@ def build_index(urls: list[str], out_dir: str | Path, *, eval_fraction: float, s
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as buckets:  # inside the output: removed before it is renamed
         dup = duplicate_rows(column("key_hash"), rows, buckets)
-        # The same image and caption under another key (two shards of one crawl) is the same example: kept
-        # twice, a step that sampled both would add up to 2C of it against a charge for C, and the budget
-        # counts examples by content.
-        same_content = duplicate_rows(column("content_hash", exclude=dup), rows, buckets)
+        # The same image under another key (two shards of one crawl, another alt text) is one example: kept
+        # twice, a step sampling both would add 2C of it against C (MAE reads no caption); the budget counts content.
+        same_content = duplicate_rows(column("image_hash", exclude=dup), rows, buckets)
 
     shards = [{"url": info["url"], "size": info["size"], **{k: info[k] for k in remote.VERSION_TAGS if k in info}}
               for _, info in good]
