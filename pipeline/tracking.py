@@ -429,13 +429,7 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
             objective = read_json(ledger)["objective"] if ledger.is_file() else ""
             name = (f"{recipe_name(objective)} ε={bound_text(verification['epsilon_reported'], 2)} "
                     f"σ={verification['sigma']:.2f}")
-        if privacy and not privacy["private"] and not name.startswith("NOT PRIVATE"):
-            name = "NOT PRIVATE " + name
-        _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))
-        if privacy:
-            _retry(lambda: client.set_tag(run_id, "dpfm.private", str(privacy["private"]).lower()))
-            if not privacy["private"]:
-                _retry(lambda: client.set_tag(run_id, "dpfm.not_private", "; ".join(privacy["not_private"])))
+        _name_and_label(client, run_id, name, privacy)
         if params is None and Path("params.yaml").is_file():
             params = yaml.safe_load(Path("params.yaml").read_text())
         if params:  # as the report shows it: a known noise key never leaves the machine
@@ -447,4 +441,18 @@ def end_parent(experiment: str, run_id: str, ok: bool, params: dict | None = Non
             if report.is_dir():
                 _retry(lambda: client.log_artifacts(run_id, str(report), "report"))
             _retry(lambda: client.log_artifact(run_id, str(privacy_path), "report"))
+    elif params is not None:  # its stages may have logged what the config leaves outside ε (n under add_remove)
+        _name_and_label(client, run_id, client.get_run(run_id).info.run_name, not_private_by_config(params, None))
     _retry(lambda: client.set_terminated(run_id, status="FINISHED" if ok else "FAILED"))
+
+
+def _name_and_label(client, run_id: str, name: str, privacy: dict | None) -> None:
+    """The parent's name, NOT PRIVATE before it, and its dpfm.private tags, when `privacy` (privacy.json's
+    verdict, or not_private_by_config's) says the run is not private."""
+    if privacy and not privacy["private"] and not name.startswith("NOT PRIVATE"):
+        name = "NOT PRIVATE " + name
+    _retry(lambda: client.set_tag(run_id, "mlflow.runName", name))
+    if privacy:
+        _retry(lambda: client.set_tag(run_id, "dpfm.private", str(privacy["private"]).lower()))
+        if not privacy["private"]:
+            _retry(lambda: client.set_tag(run_id, "dpfm.not_private", "; ".join(privacy["not_private"])))

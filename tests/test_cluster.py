@@ -670,8 +670,9 @@ def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config_
     client = tracking._mlflow("dpfm").tracking.MlflowClient()
     exp_id = client.get_experiment_by_name("dpfm").experiment_id
 
-    def parent_tags(testing: bool, outside_dp: list, verified: bool = True, report: dict | None = None) -> dict:
-        validated = load_params("params.yaml", [f"privacy.testing={str(testing).lower()}", "curve.epsilons=[]"])
+    def parent_tags(testing: bool, outside_dp: list, verified: bool = True, report: dict | None = None,
+                    ok: bool = True, sets: tuple = ()) -> dict:
+        validated = load_params("params.yaml", [f"privacy.testing={str(testing).lower()}", "curve.epsilons=[]", *sets])
         parent = tracking.start_parent("dpfm", validated)
         time.sleep(0.01)  # written after the parent started: this run's
         if verified:
@@ -680,7 +681,7 @@ def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config_
         if report:
             write_json("results/privacy/privacy.json", report)
         client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
-        tracking.end_parent("dpfm", parent, ok=True, params=validated)
+        tracking.end_parent("dpfm", parent, ok=ok, params=validated)
         return client.get_run(parent).data.tags
 
     test_run = parent_tags(True, [])
@@ -693,6 +694,11 @@ def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config_
     os.remove("results/privacy/verification.json")
     unverified = parent_tags(False, [], verified=False, report={"private": False, "not_private": ["a reason"]})
     assert unverified["mlflow.runName"] == "NOT PRIVATE mae ε≤8", unverified["mlflow.runName"]
+    # A workflow that failed after the shards stage logged n: under add_remove its ε does not cover n, and
+    # the parent says so; its config giving no reason, it claims nothing.
+    failed = parent_tags(False, [], verified=False, ok=False, sets=("privacy.adjacency=add_remove",))
+    assert failed["mlflow.runName"].startswith("NOT PRIVATE ") and "add_remove" in failed["dpfm.not_private"]
+    assert "dpfm.private" not in parent_tags(False, [], verified=False, ok=False)
 
 
 STAGE_THAT_SAVES = textwrap.dedent("""
