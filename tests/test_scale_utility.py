@@ -494,12 +494,16 @@ def scaling_sentence_mismatches(text: str) -> list[str]:
         wrong.append(f"captioner's zero-shot {printed[2:]} against {zero[0]:.0f}% to {zero[-1]:.0f}%")
     if any(b <= a for a, b in zip(gains["caption"], gains["caption"][1:])):
         wrong.append(f"captioner's gain does not grow with n: {[round(g, 1) for g in gains['caption']]}")
-    mae = re.search(rf"MAE's reads {SIGNED} to {SIGNED}, (\w+) seeds? each below 60,000 for both", text)
-    if mae is None or max(abs(number(mae.group(1)) - min(gains["mae"])), abs(number(mae.group(2)) - max(gains["mae"]))) > 0.051:
-        wrong.append(f"MAE's scaling points read {min(gains['mae']):+.1f} to {max(gains['mae']):+.1f}")
+    # MAE's four points, n by n, and whether they are said to grow: only if each is above the one before.
+    mae = re.search(rf"MAE's (grows|does not grow cleanly), {', '.join([SIGNED] * 4)}, (\w+) seeds? each below 60,000 "
+                    "for both", text)
+    if mae is None or max(abs(number(p) - g) for p, g in zip(mae.groups()[1:5], gains["mae"])) > 0.051:
+        wrong.append(f"MAE's scaling points read {', '.join(f'{g:+.1f}' for g in gains['mae'])}")
+    elif (mae.group(1) == "grows") != all(b > a for a, b in zip(gains["mae"], gains["mae"][1:])):
+        wrong.append(f"MAE's gain, said to be '{mae.group(1)}', reads {[round(g, 1) for g in gains['mae']]}")
     else:  # "for both": the captioner's points as well as MAE's
         below = [row for obj in ("caption", "mae") for row in scaling_points(obj)[:-1]]
-        if {len(row["probe"]) for row in below} != {SEEDS_IN_WORDS.get(mae.group(3))}:
+        if {len(row["probe"]) for row in below} != {SEEDS_IN_WORDS.get(mae.group(6))}:
             wrong.append(f"the scaling points below 60,000 keep {[len(row['probe']) for row in below]} seeds")
     fp32 = [f"{obj} n = {size}" for obj in ("caption", "mae", "clip", "clip-public")
             for size, row in zip(SCALING_SIZES, scaling_points(obj)) if "noise_edge" not in row["meta"]]
@@ -514,8 +518,9 @@ def test_the_readme_scaling_sentence_is_what_the_committed_scaling_points_give(m
     # The check can fail: a figure that is not the rows', a point trained again that no longer grows,
     # or a point that drew fp32 noise while README names no hollow point.
     assert any("zero-shot" in m for m in scaling_sentence_mismatches(text.replace("its zero-shot from ", "its zero-shot from 1", 1)))
-    assert any("MAE's" in m for m in scaling_sentence_mismatches(text.replace("MAE's reads ", "MAE's reads +9.9 to ", 1)))
-    assert any("keep" in m for m in scaling_sentence_mismatches(re.sub(r"(MAE's reads \S+ to \S+, )\w+", r"\1three", text, count=1)))
+    assert any("MAE's scaling" in m for m in scaling_sentence_mismatches(text.replace("cleanly, ", "cleanly, +9.9, ", 1)))
+    assert any("said to be 'grows'" in m for m in scaling_sentence_mismatches(text.replace("does not grow cleanly", "grows", 1)))
+    assert any("keep" in m for m in scaling_sentence_mismatches(text.replace("+1.4, two seeds each", "+1.4, three seeds each", 1)))
     def changed(name, objective, kept=kept_row):
         row = kept(name, objective)
         if name == "caption-n20000-eps8":
