@@ -536,6 +536,25 @@ def test_ghost_norms_keep_an_example_whose_tokens_cancel_within_c(monkeypatch, l
     assert cancelling_release_moves(layer, precision, m, delta) > 5
 
 
+def test_a_linear_layers_ghost_norm_bounds_its_bias_part_too():
+    """The ghost route's norm of a Linear is its weight part (the Gram bound) plus its bias part; the bias
+    part, a plain fp32 sum of squares, read below the exact norm, so an example whose weight gradient is
+    0 (its inputs are) left its clip with up to 1.00000016·C (200 draws). Raised as every other plain
+    norm is (layer_rules.bounded_sq_norms), no clipped bias gradient passes C."""
+    from pipeline.privacy.clipping import clip_factors
+    from pipeline.privacy.layer_rules import LinearRule, fp32_only, sum32
+
+    torch.manual_seed(0)
+    rule, layer, worst = LinearRule(), nn.Linear(64, 3072), 0.0
+    with fp32_only(torch.device("cpu")):
+        for _ in range(200):
+            inputs, grads = torch.zeros(8, 4, 64), torch.randn(8, 4, 3072) * 10
+            factors, _ = clip_factors(rule.ghost_sq_norm(layer, inputs, grads).sqrt(), 1.0)
+            clipped = factors.double()[:, None] * sum32(grads, 1).double()
+            worst = max(worst, float(clipped.norm(dim=1).max()))
+    assert 0.99 < worst <= 1.0, worst
+
+
 def test_opacus_ghost_lets_an_example_whose_tokens_cancel_through_so_dp_train_refuses_it():
     """Opacus's ghost clipping takes the Gram products as exact: the same example moves its release by
     100·C. A speed baseline (benchmarks/dp_overhead.py) only: check_clipping refuses it for training."""

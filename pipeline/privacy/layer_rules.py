@@ -305,8 +305,8 @@ class LinearRule(LayerRule):
         g3 = as_3d(g)
         sq, s = gram_inner(as_3d(a), g3)
         sq = sq.clamp_min(0) + gram_error(m.in_features, m.out_features, g3.shape[1]) * s.square()
-        if m.bias is not None:
-            sq = sq + sum32(g3, 1).pow(2).sum(1)
+        if m.bias is not None:  # bounded too: a plain fp32 sum of squares can read below the exact norm
+            sq = sq + bounded_sq_norms(sum32(g3, 1))
         return sq
 
     def ghost_is_faster(self, m, a, g):
