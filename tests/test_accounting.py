@@ -190,12 +190,35 @@ def test_the_curve_ends_at_the_reported_epsilon_where_round_off_swamps_delta(adj
     assert curve == sorted(curve) and curve[0] < curve[-1]
 
 
-@pytest.mark.parametrize("name", ["pld", "rdp"])
-def test_steps_to_reach_is_the_largest_admissible(name):
+def test_the_curve_is_rdp_wherever_the_ladder_did_not_trust_pld(monkeypatch):
+    """Where PLD's values move with the grid (simulated: ±5% from one interval to the next past 100 steps)
+    epsilon() reports the RDP bound; the curve recomposed PLD on the grid the ladder had just rejected,
+    and its last point read 1.14 (true PLD: 1.20) beside a reported 1.55."""
+    from pipeline.privacy import accountant_backends as backends
+
+    real = backends._pld_parts_at
+
+    def wobbling(parts, delta, interval, adjacency="add_remove"):
+        rung = round(math.log2(backends.PLD_START_INTERVAL / interval))
+        return real(parts, delta, interval, adjacency) * (1 + 0.05 * (-1) ** rung * (parts[0][2] > 100))
+
+    monkeypatch.setattr(backends, "_pld_parts_at", wobbling)
+    q, sigma, delta, steps = 0.01, 1.0, 1e-5, [50, 400]
+    with pytest.warns(RuntimeWarning, match="numerically unstable"):
+        reported = acc.epsilon(sigma, q, steps[-1], delta)
+        curve = acc.epsilon_curve(sigma, q, steps, delta)
+    assert reported == backends._rdp_bound(sigma, q, steps[-1], delta)
+    assert curve == [backends._rdp_bound(sigma, q, t, delta) for t in steps]
+
+
+@pytest.mark.parametrize("name, adjacency", [("pld", "add_remove"), ("rdp", "add_remove"), ("pld", "replace_one")])
+def test_steps_to_reach_is_the_largest_admissible(name, adjacency):
+    """Under replace-one too: the search once composed add/remove whatever it was asked, and its T
+    (2,665 at ε = 3, σ = 1, q = 0.01) gave a replace-one ε of 4.94."""
     q, sigma, delta, target = 0.01, 1.0, 1e-5, 2.0
-    t = acc.steps_to_reach(target, sigma, q, delta, name)
-    assert acc.epsilon(sigma, q, t, delta, accountant=name) <= target
-    assert acc.epsilon(sigma, q, t + 1, delta, accountant=name) > target
+    t = acc.steps_to_reach(target, sigma, q, delta, name, adjacency=adjacency)
+    assert acc.epsilon(sigma, q, t, delta, accountant=name, adjacency=adjacency) <= target
+    assert acc.epsilon(sigma, q, t + 1, delta, accountant=name, adjacency=adjacency) > target
 
 
 def test_steps_to_reach_edges():

@@ -224,15 +224,15 @@ def epsilon_curve(
     noise = sigma
     nonzero = [t for t in steps_list if t > 0]
     if accountant == "pld" and nonzero:
-        interval = min(
-            _pld_epsilon_and_interval(noise, q, t, delta, adjacency)[1]
-            for t in {min(nonzero), max(nonzero)}
-        )
+        ends = {t: _pld_epsilon_and_interval(noise, q, t, delta, adjacency) for t in {min(nonzero), max(nonzero)}}
+        interval = min(i for _, i in ends.values())
+        # Where the ladder did not trust PLD at the last point (it reported RDP), no point of the curve does.
+        untrusted = ends[max(nonzero)][0] >= _rdp_bound(noise, q, max(nonzero), delta, adjacency)
 
         def at(t: int) -> float:
             if t == 0:
                 return 0.0
-            if _round_off_swamps_delta(t, delta):  # epsilon() reports the RDP bound there: so does the curve
+            if untrusted or _round_off_swamps_delta(t, delta):  # epsilon() reports the RDP bound: so does the curve
                 return _rdp_bound(noise, q, t, delta, adjacency)
             return _pld_eps_at(noise, q, t, delta, interval, adjacency)
 
@@ -446,8 +446,9 @@ def steps_to_reach(
     accountant: str = "pld",
     *,
     max_steps: int = 10**8,
+    adjacency: str = "add_remove",
 ) -> int:
-    """Largest step count T with ``epsilon(sigma, q, T, delta) <= target``.
+    """Largest step count T with ``epsilon(sigma, q, T, delta, adjacency=adjacency) <= target``.
 
     Returns 0 if even one step exceeds the target; raises ValueError if the
     target is not exceeded within ``max_steps``.  The search starts from the
@@ -464,13 +465,14 @@ def steps_to_reach(
         sigma, sample_rate, 0, delta, accountant
     )
     max_steps = _check_steps(max_steps)
+    check_adjacency(adjacency, accountant)
     noise = sigma
 
     def public(t: int) -> float:
-        return _eps_noise(noise, q, t, delta, accountant)
+        return _eps_noise(noise, q, t, delta, accountant, adjacency)
 
-    def rdp(t: int) -> float:
-        return _eps_noise(noise, q, t, delta, "rdp")
+    def rdp(t: int) -> float:  # where the search starts: the rdp accountant's own, else the RDP safety net
+        return public(t) if accountant == "rdp" else _rdp_bound(noise, q, t, delta, adjacency) if t > 0 else 0.0
 
     t_rdp = _largest_meeting(rdp, target, 1, 1, max_steps)
     if accountant == "rdp":
@@ -482,14 +484,14 @@ def steps_to_reach(
     # where epsilon() refines further.
     start, step = max(t_rdp, 1), max(t_rdp, 1)
     for _ in range(4):
-        interval = _pld_epsilon_and_interval(noise, q, start, delta)[1]
+        interval = _pld_epsilon_and_interval(noise, q, start, delta, adjacency)[1]
 
         def fixed_grid(t: int, v: float = interval) -> float:
-            return _pld_eps_at(noise, q, t, delta, v) if t > 0 else 0.0
+            return _pld_eps_at(noise, q, t, delta, v, adjacency) if t > 0 else 0.0
 
         start = _largest_meeting(fixed_grid, target, start, step, max_steps)
         step = max(start // 1000, 1)
-        if start == 0 or _pld_epsilon_and_interval(noise, q, start, delta)[1] == interval:
+        if start == 0 or _pld_epsilon_and_interval(noise, q, start, delta, adjacency)[1] == interval:
             break
     # Re-bracket with the reporting function itself, starting with 1-step
     # (PLD) or ~0.1% (PRV, ~0.5 s per call) moves.
