@@ -1,7 +1,8 @@
 """The owner-only zone: statistics of the private data that the data owner needs and nobody else sees.
 
 Everything else the pipeline writes is published (MLflow, the report, stdout and logs, the DVC
-outputs `make push` uploads) and holds only DP or public values. What is computed on the private
+outputs in models/ and results/) and holds only DP or public values; the DVC remote also holds
+data/budget/ (its sketches, the owner's key), so it stays the owner's (docs/privacy.md, "Two zones"). What is computed on the private
 data without noise goes here instead, under `.dpfm/owner/` (files mode 0600, never logged, pushed
 or reported): the shard scan's exclusions by reason, non-finite examples dropped in training, the
 realised batch sizes and the sampler's goodness-of-fit test on them, Snakemake's benchmarks of the
