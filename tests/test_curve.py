@@ -117,6 +117,23 @@ def test_every_metric_of_the_curve_carries_the_stages_one_timestamp_and_its_trai
     assert run.data.tags["dpfm.private"] == "false" and "ε = ∞ point" in run.data.tags["dpfm.not_private"]
 
 
+def test_a_curve_run_on_a_budget_that_records_a_release_outside_dp_is_labelled_not_private(data_dir, tmp_path):
+    """The curve's own run was labelled from its params alone: on a budget that records a release made
+    without DP (here dp-train's, under a known noise key), a curve of secret-key points, every
+    composition over it ∞, was logged in MLflow with nothing to say it is NOT PRIVATE."""
+    import mlflow
+
+    work = project(data_dir, tmp_path)
+    train(work)  # dp-train under the project's known noise key: charged as a release outside DP
+    with inside(work):
+        run_in_process("curve", ["curve.inits=[random]", "curve.epsilons=[2]", "dp.noise_seed=null",
+                                 "privacy.testing=false"], tracked=True)
+    client = mlflow.tracking.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id])
+    assert run.data.tags["dpfm.private"] == "false", run.data.tags
+    assert "data/budget records releases of its examples made without DP" in run.data.tags["dpfm.not_private"]
+
+
 def test_no_epsilons_writes_an_empty_curve(data_dir, tmp_path):
     work = project(data_dir, tmp_path)
     assert run_curve(work, ["curve.epsilons=[]"])["points"] == []

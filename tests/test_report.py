@@ -90,9 +90,13 @@ def project(tmp_path, monkeypatch):
     return tmp_path, params
 
 
-def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project):
+def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project, monkeypatch):
+    from pipeline.report import plots
+
     root, params = project
-    tracker = RecordingTracker()
+    tracker, drawn, plot_accuracy = RecordingTracker(), [], plots.plot_accuracy
+    monkeypatch.setattr(plots, "plot_accuracy", lambda columns, rows, *a: drawn.append([r["label"] for r in rows])
+                        or plot_accuracy(columns, rows, *a))
     report.run(params, SimpleNamespace(stage=stage("report"), tracker=tracker))
     out = root / "results/report"
     page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
@@ -109,6 +113,7 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project)
     assert rows == sorted(rows)
     # Every DP accuracy beside its noise; every card's accuracy with its interval.
     assert "| DP (DP-Cap) (σ/B = 0.00533) | 82.2 (77.4–86.7) |" in md and "DP (DP-Cap) (σ/B = 0.00533)" in page
+    assert drawn and all("DP (DP-Cap) (σ/B = 0.00533)" in labels for labels in drawn), drawn  # in the figure too
     assert md.count("95% CI") >= len(metrics_json()["models"]) + 1, md  # the cards' and the headline's
     assert "123456" not in page and "123456" not in md  # a known noise seed would undo the noise
     assert "objective: mae" in page  # the params of the run are shown
@@ -481,6 +486,7 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     assert verdict_line(root).startswith("**NOT PRIVATE as a whole: the curve's ε = ∞ point")
     assert "class='verdict warn'" in (root / "results/report/report.html").read_text()
     assert "epsilon_composed" not in public.metrics and public.tags["dpfm.private"] == "false"
+    assert "the curve's ε = ∞ point" in public.tags["dpfm.not_private"]  # the reasons beside the verdict
     assert public.tags["model.private"] == "false" and public.tags["model.epsilon"] == "inf"
 
 

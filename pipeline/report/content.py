@@ -20,11 +20,13 @@ from pipeline.report.privacy import (adjacency_text, data_card, delta_text, epsi
 from pipeline.report.render import accuracy_table, params_yaml
 
 
-def accuracy_sets(metrics: dict, objective: str, out: Path) -> list[dict]:
-    """One table, figure and legend per eval set."""
+def accuracy_sets(metrics: dict, objective: str, out: Path, noise: str) -> list[dict]:
+    """One table, figure and legend per eval set; the DP row labelled with its `noise` (σ/B) in both."""
     sets = []
     for name, s in metrics["sets"].items():
         columns, rows = accuracy_table(s, metrics["models"], metrics.get("model_order"))
+        for row in (r for r in rows if r["name"] == "dp"):  # beside its noise (over seeds: each one's)
+            row["label"] += f" ({noise})"
         fig = out / f"accuracy_{name}.png"
         plots.plot_accuracy(columns, rows, s["chance"], fig)
         sets.append({
@@ -127,9 +129,7 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     primary, models, dp = metrics["primary_set"], metrics["models"], params.get("dp", {})
     figures = {"losses": out / "losses.png", "epsilon": out / "epsilon.png",
                "privacy_utility": out / "privacy_utility.png", "contact_sheet": out / "contact_sheet.png"}
-    sets = accuracy_sets(metrics, plan.objective, out)
-    for row in (r for st in sets for r in st["rows"] if r["name"] == "dp"):  # beside its noise (over seeds: each one's)
-        row["label"] += f" ({noise_scale_text(plan)})"
+    sets = accuracy_sets(metrics, plan.objective, out, noise_scale_text(plan))
     primary_rows = {row["name"]: row for row in next(s for s in sets if s["name"] == primary)["rows"]}
     lp = {name: row["cells"][0][0] for name, row in primary_rows.items()}
     lp_ci = {name: row["cells"][0][2] for name, row in primary_rows.items()}

@@ -26,7 +26,7 @@ from pipeline.eval.probe import features, probe_outcomes
 from pipeline.eval.stats import accuracy_ci
 from pipeline.io import read_json, write_json
 from pipeline.models import VIT_SIZES, ModelConfig
-from pipeline.privacy import release
+from pipeline.privacy import budget, release
 from pipeline.privacy.training import check_point_plans, train_point
 
 
@@ -69,8 +69,12 @@ def run(params: dict, ctx) -> None:
             ctx.tracker.log_metrics({f"curve.{init}.eps_{epsilon}.linear_probe": point["linear_probe"]})
     if not is_main:
         return
-    # The ε = ∞ points, a known noise key, ...: labelled on the curve's own run, as the other stages label theirs.
-    ctx.tracker.set_tags(release.not_private_tags(release.not_private_reasons(params, stats)))
+    # The ε = ∞ points, a known noise key, an earlier release outside DP on the budget (dp-train's twin, ...):
+    # labelled on the curve's own run, as the other stages label theirs.
+    dp_ledger = ctx.stage.input("dp") / "ledger.json"  # the data's identity (absent: a curve run by hand first)
+    ledger = read_json(dp_ledger) if dp_ledger.is_file() else None
+    composed = budget.composition(ledger, ledger["delta"]) if ledger else None
+    ctx.tracker.set_tags(release.not_private_tags(release.not_private_reasons(params, stats, composed)))
     write_json(ctx.stage.output("curve"), {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
                      "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"],
                      "probe_refits": ev["probe_refits"], "points": points})

@@ -43,7 +43,8 @@ def run(params: dict, ctx) -> None:
     # The last stage: every DP training of this run (dp-train, the curve, the seeds) is charged by now.
     ctx.tracker.log_metrics({"epsilon_dp_runs": final["epsilon_dp_runs"], "dp_runs_on_data": final["runs"]}
                             | ({"epsilon_composed": final["epsilon_composed"]} if final["private"] else {}))
-    ctx.tracker.set_tags({"dpfm.private": str(final["private"]).lower()})
+    ctx.tracker.set_tags({"dpfm.private": str(final["private"]).lower()}
+                         | release.not_private_tags(final["not_private"]))
     # Every registered version on this budget, whichever run (or Snakemake invocation) registered it.
     ctx.tracker.tag_dp_models(release.registry_tags(final["epsilon_composed"], final["delta_composed"], final["runs"],
                                                     final["not_private"]),
