@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import math
 import re
 from pathlib import Path
 
@@ -170,8 +171,31 @@ StrictValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, 
         "integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool))))
 
 
+# The one place a value may be infinite: the curve's ε = ∞ point. JSON Schema's bounds do not catch NaN
+# (every comparison with it is false) nor ∞ where a key has no upper bound.
+INFINITE_ALLOWED = ("curve.epsilons",)
+
+
+def non_finite_problems(values, key: str = "") -> list[str]:
+    """Every NaN, and every ±∞ outside INFINITE_ALLOWED (+∞ only), in `values`, named by its key: a NaN ε in
+    curve.epsilons was trained as the ε = ∞ point, without DP and without its NOT PRIVATE label."""
+    if isinstance(values, dict):
+        return [p for k, v in values.items() for p in non_finite_problems(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(values, list):
+        return [p for i, v in enumerate(values) for p in non_finite_problems(v, f"{key}[{i}]")]
+    if not isinstance(values, float) or math.isfinite(values):
+        return []
+    if values == math.inf and key.split("[")[0] in INFINITE_ALLOWED:
+        return []
+    hint = " (only curve.epsilons takes .inf)" if values == math.inf else ""
+    return [f"{key}={values} is not a finite number{hint}"]
+
+
 def validate(params: dict, schema: dict | None = None, source: str = "params") -> None:
     schema = schema or load_schema()
+    problems = non_finite_problems(params)
+    if problems:
+        raise ParamsError(problems, source=source)
     validator = StrictValidator(schema)
     problems = [_describe_error(e, schema) for e in validator.iter_errors(params)]
     if problems:

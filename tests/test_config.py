@@ -115,6 +115,23 @@ def test_cli_reports_errors_before_any_work(in_tmp, capsys):
     assert not (in_tmp / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("value, message", [
+    ("curve.epsilons=[1, .nan]", "curve.epsilons[1]=nan is not a finite number"),
+    ("model.mask_ratio=.nan", "model.mask_ratio=nan is not a finite number"),
+    ("dp.epsilon=.nan", "dp.epsilon=nan is not a finite number"),
+    ("dp.clip_norm=.inf", "dp.clip_norm=inf is not a finite number (only curve.epsilons takes .inf)"),
+    ("shards.eval_fraction=.nan", "shards.eval_fraction=nan is not a finite number"),
+    ("curve.epsilons=[1, -.inf]", "curve.epsilons[1]=-inf is not a finite number")])
+def test_a_value_that_is_not_finite_is_refused_naming_its_key(in_tmp, capsys, value, message):
+    """JSON Schema's bounds pass NaN (every comparison with it is false) and ∞ where a key has no upper
+    bound: a NaN in curve.epsilons was trained as the ε = ∞ point, without DP and unlabelled; a NaN mask
+    ratio was a traceback; dp.clip_norm=.inf passed the plan, clipped nothing and was charged."""
+    assert main(["validate", "--set", value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert main(["validate", "--set", "curve.epsilons=[1, .inf]"]) == 0  # the curve's ε = ∞ point stays
+
+
 def test_an_override_that_is_not_yaml_is_one_clear_line():
     with pytest.raises(ParamsError, match=r"--set 'shards.urls=\[/a/\{0..3\}.tar\]': the value is not valid YAML"):
         apply_overrides({"shards": {"urls": []}}, ["shards.urls=[/a/{0..3}.tar]"])
