@@ -417,6 +417,7 @@ def test_stage_intervals_cover_the_probe_refits_and_keep_the_accuracies(tmp_path
 
 
 def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, monkeypatch):
+    from pipeline.io import write_json
     from pipeline.stages import evaluate
 
     monkeypatch.chdir(tmp_path)
@@ -429,6 +430,13 @@ def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, mo
     # verification left is the earlier run's, and its ε would be logged beside the new model.
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "run": "r0"}))
     with pytest.raises(VerificationFailed, match="another DP run"):
+        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
+                                                    threads=1))
+    # ... and so is the curve left by the earlier run (another recipe's points), published beside the new
+    # model's accuracies: curve.json names the run it was made beside.
+    (tmp_path / "results/privacy/verification.json").write_text(json.dumps(ver))
+    write_json(tmp_path / "results/curve/curve.json", {"run": "r0", "points": []})
+    with pytest.raises(VerificationFailed, match=r"curve.json was made for another DP run .* run `dpfm curve`"):
         evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
                                                     threads=1))
 

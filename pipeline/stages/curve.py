@@ -75,7 +75,8 @@ def run(params: dict, ctx) -> None:
     ledger = read_json(dp_ledger) if dp_ledger.is_file() else None
     composed = budget.composition(ledger, ledger["delta"]) if ledger else None
     ctx.tracker.set_tags(release.not_private_tags(release.not_private_reasons(params, stats, composed)))
-    write_json(ctx.stage.output("curve"), {"objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
+    write_json(ctx.stage.output("curve"), {"run": ledger and ledger["run"],  # evaluate checks it is made for this run
+                     "objective": params["dp"]["objective"], "set": ev["sets"][0]["name"] if es else None,
                      "n_probe_test": int(len(split[1])) if split else 0, "seeds": cfg["seeds"],
                      "probe_refits": ev["probe_refits"], "points": points})
     ctx.tracker.log_artifact(str(ctx.stage.output("curve")))

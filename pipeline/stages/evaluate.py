@@ -224,6 +224,8 @@ def run(params: dict, ctx) -> None:
         raise VerificationFailed(f"{verification} does not vouch for {dp_path} (passed={ver['passed']}, "
                                  f"{ver['steps']} verified steps vs {dp_steps} applied): run `dpfm verify` first")
     check_made_for(ver.get("run"), verification, st.input("dp"), "dpfm verify")
+    if curve.exists():  # published beside these accuracies: the curve of this run's recipe, not an earlier one's
+        check_made_for(read_json(curve).get("run"), curve, st.input("dp"), "dpfm curve")
     candidates = load_candidates(st, cfg["baselines"], seed, with_text=cfg["zero_shot"])
     encoder = candidates[0].encoder  # the DP model's: its input size, its depth
     # Checked, and with extra seeds to train and charge every image decoded once, before them.
