@@ -400,6 +400,7 @@ def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
     assert (f"from the synthetic warm start, 80.0% (77.0–83.0) at ε = 1, σ/B = {noise[0]:.3g} → 81.0% (78.0–84.0) at "
             f"ε = 8, σ/B = {noise[1]:.3g} → 85.0% (82.0–88.0) at ε = ∞") in md
     assert "in parentheses, 95% intervals, each point the mean of 3 DP trainings at its ε" in md
+    assert re.search(r"\(synthetic only, no DP training: [\d.]+% \([\d.]+–[\d.]+\)\)", md)  # its interval too
     assert (out / "privacy_utility_curve.png").is_file()
 
 

@@ -154,7 +154,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
                                         if n in lp}, figures["privacy_utility"])
     curve = curve_section(metrics.get("privacy_utility"),
-                          {n: (models[n]["label"], lp[n]) for n in ("synthetic", "random", "pixels") if n in lp},
+                          {n: (models[n]["label"], lp[n], lp_ci.get(n)) for n in ("synthetic", "random", "pixels")
+                           if n in lp},
                           out / "privacy_utility_curve.png", dp, lambda e: noise_scale_text(point_plan(params, ver, e)))
 
     primary_set = metrics["sets"][primary]

@@ -104,7 +104,8 @@ def twin_text(dp: dict) -> str:
 
 def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict, noise_at=None) -> dict | None:
     """The privacy–utility curve's figure, table (one row per init, one column per ε, headed by the
-    noise `noise_at(ε)` its points were trained with) and sentence."""
+    noise `noise_at(ε)` its points were trained with) and sentence; `baselines`: {name: (label,
+    accuracy, its 95% interval or None)}."""
     if not curve or not curve.get("points"):
         return None
     points = curve["points"]
@@ -127,7 +128,9 @@ def curve_section(curve: dict | None, baselines: dict, path: Path, dp: dict, noi
     sentence = "Privacy–utility curve: " + "; ".join(f"{INIT_LABELS[i].replace('DP from', 'from')}, {path_text(i)}"
                                                      for i in INIT_LABELS if any(p["init"] == i for p in points))
     if "synthetic" in baselines:
-        sentence += f" (synthetic only, no DP training: {100 * baselines['synthetic'][1]:.1f}%)"
+        _, acc, ci = baselines["synthetic"]
+        sentence += (f" (synthetic only, no DP training: {100 * acc:.1f}%"
+                     + (f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})" if ci else "") + ")")
     spent = [p["epsilon_spent"] for p in points if p.get("epsilon_spent")]
     seeds = curve.get("seeds", 1)
     sentence += "; in parentheses, 95% intervals" + (f", each point the mean of {seeds} DP trainings at its ε, which "

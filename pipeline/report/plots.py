@@ -111,12 +111,12 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
                        zorder=4)
         xmax = max([p["epsilon"] for p in points] + [1.0]) * 1.5
         if "synthetic" in baselines:  # no private data seen: ε = 0
-            label, acc = baselines["synthetic"]
+            label, acc = baselines["synthetic"][:2]
             ax.scatter(0, 100 * acc, marker="D", s=40, color=MODEL_COLORS["synthetic"], label=f"{label}, ε = 0",
                        zorder=3, clip_on=False)
         for name, ls in (("nonprivate", "--"), ("random", ":")):
             if name in baselines:
-                label, acc = baselines[name]
+                label, acc = baselines[name][:2]
                 suffix = " (ε = ∞)" if name == "nonprivate" and "ε = ∞" not in label else ""
                 ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.2, label=label + suffix)
         accs = [p["accuracy"] for p in points] + [a for _, a in baselines.values()] + \
@@ -162,7 +162,7 @@ def plot_curve(points: list[dict], baselines: dict, path) -> None:
         for name, ls, note in (("synthetic", "--", " (no private data)"), ("random", ":", " (untrained)"),
                                ("pixels", "-.", "")):
             if name in baselines:
-                label, acc = baselines[name]
+                label, acc = baselines[name][:2]
                 ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.1, label=label + note)
         ticks = [math.log2(e) for e in finite] + ([inf_x] if any(p["epsilon"] == "inf" for p in points) else [])
         ax.set_xticks(ticks, [f"{e:g}" for e in finite] + (["∞"] if len(ticks) > len(finite) else []))
