@@ -487,7 +487,8 @@ def test_the_clip_scale_is_held_within_clips_clamp_after_each_step(data_dir, tmp
 
     monkeypatch.setattr(clip, "LogitScale", lambda temperature: layers.LogitScale(1 / 200))
     _, ckpt = train(project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.steps=2"])
-    assert 4.6 < float(ckpt.model["logit_scale.weight"]) <= math.log(100.0)
+    ln_100 = torch.tensor(math.log(100.0)).item()  # the clamp's bound as the fp32 parameter holds it
+    assert 4.6 < float(ckpt.model["logit_scale.weight"]) <= ln_100
 
 
 def test_resharding_keeps_the_budget_and_make_clean_keeps_it_too(data_dir, tmp_path, monkeypatch):

@@ -161,14 +161,14 @@ def test_a_shard_list_that_cannot_be_read_is_one_line_naming_it_before_any_scan(
 def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys, monkeypatch):
     rng = np.random.default_rng(0)
     (tmp_path / "www").mkdir()
-    for i in range(10):
+    for i in range(11):  # img10: the flaky row's own image (the same image under another caption is a duplicate)
         (tmp_path / "www" / f"img{i}.png").write_bytes(encode_png(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)))
     (tmp_path / "www/notimage.png").write_bytes(b"<html>gone</html>")
     server = serve(tmp_path / "www")
     u = server.url
     rows = ([(f"{u}/img{i}.png", f"picture {i}") for i in range(10)]
             + [(f"{u}/missing1.png", "x"), (f"{u}/missing2.png", "y"), (f"{u}/slow/img0.png", "slow"),
-               (f"{u}/flaky/img1.png", "flaky"), (f"{u}/notimage.png", "z"), (f"{u}/img2.png", ""),
+               (f"{u}/flaky/img10.png", "flaky"), (f"{u}/notimage.png", "z"), (f"{u}/img2.png", ""),
                (f"http://127.0.0.1:{closed_port()}/img.png", "dead")])
     table = tmp_path / "pairs.csv"
     table.write_text("url,caption\n" + "".join(f'{a},"{b}"\n' for a, b in rows))
@@ -183,7 +183,7 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys, monk
     assert "download" in printed and "100%" in printed
     printed = re.sub(r"\d+%", "", printed)  # the shares: every whole percent, whatever the total (below)
     assert not [c for c in ("17", "11", "6") if re.search(rf"(?<![\d.]){c}(?![\d])", printed)], printed
-    assert server.requests["/flaky/img1.png"] == 2      # a 503 is retried...
+    assert server.requests["/flaky/img10.png"] == 2     # a 503 is retried...
     assert server.requests["/missing1.png"] == 1        # ...a 404 is not
     assert server.requests["/slow/img0.png"] == 2       # timed out twice (retries=1), then skipped
     index_stats = scan(shards, tmp_path)
@@ -257,12 +257,11 @@ def test_what_the_shards_stage_prints_of_a_download_does_not_depend_on_how_many_
     with no failed row and one with 20 more that fail, five more shards of 4 rows to download and scan.
     The published n is the same, so a count of rows or shards printed would give how many failed: what
     the stage prints is the same text. It failed with the scan's bar counting shards (3/3 against 8/8)."""
-    png = encode_png(np.random.default_rng(2).integers(0, 256, (20, 20, 3), dtype=np.uint8))
-
     def fetch(url, timeout_s, retries):
         if "/gone" in url:
             raise sources.FetchFailed("http_404", transient=False)
-        return png
+        image = int(re.search(r"img(\d+)", url)[1])  # an image of its own: one image is one example (dedup)
+        return encode_png(np.random.default_rng([2, image]).integers(0, 256, (20, 20, 3), dtype=np.uint8))
 
     monkeypatch.setattr(sources, "fetch", fetch)
     tracker = types.SimpleNamespace(log_metrics=lambda *a, **k: None)
