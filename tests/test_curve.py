@@ -117,7 +117,8 @@ def test_every_metric_of_the_curve_carries_the_stages_one_timestamp_and_its_trai
     assert run.data.tags["dpfm.private"] == "false" and "ε = ∞ point" in run.data.tags["dpfm.not_private"]
 
 
-def test_a_curve_run_on_a_budget_that_records_a_release_outside_dp_is_labelled_not_private(data_dir, tmp_path):
+def test_a_curve_run_on_a_budget_that_records_a_release_outside_dp_is_labelled_not_private(data_dir, tmp_path,
+                                                                                            local_mlflow):
     """The curve's own run was labelled from its params alone: on a budget that records a release made
     without DP (here dp-train's, under a known noise key), a curve of secret-key points, every
     composition over it ∞, was logged in MLflow with nothing to say it is NOT PRIVATE."""
