@@ -310,3 +310,29 @@ def test_the_eval_files_tag_follows_every_file_under_a_sets_paths(tmp_path):
     seen.add(eval_files_tag(sets))
     assert len(seen) == 4
     assert eval_files_tag([{"name": "gone", "source": "folder", "path": str(tmp_path / "nowhere")}])  # named when run
+
+
+def test_an_eval_set_that_reads_the_private_training_shards_is_refused(in_tmp):
+    """A webdataset eval set pointed at the private shards (their folder, one tar, or an index over
+    them) would score the model on its training examples: refused, naming the key. The run's held-out
+    split shares a web source's tars but not their rows, and a copy of the same images elsewhere is
+    another file: both pass (the check is on the shards read, not on the pictures)."""
+    from pipeline.data.index import build_index
+
+    private = in_tmp / "private-wds"
+    private.mkdir()
+    for t in range(2):  # each image its own (one image is one example: copies are dropped as duplicates)
+        images = [png_bytes(np.full((8, 8, 3), 30 * t + i, np.uint8)) for i in range(30)]
+        write_tar(private / f"{t}.tar", [(f"s{t}{i:02d}", {"png": image, "txt": b"a cat", "json": b'{"label": 0}'})
+                                         for i, image in enumerate(images)])
+    tars = sorted(private.glob("*.tar"))
+    build_index([str(t) for t in tars], in_tmp / "data/shards", eval_fraction=0.3, seed=0, cache_dir=in_tmp / "c",
+                workers=1, check_size=8)
+    for path in (private, tars[1], in_tmp / "data/shards/private"):
+        with pytest.raises(EvalSetError, match=r"evaluate\.sets\[mine\]\.path: .*holds the private training shards"):
+            load_eval_set({"name": "mine", "source": "webdataset", "path": str(path)}, 8)
+    assert len(load_eval_set({"name": "held", "source": "webdataset", "path": "data/shards/eval"}, 8).labels) > 0
+    copy = in_tmp / "public-wds"
+    copy.mkdir()
+    (copy / "0.tar").write_bytes(tars[0].read_bytes())
+    assert len(load_eval_set({"name": "copy", "source": "webdataset", "path": str(copy)}, 8).labels) == 30

@@ -28,7 +28,8 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from pipeline.config import ParamsError
-from pipeline.data import labelled_sets
+from pipeline.data import labelled_sets, remote
+from pipeline.data.index import read_index
 from pipeline.data.shards import INDEX_NAME, ShardDataset
 from pipeline.data.transforms import as_rgb
 from pipeline.errors import EvalSetError
@@ -118,7 +119,7 @@ def _load_part(spec: dict, key: str, image_size: int) -> tuple[Images, list]:
         raise FileNotFoundError(f"evaluate.sets[{spec['name']}].{key}: {path} does not exist")
     if spec["source"] == "folder":
         return _folder(path, image_size)
-    return _webdataset(path, spec.get("label", "json:label"), image_size)
+    return _webdataset(path, spec.get("label", "json:label"), image_size, f"evaluate.sets[{spec['name']}].{key}")
 
 
 def _labelled(spec: dict, image_size: int) -> EvalSet:
@@ -170,7 +171,7 @@ def _folder(path: Path, image_size: int) -> tuple[Images, list]:
     return images, [name for name, _ in files]
 
 
-def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, list]:
+def _webdataset(path: Path, label_spec: str, image_size: int, where: str) -> tuple[Images, list]:
     """Tar shards of `<key>.<ext>` members; the label is a json field (`json:<field>`) or the text.
 
     Labels are read up front; images are read back per batch, by the index when the shards have one
@@ -193,12 +194,14 @@ def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, l
 
     if (path / INDEX_NAME).exists():
         ds = ShardDataset(path)
+        _refuse_private_shards(path, [s["url"] for s in ds.shards], where)
         names = [label(ds.key(i), _member_or_none(ds, i, member))
                  for i in tqdm(range(len(ds)), desc=f"labels {path.name}", leave=False)]
 
         def read(rows: np.ndarray) -> list[tuple[str, bytes]]:
             return [(f"{path}: sample {ds.key(i)!r}", ds.read_member(i, "image")) for i in rows.tolist()]
     else:
+        _refuse_private_shards(path, [str(t) for t in _tar_files(path)], where)
         read, names = _scan_tars(path, member, label)
     if not names:
         raise EvalSetError(f"{path}: no samples found")
@@ -210,6 +213,23 @@ def _webdataset(path: Path, label_spec: str, image_size: int) -> tuple[Images, l
         return fill(images, len(rows), shape)
 
     return Images(decode, np.arange(len(names)), shape), names
+
+
+def _refuse_private_shards(path: Path, files: list[str], where: str) -> None:
+    """An eval set is public data training never saw: one read from the private training shards would
+    score the model on its own training examples. The run's held-out split (data/shards/eval) shares a
+    web source's shards but none of their rows, so it passes."""
+    from pipeline.artifacts import artifact
+
+    shards = artifact("shards")
+    if path.resolve() == (shards / "eval").resolve() or not (shards / "private" / INDEX_NAME).exists():
+        return
+    _, private, _ = read_index(shards / "private")
+    private_files = {remote.canonical(s["url"]) for s in private}
+    shared = next((f for f in files if remote.canonical(f) in private_files), None)
+    if shared is not None:
+        raise EvalSetError(f"{where}: {path} holds the private training shards ({shared} is one of them); an eval "
+                           "set must be public data that training never saw: point it at another set")
 
 
 def _member_or_none(ds: ShardDataset, i: int, ext: str) -> bytes | None:
@@ -248,7 +268,7 @@ class _TarSpans:
 
 def _scan_tars(path: Path, member: str, label) -> tuple[_TarSpans, list]:
     """One pass over the tars: each sample's label (from `member`) and where its image's bytes are."""
-    tars = sorted(path.glob("*.tar")) if path.is_dir() else [path]
+    tars = _tar_files(path)
     if not tars:
         raise EvalSetError(f"{path}: no .tar shards")
     tar_ids, offsets, sizes, names = [], [], [], []
@@ -261,6 +281,10 @@ def _scan_tars(path: Path, member: str, label) -> tuple[_TarSpans, list]:
         offsets.append(members[image_ext].offset_data)
         sizes.append(members[image_ext].size)
     return _TarSpans(tars, tar_ids, offsets, sizes), names
+
+
+def _tar_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.tar")) if path.is_dir() else [path]
 
 
 def _tar_samples(tars: list[Path]):
