@@ -201,6 +201,7 @@ def test_snakemake_config_overrides_are_typed_and_bad_values_exit_2(tmp_path):
         bad.stderr[-2000:]
     assert dry(web, "privacy={nonprivate_on_private_data: true}").returncode == 0
     assert dry(web, "curve={epsilons: [1, 8]}").returncode == 0
+    assert dry(web, "curve={inits: []}").returncode == 0  # no init: the curve trains no point, ∞ or other
     # What dp-train refuses from its params alone (params_check.py), refused before the shards are built.
     bad = dry("dp={objective: clip, mask_views: 2}")
     assert bad.returncode == 2 and "its views would be copies" in bad.stderr and "Traceback" not in bad.stderr, \

@@ -211,6 +211,11 @@ def test_a_run_that_publishes_what_its_epsilon_does_not_cover_is_not_private_as_
         "privacy.adjacency add_remove: its ε does not cover the exact n the run publishes (replace_one covers it)"]
     params["privacy"]["adjacency"], params["dp"]["log_private_stats"] = "replace_one", True
     assert release.not_private_reasons(params, {}) == ["dp.log_private_stats publishes the non-finite count outside ε"]
+    params["dp"]["log_private_stats"], params["curve"]["epsilons"] = False, [8, float("inf")]
+    [reason] = release.not_private_reasons(params, {})
+    assert reason == "the curve's ε = ∞ point trains without DP on the private shards"
+    params["curve"]["inits"] = []  # a curve of no init trains no point: its ∞ is never trained
+    assert release.not_private_reasons(params, {}) == []
 
 
 @pytest.mark.parametrize("source, explicit, allowed", [

@@ -63,13 +63,18 @@ def check_noise_seed(dp: dict, privacy: dict) -> None:
                            "NOT PRIVATE, never registered as private)"], source="privacy")
 
 
+def curve_trains_nonprivate(curve: dict) -> bool:
+    """The curve trains its ε = ∞ point (without DP) for each init: with `inits: []` it trains none."""
+    return bool(curve.get("inits")) and any(math.isinf(e) for e in curve.get("epsilons", []))
+
+
 def check_asked_for(params: dict) -> None:
     """What dp-train and the curve refuse before they train (check_noise_seed, check_nonprivate), refused
     from the params alone when a workflow starts: the curve refused a web source's ε = ∞ point only once
     it ran, after pretrain and dp-train had held GPUs for days."""
     check_noise_seed(params["dp"], params["privacy"])
     source = params["shards"]["source"]  # the shards stage records it as it is (stats.json's `source`)
-    if any(math.isinf(e) for e in params["curve"]["epsilons"]):
+    if curve_trains_nonprivate(params["curve"]):
         check_nonprivate(params["privacy"], source, "curve.epsilons' ε = ∞ point")
     if params["dp"]["nonprivate_baseline"]:
         check_nonprivate(params["privacy"], source, "dp.nonprivate_baseline")
@@ -84,7 +89,7 @@ def not_private_reasons(params: dict, stats: dict, composition: dict | None = No
                        + "; ".join(composition["outside_dp"]) + "): every ε composed over it is ∞")
     if params["privacy"]["testing"] or params["dp"]["noise_seed"] is not None:
         reasons.append("a test run (privacy.testing; a known dp.noise_seed voids the noise)")
-    if any(math.isinf(e) for e in params.get("curve", {}).get("epsilons", [])):  # verify's params have no curve
+    if curve_trains_nonprivate(params.get("curve", {})):  # verify's params have no curve
         reasons.append("the curve's ε = ∞ point trains without DP on the private shards")
     if params["dp"]["nonprivate_baseline"]:
         reasons.append("dp.nonprivate_baseline trains without DP on the private shards")

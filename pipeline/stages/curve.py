@@ -33,7 +33,7 @@ from pipeline.privacy.training import check_point_plans, train_point
 def run(params: dict, ctx) -> None:
     cfg, ev, seed = params["curve"], params["evaluate"], params["run"]["seed"]
     stats = read_json(ctx.stage.input("shards") / "stats.json")
-    if any(math.isinf(e) for e in cfg["epsilons"]):  # refused before any DP point spends budget
+    if release.curve_trains_nonprivate(cfg):  # refused before any DP point spends budget
         release.check_nonprivate(params["privacy"], stats.get("source"), "curve.epsilons' ε = ∞ point")
     if cfg["inits"]:  # a point dp-train would refuse (its σ, the noise edge) stops the stage before one is charged
         check_point_plans(params, stats["private"]["usable"])

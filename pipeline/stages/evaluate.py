@@ -208,8 +208,8 @@ def known_not_private(params: dict, stats: Path, curve: Path, ver: dict) -> list
     """Why the run's outputs are not covered by its ε, as far as is known when evaluate ends: its params,
     the curve's points, the shards' stats and the budget as verify found it (the report's verdict is final)."""
     points = read_json(curve)["points"] if curve.exists() else []
-    return release.known_before_the_report(params | {"curve": {"epsilons": [float(p["epsilon"]) for p in points]}},
-                                           stats, ver)
+    trained = {"epsilons": [float(p["epsilon"]) for p in points], "inits": [p["init"] for p in points]}
+    return release.known_before_the_report(params | {"curve": trained}, stats, ver)
 
 
 def run(params: dict, ctx) -> None:
