@@ -668,3 +668,22 @@ def test_an_opacus_baseline_is_refused_on_exactly_the_models_its_hooks_cannot_ru
         reference.reset(1)
         reference.accumulate(*batch)
         assert max(float((hooks[k] - v.double()).abs().max()) for k, v in reference.sum.items()) < 1e-5
+
+
+@pytest.mark.parametrize("views", [1, VIEWS])
+@pytest.mark.parametrize("name", ["mae", "caption", "clip-public", "all_layers"])
+def test_the_slot_records_lay_out_from_a_micro_batch_of_one_example(name, views):
+    """dp.compile's records (compiled_records.py, run eagerly here: the layout is found by eager
+    forwards) find each call's slot from forwards of one and two examples. They cut the two from the
+    first micro-batch, which can hold one example (a one-example bucket; physical_batch_size equal
+    to mask_views): every such run stopped at its first step with a false "does not lead with the batch"."""
+    from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
+
+    model, batch = cases()[name]
+    batch = tuple(x[:1].repeat_interleave(views, 0) for x in batch)  # one example, its `views` rows
+    want, _ = brute_force_clipped_sum(model, batch, 1e-3, views)
+    clipper = make_clipper("per_sample", model, 1e-3, compiled=True, views=views)
+    assert isinstance(clipper, CompiledBookKeepingClipper)
+    clipper.reset()
+    clipper.accumulate(*batch)
+    assert max_rel_error(clipper.sum, want) <= SUM_TOL

@@ -127,14 +127,15 @@ class CompiledBookKeepingClipper(BookKeepingClipper):
 
     def _find_layout(self, batch) -> list[Slot]:
         """The clipped calls of one forward, in order, with their outputs' shapes past the batch
-        dimension: from eager forwards of one and of two examples, which must agree."""
+        dimension: from eager forwards of one and of two examples, which must agree. Both are the
+        batch's first example (repeated): a micro-batch may hold only one."""
         found = []
         for count in (1, 2):
             self._found = []
             try:  # a forked generator: a model drawing at random inside draws the same as without these
                 with (torch.random.fork_rng(devices=[batch[0].device] if batch[0].is_cuda else []), self._capture(),
                       torch.no_grad(), self.autocast()):  # .forward: eager, not the compiled call
-                    self.model.forward(*(t[:count * self.views] for t in batch))
+                    self.model.forward(*(t[:self.views].repeat(count, *[1] * (t.dim() - 1)) for t in batch))
                 found.append(self._found)
             finally:
                 self._found = None
