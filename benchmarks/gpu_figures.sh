@@ -26,8 +26,10 @@ out=$1 part=$2
 shift 2
 export PYTHONUNBUFFERED=1
 if ! python3 -c 'import jsonschema, dp_accounting, opacus, webdataset' 2>/dev/null; then
-  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .gpu-wheels/*.whl || exit 1
+  if [ ! -d /tmp/site ]; then  # installed beside, then renamed: a failed install is not taken as done next call
+    rm -rf /tmp/site.part && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site.part .gpu-wheels/*.whl && mv /tmp/site.part /tmp/site || exit 1
+  fi
   export PYTHONPATH=/tmp/site:$PWD
 fi
 work=${SCALE_DIR:-/tmp/scale}
@@ -48,6 +50,7 @@ stamp() {  # every line (tqdm's \r updates too) with the clock time, to line up 
   stdbuf -oL tr '\r' '\n' | python3 -uc 'import sys, time
 for line in sys.stdin: print(time.strftime("%H:%M:%S"), line, end="", flush=True)'
 }
+status=
 gpu=(--set dp.data_workers=12 --set dp.physical_batch_size=1024 --set pretrain.data_workers=4)
 case $part in
   throughput) timeout "${LIMIT:-500}" python3 -m benchmarks.gpu_throughput "$@" 2>&1 | grep -v absl | tee -a "$out/figures.txt" ;;
@@ -68,12 +71,16 @@ case $part in
     tail -n +1 -f --pid=$bench "$out/raw" | stamp | tee -a "$out/scale.log" \
       | grep --line-buffered -v -e absl -e 'step/s' -e 'steps$' -e Warning -e worker_number | tee -a "$out/figures.txt"
     wait $bench
+    status=$?
     rm -f "$out/raw"
     tar czf "$out/rows.tgz" -C "$work" rows  # the finished rows alone: small, they always come back
     # and every training's state (not the shards, which the next call rebuilds); STATE=0 skips it where
     # the models outgrow what a call brings back (a ViT-S/16 and its optimiser: hundreds of MB)
     [ "${STATE:-1}" = 0 ] || tar czf "$out/work.tgz" -C "$work" --exclude='data/shards' --exclude='data/synthetic' \
       rows $(cd "$work" && ls -d n-*) ;;
+  *) echo "unknown PART $part" >&2; status=2 ;;
 esac
-kill $sampler 2>/dev/null; pkill -f "nvidia-smi --query-gpu=timestamp" 2>/dev/null
-true
+status=${status:-$?}  # the part's own exit status (a crash, or 124 past LIMIT), not the packing's
+# $! is the sampler's sed: nvidia-smi ends on its next write to the closed pipe, or here if it is this shell's
+kill $sampler 2>/dev/null; pkill -P $$ -f "nvidia-smi --query-gpu=timestamp" 2>/dev/null
+exit "$status"
