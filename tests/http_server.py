@@ -10,15 +10,16 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """Files under server.root; /slow/<f> never answers while the server runs (a client can only time
-    out: no race with the client's timeout); /flaky/<f> fails once with 503, and so does the first request
-    for a (path, first byte) listed in server.fail_once. server.latency_s delays every answer;
-    server.ranges records every (path, Range header) asked for, server.max_in_flight the most requests
-    served at once."""
+    out: no race with the client's timeout); /trickle/<f> sends <f> a byte at a time; /flaky/<f> fails
+    once with 503, and so does the first request for a (path, first byte) listed in server.fail_once.
+    server.latency_s delays every answer; server.ranges records every (path, Range header) asked for,
+    server.max_in_flight the most requests served at once."""
 
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go out as two writes: without this, 40 ms stalls
@@ -34,7 +35,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self, body: bool):
         server = self.server
-        path = self.path.split("?", 1)[0]
+        path = urllib.parse.unquote(self.path.split("?", 1)[0])
         with server.lock:
             server.requests[path] += 1
             server.ranges.append((path, self.headers.get("Range")))
@@ -51,6 +52,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         server = self.server
         if path.startswith("/slow/"):
             server.closing.wait()
+            return
+        if path.startswith("/trickle/"):
+            self._trickle(server.root / path[len("/trickle/"):])
             return
         if path.startswith("/flaky/"):
             path = path[len("/flaky"):]
@@ -88,6 +92,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             except OSError:  # the client gave up (a timeout test)
                 pass
 
+    def _trickle(self, file: Path):
+        """The file, one byte every server.trickle_s: each byte comes well inside a socket timeout."""
+        data = file.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            for i in range(len(data)):
+                if self.server.closing.wait(self.server.trickle_s):
+                    return
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+        except OSError:  # the client gave up
+            pass
+
     def _fails_once(self, path: str, start: int) -> bool:
         with self.server.lock:
             if (path, start) in self.server.fail_once:
@@ -112,7 +131,7 @@ def serving():
         server.root, server.ignore_range, server.latency_s = root, ignore_range, latency_s
         server.requests, server.ranges, server.fail_once = collections.Counter(), [], set()
         server.lock, server.in_flight, server.max_in_flight = threading.Lock(), 0, 0
-        server.closing = threading.Event()
+        server.closing, server.trickle_s = threading.Event(), 0.05
         server.url = f"http://127.0.0.1:{server.server_address[1]}"
         threading.Thread(target=server.serve_forever, daemon=True).start()
         started.append(server)

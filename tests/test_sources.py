@@ -284,6 +284,43 @@ def test_what_the_shards_stage_prints_of_a_download_does_not_depend_on_how_many_
     assert printed[0] == printed[20], printed
 
 
+def test_a_download_meets_its_deadline_reads_web_urls_only_and_escapes_non_ascii(tmp_path, serve):
+    """A server sending a byte every 50 ms never trips a 1 s socket timeout: read(64 KiB) waited for the
+    whole 64 KiB (or the end), so one slow URL held its shard, and the download, until the server chose
+    to stop (here 20 s; a real one, days). A row of the table may not make the downloader read its own
+    files (file:) or other services (ftp:). A URL with a non-ASCII path (common in crawls) was refused
+    by urllib as bad_url; it is sent percent-encoded, as browsers send it."""
+    (tmp_path / "www").mkdir()
+    image = encode_png(np.arange(192, dtype=np.uint8).reshape(8, 8, 3))
+    (tmp_path / "www/slow.png").write_bytes(image[:400])
+    (tmp_path / "www/café ü.png").write_bytes(image)
+    server = serve(tmp_path / "www")
+    start = time.monotonic()
+    with pytest.raises(sources.FetchFailed) as failed:
+        sources._get(f"{server.url}/trickle/slow.png", timeout_s=1.0)
+    assert failed.value.reason == "timeout" and time.monotonic() - start < 5
+    assert sources.fetch(f"{server.url}/café ü.png", timeout_s=4.0, retries=0) == image
+    assert server.requests["/café ü.png"] == 1
+    for url in (f"file://{tmp_path}/www/café ü.png", "ftp://127.0.0.1/a.png", "/etc/hostname", "http:///a.png"):
+        with pytest.raises(sources.FetchFailed) as failed:
+            sources.fetch(url, timeout_s=1.0, retries=2)
+        assert failed.value.reason == "bad_url", url
+    assert (sources.web_uri("http://bücher.example:80/a b/ä.png?q=ü&x=%20#top")
+            == "http://xn--bcher-kva.example:80/a%20b/%C3%A4.png?q=%C3%BC&x=%20")
+
+
+def test_an_image_in_a_format_outside_the_list_is_not_opened():
+    """Pillow guesses a format from the bytes: an EPS file under a .jpg name opened as EPS, and reading
+    it runs Ghostscript on bytes a web page or a shard supplied. Only the listed formats are opened."""
+    from PIL import Image, UnidentifiedImageError
+
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n0 0 moveto 8 8 lineto stroke\n%%EOF\n"
+    assert Image.open(io.BytesIO(eps)).format == "EPS"  # what Pillow makes of them, left to guess
+    with pytest.raises(UnidentifiedImageError):
+        decode_image(eps, 8)
+    assert decode_image(encode_png(np.zeros((8, 8, 3), np.uint8)), 8).shape == (8, 8, 3)
+
+
 def test_download_table_problems_are_clear_errors(tmp_path):
     (tmp_path / "t.csv").write_text("link,text\nhttp://x/a.png,hi\n")
     with pytest.raises(ValueError, match="no column 'url'.*link, text.*url_column"):

@@ -12,6 +12,7 @@ import json
 import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
@@ -45,6 +46,7 @@ class SourceError(ParamsError):
 
 USER_AGENT = "dpfm-downloader/0.1"
 MAX_IMAGE_BYTES = 32 << 20
+URI_SAFE = "/%:@!$&'()*+,;=~"  # reserved characters of a URL's path and query, and escapes, left as they are
 
 
 # -- shard URL lists -------------------------------------------------------------------------------
@@ -176,14 +178,27 @@ def url_table_slices(path: str, url_column: str, caption_column: str, rows: int)
         yield urls, captions
 
 
+def web_uri(url: str) -> str:
+    """An http(s) URL as urllib sends it: a non-ASCII path or query percent-encoded (UTF-8), a non-ASCII
+    host in IDNA, as a browser does; escapes already there are kept. Any other scheme (file:, ftp:) is
+    refused: a row of a web table must not read the downloading machine's files or services."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    netloc = parts.netloc if parts.netloc.isascii() else parts.netloc.encode("idna").decode("ascii")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, urllib.parse.quote(parts.path, safe=URI_SAFE),
+                                    urllib.parse.quote(parts.query, safe=URI_SAFE + "?"), ""))
+
+
 def _get(url: str, timeout_s: float) -> bytes:
-    """One GET with a deadline on the whole transfer (a socket timeout alone lets a trickle run forever)."""
+    """One GET with a deadline on the whole transfer: a socket timeout bounds each wait for a byte,
+    and read1 returns what one wait brought, so a server sending a byte at a time meets the deadline."""
     deadline = time.monotonic() + timeout_s
     try:
-        request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+        request = urllib.request.Request(web_uri(url), headers={"User-Agent": USER_AGENT})
         with urllib.request.urlopen(request, timeout=timeout_s) as r:
             chunks, total = [], 0
-            while chunk := r.read(1 << 16):
+            while chunk := r.read1(1 << 16):
                 total += len(chunk)
                 if total > MAX_IMAGE_BYTES:
                     raise FetchFailed("too_large", transient=False)

@@ -22,6 +22,10 @@ from PIL import Image
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 warnings.filterwarnings("ignore", module=r"PIL\.")
 
+# The formats images are read in. Pillow otherwise guesses from the bytes among all it knows: EPS among
+# them, which it renders by running Ghostscript, on bytes a web table or a shard's `.jpg` member supplies.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM", "TIFF", "GIF")
+
 MEAN = torch.tensor([0.485, 0.456, 0.406])
 STD = torch.tensor([0.229, 0.224, 0.225])
 
@@ -33,13 +37,18 @@ def as_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def open_image(source) -> Image.Image:
+    """Image.open of a file or file object, in IMAGE_FORMATS only (any other is an unreadable image)."""
+    return Image.open(source, formats=IMAGE_FORMATS)
+
+
 def decode_image(data: bytes, size: int | None = None) -> np.ndarray:
     """Encoded image -> (H, W, 3) uint8; with `size`, the centred square scaled to (size, size).
 
     Raises on undecodable or truncated bytes (Pillow's LOAD_TRUNCATED_IMAGES stays off), so the
     scan that builds the index and the loader that trains agree on what is usable.
     """
-    with Image.open(io.BytesIO(data)) as im:
+    with open_image(io.BytesIO(data)) as im:
         if size:
             im.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale still >= size
         rgb = as_rgb(im)

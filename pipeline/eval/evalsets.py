@@ -31,7 +31,7 @@ from pipeline.config import ParamsError
 from pipeline.data import labelled_sets, remote
 from pipeline.data.index import read_index
 from pipeline.data.shards import INDEX_NAME, ShardDataset
-from pipeline.data.transforms import as_rgb
+from pipeline.data.transforms import as_rgb, open_image
 from pipeline.errors import EvalSetError
 from pipeline.eval.images import Images, concat, decoded, fill
 
@@ -154,7 +154,7 @@ def _labelled(spec: dict, image_size: int) -> EvalSet:
 def _square(source, where: str, size: int) -> np.ndarray:
     """`square` of one encoded image (a file or a file object); decoding happens late, so errors say where."""
     try:
-        with Image.open(source) as image:
+        with open_image(source) as image:
             return square(image, size)
     except OSError as e:  # unidentified or truncated image
         raise EvalSetError(f"{where}: cannot read the image ({e})") from e
