@@ -228,8 +228,12 @@ def _owner_composition(args) -> int:
     from pipeline.io import read_json
     from pipeline.privacy import budget
 
-    ledger = read_json(args.ledger)
-    print(f"owner-composition: written to {budget.keep_overlap_composition(ledger, ledger['delta'])}")
+    try:
+        ledger = read_json(args.ledger)
+        delta = ledger["delta"]
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a ledger
+        raise InputError(f"--ledger {args.ledger}: not a dp-train ledger ({type(e).__name__}: {e})") from None
+    print(f"owner-composition: written to {budget.keep_overlap_composition(ledger, delta)}")
     return 0
 
 

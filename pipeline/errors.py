@@ -2,7 +2,8 @@
 
 
 class InputError(Exception):
-    """An input the stage needs is missing or unreadable, and the message names it and what to do."""
+    """An input the stage needs is missing, unreadable or inconsistent (a ledger, an index, the plan it
+    was made for), and the message names it and what to do."""
 
 
 class EvalSetError(InputError, ValueError):

@@ -34,6 +34,7 @@ from pipeline.data.index_mmap import (MEMBERS, USABLE_NAME, UsableRows, build_lo
                                       source_id, usable_writer)
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
 from pipeline.data.transforms import decode_image
+from pipeline.errors import InputError
 from pipeline.io import atomic_path
 from pipeline.privacy import owner
 from pipeline.progress import ShareBar
@@ -59,7 +60,7 @@ SCAN_SCHEMA = SCHEMA.append(pa.field("key_hash", pa.uint64())).append(pa.field("
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
 
-class IndexMismatch(ValueError):
+class IndexMismatch(InputError, ValueError):
     """index.parquet does not describe the shards it points at."""
 
 
@@ -232,9 +233,8 @@ def _upgrade_v1(table: pa.Table) -> tuple[pa.Table, dict]:
     cols = {c.replace("png_", "image_"): table.column(c) for c in table.column_names}
     cols["shard_id"] = pa.array([ids[s] for s in table.column("shard").to_pylist()], pa.int32())
     cols["image_ext"] = pa.array(["png"] * len(table), pa.string())
-    for m in ("txt", "json"):
-        for f in ("offset", "size"):
-            cols.setdefault(f"{m}_{f}", pa.array([-1] * len(table), pa.int64()))
+    for name in (f"{m}_{f}" for m in ("txt", "json") for f in ("offset", "size")):
+        cols.setdefault(name, pa.array([-1] * len(table), pa.int64()))
     cols.setdefault("content_hash", pa.nulls(len(table), pa.uint64()))
     return pa.table(cols).select(SCHEMA.names).cast(SCHEMA), {"shards": [{"url": s} for s in names]}
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.errors import InputError
 from pipeline.io import atomic_path
 
 USABLE_NAME = "usable.idx"
@@ -46,7 +47,7 @@ ROW_COLUMNS = {"shard_id": "<i4", "image_ext": "u1",
 DTYPES = {**ROW_COLUMNS, "key_offsets": "<i8", "key_bytes": "u1"}
 
 
-class CorruptIndex(ValueError):
+class CorruptIndex(InputError, ValueError):
     """usable.idx is damaged: it cannot be trusted for any row."""
 
 

@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 
 from pipeline.data.index import INDEX_NAME, ROW_GROUP_ROWS, open_index
 from pipeline.data.splitmix import GOLDEN, MASK64, mix64_np
-from pipeline.errors import BudgetCorrupt, BudgetNotHere
+from pipeline.errors import BudgetCorrupt, BudgetNotHere, InputError
 from pipeline.io import append_durably, atomic_path, drop_torn_tail
 from pipeline.objectives import objective
 from pipeline.privacy import owner
@@ -229,7 +229,7 @@ def registry_id() -> str:
     return public_name("dpfm budget")
 
 
-class IdentityError(ValueError):
+class IdentityError(InputError, ValueError):
     """The index cannot say which examples it holds."""
 
 

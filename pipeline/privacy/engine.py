@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from pipeline.distributed import World, all_reduce_sum, spread_over_ranks
-from pipeline.errors import RanksDisagree
+from pipeline.errors import InputError, RanksDisagree
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, PlainSum, VmapClipper
 from pipeline.privacy.compiled_records import CompiledBookKeepingClipper
 from pipeline.privacy.noise import NoiseGenerator, gaussian, step_noise
@@ -148,7 +148,7 @@ class StepResult:
     nonfinite: int    # examples (per batch: batches) dropped as non-finite, summed over ranks: private
 
 
-class StepRefused(RuntimeError):
+class StepRefused(InputError, RuntimeError):
     """A guard refused the step before it sampled: its message names the plan alone, not the data."""
 
 

@@ -18,6 +18,7 @@ import json
 import math
 from pathlib import Path
 
+from pipeline.errors import InputError
 from pipeline.io import append_durably, drop_torn_tail
 from pipeline.privacy import owner
 from pipeline.privacy.plan import Plan
@@ -28,8 +29,8 @@ SAME_CALIBRATION = 1e-9
 CALIBRATED = ("sigma", "noise_std", "epsilon_planned")
 
 
-class LedgerError(RuntimeError):
-    pass
+class LedgerError(InputError, RuntimeError):
+    """The ledger on disk cannot be continued by this run."""
 
 
 class Ledger:

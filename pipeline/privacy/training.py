@@ -33,7 +33,7 @@ from pipeline.data.shards import ShardDataset
 from pipeline.data.tokenizer import Tokenizer, public_captions
 from pipeline.distributed import (broadcast_int, fingerprint, gather_with_grad, init_world, same_on_every_rank,
                                   spread_over_ranks)
-from pipeline.errors import PrivateDataError, RanksDisagree, VerificationFailed
+from pipeline.errors import InputError, PrivateDataError, RanksDisagree, VerificationFailed
 from pipeline.io import DISK_FULL, read_json
 from pipeline.locking import training_lock
 from pipeline.models import ModelConfig, build_model, model_params_read
@@ -136,7 +136,8 @@ def setup(params: dict, device: str) -> "Trainer":
     stats = read_json(shards / "stats.json")
     stats_n = stats["private"]["usable"]
     if n != stats_n:
-        raise ValueError(f"{shards}/private index has {n} usable examples but stats.json says {stats_n}")
+        raise InputError(f"{shards}/private index has {n} usable examples but stats.json says {stats_n}: "
+                         "re-run the shards stage")
     model = check_dp_params(params, mcfg)
     if dp["init"] == "pretrain":  # its tensors fit (a model section edited after pretrain ran by hand)
         try:
