@@ -156,6 +156,15 @@ if "shards" in faults:  # exactly k synthetic shards are staged and collected; t
                 hang("shards")
     synthetic_stage.build_shards = build_shards
 
+if "published" in faults:  # the stage's output is in place; it fails as it logs the metric named
+    import pipeline.tracking as tracking
+    real_log_metrics = tracking.StageRun.log_metrics
+    def log_metrics(self, metrics, *args, **kw):
+        if faults["published"] in metrics:
+            hang("published")
+        return real_log_metrics(self, metrics, *args, **kw)
+    tracking.StageRun.log_metrics = log_metrics
+
 if "unseen" in faults and os.environ.get("RANK", "0") == faults["unseen"]:
     # This rank's node does not see the run's state directory (not on the shared file system): it finds
     # no checkpoint where the other ranks resume from one.

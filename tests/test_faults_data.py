@@ -104,6 +104,23 @@ def test_kill_9_during_synthetic_generation_resumes_to_the_same_bytes(tmp_path):
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
 
 
+def test_a_synthetic_job_that_fails_after_its_output_keeps_its_shards_for_the_rerun(tmp_path):
+    """Killed as it logs to MLflow (its output in place, as a SIGTERM or a locked MLflow store finds it),
+    the job fails and Snakemake deletes its output: the rerun assembles the staged shards again and
+    renders none. The staging was deleted before the logging, so every shard was rendered again."""
+    work = bare_project(tmp_path / "work")
+    args = with_sets("synthetic", ["synthetic.num_programs=8", "synthetic.frames_per_program=2",
+                                   "synthetic.resolution=16", "synthetic.samples_per_shard=4", "synthetic.workers=1"])
+    assert kill_at_fault(dpfm(work, args, "published:shards_resumed"), work) == "published"
+    first = (work / artifact("synthetic")).resolve()
+    expected = {p.name: p.read_bytes() for p in first.iterdir()}
+    shutil.rmtree(first)  # as Snakemake removes a failed job's output
+    complete(dpfm(work, args), work)
+    assert "synthetic: resuming, 4 of 4 shards already rendered" in log_tail(work)
+    assert {p.name: p.read_bytes() for p in (work / artifact("synthetic")).iterdir()} == expected
+    assert not list((work / ".dpfm/state").glob("synthetic-*"))  # spent once the job ends
+
+
 # -- any stage output: the temporary copy a killed writer leaves is reclaimed --------------------------
 
 def test_the_next_write_reclaims_what_a_killed_writer_left(tmp_path):

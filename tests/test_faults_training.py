@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from pretrain_project import make_project, micro_sets, saved
 from shard_data import write_set
 from stage_runs import project, train
 
+from pipeline.artifacts import artifact
 from pipeline.data.shards import ShardDataset
 from pipeline.privacy.ledger import Ledger, LedgerError
 from pipeline.privacy.plan import Plan
@@ -61,6 +63,19 @@ def test_kill_9_of_pretrain_mid_checkpoint_resumes_bit_for_bit(tmp_path, pretrai
     complete(dpfm(work, pretrain_args()), work)
     assert "resuming at step 2" in log_tail(work)
     check_same_pretrained(work, pretrained)
+
+
+def test_a_pretrain_job_that_fails_after_its_output_resumes_at_its_end(tmp_path, pretrained):
+    """Killed as it logs its summary to MLflow (the model in place), the job fails and Snakemake deletes
+    its output: the rerun resumes at the last step and trains none. The state was deleted before the
+    logging, so the rerun trained every step again (a GPU job of up to 12 hours)."""
+    work = make_project(tmp_path / "work")
+    assert kill_at_fault(dpfm(work, pretrain_args(), fault="published:mean_images_per_s"), work) == "published"
+    shutil.rmtree(work / artifact("pretrain"))  # as Snakemake removes a failed job's output
+    complete(dpfm(work, pretrain_args()), work)
+    assert "resuming at step 6" in log_tail(work) and "no steps run now" in log_tail(work)
+    check_same_pretrained(work, pretrained)
+    assert not list((work / ".dpfm/state").glob("pretrain-*"))
 
 
 def test_sigterm_to_pretrain_and_its_decoding_workers_checkpoints_then_resumes_bit_for_bit(tmp_path, pretrained):

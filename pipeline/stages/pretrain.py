@@ -144,10 +144,12 @@ def run(params: dict, ctx) -> None:
                          private=False, config=params)
         write_json(out / "history.json", history)
         write_json(out / "summary.json", summary)
-    shutil.rmtree(work, ignore_errors=True)  # the output holds the finished model; the state is spent
     barrier(world)
     # "images_per_s" is the per-step curve; the run's mean gets its own name.
     ctx.tracker.log_metrics({("mean_" + k if k == "images_per_s" else k): v for k, v in summary.items()
                              if isinstance(v, (int, float))})
     rate = f"{summary['images_per_s']:.0f} img/s" if summary["images_per_s"] else "no steps run now"
     print(f"pretrain: {cfg['steps']} steps on {n} synthetic images, final loss {summary['final_loss']}, {rate}")
+    # Last: a failure before here (MLflow, a SIGTERM) fails the job, and Snakemake deletes its output; the
+    # state then resumes the run at its end, where without it every step would be trained again.
+    shutil.rmtree(work, ignore_errors=True)

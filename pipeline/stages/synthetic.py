@@ -185,9 +185,6 @@ def run(params: dict, ctx) -> None:
                  "near_constant_fraction": synthetic.near_constant_fraction(sample),
                  "near_constant_target": NEAR_CONSTANT_TARGET, "diversity": synthetic.diversity(sample)}
         write_json(out / "stats.json", stats)
-    shutil.rmtree(staging, ignore_errors=True)  # the output now holds every shard
-    remove_other_renders(staging)
-
     ctx.tracker.log_metrics({"images": n, "shards_resumed": shards - len(todo),
                              "near_constant_fraction": stats["near_constant_fraction"],
                              "diversity": stats["diversity"],
@@ -199,3 +196,7 @@ def run(params: dict, ctx) -> None:
               f"(target ≤ {NEAR_CONSTANT_TARGET})")
     print(f"synthetic: {n} images in {shards} shards ({rendered} rendered now), near-constant "
           f"{stats['near_constant_fraction']:.3f}, diversity {stats['diversity']:.3f}")
+    # Last (the output holds every shard): a failure before here fails the job, Snakemake deletes its
+    # output, and the staged shards let the next run assemble it again without rendering any.
+    shutil.rmtree(staging, ignore_errors=True)
+    remove_other_renders(staging)
