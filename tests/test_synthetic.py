@@ -384,3 +384,18 @@ def test_cuda_matches_cpu_closely_and_is_batch_invariant():
     diff = (gpu.cpu().int() - cpu.int()).abs().float()
     # float rounding differs between devices; chaotic fractals may diverge in a few pixels
     assert float(diff.mean()) < 2.0
+
+
+def test_diversity_is_the_same_whatever_the_thread_count():
+    """stats.json holds it, and DVC hashes stats.json: torch's mean summed per thread, so a render by hand
+    on 16 cores and one under Snakemake on 2 gave other bytes, and re-ran pretrain and all after it."""
+    images = np.random.default_rng(0).integers(0, 256, (1024, 24, 24, 3), dtype=np.uint8)
+    threads = torch.get_num_threads()
+    try:
+        values = set()
+        for t in (1, 2, 3, 4):
+            torch.set_num_threads(t)
+            values.add(S.diversity(images))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(values) == 1, values

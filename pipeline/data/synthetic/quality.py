@@ -3,6 +3,7 @@ diversity) and a PNG contact sheet for looking at them."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -28,10 +29,11 @@ def near_constant_fraction(images_uint8, threshold: float = 0.02) -> float:
 
 
 def diversity(images_uint8) -> float:
-    """Mean pairwise L2 distance between images area-downsampled to 16x16x3 in [0,1]."""
+    """Mean pairwise L2 distance between images area-downsampled to 16x16x3 in [0,1]. Summed exactly
+    (fsum): torch's mean splits the sum by thread, and stats.json must not change with the core count."""
     small = [F.adaptive_avg_pool2d(x, 16).flatten(1) for x in _as_float01(images_uint8)]
     small = torch.cat(small) if small else torch.zeros(0)
-    return float(torch.pdist(small).mean()) if len(small) >= 2 else 0.0
+    return math.fsum(torch.pdist(small).tolist()) / math.comb(len(small), 2) if len(small) >= 2 else 0.0
 
 
 def contact_sheet(images_uint8, path, ncols: int = 8, pad: int = 2) -> str:
