@@ -107,7 +107,7 @@ def run_stage(name: str, params_path: str = "params.yaml", overrides=(), resolve
         run(params, StageContext(st, tracker, threads, device))
     from pipeline.dvc_commit import record_done
 
-    record_done(st.name)  # for the Snakemake run this job is one of: it versions what its jobs made
+    record_done(st.name, params)  # for the Snakemake run this job is one of: it versions what its jobs made
 
 
 def non_negative(text: str) -> int:

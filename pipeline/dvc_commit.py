@@ -14,30 +14,45 @@ from pathlib import Path
 
 from pipeline.tracking import PARENT_ENV
 
-DONE_ROOT = Path(".dpfm/snakemake-done")  # a marker per stage a Snakemake run (its MLflow parent) finished
+# A marker per stage a Snakemake run (its MLflow parent) finished, holding the digest of its params.
+DONE_ROOT = Path(".dpfm/snakemake-done")
 
 
-def record_done(stage_name: str) -> None:
-    """Mark `stage_name` finished by the Snakemake run this job belongs to (none when run by hand)."""
+def record_done(stage_name: str, params: dict) -> None:
+    """Mark `stage_name` finished, with `params`, by the Snakemake run this job belongs to (none when run
+    by hand)."""
+    from pipeline.stages import params_digest
+
     parent = os.environ.get(PARENT_ENV)
     if parent:
         (DONE_ROOT / parent).mkdir(parents=True, exist_ok=True)
-        (DONE_ROOT / parent / stage_name).touch()
+        (DONE_ROOT / parent / stage_name).write_text(params_digest(params, stage_name))
 
 
 def stages_to_commit(parent: str, config: dict, params_path: str = "params.yaml") -> tuple[list[str], list[str]]:
-    """(the stages the run finished under params.yaml's values, those it finished under others)."""
-    from pipeline.config import load_params
-    from pipeline.stages import stage, tracked
+    """(the stages to commit, those the run finished under params other than params.yaml's).
 
-    done = sorted(p.name for p in (DONE_ROOT / parent).glob("*")) if (DONE_ROOT / parent).is_dir() else []
+    Besides the run's own, the stages earlier runs finished before they failed: the next run skips them
+    as up to date, so they were never committed (dvc repro trained such a dp-train, and charged the
+    budget, again). Each is committed when its params are params.yaml's now, as its marker records, and
+    its outputs are still there."""
+    from pipeline.config import load_params
+    from pipeline.stages import params_digest, stage, tracked
+
     on_disk = load_params(params_path)
+    done = sorted(p.name for p in (DONE_ROOT / parent).glob("*")) if (DONE_ROOT / parent).is_dir() else []
+    earlier = {}  # stage -> its newest marker of an earlier run
+    for marker in sorted(DONE_ROOT.glob("*/*"), key=lambda m: m.stat().st_mtime_ns):
+        if marker.parent.name != parent and marker.name not in done:
+            earlier[marker.name] = marker
 
     def same(name: str) -> bool:
         sections = stage(name).sections
         return json.dumps(tracked(config, sections), sort_keys=True) == json.dumps(tracked(on_disk, sections),
                                                                                    sort_keys=True)
-    return [n for n in done if same(n)], [n for n in done if not same(n)]
+    kept = [n for n, m in earlier.items() if m.read_text() == params_digest(on_disk, n)
+            and all(Path(out).exists() for out in stage(n).all_outputs)]  # not deleted since by a failed rerun
+    return sorted([n for n in done if same(n)] + kept), [n for n in done if not same(n)]
 
 
 def commit_run(parent: str, config: dict, python: str = sys.executable) -> None:
@@ -50,7 +65,7 @@ def commit_run(parent: str, config: dict, python: str = sys.executable) -> None:
         print(f"\nWARNING: DVC does not version this run: {e}", file=sys.stderr)
         return
     finally:
-        shutil.rmtree(DONE_ROOT / parent, ignore_errors=True)
+        shutil.rmtree(DONE_ROOT, ignore_errors=True)  # every run's markers: those not committed are stale
     if overridden:
         print(f"\nWARNING: DVC does not version {', '.join(overridden)}: they ran with params other than "
               "params.yaml's (--config), which dvc.lock would record; set them in params.yaml and run again",

@@ -3,11 +3,13 @@ values. Committing every stage wrote params.yaml's values into dvc.lock beside o
 remade, and a `--config` override's outputs beside params.yaml's values."""
 
 import os
+from pathlib import Path
 
 import pytest
 
 from pipeline import dvc_commit
 from pipeline.config import load_params
+from pipeline.stages import stage
 from pipeline.tracking import PARENT_ENV
 
 
@@ -19,10 +21,10 @@ def dvc_calls(in_tmp, monkeypatch):
     return calls
 
 
-def finish(monkeypatch, parent, *stage_names):
+def finish(monkeypatch, parent, *stage_names, params=None):
     monkeypatch.setenv(PARENT_ENV, parent)
     for name in stage_names:  # as each job's `dpfm <stage>` does once it succeeds
-        dvc_commit.record_done(name)
+        dvc_commit.record_done(name, params or load_params())
 
 
 def test_a_run_commits_the_stages_it_ran_and_no_other(dvc_calls, monkeypatch, capsys):
@@ -35,6 +37,21 @@ def test_a_run_commits_the_stages_it_ran_and_no_other(dvc_calls, monkeypatch, ca
     assert not (dvc_commit.DONE_ROOT / "run-1").exists()  # spent
     dvc_commit.commit_run("run-2", load_params())  # a run that ran nothing (all up to date, or --touch)
     assert dvc_calls == [["--force", "--quiet", "pretrain", "synthetic"]]
+
+
+def test_stages_a_failed_run_finished_are_committed_by_the_next_run(dvc_calls, monkeypatch):
+    """dp-train finished, then evaluate failed: the next run skips dp-train as up to date, and committed
+    only what it ran, so dvc.lock never had dp-train and `dvc repro` trained it (and charged the budget)
+    again. A stage an earlier run finished under params edited since, or whose outputs are gone (a later
+    run failed in it: Snakemake deletes them), is not committed."""
+    finish(monkeypatch, "run-1", "pretrain", "dp-train", params=load_params(overrides=["pretrain.lr=0.5"]))
+    finish(monkeypatch, "run-1", "verify")  # then run-1 fails: no commit
+    finish(monkeypatch, "run-2", "verify", "evaluate")
+    for out in stage("dp-train").all_outputs:
+        Path(out).mkdir(parents=True) if out.endswith("/") else Path(out).touch()
+    dvc_commit.commit_run("run-2", load_params())
+    assert dvc_calls == [["--force", "--quiet", "dp-train", "evaluate", "verify"]]
+    assert not dvc_commit.DONE_ROOT.exists()  # every marker spent: pretrain's is stale
 
 
 def test_stages_run_with_config_overrides_are_not_committed(dvc_calls, monkeypatch, capsys):
@@ -50,7 +67,7 @@ def test_stages_run_with_config_overrides_are_not_committed(dvc_calls, monkeypat
 
 def test_a_stage_run_by_hand_marks_nothing(in_tmp, monkeypatch):
     monkeypatch.delenv(PARENT_ENV, raising=False)
-    dvc_commit.record_done("dp-train")
+    dvc_commit.record_done("dp-train", load_params())
     assert not dvc_commit.DONE_ROOT.exists() and not os.path.exists(".dpfm/snakemake-done")
 
 
