@@ -11,7 +11,7 @@ from pipeline.privacy.params_check import check_dp_params, schedule_warnings
 from pipeline.config import (ParamsError, load_schema, merge, numbers, read_resolved, read_yaml, typed, validate,
                              write_resolved)
 from pipeline.launch import STOP_NOTICE_S
-from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, eval_files_tag, stage, tracked
+from pipeline.stages import SCAN_GROUP_SOURCES, STAGES, eval_files_tag, source_files_tag, stage, tracked
 
 # The file of validated params every job reads (`--resolved "$DPFM_RESOLVED_PARAMS"`). An environment
 # variable, not one of the params: its path changes with the config, and a param change re-runs a stage
@@ -99,6 +99,8 @@ def stage_params(name):
         if sets not in EVAL_FILES_TAGS:
             EVAL_FILES_TAGS[sets] = eval_files_tag(config["evaluate"]["sets"])
         values["evaluate_files"] = EVAL_FILES_TAGS[sets]
+    if name == "shards":  # the private source's files (names and times), not only its paths
+        values["source_files"] = source_files_tag(config["shards"])
     return json.dumps(values, sort_keys=True)
 
 

@@ -124,6 +124,41 @@ def test_img2dataset_folder_is_used_as_it_is(tmp_path, monkeypatch, capsys):
     assert not list((tmp_path / "out/private").glob("*.tar"))  # indexed where they are, not copied
 
 
+def test_the_source_files_tag_follows_the_private_sources_files_but_not_their_sizes(tmp_path):
+    """Snakemake compares it as a param of the shards stage (rules/common.smk): a table edited in place,
+    the shards img2dataset finished after a run, a local shard rewritten left the shards (and the model)
+    up to date with the old data. Sizes are statistics of the examples: the tag never reads them."""
+    from pipeline.stages import source_files_tag
+
+    folder = tmp_path / "i2d"
+    img2dataset_folder(folder, np.random.default_rng(0))
+    table = tmp_path / "pairs.csv"
+    table.write_text("url,caption\nhttp://x/a.png,a cat\n")
+    configs = {"img2dataset": {"source": "img2dataset", "path": str(folder), "urls": []},
+               "download": {"source": "download", "path": str(table), "urls": []},
+               "urls": {"source": "urls", "path": None, "urls": [f"{folder}/{{00000..00001}}.tar",
+                                                                 "https://example.com/00000.tar"]}}
+    tags = {name: source_files_tag(cfg) for name, cfg in configs.items()}
+    assert len(set(tags.values())) == 3 and {n: source_files_tag(c) for n, c in configs.items()} == tags
+
+    def moved(path: Path, size_only: bool = False) -> None:  # rewritten in place, a second later
+        stat = path.stat()
+        if size_only:
+            path.write_bytes(path.read_bytes() + b"\0")
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + (0 if size_only else 10**9)))
+
+    moved(table, size_only=True)  # same name and time: the tag cannot tell, and must not read the size
+    assert source_files_tag(configs["download"]) == tags["download"]
+    moved(table)
+    moved(folder / "00001.tar")
+    changed = {name: source_files_tag(cfg) for name, cfg in configs.items()}
+    assert all(changed[n] != tags[n] for n in tags)
+    (folder / "00002_stats.json").write_text("{}")  # img2dataset finished the last shard
+    assert source_files_tag(configs["img2dataset"]) != changed["img2dataset"]
+    assert source_files_tag({"source": "digits", "path": None, "urls": []}) == source_files_tag(
+        {"source": "urls", "path": None, "urls": ["{bad"]})  # nothing to follow (the stage names the bad pattern)
+
+
 def test_img2dataset_folder_errors(tmp_path):
     with pytest.raises(ValueError, match="not a folder"):
         sources.img2dataset_shards(str(tmp_path / "absent"))

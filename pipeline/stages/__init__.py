@@ -170,22 +170,44 @@ def eval_files_tag(sets: list[dict]) -> str:
     (`path`, `train`, `test`), for Snakemake to compare as a param: the paths are params, the files under
     them not, so images replaced, relabelled or added under the same path left evaluate and the curve up
     to date with the accuracies of the old files. Names and sizes of public data only."""
+    return _files_tag([Path(spec[key]) for spec in sets for key in ("path", "train", "test") if spec.get(key)],
+                      sizes=True)
+
+
+def source_files_tag(shards: dict) -> str:
+    """The same for the shards stage, of the private source's local files: a (url, caption) table edited,
+    shards img2dataset finished after a run, a shard rewritten in place under the same name left the
+    shards, and the model, up to date with the old data. Names and modification times only: a size is
+    a statistic of the examples. Remote shards are checked by their version tags when they are scanned."""
+    from pipeline.data import remote, sources
+
+    if shards["source"] in ("download", "img2dataset") and shards["path"] and remote.is_local(shards["path"]):
+        roots = [Path(remote.local_path(shards["path"]))]
+    elif shards["source"] == "urls":
+        try:
+            roots = [Path(remote.local_path(u)) for u in sources.expand_urls(shards["urls"]) if remote.is_local(u)]
+        except ValueError:  # a bad pattern: the stage names it when it runs
+            roots = []
+    else:  # the labelled sets: public packages
+        roots = []
+    return _files_tag(roots, sizes=False)
+
+
+def _files_tag(roots: list[Path], sizes: bool) -> str:
     import hashlib
     import os
 
     digest = hashlib.sha256()
-    for spec in sets:
-        for key in ("path", "train", "test"):
-            root = Path(spec[key]) if spec.get(key) else None
-            walked = os.walk(root) if root and root.is_dir() else [(root.parent, [], [root.name])] if root else []
-            for folder, dirs, files in walked:
-                dirs.sort()
-                for name in sorted(files):
-                    try:
-                        st = os.stat(Path(folder) / name)
-                    except FileNotFoundError:  # a missing path: the stage names it when it runs
-                        continue
-                    digest.update(f"{Path(folder) / name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for root in roots:
+        walked = os.walk(root) if root.is_dir() else [(root.parent, [], [root.name])]
+        for folder, dirs, files in walked:
+            dirs.sort()
+            for name in sorted(files):
+                try:
+                    st = os.stat(Path(folder) / name)
+                except FileNotFoundError:  # a missing path: the stage names it when it runs
+                    continue
+                digest.update(f"{Path(folder) / name}\0{st.st_size if sizes else ''}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
 
 
