@@ -124,6 +124,34 @@ def test_img2dataset_folder_is_used_as_it_is(tmp_path, monkeypatch, capsys):
     assert not list((tmp_path / "out/private").glob("*.tar"))  # indexed where they are, not copied
 
 
+def test_an_img2dataset_folder_is_listed_in_calls_that_do_not_grow_with_its_shards(tmp_path, monkeypatch):
+    """On an object store each call is a round trip: an exists and an open per shard, one after another,
+    was some 46k sequential requests for 23k shards, in each of ~230 scan jobs. Two listings and one
+    (concurrent) read of every stats file, whatever the count; the scan jobs read none."""
+    calls = []
+
+    class Counting:
+        def __init__(self, fs):
+            self.fs = fs
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self.fs, name)
+
+    real_storage = sources.storage
+    monkeypatch.setattr(sources, "storage", lambda url: (lambda fs, root: (Counting(fs), root))(*real_storage(url)))
+    seen = {}
+    for shards in (3, 7):
+        img2dataset_folder(tmp_path / f"i2d-{shards}", np.random.default_rng(0), counts=(1,) * shards, shape=(4, 4))
+        for stats in (True, False):
+            calls.clear()
+            urls, info = sources.img2dataset_shards(str(tmp_path / f"i2d-{shards}"), stats)
+            assert len(urls) == shards - 1 and info["img2dataset"]["successes"] == (shards - 1 if stats else 0)
+            seen[shards, stats] = sorted(calls)
+    assert seen[3, True] == seen[7, True] == ["cat", "glob", "glob", "isdir"]
+    assert seen[3, False] == seen[7, False] == ["glob", "glob", "isdir"]
+
+
 def test_the_source_files_tag_follows_the_private_sources_files_but_not_their_sizes(tmp_path):
     """Snakemake compares it as a param of the shards stage (rules/common.smk): a table edited in place,
     the shards img2dataset finished after a run, a local shard rewritten left the shards (and the model)

@@ -83,11 +83,14 @@ def storage(url: str):
 
 # -- img2dataset output folders --------------------------------------------------------------------
 
-def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
+def img2dataset_shards(folder: str, stats: bool = True) -> tuple[list[str], dict]:
     """The tars of an img2dataset output folder (output_format webdataset), used where they are.
 
     img2dataset writes `<id>_stats.json` once a shard is finished; a tar without it is left over
-    from an interrupted run, so it is skipped and counted.
+    from an interrupted run, so it is skipped and counted (owner-only). Two listings tell which are
+    finished, and the stats files are read at once (concurrently from an object store): a request or
+    two per shard, one after another, took minutes at 23k shards, in every scan job. `stats=False`
+    (the scan jobs, which discard them) reads none.
     """
     fs, root = storage(folder)
     if not fs.isdir(root):
@@ -95,26 +98,24 @@ def img2dataset_shards(folder: str) -> tuple[list[str], dict]:
     tars = sorted(fs.glob(f"{root.rstrip('/')}/*.tar"))
     if not tars:
         raise SourceError(f"{folder} has no .tar shards: is it img2dataset output with output_format=webdataset?")
-    urls, incomplete = [], []
+    listed = set(fs.glob(f"{root.rstrip('/')}/*_stats.json"))
+    finished = [t for t in tars if t[:-len(".tar")] + "_stats.json" in listed]
+    incomplete = [t for t in tars if t[:-len(".tar")] + "_stats.json" not in listed]
+    as_url = (lambda t: t) if remote.is_local(folder) else fs.unstrip_protocol
     totals = {"count": 0, "successes": 0, "failed_to_download": 0, "failed_to_resize": 0}
-    for tar in tars:
-        stats_path = tar[:-len(".tar")] + "_stats.json"
-        url = tar if remote.is_local(folder) else fs.unstrip_protocol(tar)
-        if not fs.exists(stats_path):
-            incomplete.append(url)
-            continue
+    contents = fs.cat([t[:-len(".tar")] + "_stats.json" for t in finished]) if stats and finished else {}
+    for stats_path, data in sorted(contents.items()):
         try:
-            with fs.open(stats_path, "rb") as f:
-                shard_stats = json.load(f)
+            shard_stats = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             raise SourceError(f"{stats_path}: not an img2dataset stats file ({e}): img2dataset writes it once the "
                               "shard is finished; run img2dataset again for that shard, or remove both files") from None
         for k in totals:
             totals[k] += int(shard_stats.get(k, 0) or 0)
-        urls.append(url)
-    for u in incomplete:  # a fact about the private data: the owner's log
+    incomplete = [as_url(t) for t in incomplete]
+    for u in incomplete if stats else []:  # a fact about the private data: the owner's log
         owner.note("shards", f"skipped {u}: no _stats.json beside it (img2dataset did not finish this shard)")
-    return urls, {"img2dataset": totals, "incomplete_shards": incomplete}
+    return [as_url(t) for t in finished], {"img2dataset": totals, "incomplete_shards": incomplete}
 
 
 # -- downloading a (url, caption) table ------------------------------------------------------------

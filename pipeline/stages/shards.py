@@ -102,8 +102,8 @@ def write_labelled_shard(directory: Path, number: int, indices: np.ndarray, grey
     return directory, number, rows, {"url": name, "size": size}
 
 
-def resolve_source(cfg: dict) -> tuple[list[str], dict]:
-    """The shard list of a web source, and what the source itself reports."""
+def resolve_source(cfg: dict, stats: bool = True) -> tuple[list[str], dict]:
+    """The shard list of a web source, and (with `stats`) what the source itself reports."""
     source = cfg["source"]
     if source == "urls":
         return sources.expand_urls(cfg["urls"]), {}
@@ -111,7 +111,7 @@ def resolve_source(cfg: dict) -> tuple[list[str], dict]:
         raise ParamsError([f"shards.source={source} needs shards.path "
                            f"({'the img2dataset output folder' if source == 'img2dataset' else 'a (url, caption) table'})"])
     if source == "img2dataset":
-        return sources.img2dataset_shards(cfg["path"])
+        return sources.img2dataset_shards(cfg["path"], stats)
     dl = cfg["download"]
     return sources.download(cfg["path"], Path(cfg["cache_dir"]) / "download", image_size=cfg["image_size"],
                             samples_per_shard=cfg["samples_per_shard"], url_column=dl["url_column"],
@@ -145,7 +145,7 @@ def scan(params: dict, group: int, groups: int, threads: int) -> dict:
     if cfg["source"] not in SCAN_GROUP_SOURCES:
         raise ParamsError([f"shards.source={cfg['source']} is not scanned in groups (only "
                            f"{', '.join(SCAN_GROUP_SOURCES)})"], source="scan-shards")
-    urls, _ = resolve_source(cfg)
+    urls, _ = resolve_source(cfg, stats=False)
     return scan_group(urls, group, groups, scan_cache(cfg), workers=cfg["workers"] or threads,
                       check_size=cfg["image_size"])
 
