@@ -109,7 +109,12 @@ def test_every_metric_of_the_curve_carries_the_stages_one_timestamp_and_its_trai
     history = {k: client.get_metric_history(run.info.run_id, k) for k in run.data.metrics}
     trained = {"curve.random.eps_2.seed_3.": "", "curve.random.eps_inf.seed_3.": "nonprivate_"}
     assert set(history) == {f"{t}{p}{m}" for t, p in trained.items() for m in ("heldout_loss", "lr")} | {
-        "curve.random.eps_2.linear_probe", "curve.random.eps_inf.linear_probe"}, set(history)
+        f"curve.random.eps_{e}.linear_probe{end}" for e in ("2", "inf") for end in ("", "_ci_lo", "_ci_hi")}, \
+        set(history)
+    for point in json.loads((work / "results/curve/curve.json").read_text())["points"]:  # each with its interval
+        name = f"curve.random.eps_{point['epsilon']}.linear_probe"
+        assert [history[name + end][0].value for end in ("", "_ci_lo", "_ci_hi")] == pytest.approx(
+            [point["linear_probe"], *point["linear_probe_ci"]])
     for name in ("curve.random.eps_2.seed_3.heldout_loss", "curve.random.eps_inf.seed_3.nonprivate_heldout_loss"):
         steps = [m.step for m in history[name]]
         assert len(steps) > 1 and len(steps) == len(set(steps)), (name, steps)  # one training's, per step

@@ -586,8 +586,9 @@ def test_the_experiment_plot_keeps_its_whole_legend_and_skips_points_it_cannot_p
 
     path = root / "pu.png"
     plots.plot_privacy_utility(points[:2] + [{**points[1], "current": True, "private_as_a_whole": False}],
-                               {"synthetic": ("synthetic only", 0.7), "random": ("random init", 0.5),
-                                "nonprivate": ("DP (non-private twin, without DP, ε = ∞)", 0.9)}, path)
+                               {"synthetic": ("synthetic only", 0.7, [0.66, 0.74]),
+                                "random": ("random init", 0.5, None),
+                                "nonprivate": ("DP (non-private twin, without DP, ε = ∞)", 0.9, [0.88, 0.92])}, path)
     image = np.asarray(Image.open(path).convert("L"))
     edges = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
     assert edges.min() == 255, "the legend runs past the picture's edge"
@@ -596,3 +597,17 @@ def test_the_experiment_plot_keeps_its_whole_legend_and_skips_points_it_cannot_p
     monkeypatch.setattr(plots.plt.Axes, "errorbar", lambda ax, x, y, yerr, **kw: bars.append((x, y, yerr)))
     plots.plot_privacy_utility([{**points[1], "ci": [0.8, 0.87]}, points[0]], {}, path)
     assert [(x, y, [[round(a, 6) for a in e] for e in yerr]) for x, y, yerr in bars] == [(4.0, 85.0, [[5.0], [2.0]])]
+    # The baselines' intervals too: the synthetic warm start's as a bar at ε = 0, a line's as a band.
+    bars.clear()
+    bands = []
+    monkeypatch.setattr(plots.plt.Axes, "axhspan", lambda ax, lo, hi, **kw: bands.append((round(lo, 6), round(hi, 6))))
+    baselines = {"synthetic": ("synthetic only", 0.7, [0.66, 0.74]), "random": ("random init", 0.5, None),
+                 "nonprivate": ("non-private twin", 0.9, [0.88, 0.92])}
+    plots.plot_privacy_utility([points[1]], baselines, path)
+    assert [(x, y, [[round(a, 6) for a in e] for e in yerr]) for x, y, yerr in bars] == [(0, 70.0, [[4.0], [4.0]])]
+    assert bands == [(88.0, 92.0)]
+    bands.clear()
+    curve = [{"init": "pretrain", "epsilon": e, "linear_probe": 0.8, "linear_probe_ci": [0.75, 0.85]} for e in (1, 8)]
+    plots.plot_curve(curve, {"synthetic": ("synthetic only", 0.7, [0.66, 0.74]), "pixels": ("raw pixels", 0.6, None)},
+                     path)
+    assert bands == [(66.0, 74.0)]

@@ -151,8 +151,9 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
          "ci": released(dp_row).get("linear_probe_ci"), "objective": plan.objective, "current": True}]
     # This run's verdict is the report's own (its parent is tagged after it ends).
     points = [p | {"private_as_a_whole": privacy["private"]} if p["current"] else p for p in points]
-    plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n]) for n in ("synthetic", "nonprivate", "random")
-                                        if n in lp}, figures["privacy_utility"])
+    plots.plot_privacy_utility(points, {n: (models[n]["label"], lp[n], lp_ci.get(n))
+                                        for n in ("synthetic", "nonprivate", "random") if n in lp},
+                               figures["privacy_utility"])
     curve = curve_section(metrics.get("privacy_utility"),
                           {n: (models[n]["label"], lp[n], lp_ci.get(n)) for n in ("synthetic", "random", "pixels")
                            if n in lp},

@@ -84,10 +84,17 @@ def _interval_bar(ax, x: float, accuracy: float, ci) -> None:
                 elinewidth=0.9, capsize=2, alpha=0.6, zorder=2)
 
 
+def _baseline(ax, name: str, label: str, accuracy: float, ci, ls: str) -> None:
+    """A baseline's accuracy as a horizontal line, its 95% interval [lo, hi] (when it has one) as a band."""
+    ax.axhline(100 * accuracy, color=MODEL_COLORS[name], ls=ls, lw=1.1, label=label)
+    if ci:
+        ax.axhspan(100 * ci[0], 100 * ci[1], color=MODEL_COLORS[name], alpha=0.1, lw=0)
+
+
 def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
     """points: {epsilon, accuracy, ci ([lo, hi] or None), objective, current, private_as_a_whole} per DP
     model (hollow when its run was NOT PRIVATE as a whole: the model is DP at its ε, the run's other
-    outputs are not); baselines: {name: (label, accuracy)}."""
+    outputs are not); baselines: {name: (label, accuracy, 95% interval or None)}."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(5.0, 4.2))
         markers = {"mae": "o", "caption": "s", "clip": "^"}
@@ -111,16 +118,19 @@ def plot_privacy_utility(points: list[dict], baselines: dict, path) -> None:
                        zorder=4)
         xmax = max([p["epsilon"] for p in points] + [1.0]) * 1.5
         if "synthetic" in baselines:  # no private data seen: ε = 0
-            label, acc = baselines["synthetic"][:2]
+            label, acc, ci = baselines["synthetic"]
+            if ci:
+                ax.errorbar(0, 100 * acc, yerr=[[100 * max(acc - ci[0], 0)], [100 * max(ci[1] - acc, 0)]], fmt="none",
+                            ecolor=MODEL_COLORS["synthetic"], elinewidth=0.9, capsize=2, clip_on=False, zorder=2)
             ax.scatter(0, 100 * acc, marker="D", s=40, color=MODEL_COLORS["synthetic"], label=f"{label}, ε = 0",
                        zorder=3, clip_on=False)
         for name, ls in (("nonprivate", "--"), ("random", ":")):
             if name in baselines:
-                label, acc = baselines[name][:2]
+                label, acc, ci = baselines[name]
                 suffix = " (ε = ∞)" if name == "nonprivate" and "ε = ∞" not in label else ""
-                ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.2, label=label + suffix)
-        accs = [p["accuracy"] for p in points] + [a for _, a in baselines.values()] + \
-            [end for p in points for end in p.get("ci") or ()]
+                _baseline(ax, name, label + suffix, acc, ci, ls)
+        accs = [p["accuracy"] for p in points] + [b[1] for b in baselines.values()] + \
+            [end for p in points for end in p.get("ci") or ()] + [end for b in baselines.values() for end in b[2] or ()]
         lo = max(0.0, math.floor(min(accs) * 10 - 0.5) * 10) if accs else 0.0
         hi = min(100.0, math.ceil(max(accs) * 10 + 0.5) * 10) if accs else 100.0
         ax.set_xscale("symlog", linthresh=1.0)  # runs from ε = 0.5 to 64 apart; the warm start at ε = 0
@@ -144,7 +154,7 @@ def curve_x(epsilon) -> float:
 
 def plot_curve(points: list[dict], baselines: dict, path) -> None:
     """The privacy–utility curve: linear probe (95% interval band) against ε per init; baselines:
-    {name: (label, accuracy)} as horizontal lines."""
+    {name: (label, accuracy, 95% interval or None)} as horizontal lines, their intervals as bands."""
     finite = sorted({p["epsilon"] for p in points if p["epsilon"] != "inf"})
     inf_x = (math.log2(finite[-1]) + 1.0) if finite else 0.0
     with plt.rc_context(STYLE):
@@ -162,8 +172,8 @@ def plot_curve(points: list[dict], baselines: dict, path) -> None:
         for name, ls, note in (("synthetic", "--", " (no private data)"), ("random", ":", " (untrained)"),
                                ("pixels", "-.", "")):
             if name in baselines:
-                label, acc = baselines[name][:2]
-                ax.axhline(100 * acc, color=MODEL_COLORS[name], ls=ls, lw=1.1, label=label + note)
+                label, acc, ci = baselines[name]
+                _baseline(ax, name, label + note, acc, ci, ls)
         ticks = [math.log2(e) for e in finite] + ([inf_x] if any(p["epsilon"] == "inf" for p in points) else [])
         ax.set_xticks(ticks, [f"{e:g}" for e in finite] + (["∞"] if len(ticks) > len(finite) else []))
         ax.set(xlabel="ε (log scale; ∞: the same recipe without DP)", ylabel="linear-probe accuracy (%)",

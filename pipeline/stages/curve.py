@@ -66,7 +66,8 @@ def run(params: dict, ctx) -> None:
             lo, hi = point["linear_probe_ci"]
             print(f"curve: {init:<8} ε={epsilon:<5} linear probe {point['linear_probe']:.3f} (95% CI {lo:.3f}-{hi:.3f}"
                   f"{f', {len(rows)} seeds' if len(rows) > 1 else ''})")
-            ctx.tracker.log_metrics({f"curve.{init}.eps_{epsilon}.linear_probe": point["linear_probe"]})
+            name = f"curve.{init}.eps_{epsilon}.linear_probe"  # with its interval, as evaluate logs its rows
+            ctx.tracker.log_metrics({name: point["linear_probe"], f"{name}_ci_lo": lo, f"{name}_ci_hi": hi})
     if not is_main:
         return
     # The ε = ∞ points, a known noise key, an earlier release outside DP on the budget (dp-train's twin, ...):
