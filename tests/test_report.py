@@ -456,11 +456,18 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     the registered model is tagged not private; without it, the composed ε is finite and logged."""
     import math
 
+    from matplotlib.axes import Axes
+
     root, params = project
     params["dp"]["noise_seed"] = None
     params["curve"]["epsilons"] = [1, 8]
     private = RecordingTracker()
-    report.run(params, SimpleNamespace(stage=stage("report"), tracker=private))
+    titles, set_title = [], Axes.set_title  # the ε figure travels without the report: it says so itself
+    recording = lambda ax, label, *a, **kw: titles.append(label) or set_title(ax, label, *a, **kw)  # noqa: E731
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Axes, "set_title", recording)
+        report.run(params, SimpleNamespace(stage=stage("report"), tracker=private))
+    assert not [t for t in titles if "NOT PRIVATE" in t]
     final = read_json(root / "results/privacy/privacy.json")
     assert final["private"] and final["not_private"] == []
     assert private.metrics["epsilon_composed"] == pytest.approx(final["epsilon_composed"])
@@ -477,8 +484,11 @@ def test_a_run_with_non_private_training_on_private_data_says_not_private_everyw
     original = plots.plot_privacy_utility
     with pytest.MonkeyPatch.context() as m:  # the star: the model is DP at its ε, the run is not (hollow)
         m.setattr(plots, "plot_privacy_utility", lambda points, *a: plotted.extend(points) or original(points, *a))
+        m.setattr(Axes, "set_title", recording)
         report.run(params, SimpleNamespace(stage=stage("report"), tracker=public))
     assert [p["private_as_a_whole"] for p in plotted if p["current"]] == [False]
+    assert [t for t in titles if "NOT PRIVATE" in t] == [
+        "NOT PRIVATE as a whole: ε = ∞ for the run's outputs (this ε is the model's)\n"]
     final = read_json(root / "results/privacy/privacy.json")
     assert not final["private"] and final["epsilon_composed"] == "inf"
     assert "the curve's ε = ∞ point trains without DP on the private shards" in final["not_private"]

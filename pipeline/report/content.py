@@ -135,7 +135,8 @@ def build(params: dict, ver: dict, plan: Plan, metrics: dict, out: Path, mlflow_
     lp_ci = {name: row["cells"][0][2] for name, row in primary_rows.items()}
 
     plots.plot_epsilon(epsilon_curves(ver), plan.target_epsilon, (ver["steps"], ver["epsilon_reported"]),
-                       figures["epsilon"])
+                       figures["epsilon"], None if privacy["private"] else "NOT PRIVATE as a whole: ε = ∞ for the "
+                       "run's outputs (this ε is the model's)")
     plots.plot_losses(*histories, figures["losses"])
     shutil.copyfile(contact_sheet, figures["contact_sheet"])
     points, source = mlflow_points

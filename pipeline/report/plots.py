@@ -41,8 +41,11 @@ def plot_losses(pretrain_hist: dict, dp_hist: dict, path) -> None:
         _save(fig, path)
 
 
-def plot_epsilon(curves: dict, target: float | None, final: tuple[int, float], path) -> None:
-    """curves: {accountant: (steps, eps)}; the reported ε is marked at the last step."""
+def plot_epsilon(curves: dict, target: float | None, final: tuple[int, float], path,
+                 not_private: str | None = None) -> None:
+    """curves: {accountant: (steps, eps)}; the reported ε is marked at the last step. `not_private`: the
+    words saying the run as a whole is not covered (its ε is the model's alone), on the picture itself,
+    which travels without the report around it."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(4.6, 3.2))
         for i, (name, (steps, eps)) in enumerate(curves.items()):
@@ -52,6 +55,8 @@ def plot_epsilon(curves: dict, target: float | None, final: tuple[int, float], p
         ax.plot(*final, "o", color="black", ms=4)
         ax.annotate(f"ε = {bound_text(final[1], 2)}", final, textcoords="offset points", xytext=(-6, 6), ha="right")
         ax.set(title="ε spent against DP step", xlabel="step", ylabel="ε", ylim=(0, None))
+        if not_private:
+            ax.set_title(f"{not_private}\n", loc="left", color=MODEL_COLORS["dp"], fontsize=8, fontweight="bold")
         ax.legend(loc="lower right")
         _save(fig, path)
 
