@@ -27,6 +27,16 @@ def test_committed_dvc_yaml_matches_table():
     assert check_dvc_yaml(ROOT / "dvc.yaml") == ""
 
 
+def test_every_key_dvc_yaml_lists_is_one_params_yaml_must_hold():
+    """dvc.yaml lists each stage's tracked keys from the schema: a key the schema left optional
+    (shards.private_limit was) stops `dvc repro` and `dvc status` on a params.yaml without it, while
+    dpfm itself accepts that file."""
+    from pipeline.config import load_schema
+
+    for name, section in load_schema()["properties"].items():
+        assert sorted(section.get("required", [])) == sorted(section.get("properties", {})), name
+
+
 def test_export_dvc_check_catches_a_table_change(tmp_path, monkeypatch, capsys):
     path = tmp_path / "dvc.yaml"
     path.write_text(render_dvc_yaml())
