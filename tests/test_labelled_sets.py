@@ -183,11 +183,15 @@ def test_private_limit_shrinks_the_private_split_and_keeps_the_eval_split(in_tmp
     write_fashion(DEFAULT_DIR)
     run_shards("shards.image_size=16")
     full_private = set(ShardDataset("data/shards/private").index["key"])
-    full_eval = sorted(ShardDataset("data/shards/eval").index["key"])
+    full_eval = ShardDataset("data/shards/eval")
+    full_eval = {full_eval.key(i): full_eval.read_member(i, "image") + full_eval.read_member(i, "txt")
+                 for i in range(len(full_eval))}
     stats = run_shards("shards.image_size=16", "shards.private_limit=20")
     private = ShardDataset("data/shards/private")
     assert stats["private"]["usable"] == len(private) == 20
-    assert sorted(ShardDataset("data/shards/eval").index["key"]) == full_eval  # one eval set for every n
+    held = ShardDataset("data/shards/eval")  # one eval set for every n: its images and captions alike
+    assert full_eval == {held.key(i): held.read_member(i, "image") + held.read_member(i, "txt")
+                         for i in range(len(held))}
     assert set(private.index["key"]) < full_private
     assert np.bincount([private.meta(i)["label"] for i in range(len(private))]).tolist() == [2] * 10
     with pytest.raises(ValueError, match=r"shards.private_limit subsamples a labelled set's private split"):

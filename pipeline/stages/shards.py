@@ -65,11 +65,13 @@ def write_labelled(cfg: dict, seed: int, out: Path, workers: int = 1) -> dict:
     if not len(eval_idx):
         raise ParamsError([f"shards.limit={cfg['limit']} leaves the {lset.name} eval split empty (eval_fraction "
                            f"{cfg['eval_fraction']} of each class rounds to 0): raise shards.limit"])
-    rng = np.random.default_rng(seed + 1)
     per, jobs = cfg["samples_per_shard"], []
-    for split, idx in zip(SPLITS, (train_idx, eval_idx)):
+    # Each split's captions from a generator of its own (the eval split's drew after the private one's, so
+    # they changed with shards.private_limit), drawn here in one order: none depends on which process
+    # writes its shard.
+    rngs = (np.random.default_rng(seed + 1), np.random.default_rng([seed + 1, 1]))
+    for split, idx, rng in zip(SPLITS, (train_idx, eval_idx), rngs):
         (out / split).mkdir(parents=True, exist_ok=True)
-        # Drawn here, in one order, so that no caption depends on which process writes its shard.
         captions = [lset.caption_for(int(labels[i]), rng) for i in idx]
         for number, start in enumerate(range(0, len(idx), per)):
             part = idx[start:start + per]
