@@ -109,15 +109,15 @@ def test_zero_steps_spend_nothing():
 # --------------------------------------------------------------------------
 
 def test_one_sigma_convention_a_clip_ledger_checked_through_the_cli_gives_its_own_epsilon(capsys):
-    """σ is relative to the sensitivity everywhere: the engine adds σ·K·C, and `dpfm epsilon
-    --sensitivity 2` reads a Dp-CLIP ledger's σ as it is (it once divided by K: 40.2 for a run of 7.98)."""
-    from pipeline.objectives import SENSITIVITY
+    """σ is relative to the sensitivity everywhere: the plan's noise is σ·K·C with K = 2 for per-batch
+    clipping (the engine's draw is measured against 2σC in test_engine), and `dpfm epsilon --sensitivity
+    2` reads a Dp-CLIP ledger's σ as it is (it once divided by K: 40.2 for a run of 7.98)."""
     from pipeline.privacy.plan import plan_mechanism
 
     dp = {"expected_batch_size": 128, "delta": "1/2n", "objective": "clip", "sigma": None, "epsilon": 8.0,
           "steps": 40, "accountant": "pld", "clip_norm": 1.0}
     plan = plan_mechanism(dp, 1258, "replace_one")
-    assert plan.noise_std == pytest.approx(plan.sigma * SENSITIVITY["per_batch"] * 1.0)
+    assert plan.noise_std == pytest.approx(plan.sigma * 2 * 1.0)
     main(["epsilon", "--sigma", repr(plan.sigma), "--steps", "40", "--sample-rate", repr(plan.sample_rate),
           "--delta", repr(plan.delta), "--sensitivity", "2", "--accountant", "pld", "--json"])
     assert json.loads(capsys.readouterr().out)["epsilon"]["pld"] == pytest.approx(plan.epsilon, rel=1e-6)
