@@ -364,11 +364,32 @@ def test_the_printed_line_lists_the_accountants_that_account_the_runs_adjacency(
     assert "(pld, replace-one); add/remove (the literature's): " in line and ", ;" not in line
 
 
-def test_the_batch_size_test_is_owner_only(project, in_tmp, capsys):
+def test_the_batch_size_test_is_owner_only(project, in_tmp, capsys, valid_replace_one):
     """Its p-values are statistics of the realised (private) batch sizes: the verdict is published, the
-    p-values go to the owner-only zone, and without that zone's record verify says where it is."""
+    p-values go to the owner-only zone, and without that zone's record verify says where it is.
+    Measured: another realisation of the batch sizes (which also passes) leaves everything verify prints
+    and publishes, its verification.json and its MLflow run, as it was."""
+    import mlflow
+
     from pipeline.privacy import owner
 
+    def released() -> tuple:  # stdout, verification.json, the MLflow run's figures and verdict
+        client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+        [run] = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=1)
+        return (capsys.readouterr().out, (in_tmp / artifact("verification")).read_text(), run.data.metrics,
+                run.data.tags["dpfm.verified"])
+
+    assert cli.main(["verify"]) == 0
+    first = released()
+    ledger, rng = valid_replace_one, np.random.default_rng(1)
+    other = rng.binomial(ledger["n"], ledger["sample_rate"], size=len(ledger["batch_sizes"])).tolist()
+    while not V.batch_sizes_pass(V.batch_size_tests(other, ledger["n"], ledger["sample_rate"]), ALPHA):
+        other = rng.binomial(ledger["n"], ledger["sample_rate"], size=len(other)).tolist()
+    assert other != ledger["batch_sizes"]
+    owner.write(owner.run_record("r1"), {"batch_sizes": other, "nonfinite_examples": 0})  # the same run otherwise
+    assert cli.main(["verify"]) == 0
+    assert released() == first
+    owner.write(owner.run_record("r1"), {"batch_sizes": ledger["batch_sizes"], "nonfinite_examples": 0})
     assert cli.main(["verify"]) == 0
     printed, published = capsys.readouterr().out, (in_tmp / artifact("verification")).read_text()
     p_values = owner.read("runs/r1-verify")["batch_size_p_values"]
