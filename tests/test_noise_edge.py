@@ -119,6 +119,27 @@ def test_a_plan_too_close_to_the_noise_edge_is_refused():
         plan_mechanism({**DP, "sigma": 0.1, "epsilon": 1e4}, 1258, "replace_one")
 
 
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_the_edge_refusal_sits_at_a_tenth_of_delta(objective):
+    """The plan is refused once the edge alone gives away more than δ/10, not only far past it: a σ whose
+    floor is half of δ is refused, one whose floor is 0.09 δ is not (a threshold 100× too lax passed the
+    extreme cases above). Per-batch clipping (K = 2) is one noise std per unit of its 2C, as per example."""
+    n = 1258
+    q, steps, delta = DP["expected_batch_size"] / n, DP["steps"], 1 / (2 * n)
+
+    def sigma_at(share: float) -> float:  # the σ whose floor is `share` of δ (the floor falls as σ grows)
+        lo, hi = 0.05, 1.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if noise_edge.noise_edge_floor(mid, q, steps, move=1.0) > share * delta else (lo, mid)
+        return hi
+
+    dp = {**DP, "objective": objective, "epsilon": 1e6}
+    with pytest.raises(ValueError, match=r"never passes 12\.12 std"):
+        plan_mechanism({**dp, "sigma": sigma_at(0.5)}, n, "replace_one")
+    plan_mechanism({**dp, "sigma": sigma_at(0.09)}, n, "replace_one")
+
+
 def test_the_edge_check_would_have_refused_torchs_fp32_draws():
     """The scale table's MAE at ε = 8 (σ 1.198, B = 2,048 of 60,000, 800 steps): with fp32 draws its edge
     alone gave away more than the δ printed; with dp-train's it is 1e-23 of it."""
