@@ -13,6 +13,7 @@ import pytest
 from shard_data import write_set
 
 from pipeline.data.shards import ShardWriter, encode_png
+from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import accounting, budget
 from pipeline.privacy.plan import Plan
 
@@ -21,7 +22,8 @@ SIGMA, Q, STEPS, DELTA = 0.9, 0.01, 300, 1e-6
 
 
 def plan(steps=STEPS, sigma=SIGMA, objective="mae"):
-    return Plan(objective=objective, clipping="per_sample", n=10_000, sample_rate=Q, sigma=sigma, clip_norm=1.0,
+    """The objective's own clipping (Dp-CLIP's per batch, K = 2): σ is relative to K·C, as accounted."""
+    return Plan(objective=objective, clipping=OBJECTIVES[objective].clipping, n=10_000, sample_rate=Q, sigma=sigma, clip_norm=1.0,
                 steps=steps, delta=DELTA, accountant="pld", adjacency="add_remove", target_epsilon=8.0, epsilon=8.0)
 
 
