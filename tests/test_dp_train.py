@@ -21,7 +21,7 @@ from stage_runs import flat, initial_model, initial_weights, inside, project, ru
 
 from pipeline import checkpoints
 from pipeline.artifacts import artifact
-from pipeline.privacy import training
+from pipeline.privacy import accounting, training
 from pipeline.privacy import engine
 from pipeline.config import ParamsError, load_params
 from pipeline.data.tokenizer import Tokenizer
@@ -380,12 +380,20 @@ def test_runs_on_the_same_private_data_compose(data_dir, tmp_path, monkeypatch):
     first, _ = train(work, ["dp.objective=mae"])
     train(work, ["dp.objective=mae"])  # the same run again (it resumes): charged once
     second, _ = train(work, ["dp.objective=caption"])
+    third, _ = train(work, ["dp.objective=clip"])  # per-batch clipping: its σ is relative to 2C, as accounted
     monkeypatch.chdir(work)
-    assert composition(first, first["delta"])["runs"] == 2
-    both = composition(second, second["delta"])
-    assert both["runs"] == 2 and [r["objective"] for r in both["by_run"]] == ["mae", "caption"]
-    assert both["epsilon_dp_runs"] > 1.2 * max(first["epsilon"], second["epsilon"])
-    assert first["data_identity"] == second["data_identity"] and first["run"] != second["run"]
+    assert composition(first, first["delta"])["runs"] == 3
+    every = composition(third, third["delta"])
+    assert every["runs"] == 3 and [r["objective"] for r in every["by_run"]] == ["mae", "caption", "clip"]
+    assert every["epsilon_dp_runs"] > 1.2 * max(first["epsilon"], second["epsilon"], third["epsilon"])
+    assert len({first["data_identity"], second["data_identity"], third["data_identity"]}) == 1
+    assert len({first["run"], second["run"], third["run"]}) == 3
+    # Three runs of one (σ, q, T): their composition is one mechanism of 3T steps, by the independent accountant.
+    assert {(r["sigma"], r["sample_rate"], r["steps"]) for r in (first, second, third)} == {
+        (first["sigma"], first["sample_rate"], first["steps"])}
+    assert every["epsilon_dp_runs"] == pytest.approx(accounting.epsilon(
+        first["sigma"], first["sample_rate"], 3 * first["steps"], every["delta"], adjacency=first["adjacency"]),
+        rel=1e-3)
 
 
 PUBLIC_WARM_START = ["synthetic.num_programs=4", "synthetic.frames_per_program=4", "synthetic.resolution=16",
