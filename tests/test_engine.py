@@ -28,7 +28,7 @@ from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import clipping
 from pipeline.privacy.clipping import BookKeepingClipper, UnboundableModel, VmapClipper
-from pipeline.privacy.engine import dp_step, make_clipper
+from pipeline.privacy.engine import StepRefused, dp_step, make_clipper
 from pipeline.privacy.noise import gaussian, step_noise
 from pipeline.train import NOISE, step_generator
 from pipeline.privacy.plan import Plan
@@ -388,10 +388,21 @@ def test_every_model_is_accepted():
         make_clipper(OBJECTIVES[name].clipping, model_for(name), 1.0)  # raises if a model had a problem
 
 
-def test_budget_guard_refuses_a_step_beyond_the_accounted_ones():
-    model = model_for("mae")
-    plan = Plan.unaccounted("mae", "per_sample", SIGMA, C, n=N, sample_rate=Q, steps=2)
-    with pytest.raises(RuntimeError, match="refusing step 2: ε was accounted for 2 steps"):
-        dp_step(2, sampler=engine_sampler(), fetch=fetcher("mae"), clipper=clipper_for("mae", model, World()),
-                plan=plan, key=KEY)
+def guarded_step(name, step, world):
+    """What dp_step does with step `step` of a plan accounted for 2: its refusal, or that it stepped."""
+    model = model_for(name)
+    plan = Plan.unaccounted(name, OBJECTIVES[name].clipping, SIGMA, C, n=N, sample_rate=Q, steps=2)
+    try:
+        dp_step(step, sampler=engine_sampler(), fetch=fetcher(name), clipper=clipper_for(name, model, world),
+                plan=plan, key=KEY, world=world)
+    except StepRefused as e:
+        return str(e)
+    return "stepped"
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_budget_guard_refuses_a_step_beyond_the_accounted_ones(tmp_path, name):
+    assert guarded_step(name, 1, World()) == "stepped"
+    for refused in (guarded_step(name, 2, World()), on_two_ranks(tmp_path, guarded_step, name, 2)):
+        assert refused == "refusing step 2: ε was accounted for 2 steps"
 
