@@ -295,7 +295,7 @@ def test_the_noise_is_drawn_finer_than_fp32_on_one_and_two_ranks(tmp_path, name)
     assert abs(float(one.std()) - 1) < 0.05 and relative(two, one) < 1e-9  # the same draw on both
 
 
-@pytest.mark.parametrize("name", ["mae", "clip"])
+@pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_the_fp32_grid_check_catches_fp32_noise(tmp_path, name):
     assert share_on_the_fp32_grid(drawn_noise(name, "noise drawn in fp32", World())) > 0.98
     assert share_on_the_fp32_grid(on_two_ranks(tmp_path, _drawn_noise, name, "noise drawn in fp32")) > 0.98
