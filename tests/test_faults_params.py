@@ -184,12 +184,26 @@ def test_what_voids_privacy_is_refused_before_any_work(data_dir, tmp_path, monke
     assert not (work / "models/dp").exists() and not (work / ".dpfm/state").exists()
 
 
-def test_a_known_noise_key_runs_only_as_a_test_and_is_never_private(data_dir, tmp_path, monkeypatch, no_tracking):
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_a_known_noise_key_runs_only_as_a_test_and_is_never_private(data_dir, tmp_path, monkeypatch, local_mlflow,
+                                                                     objective):
+    """Saved `private: false`, verified, and never registered: the registry holds no model, and every
+    MLflow run of it says NOT PRIVATE with the reason."""
+    import mlflow
+
     work = project(data_dir, tmp_path)
     monkeypatch.chdir(work)
-    assert cli.main(["dp-train", "--set", "dp.noise_seed=5", "--set", "privacy.testing=true", "--set", "dp.steps=2",
-                     "--set", "model.size=micro", "--set", "model.img_size=16", "--set", "dp.init=random"]) == 0
+    sets = ["dp.noise_seed=5", "privacy.testing=true", "dp.steps=2", "model.size=micro", "model.img_size=16",
+            "dp.init=random", f"dp.objective={objective}"]
+    assert cli.main(["dp-train", *sum((["--set", o] for o in sets), [])]) == 0
     assert checkpoints.load(work / "models/dp/checkpoint.pt").private is False
+    assert cli.main(["verify", *sum((["--set", o] for o in sets), [])]) == 0
+    client = mlflow.tracking.MlflowClient()
+    assert client.search_registered_models() == []
+    runs = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id])
+    assert {r.data.tags["dpfm.stage"] for r in runs} == {"dp-train", "verify"}
+    assert all(r.data.tags.get("dpfm.private") == "false" and "a test run" in r.data.tags["dpfm.not_private"]
+               for r in runs), [r.data.tags for r in runs]
 
 
 def test_a_run_that_publishes_what_its_epsilon_does_not_cover_is_not_private_as_a_whole():
