@@ -205,6 +205,10 @@ def test_deterministic_from_key_and_step_and_resumes_mid_sequence():
     s = PoissonSampler(N, Q, KEY)
     assert not np.array_equal(s.batch(0), s.batch(1))
     assert not np.array_equal(s.batch(0), PoissonSampler(N, Q, KEY + 1).batch(0))
+    # Every bit of the key counts: keys alike in their low 32 bits draw other batches (a sampler seeded
+    # from 32 of them would be one of 2^32 searchable sequences).
+    for key in (KEY + (1 << 32), KEY + (1 << 62)):
+        assert not np.array_equal(s.batch(0), PoissonSampler(N, Q, key).batch(0)), hex(key)
 
 
 def test_resume_check_catches_a_stateful_sampler():
