@@ -104,6 +104,22 @@ def test_the_identity_is_keyed_by_the_owner_and_a_run_charged_before_keys_still_
     assert [e["run"] for e in budget.runs(identity)] == ["before-keys", "after"]
 
 
+def test_every_character_of_a_public_name_depends_on_the_owners_key(in_tmp):
+    """A name keyed in part only (half of it a plain digest of the private data) is the same under every
+    key where it is not keyed, and differs under another key all the same: measured over 32 keys, each
+    of its 16 characters takes many values, as a uniform hex digit does (about 13 of 16)."""
+    import secrets
+
+    key = budget.BUDGET_DIR / "names.key"
+    budget.public_name("make the budget")
+    names = []
+    for _ in range(32):
+        key.write_text(secrets.token_hex(32))
+        names.append(budget.public_name("a digest of the private data"))
+    assert all(len(name) == 16 for name in names)
+    assert min(len({name[i] for name in names}) for i in range(16)) >= 6, names
+
+
 def test_runs_on_the_same_examples_compose_and_a_resume_is_charged_once(in_tmp):
     samples = examples(40)
     a = shard(in_tmp / "a", samples, per_shard=7)
