@@ -85,8 +85,10 @@ def local_mlflow(tmp_path, monkeypatch):
 
 @pytest.fixture
 def progress_clock(monkeypatch):
-    """The clock of every progress bar, moved by the test (`.advance(seconds)`) where the work would take
-    time: a bar's output measured against how long its pieces took, with no sleep."""
+    """The clock of every progress bar, and of the `time` module's clocks, moved by the test
+    (`.advance(seconds)`) where the work would take time: what a run prints measured against how long
+    its pieces took, with no sleep."""
+    import time
     import types
 
     import tqdm.std
@@ -94,6 +96,8 @@ def progress_clock(monkeypatch):
     clock = types.SimpleNamespace(now=1e6)
     clock.advance = lambda s: setattr(clock, "now", clock.now + s)
     monkeypatch.setattr(tqdm.std, "time", lambda: clock.now)
+    for name in ("time", "monotonic", "perf_counter"):
+        monkeypatch.setattr(time, name, lambda: clock.now)
     return clock
 
 

@@ -276,10 +276,12 @@ def test_an_untimed_run_prints_the_same_bar_whatever_its_steps_take(tmp_path, pr
             return {}
 
         capsys.readouterr()
+        logged = []
         train.run_loop(state, train.Schedule(40, 0.01, 2, checkpoint_every=5, log_every=100), step_fn,
-                       train.Checkpointer(tmp_path / str(i)), desc="private", timed=False)
-        printed.append(capsys.readouterr().err)
-    assert printed[0] == printed[1] and printed[0].count("/40 steps") > 2, printed
+                       train.Checkpointer(tmp_path / str(i)), desc="private", timed=False,
+                       log=lambda step, metrics: logged.append((step, metrics)))
+        printed.append((capsys.readouterr(), logged))
+    assert printed[0] == printed[1] and printed[0][0].err.count("/40 steps") > 2, printed
 
 
 @pytest.mark.parametrize("steps, fail_at", [(40, 23), (1000, 537), (1000, 999)])
