@@ -195,6 +195,14 @@ if "otherdata" in faults and os.environ.get("RANK", "0") == faults["otherdata"]:
         other.write_text("another build of the shards\n")
         return other
     training.artifact = artifact
+if "otherorder" in faults and os.environ.get("RANK", "0") == faults["otherorder"]:
+    # This rank's node lists the same build of the shards (the same digest file, as many examples) in
+    # another order (a stale copy re-indexed, a listing sorted otherwise): its indices name other examples.
+    import pipeline.privacy.training as training
+    class Reordered(training.ShardDataset):
+        def key(self, i):
+            return super().key(len(self) - 1 - i if self.directory.name == "private" else i)
+    training.ShardDataset = Reordered
 if "othernoise" in faults and os.environ.get("RANK", "0") == faults["othernoise"]:
     # This rank's GPU is of another kind: torch's CUDA draws, which follow the multiprocessor count,
     # give it other noise from the same generator (here: the noise of another key at the same step).

@@ -277,12 +277,14 @@ def test_ranks_that_would_resume_from_different_states_stop_before_any_step(data
     assert dp_state(work)[0] == list(range(STEPS))
 
 
-# A rank that sees other shards, as many (its node holds another build, listed in another order), draws
+# A rank that sees other shards, as many (its node holds another build; or the same build, digest and all,
+# listed in another order), draws
 # its part of a step's sample from another population; one that read another micro-batch (its own copy
 # of params.yaml: 16 here, 8 there) cuts its part by another rule, which put 58 of 288 sampled examples
 # into both ranks' parts and 78 into neither. Either way one example could count 2C against C. One that
 # read another dp.frozen would all-reduce another list of tensors than the other rank's.
 RANKS_DISAGREE = {"otherdata:1": "the ranks see different private data",
+                  "otherorder:1": "the ranks see different private data",
                   "othersplit:1": "the ranks were launched with other params (rank 1: dp.physical_batch_size=8)",
                   "otherfrozen:1": "the ranks were launched with other params (rank 1: dp.frozen=['encoder.blocks.0'])"}
 
