@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import tarfile
 import time
 import types
@@ -467,6 +468,36 @@ def test_shards_stage_with_a_url_list(in_tmp):
     owner = read_json(".dpfm/owner/shards.json")
     assert sum(owner[s]["excluded"].get("corrupt_image", 0) for s in ("private", "eval")) == 1
     assert owner["shards"]["indexed"] == 5 and stats["source"] == "urls"
+
+
+def test_what_the_shards_stage_publishes_does_not_depend_on_how_many_samples_it_excluded(in_tmp, capsys):
+    """Measured: two private sources of the same 30 usable samples, one with 1 corrupt image and one with
+    6 (and a sample without a caption): what the stage prints, the metrics it logs and stats.json are
+    the same. A count of the excluded samples anywhere in them (a line saying "6 skipped") differs."""
+    from shard_data import good, raw_tar
+
+    published = []
+    for bad in (1, 6):
+        rng = np.random.default_rng(3)  # the same 30 good samples both times
+        for built in ("data/shards", "data/cache", "ext"):  # the budget (and the owner's key) stay
+            shutil.rmtree(in_tmp / built, ignore_errors=True)
+        (in_tmp / "ext").mkdir()
+        for s in range(3):
+            members = [m for i in range(10) for m in good(f"k{s}{i:02d}", rng)]
+            members += [m for i in range(bad) for m in ((f"bad{s}{i}.jpg", b"not a jpeg"), (f"bad{s}{i}.txt", b"a"))]
+            members += [(f"nocap{s}.jpg", members[0][1])] if bad > 1 else []
+            raw_tar(in_tmp / f"ext/s-{s}.tar", members)
+        params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{0..2}}.tar']",
+                                        "shards.workers=1", "shards.image_size=16"])
+        logged = []
+        tracker = types.SimpleNamespace(log_metrics=lambda metrics, **k: logged.append(metrics))
+        capsys.readouterr()
+        shards_stage.run(sections_of(params, ("run", "shards")),
+                         types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
+        assert sum(read_json(".dpfm/owner/shards.json")["private"]["excluded"].values()) == 3 * bad + (bad > 1) * 3
+        published.append((capsys.readouterr(), logged, read_json("data/shards/stats.json")))
+    assert published[0][2]["private"]["usable"] == 30
+    assert published[0] == published[1]
 
 
 @pytest.mark.parametrize("fraction, held_out", [(None, False), (0.25, True)])
