@@ -366,7 +366,8 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
     assert metrics["privacy"]["not_private"] == [] and "dpfm.private" not in tracker.tags
     from pipeline.io import write_json
 
-    write_json(tmp_path / "results/curve/curve.json", {"points": [{"epsilon": 8.0}, {"epsilon": "inf"}]})
+    write_json(tmp_path / "results/curve/curve.json", {"points": [{"init": "pretrain", "epsilon": 8.0},
+                                                                 {"init": "pretrain", "epsilon": "inf"}]})
     ver = {"composition_at_verify": {"outside_dp": ["a twin"]}}
     assert evaluate.known_not_private(eval_params(), tmp_path / "data/shards/stats.json",
                                       tmp_path / "results/curve/curve.json", ver) == [

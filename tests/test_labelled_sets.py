@@ -149,7 +149,8 @@ def test_fashion_mnist_shards_with_a_limit(in_tmp):
 
 def test_several_processes_write_the_shards_one_process_writes(in_tmp, monkeypatch):
     """The same bytes (tars and indexes) from 3 writer processes as from this one, and every caption the
-    one drawn in the set's order from seed + 1: no caption depends on which process wrote its shard."""
+    one drawn in the split's order from its own generator (seed + 1; the eval split's [seed + 1, 1]): no
+    caption depends on which process wrote its shard."""
     write_fashion(DEFAULT_DIR, per_class=30)
     monkeypatch.setattr(shards_stage, "WORKER_SAMPLES", 1)  # 300 images would otherwise stay in this process
     spread = []
@@ -163,8 +164,8 @@ def test_several_processes_write_the_shards_one_process_writes(in_tmp, monkeypat
     one, three = written(1), written(3)
     assert spread == [1, 3]
     assert one == three and len([f for f in one if f.endswith(".tar")]) == 14 + 6  # 210 private, 90 eval
-    rng, (_, labels) = np.random.default_rng(0 + 1), FASHION_MNIST.load(DEFAULT_DIR)
-    for split in ("private", "eval"):
+    _, labels = FASHION_MNIST.load(DEFAULT_DIR)
+    for split, rng in (("private", np.random.default_rng(0 + 1)), ("eval", np.random.default_rng([0 + 1, 1]))):
         ds = ShardDataset(f"data/shards/{split}")
         assert [ds.caption(i) for i in range(len(ds))] == [
             FASHION_MNIST.caption_for(labels[ds.meta(i)["source_index"]], rng) for i in range(len(ds))]
