@@ -99,11 +99,12 @@ def img2dataset_shards(folder: str, stats: bool = True) -> tuple[list[str], dict
     if not tars:
         raise SourceError(f"{folder} has no .tar shards: is it img2dataset output with output_format=webdataset?")
     listed = set(fs.glob(f"{root.rstrip('/')}/*_stats.json"))
-    finished = [t for t in tars if t[:-len(".tar")] + "_stats.json" in listed]
-    incomplete = [t for t in tars if t[:-len(".tar")] + "_stats.json" not in listed]
+    stats_of = {t: t[:-len(".tar")] + "_stats.json" for t in tars}
+    finished = [t for t in tars if stats_of[t] in listed]
     as_url = (lambda t: t) if remote.is_local(folder) else fs.unstrip_protocol
+    incomplete = [as_url(t) for t in tars if stats_of[t] not in listed]
     totals = {"count": 0, "successes": 0, "failed_to_download": 0, "failed_to_resize": 0}
-    contents = fs.cat([t[:-len(".tar")] + "_stats.json" for t in finished]) if stats and finished else {}
+    contents = fs.cat([stats_of[t] for t in finished]) if stats and finished else {}
     for stats_path, data in sorted(contents.items()):
         try:
             shard_stats = json.loads(data)
@@ -112,7 +113,6 @@ def img2dataset_shards(folder: str, stats: bool = True) -> tuple[list[str], dict
                               "shard is finished; run img2dataset again for that shard, or remove both files") from None
         for k in totals:
             totals[k] += int(shard_stats.get(k, 0) or 0)
-    incomplete = [as_url(t) for t in incomplete]
     for u in incomplete if stats else []:  # a fact about the private data: the owner's log
         owner.note("shards", f"skipped {u}: no _stats.json beside it (img2dataset did not finish this shard)")
     return [as_url(t) for t in finished], {"img2dataset": totals, "incomplete_shards": incomplete}
