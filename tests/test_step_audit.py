@@ -63,12 +63,13 @@ def test_the_real_step_is_consistent_at_one_and_two_ranks(tmp_path, name, more):
         assert result["verdict"] == "consistent", result["problems"]
         assert result["noise_ratio"] == pytest.approx(1.0, abs=0.02)
         # Every example is clipped, so one moves the release by C (per example); per batch, the clipped
-        # mean of 16 moves by a fraction of the bound 2C.
+        # mean of 16 moves by a fraction of the bound 2C, and the mean itself weighs C, half of it.
         if OBJECTIVES[name].clipping == "per_sample":
             # at most C (the verdict), and below it only by the bf16 rounding slack the clip factor pays
-            assert 0.99 <= result["sensitivity_ratio"] <= 1 + 1e-4
+            assert 0.99 <= result["sensitivity_ratio"] <= 1 + 1e-4 and result["batch_norm"] is None
         else:
             assert 0 < result["sensitivity_ratio"] <= 1
+            assert 0.99 <= result["batch_norm_ratio"] <= 1 + 1e-4
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -87,10 +88,10 @@ def test_low_precision_steps_are_consistent_and_their_audits_catch_a_clip_bound_
             continue
         result = audited(name, None, World(), precision)
         assert result["verdict"] == "consistent", (name, result["problems"])
-        if OBJECTIVES[name].clipping == "per_sample":
-            assert result["sensitivity_ratio"] > 0.9, (name, result)
-            broken = audited(name, "clip bound 2C", World(), precision)
-            assert "2.00× the accounted sensitivity" in " ".join(broken["problems"]), (name, broken)
+        ratio = result["sensitivity_ratio" if OBJECTIVES[name].clipping == "per_sample" else "batch_norm_ratio"]
+        assert ratio > 0.9, (name, result)
+        broken = audited(name, "clip bound 2C", World(), precision)
+        assert re.search(r"2\.00× the (accounted sensitivity|K·C/2)", " ".join(broken["problems"])), (name, broken)
 
 
 def test_an_audit_whose_examples_were_dropped_measured_nothing_and_says_so():
@@ -238,8 +239,8 @@ def test_worst_case_neighbours_catch_clip_groups_that_each_take_c(mode):
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_the_real_step_with_clip_groups_that_each_take_c_is_flagged(tmp_path, name):
     """On each objective's own model, at 1 and 2 ranks: every example is clipped in both groups, so
-    each moves the release by C·√2 (per batch, within the 2C bound on random inputs: the
-    worst-case test above catches that mode)."""
+    each moves the release by C·√2 (per batch: the clipped mean weighs C·√2, past the K·C/2 = C a
+    neighbour turning it around needs)."""
     from pipeline.distributed import World
 
     more = ["dp.encoder_clip_share=0.5"]
@@ -247,10 +248,8 @@ def test_the_real_step_with_clip_groups_that_each_take_c_is_flagged(tmp_path, na
         one = audited(name, None, World(), more=more)
     two = on_two_ranks(tmp_path, _audited_with_bug, name, "every clip group bound C", more)
     for result in (one, two):
-        if OBJECTIVES[name].clipping == "per_sample":
-            assert result["verdict"] == "flagged" and result["sensitivity_ratio"] == pytest.approx(2 ** 0.5, abs=1e-3)
-        else:
-            assert result["sensitivity_ratio"] > 0
+        ratio = result["sensitivity_ratio" if OBJECTIVES[name].clipping == "per_sample" else "batch_norm_ratio"]
+        assert result["verdict"] == "flagged" and ratio == pytest.approx(2 ** 0.5, abs=1e-3), result
 
 
 @pytest.mark.parametrize("name", [name for name in OBJECTIVES if OBJECTIVES[name].clipping == "per_sample"])
@@ -330,16 +329,22 @@ def test_the_real_step_with_bf16_products_is_consistent_at_one_and_two_ranks(tmp
     two = on_two_ranks(tmp_path, _audited_with_bf16_products, name)
     for result in (one, two):
         assert result["verdict"] == "consistent", result["problems"]
-        if OBJECTIVES[name].clipping == "per_sample":
-            # at most C (the verdict), and below it only by the bf16 rounding slack the clip factor pays
-            assert 0.99 <= result["sensitivity_ratio"] <= 1 + 1e-4
+        # at most C (the verdict), and below it only by the bf16 rounding slack the clip factor pays
+        ratio = result["sensitivity_ratio" if OBJECTIVES[name].clipping == "per_sample" else "batch_norm_ratio"]
+        assert 0.99 <= ratio <= 1 + 1e-4
 
 
-def test_random_batches_alone_miss_a_per_batch_sensitivity_of_one():
-    """Why the worst case is needed: the audit on random inputs passes the broken accounting."""
+@pytest.mark.parametrize("bug_name", ["per-batch K=1", "clip bound 2C"])
+def test_the_real_per_batch_step_with_a_wrong_bound_is_flagged_by_its_clipped_mean(tmp_path, bug_name):
+    """Dp-CLIP's own model at 1 and 2 ranks. One example leaving 16 random ones moves the release by a
+    fraction of 2C, so those moves alone pass K = 1 (the accounting halved) and a 2C bound; the
+    clipped mean's norm, twice K·C/2 either way, flags both."""
     from pipeline.distributed import World
 
-    assert audited("clip", "per-batch K=1", World())["verdict"] == "consistent"
+    for result in (audited("clip", bug_name, World()), on_two_ranks(tmp_path, _audited_with_bug, "clip", bug_name, [])):
+        assert result["sensitivity_ratio"] < 0.5, result  # the moves: within even the halved bound
+        assert result["verdict"] == "flagged" and result["batch_norm_ratio"] == pytest.approx(2.0, abs=1e-3), result
+        assert "2.00× the K·C/2" in result["problems"][0]
 
 
 @pytest.mark.parametrize("method, precision", [("opacus-ghost", "fp32"), ("opacus-ghost", "bf16"),

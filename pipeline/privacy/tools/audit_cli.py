@@ -85,6 +85,9 @@ def _step(args) -> int:
               f"{result['noise_std_accounted']:.6g}  ({result['parameters']} coordinates)")
         print(f"  sensitivity  {result['sensitivity']:.6g}  = {result['sensitivity_ratio']:.4f} × accounted "
               f"{result['sensitivity_accounted']:.6g}")
+        if result["batch_norm"] is not None:
+            print(f"  batch mean   {result['batch_norm']:.6g}  = {result['batch_norm_ratio']:.4f} × K·C/2  "
+                  f"(the clipped mean; a neighbour can turn it around)")
         print(f"  σ effective  {result['sigma_effective']:.4g} (accounted {sigma:.4g})")
         print(f"  worst case   {worst['move']:.6g}  = {worst['ratio']:.4f} × accounted {worst['bound']:.6g}  "
               f"(neighbours built to move the release the most)")

@@ -11,14 +11,17 @@ It measures the two numbers the accountant takes on trust, from the step's own o
                and the change, times the divisor, is what one example can move the release by.
                Must be ≤ K·C. The loss is multiplied by a large factor so every example (or the
                batch) is clipped: a clipper that lets more than C through shows here.
+  batch mean   (per batch) the run on the batch less the run on no example, with one key: the
+               clipped batch mean. Must be ≤ K·C/2, the most a neighbour can turn it by.
 A step whose noise is scaled ×0.5 or ×0.7, divided by the world size, or whose examples count W
 times, fails with a message naming the figure that is off. The one-run canary audit (canary_audit.py) is
 the statistical, black-box complement.
 
 Random inputs rarely reach the sensitivity bound: a per-batch clipped mean of 16 random examples
-moves by a fraction of 2C when one leaves, so an engine told K = 1 for Dp-CLIP would pass. The
-worst-case neighbours (`worst_case_sensitivity`) reach it by construction, on a model whose
-per-example loss is ⟨θ, v_i⟩ so each example's gradient is the vector it is given: per example,
+moves by a fraction of 2C when one leaves, so an engine told K = 1 for Dp-CLIP would pass those
+moves (the clipped mean's own norm, above, catches it on the real model). The worst-case
+neighbours (`worst_case_sensitivity`) reach it by construction, on a model whose per-example loss
+is ⟨θ, v_i⟩ so each example's gradient is the vector it is given: per example,
 one example of large gradient joins (the release moves by exactly C, clipped); per batch, one
 example joins a batch whose mean points one way and turns it the other way (the clipped mean
 flips from +C·u to −C·u: the release moves by 2C). Either way the measured move must not exceed
@@ -120,7 +123,10 @@ def audit_step(params: dict, sigma: float, world: World = World(), device: str =
     noise = (first - second) * plan.denominator / math.sqrt(2)
     moves = [float((first - release(np.delete(batch, i), seed + 1)).norm()) * plan.denominator
              for i in range(removed)]
-    return judge(noise, max(moves), plan, world.size, sum(dropped))
+    batch_norm = None
+    if obj.clipping == "per_batch":  # against the empty batch with the same key the noise cancels: the clipped mean
+        batch_norm = float((first - release(batch[:0], seed + 1)).norm()) * plan.denominator
+    return judge(noise, max(moves), plan, world.size, sum(dropped), batch_norm)
 
 
 def rounding_moves(params: dict, batch_size: int, physical_batch_size: int, world: World = World(),
@@ -169,10 +175,15 @@ def rounding_moves(params: dict, batch_size: int, physical_batch_size: int, worl
             "beyond_bucket": float((full - rest - local).norm()), "bucket_size": len(bucket)}
 
 
-def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int, dropped: int = 0) -> dict:
+def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int, dropped: int = 0,
+          batch_norm: float | None = None) -> dict:
     """`dropped`: examples (per batch: batches) the steps dropped as non-finite. An audit measures a
     step only where it clips every example: a dropped one moves nothing, and a per-example step whose
-    removed examples move it by less than 0.9·C clipped none of them (or dropped them)."""
+    removed examples move it by less than 0.9·C clipped none of them (or dropped them).
+    `batch_norm` (per batch): the norm of the clipped batch mean. Two neighbours' releases differ by
+    at most the sum of their norms, and a neighbour can turn the mean around (worst_case_pair), so
+    K·C holds only where every clipped mean is within K·C/2: a random batch never moves by that much
+    when one example leaves, but its clipped mean's norm shows a bound of 2C, or K = 1, at once."""
     accounted, bound = plan.noise_std, plan.sensitivity * plan.clip_norm
     d = noise.numel()
     measured = float(noise.pow(2).mean().sqrt())
@@ -188,14 +199,23 @@ def judge(noise: torch.Tensor, largest_move: float, plan: Plan, world_size: int,
     if largest_move > bound * (1 + SENSITIVITY_TOL):
         problems.append(f"one example moves the released sum by {largest_move:.4g}, {largest_move / bound:.2f}× "
                         f"the accounted sensitivity K·C = {bound:.4g}")
+    half = bound / 2
+    if batch_norm is not None and batch_norm > half * (1 + SENSITIVITY_TOL):
+        problems.append(f"the clipped batch mean has norm {batch_norm:.4g}, {batch_norm / half:.2f}× the K·C/2 = "
+                        f"{half:.4g} the accounted sensitivity needs (a neighbour turning it around moves the "
+                        f"release by twice its norm)")
     if dropped:
         problems.append(f"the audit's steps dropped {dropped} examples (or batches) as non-finite: it measured nothing")
+    elif batch_norm is not None and batch_norm < 0.9 * half:
+        problems.append(f"the clipped batch mean has norm {batch_norm / half:.3f}× K·C/2: the batch should be "
+                        f"clipped, so the audit measured nothing")
     elif plan.clipping == "per_sample" and largest_move < 0.9 * bound:
         problems.append(f"a removed example moved the release by only {largest_move / bound:.3f}× C: every example "
                         f"should be clipped, so the audit measured nothing")
     return {"parameters": d, "noise_std": measured, "noise_std_accounted": accounted, "noise_ratio": measured / accounted,
             "noise_p_low": p_low, "sensitivity": largest_move, "sensitivity_accounted": bound,
-            "sensitivity_ratio": largest_move / bound, "sigma_accounted": plan.sigma,
+            "sensitivity_ratio": largest_move / bound, "sigma_accounted": plan.sigma, "batch_norm": batch_norm,
+            "batch_norm_ratio": None if batch_norm is None else batch_norm / half,
             "sigma_effective": measured / max(largest_move, bound), "world_size": world_size,
             "verdict": "flagged" if problems else "consistent", "problems": problems}
 
