@@ -263,3 +263,34 @@ def test_chance_is_the_majority_share_of_the_images_scored_not_of_the_whole_set(
                finetune={**cfg["finetune"], "enabled": False})
     out = evaluate_set(es, [Candidate(name, "raw pixels", "-", None) for name in ("dp", "pixels")], cfg, 0, "cpu", None)
     assert out["n_probe_test"] == 20 and out["chance"] == 0.5  # the whole set's would be 70/90
+
+
+def test_an_accuracy_near_100_percent_keeps_its_level():
+    """A bootstrap of the test images alone reads 100.0–100.0% where a model makes no error on them
+    (at 99.5% over 270 images: a quarter of its intervals, 76% coverage); the Wilson floor keeps 95%."""
+    from pipeline.eval.stats import wilson
+
+    assert wilson(0.5, 100) == pytest.approx([0.4038, 0.5962], abs=1e-4)  # the textbook figure
+    rng = np.random.default_rng(7)
+    covered, widths = [], []
+    for trial in range(200):
+        correct = rng.random(270) < 0.995
+        lo, hi = accuracy_ci(correct, seed=trial, resamples=400)
+        covered.append(lo <= 0.995 <= hi)
+        widths.append(hi - lo)
+    assert np.mean(covered) >= 0.9 and min(widths) > 0.005
+    lo, hi = accuracy_ci(np.ones(270, bool))
+    assert hi == 1.0 and lo == pytest.approx(wilson(1.0, 270)[0]) and lo < 0.99
+
+
+def test_an_interval_holds_its_own_estimate_when_one_refit_collapsed():
+    """49 refits as good as the full fit and one that collapsed (every answer wrong): the shift to the
+    full fit carries the bootstrap's main mode past the estimate, which the interval must still hold."""
+    rng = np.random.default_rng(8)
+    full = rng.random(4000) < 0.9
+    refits = np.stack([full] * 49 + [np.zeros(4000, bool)])
+    lo, hi = accuracy_ci(full, refits=refits)
+    assert lo <= full.mean() <= hi
+    other = rng.random(4000) < 0.85
+    d = difference_ci(full, other, refits_a=refits, refits_b=np.stack([other] * 50))
+    assert d["ci"][0] <= d["diff"] <= d["ci"][1]

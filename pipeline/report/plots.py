@@ -71,7 +71,7 @@ def plot_accuracy(columns: list[str], rows: list[dict], chance: float, path) -> 
             xs = [j + (i - (len(rows) - 1) / 2) * width for j, c in enumerate(row["cells"]) if c is not None]
             ys = [100 * c[0] for c in row["cells"] if c is not None]
             err = np.array([[100 * (c[0] - c[2][0]), 100 * (c[2][1] - c[0])] if c[2] else [100 * (c[1] or 0)] * 2
-                            for c in row["cells"] if c is not None]).T.reshape(2, -1)
+                            for c in row["cells"] if c is not None]).T.reshape(2, -1).clip(min=0)  # as _interval_bar
             ax.bar(xs, ys, width * 0.92, yerr=err, capsize=2, label=row["label"],
                    color=MODEL_COLORS.get(row["name"], f"C{i}"), error_kw={"lw": 0.8})
         ax.axhline(100 * chance, color="#555", ls=":", lw=1, label=f"chance ({100 * chance:.0f}%)")
