@@ -435,6 +435,32 @@ def test_a_torn_last_ledger_line_is_dropped_and_charged_again(tmp_path):
     assert Ledger(path, header).steps == 0 and json.loads(path.read_text()) == {"header": header.header()}
 
 
+def test_a_ledger_with_a_step_lost_or_edited_is_refused(tmp_path):
+    """Only the last line can be torn by a kill. A step's line gone from the middle (its step was charged:
+    counted, the run would record the next and publish one step fewer), edited, moved or garbled is a
+    damaged ledger: refused, naming the line and never a batch size."""
+    path = tmp_path / "ledger.jsonl"
+    plan = Plan(objective="clip", clipping="per_batch", n=10, sample_rate=0.3, sigma=1.0, clip_norm=1.0, steps=9,
+                delta=1e-3, accountant="pld", adjacency="replace_one", target_epsilon=8.0, epsilon=7.5)
+    ledger = Ledger(path, plan)
+    for step, size in enumerate([3, 4, 5, 6, 7]):
+        ledger.record_step(step, size)
+    good = path.read_text().splitlines(keepends=True)
+    damaged = {"a step's line deleted": (good[:3] + good[4:], 4),
+               "two steps swapped": (good[:3] + [good[4], good[3]] + good[5:], 4),
+               "a step renumbered": (good[:5] + [good[5].replace('"step": 4', '"step": 7')], 6),
+               "a line garbled": (good[:2] + ['{"batch_size": 4, "st\n'] + good[3:], 3),
+               "a batch size made negative": (good[:2] + [good[2].replace('"batch_size": 4', '"batch_size": -4')]
+                                              + good[3:], 3)}
+    for what, (lines, number) in damaged.items():
+        path.write_text("".join(lines))
+        with pytest.raises(LedgerError, match=rf"ledger.jsonl line {number} is not .*damaged or edited") as e:
+            Ledger(path, plan)
+        assert "batch_size" not in str(e.value) and lines[number - 1].strip() not in str(e.value), what
+    path.write_text("".join(good))
+    assert Ledger(path, plan).steps == 5
+
+
 # -- a run resumed where the accountant rounds otherwise: another node, another library build --------
 
 def test_a_ledger_reopened_with_sigma_calibrated_elsewhere_keeps_its_own_and_refuses_another(tmp_path):

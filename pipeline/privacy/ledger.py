@@ -44,7 +44,7 @@ class Ledger:
             # Its fsync never returned, so that step's update was never applied: it is charged again
             # when re-run (and kept, it would make the ledger unreadable, the run unresumable).
             drop_torn_tail(self.path)
-            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            lines = self._read()
         if not lines:  # new, or killed while its header was being written
             self._append({"header": header})
         elif not same_mechanism(lines[0].get("header", {}), header):
@@ -54,6 +54,27 @@ class Ledger:
             self.plan = Plan.from_header(self.header)
         for rec in lines[1:]:
             self.batch_sizes[rec["step"]] = rec["batch_size"]
+
+    def _read(self) -> list[dict]:
+        """The header, then step 0, 1, 2, ... in order, each once: steps are appended in that order, so
+        a line missing, edited or out of place means a damaged ledger, whose lost steps were charged and
+        would go uncounted. Refused, naming the line (never its contents: batch sizes are the owner's)."""
+        records = []
+        for number, line in enumerate(self.path.read_text().splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            want = "the header" if number == 1 else f"step {number - 2}"
+            ok = isinstance(record, dict) and (set(record) == {"header"} if number == 1 else (
+                set(record) == {"step", "batch_size"} and record["step"] == number - 2
+                and type(record["batch_size"]) is int and record["batch_size"] >= 0))
+            if not ok:
+                raise LedgerError(f"{self.path} line {number} is not {want}'s record: the ledger was damaged or "
+                                  f"edited, and a step it lost was still charged (its ε would go uncounted); "
+                                  f"restore the ledger, or delete {self.path.parent} to train from the start")
+            records.append(record)
+        return records
 
     def _append(self, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
