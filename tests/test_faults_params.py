@@ -208,8 +208,9 @@ def test_a_known_noise_key_runs_only_as_a_test_and_is_never_private(data_dir, tm
 
 def test_a_run_that_publishes_what_its_epsilon_does_not_cover_is_not_private_as_a_whole():
     """Under add/remove neighbours n itself is private, and the run publishes it exactly (the ledger,
-    MLflow, the report); dp.log_private_stats publishes the non-finite count: the ε covers the model,
-    not the run's outputs."""
+    MLflow, the report); dp.log_private_stats publishes the non-finite count; the twin and the curve's
+    ε = ∞ point train without DP; an eval split carved out of the private data is scored in public: the
+    ε covers the model, not the run's outputs."""
     import yaml
 
     from pipeline.privacy import release
@@ -230,6 +231,11 @@ def test_a_run_that_publishes_what_its_epsilon_does_not_cover_is_not_private_as_
     assert reason == "the curve's ε = ∞ point trains without DP on the private shards"
     params["curve"]["inits"] = []  # a curve of no init trains no point: its ∞ is never trained
     assert release.not_private_reasons(params, {}) == []
+    params["dp"]["nonprivate_baseline"] = True  # the ε = ∞ twin
+    assert release.not_private_reasons(params, {}) == ["dp.nonprivate_baseline trains without DP on the private shards"]
+    params["dp"]["nonprivate_baseline"] = False
+    assert release.not_private_reasons(params, {"eval_from_private": True}) == [
+        "the eval split is carved out of the private data (shards.eval_fraction)"]
 
 
 @pytest.mark.parametrize("source, explicit, allowed", [

@@ -495,6 +495,21 @@ def test_every_version_registered_on_the_budget_carries_what_it_composes_to_now(
     assert verify_run.data.tags["dpfm.private"] == "false" and "without DP" in verify_run.data.tags["dpfm.not_private"]
 
 
+@pytest.mark.parametrize("reason", ["dp.nonprivate_baseline=true", "dp.log_private_stats=true"])
+def test_a_version_registered_with_a_reason_from_the_params_carries_epsilon_inf(project, in_tmp, reason):
+    """A reason the params give (the budget itself still composes to a finite ε): every version on the
+    budget, the one an earlier run registered as private too, says NOT PRIVATE and ε = ∞ once verify has
+    run (with no report after it), never the budget's finite figure."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    assert cli.main(["verify"]) == 0
+    assert cli.main(["verify", "--set", reason]) == 0
+    versions = client.search_model_versions("name='dpfm-mae'")
+    assert len(versions) == 2 and {(v.tags["private"], v.tags["epsilon"]) for v in versions} == {("false", "inf")}
+    assert all(reason.split("=")[0] in v.tags["not_private"] and v.tags["epsilon_run"] != "inf" for v in versions)
+
+
 def test_verify_composes_every_run_without_reading_which_sets_overlap(project, in_tmp, valid_replace_one, monkeypatch):
     """How long composing only the overlapping runs takes follows which sets share examples, and verify's
     wall time is published: it composes every run charged and leaves the owner's figure to
