@@ -79,6 +79,7 @@ def test_webdataset_set_reads_labels_from_json_or_text(tmp_path):
     assert by_json.labels.tolist() == by_text.labels.tolist() == [i % 3 for i in range(9)]
     assert by_json.classes == by_text.classes == ["ant", "bee", "cow"]
     assert by_json.prompts()[2] == ["cow on a leaf"] and by_json.images.shape == (9, 16, 16, 3)
+    assert by_json.named and by_text.named  # named by `classes`, or by the labels themselves
     with pytest.raises(ValueError, match="no json field 'species'"):
         load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "json:species"}, 16)
 
@@ -92,6 +93,7 @@ def test_unnamed_integer_labels_are_the_classes_found(tmp_path):
     es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path)}, 16)
     assert es.classes == ["1", "2", "3"] and es.labels.tolist() == [i % 3 for i in range(9)]
     assert len(es.prompts()) == 3 and es.prompts()[0] == ["a photo of a 1."]
+    assert not es.named  # evaluate scores no zero-shot on prompts naming bare numbers
     tr, te = es.split(0.5, seed=0)
     assert sorted(es.labels[tr].tolist() + es.labels[te].tolist()) == sorted(es.labels.tolist())
 
@@ -336,3 +338,31 @@ def test_an_eval_set_that_reads_the_private_training_shards_is_refused(in_tmp):
     copy.mkdir()
     (copy / "0.tar").write_bytes(tars[0].read_bytes())
     assert len(load_eval_set({"name": "copy", "source": "webdataset", "path": str(copy)}, 8).labels) == 30
+
+
+def test_a_split_whose_probe_train_part_lacks_a_class_is_refused_before_any_training():
+    """An official split whose train part misses a class its test part holds (or holds one class only):
+    the probe could never answer it, scored as if it could. Refused by the upfront check that runs
+    before any DP training is charged, naming the set and the classes; a stratified split refuses a
+    class of one image."""
+    from pipeline.config import ParamsError, load_params
+    from pipeline.eval.protocols import check_protocols
+
+    cfg = load_params(ROOT / "params.yaml")["evaluate"]
+    cfg = {**cfg, "fewshot": {**cfg["fewshot"], "shots": [1]}, "finetune": {**cfg["finetune"], "enabled": False}}
+    images = np.zeros((8, 4, 4, 3), np.uint8)
+
+    def official(train, test):
+        labels = np.array(train + test)
+        return EvalSet("pets", images[:len(labels)], labels, ["cat", "dog", "owl"], ("a {c}",),
+                       (np.arange(len(train)), np.arange(len(train), len(labels))))
+
+    for train, test, message in (([0, 0, 1, 1], [0, 1, 2, 2], r"2 class\(es\), none of \['owl'\]"),
+                                 ([0, 0, 0, 0], [0, 1], r"1 class\(es\), none of \['dog'\]"),
+                                 ([1, 1, 1], [1, 1], r"1 class\(es\);")):
+        with pytest.raises(ParamsError, match=rf"eval set 'pets': its train part holds {message}"):
+            check_protocols(official(train, test), cfg, seed=0, depth=12)
+    assert check_protocols(official([0, 1, 2, 0], [0, 1]), cfg, seed=0, depth=12)[1].tolist() == [4, 5]
+    stratified = EvalSet("pets", images, np.array([0, 0, 0, 1, 1, 1, 1, 2]), ["cat", "dog", "owl"], ("a {c}",))
+    with pytest.raises(ParamsError, match=r"classes \['owl'\] have fewer than 2 examples"):
+        check_protocols(stratified, cfg, seed=0, depth=12)

@@ -48,6 +48,7 @@ class EvalSet:
     classes: list[str]
     templates: tuple[str, ...]  # zero-shot prompts, "{c}" is replaced by the class name
     parts: tuple[np.ndarray, np.ndarray] | None = None  # (train, test) indices of an official split
+    named: bool = True          # False: integer labels without `classes`, their names the bare numbers
 
     def __post_init__(self):
         self.images = Images.of(self.images)
@@ -64,7 +65,13 @@ class EvalSet:
 
     def split(self, train_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Probe-train / probe-test indices: the set's own parts, else a stratified seeded split."""
-        if self.parts is not None:
+        if self.parts is not None:  # an official split: a probe can only answer the classes its train part holds
+            train, test = (set(np.unique(self.labels[part]).tolist()) for part in self.parts)
+            if len(train) < 2 or test - train:
+                missing = [self.classes[i] for i in sorted(test - train)]
+                raise ValueError(f"eval set {self.name!r}: its train part holds {len(train)} class(es)"
+                                 + (f", none of {missing} its test part holds" if missing else "")
+                                 + "; a probe needs two classes or more, each one it is scored on among them")
             return self.parts
         counts = np.bincount(self.labels, minlength=len(self.classes))
         if counts.min() < 2:
@@ -110,7 +117,8 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
     if parts:
         n_train = len(loaded[0][0])
         split = (np.arange(n_train), np.arange(n_train, len(images)))
-    return EvalSet(spec["name"], images, labels, classes, tuple(spec.get("templates", DEFAULT_TEMPLATES)), split)
+    named = spec.get("classes") is not None or any(isinstance(n, str) for _, names in loaded for n in names)
+    return EvalSet(spec["name"], images, labels, classes, tuple(spec.get("templates", DEFAULT_TEMPLATES)), split, named)
 
 
 def _load_part(spec: dict, key: str, image_size: int) -> tuple[Images, list]:

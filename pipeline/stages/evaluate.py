@@ -135,13 +135,17 @@ def evaluate_set(es: EvalSet, candidates: list[Candidate], cfg: dict, seed: int,
     images_tr, images_te = es.images.subset(tr), es.images.subset(te)
     few, ft = cfg["fewshot"], cfg["finetune"]
     results, correct, refits, zero = {}, {}, {}, {}
+    zero_shot = cfg["zero_shot"] and es.named
+    if cfg["zero_shot"] and not es.named:
+        print(f"evaluate: {es.name}: no zero-shot: its integer labels have no names (give evaluate.sets[].classes); "
+              f"prompts naming bare numbers would rank the classes by the numbers' text")
     for cand in tqdm(candidates, desc=f"evaluate {es.name}", unit="model"):
-        x = features(cand.encoder, es.images, cfg, device)
+        x = features(cand.encoder, es.images, cfg, device, what=f"the {cand.name} model on {es.name}")
         outcomes, refit = probe_outcomes(x, es.labels, (tr, te), cfg, seed, device)
         correct.setdefault(cand.name, []).append(outcomes)
         if refit is not None:
             refits.setdefault(cand.name, []).append(refit)
-        if cfg["zero_shot"] and cand.text_model is not None:
+        if zero_shot and cand.text_model is not None:
             scores = class_scores(cand.text_model, cand.objective, images_te, es.prompts(), tokenize(cand), device)
             zero.setdefault(cand.name, []).append(scores.argmax(axis=1) == y_te)
         if cand.seed_index > 0:  # another seed of a row: its probe and zero-shot outcomes join the row's
