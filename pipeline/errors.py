@@ -26,7 +26,19 @@ class Stopped(RuntimeError):
 
 class Diverged(RuntimeError):
     """Non-private training's loss or gradients became non-finite: the weights are left as they were
-    before the step, never saved as a model a DP run would warm-start from."""
+    before the step, never saved as a model a DP run would warm-start from. Or a trained model's
+    features or zero-shot scores on the eval images are: a probe or an argmax over them would score
+    noise as an accuracy."""
+
+
+def check_finite(values, what: str) -> None:
+    """Raise Diverged, naming `what` and how many rows, where an (N, ...) array holds NaN or inf."""
+    import numpy as np
+
+    bad = int((~np.isfinite(values)).reshape(len(values), -1).any(axis=1).sum())
+    if bad:
+        raise Diverged(f"{what}: {bad} of {len(values)} rows are not finite (NaN or inf): the model diverged, and "
+                       "an accuracy measured on them would be noise")
 
 
 class StageBusy(RuntimeError):

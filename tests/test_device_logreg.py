@@ -48,10 +48,14 @@ def test_a_batch_of_resamples_is_each_resample_fit_alone():
     x, y = draw(rng, 150, 20, 3)
     picks = [rng.choice(len(x), len(x)) for _ in range(3)]
     counts = np.stack([np.bincount(p, minlength=len(x)) for p in picks])
-    batch = device_logreg.fit(x, y, 0.5, "cpu", rows=counts, tol=1e-10).logits(x)
+    probes = device_logreg.fit(x, y, 0.5, "cpu", rows=counts, tol=1e-10)
+    batch = probes.logits(x)
     for j, p in enumerate(picks):
         alone = device_logreg.fit(x[p], y[p], 0.5, "cpu", tol=1e-10).logits(x)[0]
         assert (batch[j] - alone).abs().max() < 1e-6
+    # scored a few rows at a time (the test part's rows bounded in memory): every probe's classes as at once
+    whole = probes.classes[batch.argmax(2).numpy()]
+    assert np.array_equal(probes.predict_all(x, chunk=7), whole) and probes.predict_all(x[:0]).shape == (3, 0)
 
 
 def test_the_device_solver_chooses_c_as_scikit_learn_does_on_the_same_folds():

@@ -218,6 +218,33 @@ def test_zero_shot_takes_the_lowest_loss_class_for_a_captioner():
     assert zero_shot_accuracy(StubCaptioner(), "caption", images, cls, prompts, tokenize) == 1.0
 
 
+def test_a_diverged_model_is_named_never_scored():
+    """NaN weights give NaN features and scores: a probe fit on them (the GPU solver answers one class,
+    sklearn a LinAlgError) and an argmax over them (class 0) would each print an accuracy."""
+    from pipeline.errors import Diverged
+    from pipeline.eval.probe import features
+
+    images = np.stack([np.full((16, 16, 3), v, np.uint8) for v in (0, 90, 160, 255)])
+    enc = build_encoder(MICRO)
+    cfg = {"pool": "cls", "last_k_blocks": 1}
+    assert features(enc, images, cfg).shape[0] == 4
+    with torch.no_grad():
+        enc.blocks[-1].mlp.fc2.bias[3] = float("nan")
+    with pytest.raises(Diverged, match="the features of the dp model on digits: 4 of 4 rows are not finite"):
+        features(enc, images, cfg, what="the dp model on digits")
+    assert np.isfinite(features(None, images, cfg)).all()  # the pixels need no check, and pass one
+
+    class Broken(StubCaptioner):
+        def score_captions(self, imgs, tokens):
+            out = super().score_captions(imgs, tokens)
+            out[1] = float("inf")
+            return out
+
+    prompts, tokenize = [[f"{c}"] for c in range(4)], lambda caps: torch.tensor([[int(c)] for c in caps])
+    with pytest.raises(Diverged, match="zero-shot scores of the caption model: 1 of 4 rows"):
+        class_scores(Broken(), "caption", images, prompts, tokenize)
+
+
 def test_zero_shot_refuses_a_model_without_text_tower():
     with pytest.raises(ValueError, match="text tower"):
         class_scores(None, "mae", np.zeros((1, 4, 4, 3), np.uint8), [["a"]], lambda c: None)
@@ -461,6 +488,11 @@ def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, mon
     assert set(streamed_r["results"]["dp"]) == {"linear_probe", "linear_probe_ci", "fewshot_logreg",
                                                   "fewshot_finetune", "zero_shot", "zero_shot_ci", "seeds"}
     assert streamed_r == in_memory_r
+    # Integer labels no `classes` names: prompts would name bare numbers, so no zero-shot is scored.
+    unnamed = EvalSet(streamed.name, streamed.images[:200], streamed.labels[:200], streamed.classes,
+                      streamed.templates, named=False)
+    cfg = {**cfg, "fewshot": {**cfg["fewshot"], "shots": []}, "finetune": {**finetune, "enabled": False}}
+    assert "zero_shot" not in evaluate.evaluate_set(unnamed, candidates, cfg, 0, "cpu", tokenize)["results"]["dp"]
 
 
 def test_pixel_baseline_features_are_the_normalised_pixels_at_most_32_px():

@@ -22,6 +22,7 @@ import torch
 
 MAX_ITER = 3000  # scikit-learn's probe allows as many
 TOL = 1e-4  # on the largest gradient entry, as scikit-learn's L-BFGS-B (gtol)
+PREDICT_ROWS = 4096  # test rows scored at once
 FTOL = 64 * np.finfo(np.float64).eps  # relative decrease below which a problem has stopped moving (its ftol)
 HISTORY = 10  # curvature pairs kept, as scikit-learn's (maxcor)
 MAX_HALVINGS = 40
@@ -41,9 +42,12 @@ class DeviceLogreg:
         x = torch.as_tensor(np.asarray(x), dtype=torch.float64, device=self.weights.device)
         return class_logits(self.weights, x, self.mean, self.scale)
 
-    def predict_all(self, x) -> np.ndarray:
-        """(problems, rows): each probe's class for each row of x."""
-        return self.classes[self.logits(x).argmax(2).cpu().numpy()]
+    def predict_all(self, x, chunk: int = PREDICT_ROWS) -> np.ndarray:
+        """(problems, rows): each probe's class for each row of x, `chunk` rows at a time: the rows in
+        float64 and every refit's logits for them stay bounded, however large the test part."""
+        x = np.asarray(x)
+        return np.concatenate([self.classes[self.logits(x[i:i + chunk]).argmax(2).cpu().numpy()]
+                               for i in range(0, max(len(x), 1), chunk)], axis=1)
 
     def predict(self, x) -> np.ndarray:
         return self.predict_all(x)[0]

@@ -29,6 +29,7 @@ from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
 from pipeline.data.transforms import to_tensor
+from pipeline.errors import check_finite
 from pipeline.eval import device_logreg
 from pipeline.eval.images import Images
 
@@ -274,12 +275,14 @@ def probe_correct(train_x, train_y, test_x, test_y, *, solver: str = "logreg", c
     return np.asarray(pred) == np.asarray(test_y)
 
 
-def features(encoder, images: np.ndarray | Images, cfg: dict, device: str = "cpu") -> np.ndarray:
+def features(encoder, images: np.ndarray | Images, cfg: dict, device: str = "cpu", what: str = "encoder") -> np.ndarray:
     """What a probe of the `evaluate` protocol `cfg` sees: the frozen encoder's pooled features, or
-    the raw pixels when `encoder` is None (the simplest baseline)."""
+    the raw pixels when `encoder` is None (the simplest baseline). Refused where not finite."""
     if encoder is None:
         return pixel_features(images)
-    return extract_features(encoder, images, cfg["pool"], cfg["last_k_blocks"], device)
+    x = extract_features(encoder, images, cfg["pool"], cfg["last_k_blocks"], device)
+    check_finite(x, f"the features of {what}")
+    return x
 
 
 def linear_probe(x: np.ndarray, labels: np.ndarray, split, cfg: dict, seed: int, device: str = "cpu") -> np.ndarray:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data.transforms import to_tensor
+from pipeline.errors import check_finite
 from pipeline.eval.images import Images
 from pipeline.objectives import OBJECTIVES
 
@@ -50,6 +51,7 @@ def class_scores(model, objective: str, images: np.ndarray | Images, prompts: li
         else:
             scores = model.encode_image(imgs) @ text.t()
         out[i:i + batch_size] = scores.float().cpu().numpy()
+    check_finite(out, f"the zero-shot scores of the {objective} model")  # an argmax over NaN picks class 0
     return out
 
 

@@ -50,7 +50,7 @@ def run(params: dict, ctx) -> None:
             for k in range(cfg["seeds"]):  # training seed seed + k: its own init, masks, key and budget entry
                 p = {**params, "run": {**params["run"], "seed": seed + k}}
                 model, eps, is_main = train_point(p, ctx, init, epsilon, f"curve.{init}.eps_{epsilon}.seed_{seed + k}.")
-                x = features(model.encoder, es.images, ev, ctx.device)
+                x = features(model.encoder, es.images, ev, ctx.device, what=f"the curve's {init} ε={epsilon} model")
                 # evaluate's protocol, its probe seed too: only the training seed varies, as in evaluate's rows
                 outcomes, refit = probe_outcomes(x, es.labels, split, ev, seed, ctx.device)
                 rows.append(outcomes)
