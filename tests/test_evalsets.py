@@ -330,7 +330,9 @@ def test_an_eval_set_that_reads_the_private_training_shards_is_refused(in_tmp):
     tars = sorted(private.glob("*.tar"))
     build_index([str(t) for t in tars], in_tmp / "data/shards", eval_fraction=0.3, seed=0, cache_dir=in_tmp / "c",
                 workers=1, check_size=8)
-    for path in (private, tars[1], in_tmp / "data/shards/private"):
+    (in_tmp / "link").symlink_to(private)  # the same shards under other spellings: relative, dotted, linked
+    for path in (private, tars[1], in_tmp / "data/shards/private", "private-wds", "private-wds/1.tar",
+                 "./data/../private-wds", "link", "link/0.tar"):
         with pytest.raises(EvalSetError, match=r"evaluate\.sets\[mine\]\.path: .*holds the private training shards"):
             load_eval_set({"name": "mine", "source": "webdataset", "path": str(path)}, 8)
     assert len(load_eval_set({"name": "held", "source": "webdataset", "path": "data/shards/eval"}, 8).labels) > 0

@@ -61,6 +61,9 @@ def metrics_json():
                                 "chance": 0.102, "results": results, "dp_versus": versus}}}
 
 
+OWNER_BATCH_SIZES = [131, 137, 139] * 13 + [149]
+
+
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     """A finished run's report inputs, and an empty MLflow store."""
@@ -77,6 +80,9 @@ def project(tmp_path, monkeypatch):
 
     budget.registry_id()  # the budget dp-train charged (its key): composing without one would be refused
     write_json("models/dp/ledger.json", {**plan.header(), "steps": 40, "epsilon": 7.99, "run": "this"})
+    from pipeline.privacy import owner  # the run's owner-only record, of figures no report may print
+    owner.write(owner.run_record("this"), {"batch_sizes": OWNER_BATCH_SIZES, "nonfinite_examples": 7919,
+                                           "batch_size_p_values": {"mean": 0.318309}})
     write_json("results/eval/metrics.json", metrics_json())
     write_json("models/pretrain/history.json", history("loss", range(0, 300, 20)))
     write_json("models/dp/history.json", history("heldout_loss", range(0, 40, 10)))
@@ -116,6 +122,9 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project,
     assert drawn and all("DP (DP-Cap) (σ/B = 0.00533)" in labels for labels in drawn), drawn  # in the figure too
     assert md.count("95% CI") >= len(metrics_json()["models"]) + 1, md  # the cards' and the headline's
     assert "123456" not in page and "123456" not in md  # a known noise seed would undo the noise
+    text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page + md)  # the figures' bytes hold every number by chance
+    for private in ("7919", "131", "137", "139", "149", "0.318"):  # the owner's record (dp.log_private_stats unset)
+        assert not re.search(rf"(?<![\d.]){re.escape(private)}(?!\d)", text), private
     assert "objective: mae" in page  # the params of the run are shown
     # Nothing is fetched: every image is inlined and no attribute points anywhere.
     sources = re.findall(r'\b(?:src|href)\s*=\s*["\']([^"\']*)', page)
@@ -335,6 +344,9 @@ def test_data_card_reports_usable_n_and_never_the_exclusion_counts():
     assert value == "97 usable"
     assert "100" not in detail and "corrupt" not in detail and "2" not in detail.replace(".dpfm", "")
     assert "data owner only" in detail
+    # Measured: the same usable n from another count of rows read and excluded gives the same card.
+    other = {"source": "urls", "private": {"usable": 97, "rows": 131, "excluded": {"missing_image": 34}}}
+    assert data_card(other) == (title, value, detail)
 
 
 def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():

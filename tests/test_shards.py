@@ -507,6 +507,9 @@ def test_digits_stage_writes_splits_and_stats(in_tmp):
     assert stats["private"]["usable"] == len(private) and stats["eval"]["usable"] == len(held)
     assert len(private) + len(held) == 1797 and stats["private"]["classes"] == 10
     assert not set(private.index["key"]) & set(held.index["key"])
+    # Keys are named by their split, so disjoint keys prove nothing: no image of the set is on both sides.
+    origin = [{ds.meta(i)["source_index"] for i in range(len(ds))} for ds in (private, held)]
+    assert not origin[0] & origin[1] and len(origin[0] | origin[1]) == 1797
     assert json.loads(private.read_member(0, "json"))["label"] == private.meta(0)["label"]
 
 

@@ -471,12 +471,13 @@ def test_shards_stage_with_a_url_list(in_tmp):
 
 
 def test_what_the_shards_stage_publishes_does_not_depend_on_how_many_samples_it_excluded(in_tmp, capsys):
-    """Measured: two private sources of the same 30 usable samples, one with 1 corrupt image and one with
-    6 (and a sample without a caption): what the stage prints, the metrics it logs and stats.json are
-    the same. A count of the excluded samples anywhere in them (a line saying "6 skipped") differs."""
+    """Measured: two private sources of the same 30 usable samples, one with 1 corrupt image a shard and
+    one with 6, a sample without a caption, a key twice, an image twice under two keys and a shard that
+    is not a tar: what the stage prints, the metrics it logs and stats.json are the same. A count of the
+    excluded samples, the duplicates or the unreadable shards anywhere in them ("6 skipped") differs."""
     from shard_data import good, raw_tar
 
-    published = []
+    published, owner_side = [], []
     for bad in (1, 6):
         rng = np.random.default_rng(3)  # the same 30 good samples both times
         for built in ("data/shards", "data/cache", "ext"):  # the budget (and the owner's key) stay
@@ -485,18 +486,27 @@ def test_what_the_shards_stage_publishes_does_not_depend_on_how_many_samples_it_
         for s in range(3):
             members = [m for i in range(10) for m in good(f"k{s}{i:02d}", rng)]
             members += [m for i in range(bad) for m in ((f"bad{s}{i}.jpg", b"not a jpeg"), (f"bad{s}{i}.txt", b"a"))]
-            members += [(f"nocap{s}.jpg", members[0][1])] if bad > 1 else []
+            if bad > 1:  # the second copy of a key, and of an image under a new key, are dropped
+                again = good(f"k{s}00", np.random.default_rng(9))
+                members += [(f"nocap{s}.jpg", members[0][1]), *again, (f"dup{s}.jpg", members[3][1]),
+                            (f"dup{s}.txt", b"a photo")]
             raw_tar(in_tmp / f"ext/s-{s}.tar", members)
-        params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{0..2}}.tar']",
+        junk = in_tmp / "ext/s-3.tar"  # a fourth shard: one corrupt sample, or no tar at all
+        junk.write_bytes(b"not a tar " * 100) if bad > 1 else raw_tar(junk, [("bad.jpg", b"x"), ("bad.txt", b"a")])
+        params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{0..3}}.tar']",
                                         "shards.workers=1", "shards.image_size=16"])
         logged = []
         tracker = types.SimpleNamespace(log_metrics=lambda metrics, **k: logged.append(metrics))
         capsys.readouterr()
         shards_stage.run(sections_of(params, ("run", "shards")),
                          types.SimpleNamespace(stage=stage("shards"), tracker=tracker, threads=1))
-        assert sum(read_json(".dpfm/owner/shards.json")["private"]["excluded"].values()) == 3 * bad + (bad > 1) * 3
+        kept = read_json(".dpfm/owner/shards.json")
+        owner_side.append((kept["private"]["excluded"], kept["shards"]["damaged"] + kept["shards"]["skipped"]))
         published.append((capsys.readouterr(), logged, read_json("data/shards/stats.json")))
     assert published[0][2]["private"]["usable"] == 30
+    (few, none), (many, damaged) = owner_side  # the owner's record does differ
+    assert few == {"corrupt_image": 4} and not none and len(damaged) == 1
+    assert many == {"corrupt_image": 18, "duplicate_content": 3, "duplicate_key": 3, "missing_caption": 3}
     assert published[0] == published[1]
 
 

@@ -27,6 +27,28 @@ def test_committed_dvc_yaml_matches_table():
     assert check_dvc_yaml(ROOT / "dvc.yaml") == ""
 
 
+def private_paths(paths: list[str]) -> list[str]:
+    """Of `paths`, those in dpfm's own state and owner zone (.dpfm: the ledger's batch sizes, the
+    exclusion counts), the private shards themselves, or a ledger with its batch sizes."""
+    from pipeline.privacy import owner
+    from pipeline.stages import ARTIFACTS, PRIVATE_ARTIFACT
+
+    closed = (owner.OWNER_DIR.parent, Path(ARTIFACTS[PRIVATE_ARTIFACT].rstrip("/")))
+    return [p for p in paths if any(Path(p) == c or c in Path(p).parents for c in closed) or "ledger.jsonl" in p]
+
+
+def test_nothing_dvc_caches_and_pushes_is_private():
+    """What dvc.yaml makes an output (`dvc push` uploads it with `make push`) is published: never the owner
+    zone, the run state, the private shards or the owner's ledger (the shards are a keyed digest)."""
+    stages = yaml.safe_load(render_dvc_yaml())["stages"]
+    pushed = [p for st in stages.values() for key in ("outs", "metrics", "plots") for p in st.get(key, [])]
+    assert "models/dp" in pushed and private_paths(pushed) == []
+    assert private_paths([".dpfm/owner", ".dpfm/state/dp-train-1/ledger.jsonl", "data/shards", "data/shards/private",
+                          "results/x/ledger.jsonl"]) == [".dpfm/owner", ".dpfm/state/dp-train-1/ledger.jsonl",
+                                                         "data/shards", "data/shards/private", "results/x/ledger.jsonl"]
+    assert private_paths(["data/shards.digest", "models/dp", "results/eval/metrics.json"]) == []
+
+
 def test_every_key_dvc_yaml_lists_is_one_params_yaml_must_hold():
     """dvc.yaml lists each stage's tracked keys from the schema: a key the schema left optional
     (shards.private_limit was) stops `dvc repro` and `dvc status` on a params.yaml without it, while
