@@ -38,6 +38,7 @@ lint: $(STAMP)
 # Outputs restored by DVC get new mtimes; touch them in DAG order so Snakemake sees them up to date.
 restore: $(STAMP)
 	dvc pull
+	if [ -d data/budget ]; then dpfm budget-sync; fi
 	snakemake --cores 1 --touch
 
 # data/budget (every DP run on the private examples, privacy/budget.py) is versioned and pushed with the data.

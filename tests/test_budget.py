@@ -588,3 +588,41 @@ def test_a_charge_in_a_temporary_dvc_workspace_is_refused(in_tmp, monkeypatch):
     with pytest.raises(budget.BudgetNotHere, match="without --temp or --queue"):
         charge(*d, "in a copy")
     assert len(budget._entries()) == 2
+
+
+def test_the_budget_and_dvcs_copy_of_it_are_readable_by_the_owner_only(in_tmp, capsys):
+    """The budget holds the owner's key and the sets' sketches. `dvc add` (make push) keeps them in DVC's
+    cache as objects of mode 0444 in folders of 0755, and `dvc checkout` (make restore) writes them back
+    0644: anyone on the machine could read the key. Measured with DVC: after `dpfm budget-sync` (make
+    push and restore run it) the project's cache is closed to others and so is the checked-out budget;
+    a cache configured elsewhere (cache.dir, a team's) is named, never changed."""
+    dvc = [str(ROOT / ".venv/bin/dvc")]
+    subprocess.run(dvc + ["init", "-q", "--no-scm"], check=True)
+    d = shard(in_tmp / "d", examples(10))
+    budget.record(*d, "A", plan(), 1)
+    budget.public_name("a digest")  # the key
+    held = [budget.BUDGET_DIR, *budget.BUDGET_DIR.rglob("*")]
+    assert {p.name for p in held} >= {"names.key", "runs.jsonl", "sets"}
+
+    def open_to_others(paths):
+        return [str(p) for p in paths if p.stat().st_mode & 0o077]
+
+    assert open_to_others([budget.BUDGET_DIR]) == []  # as made: a folder only the owner can enter
+    budget.sync()  # `make push`: then `dvc add`
+    subprocess.run(dvc + ["add", "-q", "data/budget"], check=True)
+    cache = in_tmp / ".dvc/cache"
+    objects = [p for p in cache.rglob("*") if p.is_file()]
+    assert objects and all(p.stat().st_mode & 0o777 == 0o444 for p in objects)  # DVC's own modes...
+    assert open_to_others([cache]) == []  # ...behind a folder only the owner can enter
+    shutil.rmtree(budget.BUDGET_DIR)
+    subprocess.run(dvc + ["checkout", "-q", "data/budget.dvc"], check=True)  # `make restore`
+    assert open_to_others([budget.BUDGET_DIR / "names.key"])  # as DVC writes it
+    budget.sync()
+    assert open_to_others([budget.BUDGET_DIR, *budget.BUDGET_DIR.rglob("*")]) == []
+    shared = in_tmp / "team-cache"
+    shared.mkdir(mode=0o775)
+    shared.chmod(0o775)
+    (in_tmp / ".dvc/config").write_text(f"[cache]\n    dir = {shared}\n")
+    budget.sync()
+    assert f"DVC's cache {shared} (cache.dir) receives data/budget/" in capsys.readouterr().err
+    assert shared.stat().st_mode & 0o777 == 0o775

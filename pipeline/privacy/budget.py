@@ -36,6 +36,7 @@ import json
 import math
 import os
 import secrets
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -69,6 +70,7 @@ def _check_here() -> None:
     pushed one holds, under a new owner's key, and the ε published would leave them out."""
     pointer = BUDGET_DIR.with_suffix(".dvc")
     if any((BUDGET_DIR / f).exists() for f in ("names.key", "runs.jsonl")):
+        owner.seal(BUDGET_DIR)  # as secret as the shards: checked out by DVC (`make restore`) it was 0644
         _mark_started()  # a budget from before the mark existed gets its mark at its next use
         if pointer.exists():
             _merge_recorded(pointer)
@@ -125,8 +127,28 @@ def _check_not_a_temporary_workspace() -> None:
 
 
 def sync() -> None:
-    """The check every use of the budget makes first, on its own (`dpfm budget-sync`, `make push`)."""
+    """The check every use of the budget makes first, on its own (`dpfm budget-sync`, `make push` before
+    `dvc add data/budget`, `make restore` after `dvc pull`); and DVC's cache sealed, which receives it."""
+    _seal_dvc_cache()
     _check_here()
+
+
+def _seal_dvc_cache() -> None:
+    """DVC's cache keeps the budget's key, charges and sketches as objects of mode 0444 in folders of
+    0755: anyone on the machine could read them. The project's own cache (.dvc/cache) is made
+    owner-only; a cache configured elsewhere (`cache.dir`, one a team shares) is its owners' to keep
+    closed, and is named."""
+    from pipeline.dvc_cache import cache_dir
+
+    if not Path(".dvc").is_dir():
+        return
+    cache = cache_dir()
+    if cache == Path(".dvc") / "cache":
+        cache.mkdir(mode=0o700, exist_ok=True)
+        cache.chmod(0o700)
+    elif not cache.exists() or cache.stat().st_mode & 0o077:
+        print(f"budget: DVC's cache {cache} (cache.dir) receives {BUDGET_DIR}/ (the owner's key, the charges) at "
+              "`dvc add` and `dvc pull`: keep it readable by the data owner only", file=sys.stderr)
 
 
 def _merge_recorded(pointer: Path) -> None:
@@ -198,7 +220,7 @@ def _names_key() -> bytes:
     path = BUDGET_DIR / "names.key"
     if not path.exists():
         _check_here()
-        BUDGET_DIR.mkdir(parents=True, exist_ok=True)
+        BUDGET_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".names.key.", dir=BUDGET_DIR)  # owner-only from its first byte
         try:
             with os.fdopen(fd, "w") as f:
@@ -334,7 +356,7 @@ def _append(identity: str, sketch: np.ndarray, entry: dict, same: tuple[str, ...
 @contextmanager
 def _locked_runs():
     """runs.jsonl open to read from its start and append, held under an exclusive lock."""
-    BUDGET_DIR.mkdir(parents=True, exist_ok=True)
+    BUDGET_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(BUDGET_DIR / "runs.jsonl", "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX)

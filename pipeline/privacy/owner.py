@@ -39,12 +39,14 @@ def zone() -> Path:
     return OWNER_DIR
 
 
-def seal() -> None:
-    """Everything in the zone owner-only, whoever wrote it: Snakemake writes its benchmarks of the
-    stages on private data here (timing, bytes read) with its default permissions."""
-    if OWNER_DIR.exists():
-        for p in [OWNER_DIR, *OWNER_DIR.rglob("*")]:
-            p.chmod(0o700 if p.is_dir() else 0o600)
+def seal(folder: Path = OWNER_DIR) -> None:
+    """Everything in `folder` owner-only, whoever wrote it: Snakemake writes its benchmarks of the
+    stages on private data in the zone (timing, bytes read) with its default permissions, and DVC checks
+    the privacy budget out with the umask's. A link is left alone (DVC's cache behind it is sealed apart)."""
+    if folder.is_dir():
+        for p in [folder, *folder.rglob("*")]:
+            if not p.is_symlink():
+                p.chmod(0o700 if p.is_dir() else 0o600)
 
 
 def write(name: str, record: dict) -> Path:
