@@ -317,7 +317,9 @@ def main(argv=None) -> int:
 
         if e.errno not in DISK_FULL:
             raise
-        print(f"dpfm: {e.strerror}", file=sys.stderr)  # atomic_path's message names the file
+        # atomic_path's message names the file; another write's (a copy, a link) keeps it in e.filename
+        where = f": {e.filename}" if e.filename and str(e.filename) not in str(e.strerror) else ""
+        print(f"dpfm: {e.strerror}{where}", file=sys.stderr)
         return 1
     return int(code or 0)
 

@@ -30,3 +30,52 @@ def test_a_ledger_that_is_not_one_is_named(tmp_path, capsys):
         assert cli.main(["owner-composition", "--ledger", str(tmp_path / name)]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"dpfm: --ledger {tmp_path / name}: not a dp-train ledger") and err.count("\n") == 1
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch, capsys):
+    """atomic_path and the ledger's append put the file in the message; a copy or a link elsewhere (the
+    synthetic stage's assembly falls back to copying) keeps it in the error's filename alone."""
+    import errno
+
+    from pipeline.io import atomic_path
+
+    monkeypatch.chdir(tmp_path)
+
+    def copy_fails(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "data/.synthetic.ab12.tmp/s-000003.tar")
+
+    monkeypatch.setattr(cli, "_owner_composition", copy_fails)
+    assert cli.main(["owner-composition"]) == 1
+    assert capsys.readouterr().err == "dpfm: No space left on device: data/.synthetic.ab12.tmp/s-000003.tar\n"
+
+    def write_fails(args):
+        with atomic_path("results/x.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "_owner_composition", write_fails)
+    assert cli.main(["owner-composition"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("results/x.json") == 1 and err.count("\n") == 1, err
+
+
+def test_a_json_write_that_fails_half_way_leaves_the_previous_file(tmp_path, monkeypatch):
+    """write_json (stats.json, manifests, verification.json): a write cut by a full disk names the file
+    and leaves the previous version whole, and no temporary file beside it."""
+    import errno
+    from pathlib import Path
+
+    from pipeline.io import read_json, write_json
+
+    path = tmp_path / "stats.json"
+    write_json(path, {"v": 1})
+    real = Path.write_text
+
+    def half(self, text, *args, **kw):
+        real(self, text[:len(text) // 2], *args, **kw)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match=f"while writing {path}"):
+        write_json(path, {"v": 2, "more": list(range(100))})
+    monkeypatch.undo()
+    assert read_json(path) == {"v": 1} and [p.name for p in tmp_path.iterdir()] == ["stats.json"]
