@@ -401,3 +401,30 @@ def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, caps
     built_with()
     assert cli.main(["validate", *bad]) == 2
     assert "dp params (n=100 usable private examples) is invalid" in capsys.readouterr().err
+
+
+def wrong_values(spec: dict) -> list:
+    """Values of the wrong kind for a key of schema `spec`: a mapping for every key (no key takes an
+    arbitrary one), and where the schema gives a scalar type, a value of another type."""
+    kinds = spec.get("type", [])
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    wrong = [{"wrong_zz": 1}]
+    if {"integer", "number", "boolean"} & set(kinds) and "string" not in kinds:
+        wrong.append("not_a_value")
+    if kinds == ["integer"] or kinds == ["integer", "null"]:
+        wrong.append(1.5)
+    return wrong
+
+
+SCHEMA = yaml.safe_load((ROOT / "schemas/params.schema.yaml").read_text())
+KEYS = [(f"{section}.{key}", spec) for section, body in SCHEMA["properties"].items()
+        for key, spec in body.get("properties", {}).items()]
+
+
+@pytest.mark.parametrize("key, spec", KEYS, ids=[k for k, _ in KEYS])
+def test_every_key_refuses_a_value_of_the_wrong_kind_naming_itself(in_tmp, key, spec):
+    """Every key of the schema, not a list of some: a key loosened to take anything (`dp.clip_norm: {}`)
+    would let `abc` reach the accountant."""
+    for value in wrong_values(spec):
+        assert any(re.search(rf"(^|\s){re.escape(key)}\b", p) for p in errors_for(f"{key}={json.dumps(value)}")), (
+            key, value)

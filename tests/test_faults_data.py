@@ -96,8 +96,13 @@ def test_kill_9_during_synthetic_generation_resumes_to_the_same_bytes(tmp_path):
     kill_at_fault(dpfm(work, args, "shards:3"), work)
     [staging] = (work / ".dpfm/state").glob("synthetic-*")
     assert len(list(staging.glob("*.json"))) == 3 and not (work / "data/synthetic").exists()
+    damaged = staging / sorted(p.stem for p in staging.glob("*.json"))[0]  # its size kept: its sha256 tells
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
     complete(dpfm(work, args), work)
     assert "resuming" in log_tail(work)
+    assert f"staged {damaged.name} does not match its record; rendering it again" in log_tail(work)
     out, expected = work / artifact("synthetic"), ref / artifact("synthetic")
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
     for p in expected.iterdir():

@@ -239,3 +239,15 @@ def test_a_holder_killed_while_its_forked_worker_lives_leaves_no_lock(tmp_path, 
         pytest.fail("a forked worker of a killed holder kept the stage's lock")
     finally:
         os.kill(worker, signal.SIGKILL)
+
+
+def test_a_stage_already_running_in_the_directory_is_refused_at_once(in_tmp, capsys):
+    """The stage's own lock, measured directly (a dp-train's second lock, on its run, would only make a
+    second one wait): `dpfm shards` while another holds the stage exits 1 saying so, having built nothing."""
+    from pipeline import cli
+    from pipeline.locking import stage_lock
+
+    with stage_lock("shards"):
+        assert cli.main(["shards"]) == 1
+    assert "shards is already running in this directory" in capsys.readouterr().err
+    assert not (in_tmp / "data/shards").exists()
