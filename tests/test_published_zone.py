@@ -1,7 +1,8 @@
 """Nothing published holds a statistic of the private data (privacy/owner.py).
 
 The whole DAG runs under Snakemake on a web source with bad samples (so there are exclusions to
-count), once per objective. Afterwards every published artifact is scanned: every file the project
+count), once per objective, and each objective's dp-train again on two ranks (torchrun, the stages
+after it by Snakemake). Afterwards every published artifact is scanned: every file the project
 holds outside the owner's zone and the data (results/ and models/, the DVC outputs `make push`
 uploads; logs/; whatever a stage writes elsewhere), data/shards/stats.json, what Snakemake printed,
 and everything in MLflow (params, metrics, tags, artifacts, the registry). The
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -23,6 +26,7 @@ import pytest
 from pipeline.data.shards import encode_png
 from shard_data import picture, write_set
 from snakemake_project import set_params
+from stage_runs import torchrun
 from test_e2e import dvc_project, snakemake
 
 OBJECTIVES = ("mae", "caption", "clip")
@@ -147,13 +151,30 @@ def pipeline_runs(tmp_path_factory):
         set_params(work, {"dp": {"objective": obj}})
         printed = snakemake(work)
         published[obj] = published_texts(work, printed)
+        # dp-train again on two ranks (rank 1 prints and logs too), and the stages after it. Its state is
+        # deleted first, or the finished run would only be resumed: it trains, and is charged, again.
+        shutil.rmtree(work / ".dpfm/state" / json.loads((work / "models/dp/ledger.json").read_text())["run"])
+        charged = (work / "data/budget/runs.jsonl").read_text().count("\n")
+        published[f"{obj}-2ranks"] = published_texts(work, on_two_ranks(work, "dp-train") + snakemake(work))
+        assert (work / "data/budget/runs.jsonl").read_text().count("\n") == charged + 1
         for kind, values in owner_needles(work).items():
             needles.setdefault(kind, set()).update(values)
     return work, published, needles
 
 
+def on_two_ranks(work: Path, name: str) -> str:
+    """What `dpfm <name>` prints on two CPU ranks (torchrun), MLflow in the project as Snakemake has it."""
+    saved = os.environ.pop("MLFLOW_TRACKING_URI", None)  # set by an in-process stage earlier: not the project's
+    try:
+        proc = torchrun(work, name)
+    finally:
+        if saved is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved
+    return proc.stdout + proc.stderr
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("objective", [*OBJECTIVES, *(f"{obj}-2ranks" for obj in OBJECTIVES)])
 def test_no_published_file_holds_a_private_statistic(pipeline_runs, objective):
     work, published, needles = pipeline_runs
     found = [(where, kind, needle) for where, text in published[objective].items()
