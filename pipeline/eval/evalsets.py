@@ -112,12 +112,12 @@ def load_eval_set(spec: dict, image_size: int) -> EvalSet:
                             "(split here), not " + " and ".join(sorted(set(parts) | ({"path"} & set(spec)))))
     loaded = [_load_part(spec, key, image_size) for key in (parts or ["path"])]
     images = concat([im for im, _ in loaded])
-    labels, classes = _encode_labels([n for _, names in loaded for n in names], spec.get("classes"), spec["name"])
+    raw = [n for _, names in loaded for n in names]
+    labels, classes, named = _encode_labels(raw, spec.get("classes"), spec["name"])
     split = None
     if parts:
         n_train = len(loaded[0][0])
         split = (np.arange(n_train), np.arange(n_train, len(images)))
-    named = spec.get("classes") is not None or any(isinstance(n, str) for _, names in loaded for n in names)
     return EvalSet(spec["name"], images, labels, classes, tuple(spec.get("templates", DEFAULT_TEMPLATES)), split, named)
 
 
@@ -321,22 +321,22 @@ def _tar_samples(tars: list[Path]):
                 yield t, tar, key, members
 
 
-def _encode_labels(names: list, class_names: list | None, set_name: str) -> tuple[np.ndarray, list[str]]:
-    """Raw labels (ints, or class-name strings) -> (int labels, class names). Unnamed integer labels are
-    classes by their values, as found: labels 1..10 make ten classes "1".."10", never a phantom "0"
-    that a split refuses, a probe head keeps and zero-shot ranks against."""
+def _encode_labels(names: list, class_names: list | None, set_name: str) -> tuple[np.ndarray, list[str], bool]:
+    """Raw labels (ints, or class-name strings) -> (int labels, class names, whether they are names).
+    Unnamed integer labels are classes by their values, as found: labels 1..10 make ten classes
+    "1".."10", never a phantom "0" that a split refuses, a probe head keeps and zero-shot ranks against."""
     if all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in names):
         labels = np.asarray(names, dtype=int)
         if class_names is None:
             values, labels = np.unique(labels, return_inverse=True)
-            return labels, [str(v) for v in values]
+            return labels, [str(v) for v in values], False
         if labels.min() < 0:
             raise EvalSetError(f"eval set {set_name!r}: integer labels must be >= 0, found {labels.min()}")
         num = int(labels.max()) + 1
         if class_names is not None and len(class_names) < num:
             raise EvalSetError(f"eval set {set_name!r}: `classes` names {len(class_names)} classes "
                                 f"but labels go up to {num - 1}")
-        return labels, list(class_names)
+        return labels, list(class_names), True
     if not all(isinstance(n, str) for n in names):
         raise EvalSetError(f"eval set {set_name!r}: labels must be all integers or all strings, got "
                             f"{sorted({type(n).__name__ for n in names})}")
@@ -345,4 +345,4 @@ def _encode_labels(names: list, class_names: list | None, set_name: str) -> tupl
     if unknown:
         raise EvalSetError(f"eval set {set_name!r}: labels {unknown[:5]} are not in `classes`")
     lookup = {c: i for i, c in enumerate(classes)}
-    return np.array([lookup[n] for n in names]), classes
+    return np.array([lookup[n] for n in names]), classes, True
