@@ -28,8 +28,10 @@ Two guards keep an interval honest where the bootstrap is not. Near 0% or 100% a
 test images cannot move the count of errors past the few it holds: at 99.5% on 270 images a quarter
 of the intervals read 100.0–100.0% and they cover 76% (measured). An accuracy's interval is
 therefore never narrower than the Wilson score interval of its test images, which keeps its level
-there. And the shift to the full fit can carry a skewed bootstrap (one collapsed refit among fifty)
-past the estimate: every interval is stretched to hold its own estimate.
+there, and a paired difference's never narrower than Bonett and Price's adjusted Wald interval of
+the examples on which the two models disagree (two models that agree on every test image read
+0.0–0.0 by the bootstrap alone). And the shift to the full fit can carry a skewed bootstrap (one
+collapsed refit among fifty) past the estimate: every interval is stretched to hold its own estimate.
 """
 
 from __future__ import annotations
@@ -120,6 +122,24 @@ def wilson(accuracy: float, n: int, level: float = LEVEL) -> list[float]:
     return [float(centre - half), float(centre + half)]
 
 
+def paired_wald(discordant_a: float, discordant_b: float, n: int, level: float = LEVEL) -> list[float]:
+    """Bonett and Price's adjusted Wald interval of a paired difference over n test examples, from the
+    counts only model a gets right (discordant_a) and only model b does: the test images' own
+    uncertainty, which a bootstrap of them loses where the two models disagree on few or none."""
+    z = float(stats.norm.ppf((1 + level) / 2))
+    only_a, only_b = (discordant_a + 1) / (n + 2), (discordant_b + 1) / (n + 2)
+    half = z * np.sqrt((only_a + only_b - (only_a - only_b) ** 2) / (n + 2))
+    return [float(only_a - only_b - half), float(only_a - only_b + half)]
+
+
+def _discordant(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """How many test examples (a mean over seeds) only a gets right, and only b: seed by seed where the
+    two are paired by seed, else from each example's rate over each model's own seeds."""
+    if len(a) != len(b):
+        a, b = a.mean(axis=0, keepdims=True), b.mean(axis=0, keepdims=True)
+    return float((a * (1 - b)).mean(axis=0).sum()), float(((1 - a) * b).mean(axis=0).sum())
+
+
 def _holding(ci: list[float], estimate: float) -> list[float]:
     return [min(ci[0], estimate), max(ci[1], estimate)]
 
@@ -175,4 +195,7 @@ def difference_ci(correct_a, correct_b, seed: int = 0, resamples: int = RESAMPLE
         if refits[0].shape[1] != refits[1].shape[1]:
             raise ValueError(f"paired refits need the same resamples, got {refits[0].shape[1]} and {refits[1].shape[1]} fits")
     diff = float(a.mean() - b.mean())
-    return {"diff": diff, "ci": _holding(_bootstrap([a, b], refits, seed, resamples, level), diff)}
+    ci = _bootstrap([a, b], refits, seed, resamples, level)
+    floor = paired_wald(*_discordant(a, b), a.shape[1], level)  # a resample cannot move discordance it never saw
+    lo, hi = _holding([min(ci[0], floor[0]), max(ci[1], floor[1])], diff)
+    return {"diff": diff, "ci": [max(lo, -1.0), min(hi, 1.0)]}
