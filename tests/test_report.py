@@ -121,6 +121,10 @@ def test_report_has_the_table_privacy_and_figures_and_is_self_contained(project,
     assert "| DP (DP-Cap) (σ/B = 0.00533) | 82.2 (77.4–86.7) |" in md and "DP (DP-Cap) (σ/B = 0.00533)" in page
     assert drawn and all("DP (DP-Cap) (σ/B = 0.00533)" in labels for labels in drawn), drawn  # in the figure too
     assert md.count("95% CI") >= len(metrics_json()["models"]) + 1, md  # the cards' and the headline's
+    for name, row in metrics_json()["sets"]["digits"]["results"].items():  # each card its own model's interval
+        lo, hi = (100 * end for end in row["linear_probe_ci"])
+        label = metrics_json()["models"][name]["label"]
+        assert f"| {label} | **{100 * row['linear_probe']:.1f}%** | 95% CI {lo:.1f}–{hi:.1f}%; " in md, name
     assert "123456" not in page and "123456" not in md  # a known noise seed would undo the noise
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page + md)  # the figures' bytes hold every number by chance
     for private in ("7919", "131", "137", "139", "149", "0.318"):  # the owner's record (dp.log_private_stats unset)
@@ -141,9 +145,11 @@ def test_a_verification_of_another_dp_run_is_refused(project):
     root, params = project
     ver = json.loads((root / "results/privacy/verification.json").read_text())
     write_json("results/privacy/verification.json", {**ver, "run": "an earlier run"})
+    write_json("results/privacy/privacy.json", {"private": True, "epsilon_composed": 1.0, "runs": 1})  # earlier
     with pytest.raises(VerificationFailed, match="another DP run"):
         report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     assert not (root / "results/report").exists()
+    assert not (root / "results/privacy/privacy.json").exists(), "an earlier run's final ε outlived the refusal"
 
 
 def test_an_evaluation_of_another_dp_run_is_refused(project):
@@ -160,15 +166,26 @@ def test_an_evaluation_of_another_dp_run_is_refused(project):
 def test_every_epsilon_and_delta_the_report_states_is_rounded_up(project):
     """The accountant's ε = 7.98449 is a bound; "7.98" would state a smaller one. Every figure the
     report shows of ε or δ is rounded up (accounting.bound_text), in both renderings and the captions."""
+    from pipeline.report import plots
+
     root, params = project
     ver = json.loads((root / "results/privacy/verification.json").read_text())
     ver.update({"epsilon": {"pld": 7.98449, "rdp": 9.60001}, "epsilon_reported": 7.98449, "delta": 3.97452e-4})
     write_json("results/privacy/verification.json", ver)
-    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    finals, plot_epsilon = [], plots.plot_epsilon
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plots, "plot_epsilon", lambda curves, target, final, *a: finals.append(final)
+                  or plot_epsilon(curves, target, final, *a))
+        report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
     page, md = ((root / "results/report" / f).read_text() for f in ("report.html", "report.md"))
-    for text in ("(ε = 7.99, δ = 3.98e-04 = 1/2n)-DP", "PLD ε = 7.985", "RDP ε = 9.601", "at δ = 3.98e-04"):
+    for text in ("(ε = 7.99, δ = 3.98e-04 = 1/2n)-DP", "PLD ε = 7.985", "RDP ε = 9.601", "at δ = 3.98e-04",
+                 "PLD 7.9845, RDP 9.6001 (target 8.0)", "σ = 0.67 at ε = 7.99"):
         assert text in page and text in md, text
-    assert not re.search(r"ε = 7\.98\b|3\.97e-04|ε = 9\.600", page + md)
+    assert not re.search(r"ε = 7\.98\b|3\.97e-04|ε = 9\.600|RDP 9\.6000", page + md)
+    # Every ε the report states is the verified one (never the target 8), or 0 and ∞ for the baselines.
+    stated = set(re.findall(r"ε = ([\d.]+)", re.sub(r"base64,[A-Za-z0-9+/=]+", "", page + md)))
+    assert stated <= {"7.99", "7.985", "9.601", "0"}, stated
+    assert finals == [(40, 7.98449)]  # the ε figure's end point
 
 
 def test_the_owners_composition_is_computed_on_request_and_no_stage_reads_which_sets_overlap(project, monkeypatch):
@@ -412,7 +429,7 @@ def test_the_privacy_utility_curve_is_a_table_a_figure_and_a_sentence(project):
     assert (f"from the synthetic warm start, 80.0% (77.0–83.0) at ε = 1, σ/B = {noise[0]:.3g} → 81.0% (78.0–84.0) at "
             f"ε = 8, σ/B = {noise[1]:.3g} → 85.0% (82.0–88.0) at ε = ∞") in md
     assert "in parentheses, 95% intervals, each point the mean of 3 DP trainings at its ε" in md
-    assert re.search(r"\(synthetic only, no DP training: [\d.]+% \([\d.]+–[\d.]+\)\)", md)  # its interval too
+    assert "(synthetic only, no DP training: 80.4% (75.6–85.2))" in md  # its own interval too
     assert (out / "privacy_utility_curve.png").is_file()
 
 
@@ -546,12 +563,13 @@ def test_the_star_is_this_evaluations_accuracy_whatever_mlflow_logged_for_the_mo
     assert sorted((p["accuracy"], p["current"]) for p in drawn) == [(0.7, False), (0.822, True)]
 
 
-def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(project):
+@pytest.mark.parametrize("runs", [2, 3])
+def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(project, runs):
     """With evaluate.seeds = 3 the DP row is the mean of three DP models trained on the same examples,
-    and the cards once put it beside one model's ε (7.99). Three identical runs compose as one run of
-    three times the steps: the card must give that, the star the released model's own accuracy."""
+    and the cards once put it beside one model's ε (7.99). Identical runs compose as one run of as many
+    times the steps: the card must give that, the star the released model's own accuracy."""
     from pipeline.privacy import budget
-    from pipeline.privacy.accounting import epsilon
+    from pipeline.privacy.accounting import bound_text, epsilon
 
     root, params = project
     params["dp"]["noise_seed"] = None
@@ -559,12 +577,12 @@ def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(pro
     ledger = read_json(root / "models/dp/ledger.json")
     sketch = np.zeros(1 << budget.SKETCH_BITS, dtype=bool)
     sketch[:3] = True
-    for key, run in enumerate(("this", "seed-1", "seed-2")):
+    for key, run in enumerate(("this", "seed-1", "seed-2")[:runs]):
         budget.record("set-a", sketch, run, Plan.from_header(ledger), key)
     write_json("models/dp/ledger.json", {**ledger, "run": "this", "data_identity": "set-a"})
     metrics = metrics_json()
     dp_row = metrics["sets"]["digits"]["results"]["dp"]
-    dp_row.update(seeds=3, first_seed={"linear_probe": 0.801, "linear_probe_ci": [0.752, 0.849]})
+    dp_row.update(seeds=runs, first_seed={"linear_probe": 0.801, "linear_probe_ci": [0.752, 0.849]})
     write_json("results/eval/metrics.json", metrics)
     from pipeline.report import plots
 
@@ -573,16 +591,17 @@ def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(pro
     with pytest.MonkeyPatch.context() as m:
         m.setattr(plots, "plot_privacy_utility", lambda points, *a: stars.extend(points) or original(points, *a))
         report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
-    three = epsilon(0.67, 0.1, 3 * 40, 4e-4, adjacency="replace_one")
-    assert 10 < three < 20
+    composed = bound_text(epsilon(0.67, 0.1, runs * 40, 4e-4, adjacency="replace_one"), 2)  # rounded up
+    assert 9 < float(composed) < 20
     md = (root / "results/report/report.md").read_text()
     card = next(line for line in md.splitlines() if line.startswith("| Privacy |"))
-    assert f"**ε = {three:.2f}**" in card and "3 DP runs" in card and "the released model alone: ε = 7.99" in card
+    assert f"**ε = {composed}**" in card and f"{runs} DP runs" in card
+    assert "the released model alone: ε = 7.99" in card
     assert [(p["epsilon"], p["accuracy"]) for p in stars if p["current"]] == [(7.99, 0.801)]
-    assert f"with every DP run charged to the budget, ε = {three:.2f}" in md
+    assert f"with every DP run charged to the budget, ε = {composed}" in md
     # ... and so does the first thing the report says, above the released model's own
     first = verdict_line(root)
-    assert first.startswith(f"**(ε = {three:.2f}, δ = ") and "all this report releases (3 DP runs" in first
+    assert first.startswith(f"**(ε = {composed}, δ = ") and f"all this report releases ({runs} DP runs" in first
     assert "The released model alone is (ε = 7.99, δ = " in first
 
 
@@ -633,3 +652,64 @@ def test_the_experiment_plot_keeps_its_whole_legend_and_skips_points_it_cannot_p
     plots.plot_curve(curve, {"synthetic": ("synthetic only", 0.7, [0.66, 0.74]), "pixels": ("raw pixels", 0.6, None)},
                      path)
     assert bands == [(66.0, 74.0)]
+
+
+def test_a_dp_clip_report_gives_its_noise_as_2_sigma_c_whatever_the_batch(project):
+    """Dp-CLIP clips the batch's mean: its noise per coordinate is 2σC, which no batch size divides.
+    Every place a DP accuracy is read beside its noise says so; none gives a σ/B."""
+    root, params = project
+    plan = Plan(objective="clip", clipping="per_batch", n=1258, sample_rate=0.1, sigma=0.67, clip_norm=1.0,
+                steps=40, delta=4e-4, accountant="pld", adjacency="replace_one", target_epsilon=8.0, epsilon=7.99)
+    write_json("models/dp/ledger.json", {**plan.header(), "steps": 40, "epsilon": 7.99, "run": "this"})
+    write_json("results/eval/metrics.json", {**metrics_json(), "objective": "clip"})
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert plan.noise_std == pytest.approx(2 * 0.67 * 1.0)
+    assert "| DP (DP-Cap) (2σC = 1.34, whatever B) | 82.2 (77.4–86.7) |" in md  # the table's row
+    assert "linear probe on digits; σ = 0.67, 2σC = 1.34, whatever B" in md  # its card
+    assert "2σ·C = 1.34 however large the batch" in md and "sensitivity 2·C (per batch)" in md
+    assert "σ/B" not in md and "std/B" not in md
+
+
+def test_a_run_that_logs_private_statistics_says_they_are_outside_its_epsilon(project):
+    """dp.log_private_stats publishes the count of dropped non-finite private examples, which no ε
+    covers: the mechanism table names it and the report's first words say NOT PRIVATE."""
+    root, params = project
+    params["dp"].update(noise_seed=None, log_private_stats=True)
+    params["curve"]["epsilons"] = [8]
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert ("| released outside ε | counts of dropped non-finite private examples (dp.log_private_stats: true): not "
+            "covered by the ε above |") in md
+    assert verdict_line(root).startswith("**NOT PRIVATE as a whole: dp.log_private_stats publishes")
+    assert not read_json(root / "results/privacy/privacy.json")["private"]
+
+
+def test_each_figure_draws_each_models_own_values(tmp_path, monkeypatch):
+    """The accuracy bars, the curve's bands and the experiment plot's star, as matplotlib is asked to
+    draw them: each bar and band is its own row's value and interval, the star this run's point, inside
+    the axes."""
+    from pipeline.report import plots
+
+    bars, bands, stars, limits = [], [], [], []
+    monkeypatch.setattr(plots.plt.Axes, "bar", lambda ax, xs, ys, w, yerr, label, **kw: bars.append(
+        (label, np.round(ys, 6).tolist(), np.round(yerr, 6).tolist())))
+    monkeypatch.setattr(plots.plt.Axes, "fill_between", lambda ax, xs, lo, hi, **kw: bands.append(
+        (list(xs), [round(v, 6) for v in lo], [round(v, 6) for v in hi])))
+    scatter = plots.plt.Axes.scatter
+    monkeypatch.setattr(plots.plt.Axes, "scatter", lambda ax, x, y, **kw: (
+        stars.append((x, y, kw["label"])) if kw.get("marker") == "*" else None) or scatter(ax, x, y, **kw))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: limits.append(fig.axes[0].get_ylim()) or plots.plt.close(fig))
+    rows = [{"name": "dp", "label": "DP", "cells": [(0.822, None, [0.774, 0.867]), (0.3, 0.05, None)]},
+            {"name": "synthetic", "label": "Synthetic", "cells": [(0.804, None, [0.756, 0.852]), None]}]
+    plots.plot_accuracy(["linear probe", "1-shot"], rows, 0.1, tmp_path / "a.png")
+    assert bars == [("DP", [82.2, 30.0], [[4.8, 5.0], [4.5, 5.0]]), ("Synthetic", [80.4], [[4.8], [4.8]])]
+    curve = [{"init": "pretrain", "epsilon": e, "linear_probe": acc, "linear_probe_ci": [acc - 0.05, acc + 0.02]}
+             for e, acc in ((8, 0.8), (1, 0.7), ("inf", 0.85))]
+    plots.plot_curve(curve, {}, tmp_path / "c.png")
+    assert bands == [([0.0, 3.0, 4.0], [65.0, 75.0, 80.0], [72.0, 82.0, 87.0])]  # ε 1, 8, ∞ in order
+    points = [{"epsilon": 2.0, "accuracy": 0.5, "objective": "mae", "current": False},
+              {"epsilon": 7.99, "accuracy": 0.95, "objective": "mae", "current": True}]
+    plots.plot_privacy_utility(points, {}, tmp_path / "p.png")
+    assert stars == [(7.99, 95.0, "this run")]
+    assert limits[-1][0] <= 95.0 <= limits[-1][1], limits[-1]  # the star on the axes

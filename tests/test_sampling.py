@@ -297,7 +297,17 @@ def positional(indices, n, expected, physical, rank=0, world_size=1):
     return PoissonSampler.split(np.arange(len(indices)), physical, rank, world_size)
 
 
-@pytest.mark.parametrize("split, locality", [(split_by_index, True), (positional, False)])
+def engine_share(indices, n, expected, physical, rank=0, world_size=1):
+    """The engine's own split of a step's batch (privacy/engine.py), from a sampler of that n and rate: the
+    expected size it cuts buckets by must be the public n·q, never the batch's realised (private) size."""
+    from pipeline.distributed import World
+    from pipeline.privacy.engine import micro_batches
+
+    sampler = PoissonSampler(n, expected / n, KEY)
+    return list(micro_batches(indices, sampler, "per_sample", physical, World(rank, world_size)))
+
+
+@pytest.mark.parametrize("split, locality", [(split_by_index, True), (engine_share, True), (positional, False)])
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_neighbour_regroups_its_own_bucket_and_no_other(split, locality, world):
     """Removing one example leaves every micro-batch outside its bucket the same examples, on every rank,
