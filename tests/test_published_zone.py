@@ -1,8 +1,8 @@
 """Nothing published holds a statistic of the private data (privacy/owner.py).
 
 The whole DAG runs under Snakemake on a web source with bad samples (so there are exclusions to
-count), once per objective, and each objective's dp-train again on two ranks (torchrun, the stages
-after it by Snakemake). Afterwards every published artifact is scanned: every file the project
+count), once per objective, and each objective's dp-train, curve and evaluate again on two ranks
+(torchrun; verify and the report by Snakemake). Afterwards every published artifact is scanned: every file the project
 holds outside the owner's zone and the data (results/ and models/, the DVC outputs `make push`
 uploads; logs/; whatever a stage writes elsewhere), data/shards/stats.json, what Snakemake printed,
 and everything in MLflow (params, metrics, tags, artifacts, the registry). The
@@ -151,22 +151,26 @@ def pipeline_runs(tmp_path_factory):
         set_params(work, {"dp": {"objective": obj}})
         printed = snakemake(work)
         published[obj] = published_texts(work, printed)
-        # dp-train again on two ranks (rank 1 prints and logs too), and the stages after it. Its state is
-        # deleted first, or the finished run would only be resumed: it trains, and is charged, again.
-        shutil.rmtree(work / ".dpfm/state" / json.loads((work / "models/dp/ledger.json").read_text())["run"])
+        # dp-train, the curve (its synthetic-init point) and evaluate again on two ranks (rank 1 prints and
+        # logs too), Snakemake for verify before evaluate and for the report after. The trainings' states
+        # are deleted first, or the finished runs would only be resumed: they train, and are charged, again.
+        for state in (work / ".dpfm/state").glob("dp-train-*"):
+            shutil.rmtree(state)
         charged = (work / "data/budget/runs.jsonl").read_text().count("\n")
-        published[f"{obj}-2ranks"] = published_texts(work, on_two_ranks(work, "dp-train") + snakemake(work))
-        assert (work / "data/budget/runs.jsonl").read_text().count("\n") == charged + 1
+        printed = on_two_ranks(work, "dp-train") + on_two_ranks(work, "curve", "curve.inits=[pretrain]")
+        printed += snakemake(work, "verify") + on_two_ranks(work, "evaluate") + snakemake(work)
+        published[f"{obj}-2ranks"] = published_texts(work, printed)
+        assert (work / "data/budget/runs.jsonl").read_text().count("\n") == charged + 2  # dp-train, the curve's point
         for kind, values in owner_needles(work).items():
             needles.setdefault(kind, set()).update(values)
     return work, published, needles
 
 
-def on_two_ranks(work: Path, name: str) -> str:
+def on_two_ranks(work: Path, name: str, *overrides: str) -> str:
     """What `dpfm <name>` prints on two CPU ranks (torchrun), MLflow in the project as Snakemake has it."""
     saved = os.environ.pop("MLFLOW_TRACKING_URI", None)  # set by an in-process stage earlier: not the project's
     try:
-        proc = torchrun(work, name)
+        proc = torchrun(work, name, overrides)
     finally:
         if saved is not None:
             os.environ["MLFLOW_TRACKING_URI"] = saved
