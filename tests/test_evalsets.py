@@ -368,3 +368,9 @@ def test_a_split_whose_probe_train_part_lacks_a_class_is_refused_before_any_trai
     stratified = EvalSet("pets", images, np.array([0, 0, 0, 1, 1, 1, 1, 2]), ["cat", "dog", "owl"], ("a {c}",))
     with pytest.raises(ParamsError, match=r"classes \['owl'\] have fewer than 2 examples"):
         check_protocols(stratified, cfg, seed=0, depth=12)
+    # K shots are drawn from the probe-train part: 12 images a class in the set, 6 in that part.
+    balanced = EvalSet("pets", np.zeros((24, 4, 4, 3), np.uint8), np.arange(24) % 2, ["cat", "dog"], ("a {c}",))
+    few = {**cfg, "probe_fraction": 0.5, "fewshot": {**cfg["fewshot"], "shots": [8]}}
+    with pytest.raises(ParamsError, match="evaluate.fewshot.shots on eval set 'pets'"):
+        check_protocols(balanced, few, seed=0, depth=12)
+    check_protocols(balanced, {**few, "fewshot": {**few["fewshot"], "shots": [6]}}, seed=0, depth=12)

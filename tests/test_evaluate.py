@@ -14,7 +14,8 @@ from pipeline.data.transforms import to_tensor
 from pipeline.errors import VerificationFailed
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
-from pipeline.eval.probe import SOLVERS, extract_features, logreg_estimator, logreg_probe, probe_accuracy
+from pipeline.eval.probe import (SOLVERS, extract_features, logreg_estimator, logreg_probe, pool_tokens,
+                                 probe_accuracy)
 from pipeline.eval.stats import paired_wald
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
 from pipeline.models import build_encoder, build_model
@@ -113,6 +114,13 @@ def test_features_are_the_encoder_output_and_last_k_blocks_concatenate():
         assert two.shape == (5, 2 * enc.width)
         np.testing.assert_allclose(two[:, enc.width:], one, rtol=1e-5, atol=1e-6)
         assert not np.allclose(two[:, :enc.width], one)
+        first = []  # the earlier block's tokens, through the encoder's final norm as the last block's are
+        hook = enc.blocks[0].register_forward_hook(lambda _m, _i, out: first.append(out))
+        with torch.no_grad():
+            enc.forward_features(to_tensor(images))
+            expected = pool_tokens(enc.norm(first[0]), pool).numpy()
+        hook.remove()
+        np.testing.assert_allclose(two[:, :enc.width], expected, rtol=1e-5, atol=1e-5)
     both = extract_features(enc, images, "cls+mean", last_k=2)  # per block: its cls token, then its mean
     assert both.shape == (5, 4 * enc.width)
     for block in range(2):
@@ -156,6 +164,11 @@ def test_fewshot_logreg_reports_mean_and_std_over_repeats():
         assert len(r["runs"]) == 3
         assert r["mean"] == pytest.approx(np.mean(r["runs"])) and r["std"] == pytest.approx(np.std(r["runs"], ddof=1))
     assert out["5"]["mean"] >= 0.95
+    from pipeline.eval.fewshot import summarise  # every run above scores 1.0: the spread is read here
+
+    spread = summarise([0.8, 0.9, 1.0])
+    assert spread == {"mean": pytest.approx(0.9), "std": pytest.approx(0.1), "runs": [0.8, 0.9, 1.0]}
+    assert summarise([0.7])["std"] is None
 
 
 def test_fewshot_fits_one_per_core_keep_each_run_with_its_own_subset(monkeypatch):
@@ -217,6 +230,47 @@ def test_zero_shot_takes_the_lowest_loss_class_for_a_captioner():
     scores = class_scores(StubCaptioner(), "caption", images, prompts, tokenize)
     assert (scores.argmax(1) == cls).all()
     assert zero_shot_accuracy(StubCaptioner(), "caption", images, cls, prompts, tokenize) == 1.0
+
+
+class FixedTowers:
+    """A text tower with one fixed loss (captioner) or unit embedding (CLIP) per prompt, in prompt order,
+    and an image tower that maps every image to one unit vector."""
+
+    def __init__(self, per_prompt, image=None):
+        self.per_prompt, self.image = torch.tensor(per_prompt), image
+
+    def eval(self):
+        return self
+
+    def to(self, device):
+        return self
+
+    def score_captions(self, imgs, tokens):
+        return self.per_prompt[None].expand(len(imgs), -1)
+
+    def encode_text(self, tokens):
+        return self.per_prompt
+
+    def encode_image(self, imgs):
+        return torch.tensor(self.image)[None].expand(len(imgs), -1)
+
+
+def test_zero_shot_averages_every_template_of_a_class():
+    """Class 0's prompts score 1 and 5, class 1's 2 and 2 (caption loss): the mean picks class 1, the
+    first template alone class 0. For CLIP, class 1's two prompts lie 60° either side of the image and
+    class 0's close together 30° from it: normalised, class 1's mean points at the image (cosine 1 against
+    0.87); unnormalised its shorter mean (length 0.5) would lose to class 0's."""
+    images = np.zeros((3, 4, 4, 3), np.uint8)
+    prompts = [["a", "b"], ["c", "d"]]
+    tokenize = lambda caps: torch.zeros(len(caps), 1, dtype=torch.long)  # noqa: E731
+    scores = class_scores(FixedTowers([1.0, 5.0, 2.0, 2.0]), "caption", images, prompts, tokenize)
+    assert (scores.argmax(1) == 1).all() and np.allclose(scores, [[-3.0, -2.0]] * 3)
+    angle = np.radians([55.0, 65.0, 30.0, 150.0])  # class 0 near 60°, class 1 at 30° and 150°: mean 90°
+    image = [0.0, 1.0]  # at 90°: class 1's mean direction
+    towers = FixedTowers(np.c_[np.cos(angle), np.sin(angle)].astype(np.float32).tolist(), image)
+    scores = class_scores(towers, "clip", images, prompts, tokenize)
+    assert np.allclose(scores, [[np.cos(np.radians(30)), 1.0]] * 3, atol=1e-3)  # the cosines of unit means
+    assert (scores.argmax(1) == 1).all()
 
 
 def test_a_diverged_model_is_named_never_scored():
@@ -510,3 +564,60 @@ def test_pixel_baseline_features_are_the_normalised_pixels_at_most_32_px():
     x = pixel_features(large)  # 64 px of 2x2 blocks: area pooling to 32 px gives back the blocks
     assert x.shape == (5, 3 * 32 * 32)
     assert np.allclose(x, to_tensor(large[:, ::2, ::2]).flatten(1).numpy(), atol=1e-5)
+    noisy = rng.integers(0, 256, (5, 64, 64, 3), dtype=np.uint8)  # area pooling, not a pick of one pixel in four
+    expected = torch.nn.functional.avg_pool2d(to_tensor(noisy), 2).flatten(1).numpy()
+    assert np.allclose(pixel_features(noisy), expected, atol=1e-5)
+
+
+def test_every_protocol_fits_on_probe_train_and_scores_probe_test(monkeypatch):
+    """Each image carries its own index (in its first pixel and its features' first column), so every
+    protocol can be asked which images it was handed: auto's C, the probe, its refits and the K-shot fits
+    on probe-train only; every score on all of probe-test, against its own labels; zero-shot on the
+    probe-test images. Fitting on test rows or scoring the wrong part read near-perfect here unnoticed."""
+    from pipeline.eval import probe
+    from pipeline.stages import evaluate
+
+    rng = np.random.default_rng(0)
+    n, classes = 160, 4
+    labels = rng.permutation(np.arange(n) % classes)
+    images = rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)
+    images[:, 0, 0, 0] = np.arange(n)  # the image's index
+    es = EvalSet("toy", images, labels, [f"c{i}" for i in range(classes)], ("a photo of a {c}.",))
+    tr, te = es.split(0.5, 0)
+    x = np.c_[np.arange(n), np.eye(classes)[labels] + rng.normal(scale=0.8, size=(n, classes))].astype(np.float32)
+    monkeypatch.setattr(evaluate, "features", lambda *a, **k: x)
+    seen = {"c": [], "fit": [], "scored": [], "few": [], "zero": []}
+    chosen_c, probe_correct, fewshot = probe.chosen_c, probe.probe_correct, evaluate.fewshot_logreg
+    monkeypatch.setattr(probe, "chosen_c", lambda train_x, *a, **k: seen["c"].append(train_x[:, 0])
+                        or chosen_c(train_x, *a, **k))
+
+    def probe_spy(train_x, train_y, test_x, test_y, **kw):
+        seen["fit"].append(train_x[:, 0])
+        seen["scored"].append((test_x[:, 0], test_y))
+        return probe_correct(train_x, train_y, test_x, test_y, **kw)
+
+    def few_spy(train_x, train_y, test_x, test_y, *a):
+        seen["few"].append((train_x[:, 0], test_x[:, 0], test_y))
+        return fewshot(train_x, train_y, test_x, test_y, *a)
+
+    def zero_spy(model, objective, part, prompts, tokens, device):
+        index = part[:][:, 0, 0, 0].astype(int)
+        seen["zero"].append(index)
+        return np.eye(classes)[labels[index]]  # a text tower right on every image it is shown
+
+    monkeypatch.setattr(probe, "probe_correct", probe_spy)
+    monkeypatch.setattr(evaluate, "fewshot_logreg", few_spy)
+    monkeypatch.setattr(evaluate, "class_scores", zero_spy)
+    cfg = {**eval_params(probe_c="auto", probe_refits=3)["evaluate"], "finetune": {"enabled": False}}
+    candidates = [evaluate.Candidate("dp", "DP", "x", None, text_model=object(), objective="caption"),
+                  evaluate.Candidate("random", "Random", "x", None)]
+    result = evaluate.evaluate_set(es, candidates, cfg, 0, "cpu", lambda cand: None)
+    train, test = set(tr.tolist()), te.tolist()
+    assert seen["c"] and all(c.tolist() == tr.tolist() for c in seen["c"])
+    assert len(seen["fit"]) == 2 * (1 + 3) and all(set(f.tolist()) <= train for f in seen["fit"])
+    assert all(s.tolist() == test and np.array_equal(y, labels[te]) for s, y in seen["scored"])
+    assert len(seen["few"]) == 2
+    assert all(set(f.tolist()) <= train and s.tolist() == test and np.array_equal(y, labels[te])
+               for f, s, y in seen["few"])
+    assert [z.tolist() for z in seen["zero"]] == [test] and result["results"]["dp"]["zero_shot"] == 1.0
+    assert 0.5 < result["results"]["dp"]["linear_probe"] < 0.95  # a probe of these noisy features, not of the index
