@@ -5,6 +5,7 @@ curve section."""
 import json
 import math
 
+import numpy as np
 import pytest
 from stage_runs import charged_runs, flat, initial_weights, inside, project, run_in_process, torchrun, train
 
@@ -80,11 +81,13 @@ def test_each_seed_is_its_own_dp_training(data_dir, tmp_path, monkeypatch):
     seed k and evaluate's row at seed k differ by nothing else (the probe seed followed k here once)."""
     from pipeline.stages import curve
 
-    probe_seeds, probe_outcomes = [], curve.probe_outcomes
-    monkeypatch.setattr(curve, "probe_outcomes", lambda *a: probe_seeds.append(a[4]) or probe_outcomes(*a))
+    probe_seeds, splits, probe_outcomes = [], [], curve.probe_outcomes
+    monkeypatch.setattr(curve, "probe_outcomes", lambda *a: probe_seeds.append(a[4]) or splits.append(a[2])
+                        or probe_outcomes(*a))
     work = project(data_dir, tmp_path)
     result = run_curve(work, ["curve.epsilons=[2]", "curve.seeds=2", "run.seed=5"])
     assert probe_seeds == [5, 5]
+    assert all(np.array_equal(a, b) for split in splits[1:] for a, b in zip(split, splits[0]))  # one split, every seed
     (point,) = result["points"]
     assert point["seeds"] == result["seeds"] == 2
     runs = charged_runs(work)

@@ -25,7 +25,7 @@ from pipeline.models import (
     unpatchify,
 )
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS
-from pipeline.models.layers import sincos_pos_embed_2d
+from pipeline.models.layers import Attention, Block, sincos_pos_embed_2d
 
 # The CPU SDPA kernel has no vmap batching rule; torch falls back to a loop and warns.
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -334,6 +334,82 @@ def test_clip_embeddings_and_standard_loss():
     padded = torch.cat([toks, torch.full((4, 3), PAD)], 1)
     big = micro("clip", max_len=15)
     assert torch.allclose(big.encode_text(padded), big.encode_text(toks), atol=1e-6)
+
+
+def test_encode_pools_the_cls_token_or_the_patch_tokens_mean_and_text_reads_each_caption():
+    model = micro("clip")
+    imgs = images(3)
+    with torch.no_grad():
+        tokens = model.encoder.forward_features(imgs)[0]
+        assert torch.allclose(model.encoder.encode(imgs, "cls"), tokens[:, 0])
+        assert torch.allclose(model.encoder.encode(imgs, "mean"), tokens[:, 1:].mean(dim=1))
+        text = model.encode_text(captions(4))  # four different captions: four embeddings (not one BOS token's)
+    assert all(not torch.allclose(text[i], text[j], atol=1e-3) for i in range(4) for j in range(i))
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_every_trainable_parameter_gets_a_gradient(objective):
+    """A parameter no gradient reaches is a part of the model left out of its forward pass (a position
+    embedding never added, a layer skipped): one batch's losses must move every trainable one."""
+    model = micro(objective)
+    batch, kwargs = ((images(4),), {"noise": mask_noise(4)}) if objective == "mae" else ((images(4), captions(4)), {})
+    model(*batch, **kwargs).sum().backward()
+    dead = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum())]
+    assert not dead, dead
+
+
+def test_the_encoder_sees_where_each_patch_is():
+    """The image shifted by one patch (a cyclic permutation of its patches) reads differently: without
+    the position embedding attention is blind to order and the cls token would not move."""
+    encoder = micro("mae").encoder
+    imgs = images(2)
+    with torch.no_grad():
+        moved = (encoder.encode(imgs, "cls") - encoder.encode(torch.roll(imgs, 4, dims=3), "cls")).abs().max()
+    assert moved > 1e-2
+
+
+def test_the_mae_decoder_puts_each_token_at_its_own_patch():
+    """Without decoder blocks (nothing mixes positions) the prediction at patch j is the head on patch j's
+    own input: the kept token from patch j, or the mask token, plus position j's embedding. A missing
+    unshuffle or position embedding, or predictions one slot off, move it."""
+    model = micro("mae")
+    model.decoder_blocks = nn.ModuleList()
+    with torch.no_grad():
+        latent, mask, ids_restore = model.encoder.forward_features(images(2), model.mask_ratio, mask_noise(2))
+        pred = model.forward_decoder(latent, ids_restore)
+        kept = torch.argsort(ids_restore, dim=1)[:, :latent.shape[1] - 1]  # the patch of each kept token, in order
+        inputs = model.mask_token(latent).expand(2, L_MICRO, -1).clone()
+        for b in range(2):
+            inputs[b, kept[b]] = model.decoder_embed(latent[b, 1:])
+            assert not mask[b, kept[b]].any() and mask[b].sum() == L_MICRO - kept.shape[1]
+        expected = model.decoder_pred(model.decoder_norm(inputs + model.decoder_pos_embed[:, 1:]))
+    assert torch.allclose(pred, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_is_the_softmax_of_scaled_dot_products(causal):
+    torch.manual_seed(0)
+    B, L, D, H = 2, 5, 16, 4
+    attn, x = Attention(D, H, causal=causal), torch.randn(B, L, D)
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).reshape(B, L, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(D // H)
+        if causal:  # a token sees itself and the ones before it
+            scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+        expected = attn.proj((scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, L, D))
+        assert torch.allclose(attn(x), expected, atol=1e-5)
+
+
+def test_a_block_adds_to_its_input_and_normalises_only_what_it_adds():
+    """Pre-norm: with the attention's and the MLP's output projections at zero, a block is the identity
+    (post-norm would return the input normalised)."""
+    block = Block(16, 4)
+    with torch.no_grad():
+        for layer in (block.attn.proj, block.mlp.fc2):
+            layer.weight.zero_()
+            layer.bias.zero_()
+        x = torch.randn(2, 5, 16) * 3 + 1
+        assert torch.equal(block(x), x)
 
 
 # ----------------------------------------------------------------------------- checkpoints
