@@ -33,9 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
-def test_each_objective_trains_and_verifies(data_dir, tmp_path, objective):
+def test_each_objective_trains_and_verifies(data_dir, tmp_path, monkeypatch, objective):
     work = project(data_dir, tmp_path)
+    splits, split_loader = [], training.split_loader
+    monkeypatch.setattr(training, "split_loader", lambda split, *a, **k: splits.append(split)
+                        or split_loader(split, *a, **k))
     ledger, ckpt = train(work, [f"dp.objective={objective}"])
+    assert sorted(splits) == ["eval", "private"]  # the steps read the private split, the held-out loss the eval one
     assert ledger["steps"] == ckpt.steps == 6
     assert ledger["sensitivity"] == (2.0 if objective == "clip" else 1.0)
     dp = load_params(work / "params.yaml", [f"dp.objective={objective}"])["dp"]
