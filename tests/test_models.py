@@ -336,6 +336,20 @@ def test_clip_embeddings_and_standard_loss():
     assert torch.allclose(big.encode_text(padded), big.encode_text(toks), atol=1e-6)
 
 
+def test_the_clip_scale_is_capped_at_100_in_the_forward_pass_too():
+    """A log scale past ln 100 (a checkpoint from elsewhere, a step before the clamp after it) scores as
+    ln 100 does, and gets no gradient pushing it further."""
+    model = micro("clip")
+    imgs, toks = images(4), captions(4)
+    losses = {}
+    for log_scale in (math.log(100.0), math.log(200.0)):
+        model.logit_scale.weight.data.fill_(log_scale)
+        losses[log_scale] = model(imgs, toks)
+    assert torch.allclose(losses[math.log(200.0)], losses[math.log(100.0)])
+    (push,) = torch.autograd.grad(losses[math.log(200.0)].sum(), model.logit_scale.weight)
+    assert not push.any()
+
+
 def test_encode_pools_the_cls_token_or_the_patch_tokens_mean_and_text_reads_each_caption():
     model = micro("clip")
     imgs = images(3)
