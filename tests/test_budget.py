@@ -237,6 +237,17 @@ def test_a_release_outside_dp_makes_every_later_composition_infinite_whatever_it
     assert budget.composition(mine, DELTA)["epsilon"] == float("inf")
 
 
+def test_runs_of_every_objective_on_the_examples_compose(in_tmp):
+    """A DP-MAE run and a Dp-CLIP run (per batch, K = 2) on the same examples each released something
+    of them: the composition counts both, whatever their objectives, to more than either alone."""
+    identity, sketch = shard(in_tmp / "a", examples(40))
+    charge(identity, sketch, "mae-run", objective="mae")
+    charge(identity, sketch, "clip-run", key=8, objective="clip")
+    composed = budget.composition({**plan().header(), "run": "mae-run", "data_identity": identity}, DELTA)
+    assert composed["runs"] == 2 and sorted(r["objective"] for r in composed["by_run"]) == ["clip", "mae"]
+    assert composed["epsilon"] == pytest.approx(accounting.epsilon(SIGMA, Q, 2 * STEPS, DELTA), rel=5e-3)
+
+
 def test_a_lone_run_composes_to_its_own_epsilon(in_tmp):
     charge(*shard(in_tmp / "d", examples(10)), "r")
     identity = budget.examples_identity(in_tmp / "d")[0]

@@ -38,3 +38,18 @@ def test_the_plan_cannot_be_changed_and_its_twin_is_not_accounted():
     twin = plan.without_noise(steps=500)
     assert twin.noise_std == 0 and twin.steps == 500 and math.isinf(twin.epsilon)
     assert twin.sample_rate == plan.sample_rate and plan.sigma > 0
+
+
+def test_a_fixed_sigma_a_hair_short_of_the_target_is_refused_and_one_at_it_accepted():
+    """dp.sigma given: the σ calibrated to ε = 8.04 overshoots the target 8 by under 1%, which no slack
+    in the comparison may let through; the σ calibrated to 8 itself plans."""
+    from pipeline.privacy import accounting
+
+    q, delta = 128 / 1258, accounting.parse_delta("1/2n", 1258)
+    acc = {"accountant": "pld", "adjacency": "replace_one"}
+    short = accounting.calibrate_sigma(8.0 * 1.005, q, 40, delta, **acc)
+    assert 8.0 < accounting.epsilon(short, q, 40, delta, **acc) < 8.08
+    with pytest.raises(ValueError, match="above the target dp.epsilon=8.0"):
+        plan_mechanism({**DP, "objective": "mae", "sigma": short}, 1258, "replace_one")
+    exact = accounting.calibrate_sigma(8.0, q, 40, delta, **acc)
+    assert plan_mechanism({**DP, "objective": "mae", "sigma": exact}, 1258, "replace_one").sigma == exact

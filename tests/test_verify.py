@@ -175,6 +175,9 @@ DOCTORED = {
     "ledger target above the params target": (
         lambda L, dp: (_reclaim(_with(L, target_epsilon=100.0, noise_std=0.7 * L["noise_std"], sigma=0.7 * L["sigma"])),
                        None, dp), {"ledger_matches_params", "epsilon_within_target"}),
+    "ε a tenth of a percent above the target": (  # a slack in the comparison would let it through
+        lambda L, dp: (_with(L, target_epsilon=L["epsilon"] / 1.001), None, {**dp, "epsilon": L["epsilon"] / 1.001}),
+        {"epsilon_within_target"}),
     "clip norm other than params": (lambda L, dp: (L, None, {**dp, "clip_norm": 2 * dp["clip_norm"]}),
                                     {"ledger_matches_params"}),
     "expected batch size other than params": (
@@ -199,6 +202,11 @@ def test_a_ledger_that_records_no_noise_edge_is_checked_at_torchs_fp32_edge(tmp_
     assert failed(V.verify(ledger, 800, mae, ACCOUNTANTS, ALPHA, "replace_one")) == set()
     before = {k: v for k, v in ledger.items() if k != "noise_edge"}
     assert failed(V.verify(before, 800, mae, ACCOUNTANTS, ALPHA, "replace_one")) == {"noise_edge_within_delta"}
+
+
+def test_a_run_whose_epsilon_is_its_target_exactly_passes(valid, dp):
+    ledger = _with(valid, target_epsilon=valid["epsilon"])
+    assert failed(run_verify(ledger, None, {**dp, "epsilon": valid["epsilon"]})) == set()
 
 
 def test_every_check_has_a_doctored_case(valid):
