@@ -163,13 +163,18 @@ def test_the_non_private_schedule_trains_the_twin_only_and_never_recharges_the_p
                                                                                           objective):
     import torch
 
+    from pipeline.config import load_params
+    from pipeline.train import lr_at
+
     work = project(data_dir, tmp_path)
     common = [f"dp.objective={objective}", "dp.nonprivate_baseline=true"]
     _, private = train(work, [*common, "dp.nonprivate.steps=9", "dp.nonprivate.lr=0.002"])
     twin = checkpoints.load(work / "models/dp/nonprivate.pt")
     assert private.steps == 6 and twin.steps == 9
-    assert len([p for p in (work / ".dpfm/state").glob("dp-train-*/nonprivate/checkpoint.pt")
-                if torch.load(p, weights_only=False)["step"] == 9]) == 1  # the twin ran its own 9 steps
+    [state] = [s for s in (torch.load(p, weights_only=False) for p in (work / ".dpfm/state").glob(
+        "dp-train-*/nonprivate/checkpoint.pt")) if s["step"] == 9]  # the twin ran its own 9 steps
+    warmup = load_params(work / "params.yaml")["dp"]["warmup_steps"]  # at its own rate: its last step's
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr_at(8, 0.002, warmup, 9))
     # Another schedule for the twin: a new twin, the same private run (resumed, not charged again).
     _, again = train(work, [*common, "dp.nonprivate.steps=12"])
     assert again.steps == 6 and len(charged_runs(work)) == 1

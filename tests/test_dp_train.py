@@ -35,11 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
 def test_each_objective_trains_and_verifies(data_dir, tmp_path, monkeypatch, objective):
     work = project(data_dir, tmp_path)
-    splits, split_loader = [], training.split_loader
+    splits, split_loader, optimizers, make_optimizer = [], training.split_loader, [], training.make_optimizer
     monkeypatch.setattr(training, "split_loader", lambda split, *a, **k: splits.append(split)
                         or split_loader(split, *a, **k))
+    monkeypatch.setattr(training, "make_optimizer", lambda *a: optimizers.append(a[1:]) or make_optimizer(*a))
     ledger, ckpt = train(work, [f"dp.objective={objective}"])
     assert sorted(splits) == ["eval", "private"]  # the steps read the private split, the held-out loss the eval one
+    dp = load_params(work / "params.yaml")["dp"]  # from random weights the encoder trains at the full rate
+    assert dp["init"] == "random" and optimizers == [(dp["optimizer"], dp["lr"], dp["weight_decay"], 1.0)]
     assert ledger["steps"] == ckpt.steps == 6
     assert ledger["sensitivity"] == (2.0 if objective == "clip" else 1.0)
     dp = load_params(work / "params.yaml", [f"dp.objective={objective}"])["dp"]
@@ -406,7 +409,7 @@ PUBLIC_WARM_START = ["synthetic.num_programs=4", "synthetic.frames_per_program=4
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
-def test_pretrain_run_again_to_the_same_weights_resumes_the_dp_run_and_charges_it_once(data_dir, tmp_path,
+def test_pretrain_run_again_to_the_same_weights_resumes_the_dp_run_and_charges_it_once(data_dir, tmp_path, monkeypatch,
                                                                                       objective_name, ranks):
     """A DP run is keyed by its warm start. pretrain run again to the same weights (here another log_every,
     which only schedules) writes another file time, summary (its images/s) and history (its steps/s):
@@ -428,7 +431,11 @@ def test_pretrain_run_again_to_the_same_weights_resumes_the_dp_run_and_charges_i
     with inside(work):
         run_in_process("synthetic", PUBLIC_WARM_START)
     warm_start()
+    scales, make_optimizer = [], training.make_optimizer
+    monkeypatch.setattr(training, "make_optimizer", lambda *a: scales.append(a[-1]) or make_optimizer(*a))
     first = dp_train()
+    # Warm-started: the encoder moves at dp.encoder_lr_scale of the rate (on one rank, where it is seen).
+    assert scales == ([load_params(work / "params.yaml")["dp"]["encoder_lr_scale"]] if ranks == 1 else [])
     weights = checkpoints.load(work / "models/pretrain/checkpoint.pt").model
     warm_start("pretrain.log_every=1")
     again = checkpoints.load(work / "models/pretrain/checkpoint.pt").model

@@ -172,6 +172,31 @@ def test_loss_lr_and_throughput_reach_mlflow(uninterrupted):
     assert tracker.metrics["mean_images_per_s"] > 0 and tracker.metrics["images"] == IMAGES
 
 
+def test_pretraining_clips_decays_and_warms_up_as_its_params_say(tmp_path, monkeypatch):
+    """Every AdamW step applies a gradient within pretrain.grad_clip (the raw norm, logged, is above it
+    here), decays by pretrain.weight_decay, and runs at the rate lr_at gives its step."""
+    project = make_project(tmp_path)
+    with monkeypatch.context() as m:
+        m.chdir(project)
+        cfg = stage_params()["pretrain"]
+    applied, decays, make_optimizer = [], [], pretrain.make_optimizer
+
+    def recording(model, name, lr, weight_decay, *a):
+        opt = make_optimizer(model, name, lr, weight_decay, *a)
+        decays.append(weight_decay)
+        grads = lambda o: [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]  # noqa: E731
+        opt.register_step_pre_hook(lambda o, *_: applied.append(float(torch.nn.utils.get_total_norm(grads(o)))))
+        return opt
+
+    monkeypatch.setattr(pretrain, "make_optimizer", recording)
+    tracker = run_stage(project, monkeypatch)
+    assert decays == [cfg["weight_decay"]] and cfg["weight_decay"] > 0
+    assert max(tracker.curve("grad_norm").values()) > cfg["grad_clip"] > 0  # the clip had work to do
+    assert len(applied) == cfg["steps"] and max(applied) <= cfg["grad_clip"] * (1 + 1e-4)
+    assert cfg["warmup_steps"] > 0 and tracker.curve("lr") == pytest.approx(
+        {s: train.lr_at(s, cfg["lr"], cfg["warmup_steps"], cfg["steps"]) for s in range(cfg["steps"])})
+
+
 def test_bf16_autocast_runs_on_cpu(tmp_path, monkeypatch):
     project = make_project(tmp_path)
     dtypes = {}

@@ -37,6 +37,34 @@ def test_adamw_betas_and_no_decay_on_norms_biases_and_tokens():
         train.make_optimizer(model, "adam", 1e-3, 0.05)
 
 
+def test_each_step_runs_at_its_scheduled_rate_the_encoder_at_its_share_of_it(tmp_path):
+    """What the optimizer holds while step s runs: lr_at(s) for the head, encoder_lr_scale times it for
+    the encoder (and the right parameters in each), from step 0 of a fresh run; SGD with momentum."""
+
+    class WithEncoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+
+    model = WithEncoder()
+    for name in ("adamw", "sgd"):
+        opt = train.make_optimizer(model, name, 0.01, 0.05, encoder_lr_scale=0.1)
+        owners = {id(p): n.split(".")[0] for n, p in model.named_parameters()}
+        assert {(owners[id(p)], g["lr_scale"]) for g in opt.param_groups for p in g["params"]} == {
+            ("head", 1.0), ("encoder", 0.1)}
+    assert opt.defaults["momentum"] == 0.9
+    seen = []
+
+    def step_fn(step):
+        seen.append({owners[id(g["params"][0])]: g["lr"] for g in opt.param_groups})
+        return {}
+
+    schedule = train.Schedule(6, 0.01, 2, checkpoint_every=100)
+    train.run_loop(train.TrainState(model, opt), schedule, step_fn, train.Checkpointer(tmp_path), desc="toy")
+    rates = [train.lr_at(s, 0.01, 2, 6) for s in range(6)]
+    assert seen == [{"head": pytest.approx(r), "encoder": pytest.approx(0.1 * r)} for r in rates]
+
+
 def test_autocast_is_bf16_only_when_asked_or_on_a_supporting_gpu():
     with train.autocast("cpu", "bf16"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
