@@ -2,8 +2,8 @@
 
 The whole DAG runs under Snakemake on a web source with bad samples (so there are exclusions to
 count), once per objective, and each objective's dp-train, curve and evaluate again on two ranks
-(torchrun; verify and the report by Snakemake). Afterwards every published artifact is scanned: every file the project
-holds outside the owner's zone and the data (results/ and models/, the DVC outputs `make push`
+(torchrun; verify and the report by Snakemake). Afterwards every published artifact is scanned:
+every file the project holds outside the owner's zone and the data (results/ and models/, the DVC outputs `make push`
 uploads; logs/; whatever a stage writes elsewhere), data/shards/stats.json, what Snakemake printed,
 and everything in MLflow (params, metrics, tags, artifacts, the registry). The
 needles are the values the owner-only zone (`.dpfm/owner/`) holds for each run: the realised batch
