@@ -140,8 +140,11 @@ def _discordant(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return float((a * (1 - b)).mean(axis=0).sum()), float(((1 - a) * b).mean(axis=0).sum())
 
 
-def _holding(ci: list[float], estimate: float) -> list[float]:
-    return [min(ci[0], estimate), max(ci[1], estimate)]
+def _guarded(ci: list[float], floor: list[float], estimate: float, bounds: tuple[float, float]) -> list[float]:
+    """`ci` never narrower than `floor`, holding its own `estimate` (module doc), and within `bounds`, what
+    the figure can be (the shift to the full fit can carry an end past them)."""
+    lo, hi = min(ci[0], floor[0], estimate), max(ci[1], floor[1], estimate)
+    return [max(lo, bounds[0]), min(hi, bounds[1])]
 
 
 def _interval(values: np.ndarray, level: float, shift: float = 0.0) -> list[float]:
@@ -172,8 +175,7 @@ def accuracy_ci(correct, seed: int = 0, resamples: int = RESAMPLES, level: float
     ci = _bootstrap([correct], None if refits is None else [np.asarray(refits, bool)], seed, resamples, level)
     accuracy = float(correct.mean())
     floor = wilson(accuracy, correct.shape[1], level)  # a resample of the test images collapses at 0% and 100%
-    lo, hi = _holding([min(ci[0], floor[0]), max(ci[1], floor[1])], accuracy)
-    return [max(lo, 0.0), min(hi, 1.0)]  # the shift to the full fit can carry an end past what an accuracy can be
+    return _guarded(ci, floor, accuracy, (0.0, 1.0))
 
 
 def difference_ci(correct_a, correct_b, seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL,
@@ -197,5 +199,4 @@ def difference_ci(correct_a, correct_b, seed: int = 0, resamples: int = RESAMPLE
     diff = float(a.mean() - b.mean())
     ci = _bootstrap([a, b], refits, seed, resamples, level)
     floor = paired_wald(*_discordant(a, b), a.shape[1], level)  # a resample cannot move discordance it never saw
-    lo, hi = _holding([min(ci[0], floor[0]), max(ci[1], floor[1])], diff)
-    return {"diff": diff, "ci": [max(lo, -1.0), min(hi, 1.0)]}
+    return {"diff": diff, "ci": _guarded(ci, floor, diff, (-1.0, 1.0))}
