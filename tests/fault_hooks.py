@@ -128,6 +128,13 @@ if "noise-std" in faults:  # each rank writes the noise std it adds at every ste
             f.write(f"{noise_std!r}\n")
         return real_add_noise(clipper, noise_std, *args)
     engine.add_noise = add_noise
+if "moves" in faults:  # every file and folder this rank moves into place (atomic_path, atomic_dir), listed
+    real_replace, rank = os.replace, os.environ.get("RANK", "0")
+    def replace(src, dst, *args, **kw):
+        with open(f"moved.{rank}", "a") as f:
+            f.write(f"{dst}\n")
+        return real_replace(src, dst, *args, **kw)
+    os.replace = replace
 if "diskfull" in faults:  # the disk fills while step k's charge is written: half its line lands
     import errno
     real_write, full_at = os.write, b'"step": %d}' % int(faults["diskfull"])

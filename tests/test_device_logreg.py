@@ -79,10 +79,14 @@ def test_the_device_solver_chooses_c_as_scikit_learn_does_on_the_same_folds():
 def test_the_probe_path_on_the_device_route_gives_the_cpu_routes_outcomes(monkeypatch):
     """probe_outcomes through the device route (taken here on the CPU, as a GPU would take it: C chosen
     once, the probe, then its refits as one batch weighing the rows by their resamples' counts) reads
-    the same per-image outcomes as scikit-learn's route, and the same C."""
+    the same per-image outcomes as scikit-learn's route, and the same C. The parts are interleaved, as
+    evaluate's split is: a refit that weighed the first rows instead of probe-train's would still agree
+    on a split into halves."""
     rng = np.random.default_rng(7)  # its C wins cross-validation by 14 images, not a near-tie the solvers' tolerances could flip
-    x, y = draw(rng, 600, 60, 4, signal=1.5, dtype=np.float32)
-    split = (np.arange(300), np.arange(300, 600))
+    drawn, labels = draw(rng, 600, 60, 4, signal=1.5, dtype=np.float32)
+    split = np.random.default_rng(0).permutation(600).reshape(2, 300)  # drawn row i at row split.flat[i]
+    x, y = np.empty_like(drawn), np.empty_like(labels)
+    x[split.ravel()], y[split.ravel()] = drawn, labels
     cfg = {"probe_solver": "logreg", "probe_c": "auto", "probe_train": None, "probe_refits": 4}
     c_cpu = probe.chosen_c(x[split[0]], y[split[0]])
     cpu = probe.probe_outcomes(x, y, split, cfg)

@@ -204,6 +204,45 @@ def test_finetune_learns_a_toy_task_and_leaves_the_encoder_untouched():
     assert all(torch.equal(before[k], v) for k, v in enc.state_dict().items())
 
 
+def test_finetune_trains_encoder_and_head_for_its_epochs_at_its_rate_and_decay(monkeypatch):
+    """What the fine-tune row says it ran: every encoder weight and the head in the optimiser (not a
+    probe on frozen features), epochs × ⌈N/B⌉ steps, the schedule's peak at `lr`, the given decay, and
+    one K-shot subset per repeat (kshot_subsets', each its own)."""
+    from pipeline.eval import fewshot
+
+    made = []
+
+    class RecordingAdamW(torch.optim.AdamW):
+        def __init__(self, params, **kw):
+            params = list(params)
+            super().__init__(params, **kw)
+            self.given, self.lrs = params, []
+            made.append(self)
+
+        def step(self, closure=None):
+            self.lrs.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
+    rng = np.random.default_rng(0)
+    enc = build_encoder(MICRO)
+    y_tr, y_te = np.repeat(np.arange(4), 5), rng.integers(0, 4, 8)
+    finetune_accuracy(enc, colour_images(y_tr, rng), y_tr, colour_images(y_te, rng), y_te, 4, pool="cls",
+                      epochs=4, batch_size=8, lr=2e-3, weight_decay=0.05)
+    [opt] = made
+    assert len(opt.given) == len(list(enc.parameters())) + 2  # + the head's weight and bias
+    assert len(opt.lrs) == 4 * 3 and max(opt.lrs) == pytest.approx(2e-3) and opt.lrs[-1] < 2e-3 / 10
+    assert opt.param_groups[0]["weight_decay"] == 0.05
+
+    subsets = []
+    monkeypatch.setattr(fewshot, "finetune_accuracy", lambda enc, images, y, *a, **k: subsets.append(images) or 0.5)
+    images = np.arange(len(y_tr))
+    out = fewshot.fewshot_finetune(enc, images, y_tr, None, None, 4, [2], 3,
+                                   {"epochs": 1, "batch_size": 8, "lr": 1e-3, "weight_decay": 0.0}, "cls", 5)
+    assert [s.tolist() for s in subsets] == [s.tolist() for s in kshot_subsets(y_tr, 2, 3, 5)]
+    assert len({tuple(s) for s in subsets}) == 3 and out["2"]["runs"] == [0.5] * 3
+
+
 # -- zero-shot ---------------------------------------------------------------------------------
 
 class StubCaptioner:
@@ -586,7 +625,7 @@ def test_every_protocol_fits_on_probe_train_and_scores_probe_test(monkeypatch):
     tr, te = es.split(0.5, 0)
     x = np.c_[np.arange(n), np.eye(classes)[labels] + rng.normal(scale=0.8, size=(n, classes))].astype(np.float32)
     monkeypatch.setattr(evaluate, "features", lambda *a, **k: x)
-    seen = {"c": [], "fit": [], "scored": [], "few": [], "zero": []}
+    seen = {"c": [], "fit": [], "scored": [], "few": [], "zero": [], "tuned": []}
     chosen_c, probe_correct, fewshot = probe.chosen_c, probe.probe_correct, evaluate.fewshot_logreg
     monkeypatch.setattr(probe, "chosen_c", lambda train_x, *a, **k: seen["c"].append(train_x[:, 0])
                         or chosen_c(train_x, *a, **k))
@@ -605,11 +644,20 @@ def test_every_protocol_fits_on_probe_train_and_scores_probe_test(monkeypatch):
         seen["zero"].append(index)
         return np.eye(classes)[labels[index]]  # a text tower right on every image it is shown
 
+    def finetune_spy(encoder, train_images, train_y, test_images, test_y, num_classes, shots, repeats, train_cfg,
+                     *a):
+        seen["tuned"].append((train_images[:][:, 0, 0, 0], train_y, test_images[:][:, 0, 0, 0], test_y,
+                              (num_classes, shots, repeats, train_cfg)))
+        return {}
+
     monkeypatch.setattr(probe, "probe_correct", probe_spy)
     monkeypatch.setattr(evaluate, "fewshot_logreg", few_spy)
     monkeypatch.setattr(evaluate, "class_scores", zero_spy)
-    cfg = {**eval_params(probe_c="auto", probe_refits=3)["evaluate"], "finetune": {"enabled": False}}
-    candidates = [evaluate.Candidate("dp", "DP", "x", None, text_model=object(), objective="caption"),
+    monkeypatch.setattr(evaluate, "fewshot_finetune", finetune_spy)
+    finetune = {"enabled": True, "shots": [2, 5], "repeats": 3, "epochs": 7, "batch_size": 6, "lr": 2e-4,
+                "weight_decay": 0.3}
+    cfg = {**eval_params(probe_c="auto", probe_refits=3)["evaluate"], "finetune": finetune}
+    candidates = [evaluate.Candidate("dp", "DP", "x", object(), text_model=object(), objective="caption"),
                   evaluate.Candidate("random", "Random", "x", None)]
     result = evaluate.evaluate_set(es, candidates, cfg, 0, "cpu", lambda cand: None)
     train, test = set(tr.tolist()), te.tolist()
@@ -620,4 +668,8 @@ def test_every_protocol_fits_on_probe_train_and_scores_probe_test(monkeypatch):
     assert all(set(f.tolist()) <= train and s.tolist() == test and np.array_equal(y, labels[te])
                for f, s, y in seen["few"])
     assert [z.tolist() for z in seen["zero"]] == [test] and result["results"]["dp"]["zero_shot"] == 1.0
+    [(tuned_on, tuned_y, tuned_test, tuned_test_y, how)] = seen["tuned"]  # the encoder's own model only
+    assert tuned_on.tolist() == tr.tolist() and np.array_equal(tuned_y, labels[tr])
+    assert tuned_test.tolist() == test and np.array_equal(tuned_test_y, labels[te])
+    assert how == (classes, [2, 5], 3, {k: finetune[k] for k in ("epochs", "batch_size", "lr", "weight_decay")})
     assert 0.5 < result["results"]["dp"]["linear_probe"] < 0.95  # a probe of these noisy features, not of the index

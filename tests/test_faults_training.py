@@ -507,10 +507,14 @@ def test_a_run_resumed_where_the_accountant_rounds_otherwise_keeps_its_mechanism
 def test_every_rank_adds_the_main_ranks_noise_where_its_own_accountant_rounds_otherwise(data_dir, tmp_path,
                                                                                        objective):
     """Two ranks on nodes whose accountants differ (rank 1's ε off by 1e-3, so its own σ by ~7e-4): both
-    add the noise the ledger records, at every step."""
+    add the noise the ledger records, at every step. Rank 0 alone writes the checkpoints and the model."""
     work = project(data_dir, tmp_path)
-    proc = dpfm_torchrun(work, with_sets("dp-train", [f"dp.objective={objective}"]), "accountant:1e-3,rank:1,noise-std")
+    proc = dpfm_torchrun(work, with_sets("dp-train", [f"dp.objective={objective}"]),
+                         "accountant:1e-3,rank:1,noise-std,moves")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ledger, _ = dp_outcome(work)
     added = [(work / f"noise_std.{rank}").read_text().split() for rank in (0, 1)]
     assert added[0] == added[1] == [repr(ledger["noise_std"])] * STEPS
+    moved = (work / "moved.0").read_text().splitlines()
+    assert "models/dp" in moved and any(m.endswith("/checkpoint.pt") for m in moved), moved
+    assert not (work / "moved.1").exists(), (work / "moved.1").read_text()

@@ -165,11 +165,48 @@ def test_the_saved_encoder_initialises_every_objective(uninterrupted, monkeypatc
 
 
 def test_loss_lr_and_throughput_reach_mlflow(uninterrupted):
-    _, tracker = uninterrupted
+    project, tracker = uninterrupted
     for name in ("loss", "lr", "images_per_s", "grad_norm"):
         assert sorted(tracker.curve(name)) == list(range(6)), name
     assert all(np.isfinite(v) for v in tracker.curve("loss").values())
     assert tracker.metrics["mean_images_per_s"] > 0 and tracker.metrics["images"] == IMAGES
+    summary = json.loads((project / artifact("pretrain") / "summary.json").read_text())
+    loss = tracker.curve("loss")
+    assert summary["final_loss"] == tracker.metrics["final_loss"] == loss[5] != loss[0]
+
+
+def test_each_step_masks_its_own_patches(tmp_path, monkeypatch):
+    """A mask drawn once and reused would have the MAE reconstruct the same patches at every step; a
+    resumed run reuses it alike, so the resume tests cannot see it."""
+    masks, real_step = [], pretrain.mae_step
+    monkeypatch.setattr(pretrain, "mae_step", lambda model, opt, images, noise, *a: masks.append(noise.argsort(1))
+                        or real_step(model, opt, images, noise, *a))
+    run_stage(make_project(tmp_path), monkeypatch)
+    assert len(masks) == 6 and len({m.numpy().tobytes() for m in masks}) == 6
+
+
+def test_fp16s_loss_scale_is_taken_out_before_the_clip_and_the_step(tmp_path, monkeypatch):
+    """fp16 multiplies the loss by a fixed scale so that small gradients survive; what the clip, the
+    logged norm and AdamW see is the true gradient, as in fp32 (up to fp16's rounding)."""
+    monkeypatch.chdir(make_project(tmp_path))
+    cfg = ModelConfig.from_params(stage_params()["model"], "mae")
+    images = torch.rand(8, 3, cfg.img_size, cfg.img_size)
+    noise = torch.rand(8, (cfg.img_size // cfg.patch_size) ** 2)
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        torch.manual_seed(0)
+        model = build_model("mae", cfg)
+        optimizer = train.make_optimizer(model, "adamw", 1e-3, 0.0)
+        norms[precision] = pretrain.mae_step(model, optimizer, images, noise, "cpu", precision, 1e9)["grad_norm"]
+    assert train.loss_scale("fp16") > 1 and norms["fp16"] == pytest.approx(norms["fp32"], rel=0.02)
+
+
+def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused(tmp_path, monkeypatch):
+    from pipeline.distributed import World
+
+    monkeypatch.setattr(pretrain, "init_world", lambda device: World(0, 3))
+    with pytest.raises(ValueError, match="batch_size=8 must divide evenly over the 3 torchrun ranks"):
+        run_stage(make_project(tmp_path), monkeypatch)
 
 
 def test_pretraining_clips_decays_and_warms_up_as_its_params_say(tmp_path, monkeypatch):
@@ -249,18 +286,17 @@ def test_unknown_precision_is_refused():
 
 
 def test_two_gloo_ranks_train_the_one_process_model(uninterrupted, tmp_path):
-    """Under torchrun each rank takes half of every global batch and DDP averages the gradients."""
-    import os
-    import subprocess
-    import sys
+    """Under torchrun each rank takes half of every global batch and DDP averages the gradients; rank 0
+    alone writes the checkpoints and the output, and reports (two writers of one file on a shared file
+    system race)."""
+    from fault_hooks import dpfm_torchrun, with_sets
 
     project = make_project(tmp_path / "ddp")
-    sets = micro_sets() + ["run.device=cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline.cli",
-           "pretrain", "--threads", "1", *sum((["--set", s] for s in sets), [])]
-    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    proc = dpfm_torchrun(project, with_sets("pretrain", micro_sets()), "moves")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    moved = (project / "moved.0").read_text().splitlines()
+    assert str(artifact("pretrain")) in moved and any(m.endswith("/checkpoint.pt") for m in moved), moved
+    assert not (project / "moved.1").exists() and proc.stdout.count("pretrain: ") == 1, proc.stdout
     ref, got = saved(uninterrupted[0]), saved(project)
     for k, v in ref.model.items():
         g = got.model[k]
