@@ -409,13 +409,32 @@ def test_cli_plan_prints_a_sigma_that_reaches_epsilon_when_copied_into_dp_sigma(
 @pytest.mark.parametrize("flag, value, said", [("--epochs", "inf", "--epochs must be positive and finite (got inf)"),
                                                ("--epochs", "nan", "--epochs must be positive and finite (got nan)"),
                                                ("--epsilon", "0", "--epsilon must be positive and finite (got 0)"),
-                                               ("--examples-per-s", "0", "--examples-per-s must be positive")])
+                                               ("--examples-per-s", "0", "--examples-per-s must be positive"),
+                                               ("--epochs", "0", "--epochs must be positive and finite (got 0)"),
+                                               ("--batch-sizes", "0", "--batch-sizes must lie in 1..n=100"),
+                                               ("--delta", "0.01", "--delta: delta=0.01 is >= 1/n")])
 def test_cli_plan_refuses_a_value_it_cannot_plan_with_naming_its_flag(capsys, flag, value, said):
     """--epochs inf ended in an OverflowError traceback, --examples-per-s 0 was ignored and -5 gave negative hours."""
     args = {"--n": "100", "--epsilon": "8", "--batch-sizes": "10", "--epochs": "1"} | {flag: value}
     with pytest.raises(SystemExit):
         main(["plan", *[a for kv in args.items() for a in kv]])
     assert said in capsys.readouterr().err
+
+
+def test_cli_plan_counts_whole_steps_hours_default_batches_and_the_adjacency_asked_for(capsys):
+    def plan(*args):
+        main(["plan", "--epsilon", "8", "--json", *args])
+        return json.loads(capsys.readouterr().out)["schedules"]
+
+    [r] = plan("--n", "60000", "--epochs", "3", "--batch-sizes", "256")
+    assert r["steps"] == 704  # 703.125 steps' worth of 3 epochs: rounded up, never short of them
+    [r] = plan("--n", "3600", "--epochs", "1", "--batch-sizes", "36", "--examples-per-s", "100")
+    assert r["hours"] == pytest.approx(0.01)
+    assert [r["batch"] for r in plan("--n", "60000", "--epochs", "1")] == [2 ** k for k in range(5, 13)]  # to n/8
+    [mine], [default] = plan("--n", "60000", "--epochs", "1", "--batch-sizes", "256", "--adjacency", "add_remove"), \
+        plan("--n", "60000", "--epochs", "1", "--batch-sizes", "256")
+    assert mine["sigma"] == acc.calibrate_sigma(8, 256 / 60000, mine["steps"], 1 / 120000, adjacency="add_remove")
+    assert mine["sigma"] < default["sigma"]
 
 
 def test_cli_plan_of_per_batch_clipping_divides_its_noise_by_no_batch(capsys):

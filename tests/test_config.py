@@ -49,6 +49,15 @@ def test_each_violation_names_key_and_allowed_values(in_tmp, override, expected)
     assert problems[0].startswith(expected)
 
 
+def test_the_model_shapes_are_checked_for_the_objective_trained(in_tmp):
+    """The text tower is the captioner's and CLIP's: its shape is refused before any work for them, not
+    found by the model's build hours into a run; an MAE run never builds it."""
+    for objective in ("caption", "clip"):
+        assert errors_for(f"dp.objective={objective}", "model.text_heads=3") == [
+            f"model.text_width=64 does not split into model.text_heads=3 heads (the {objective} model's text tower)"]
+    assert load_params(overrides=["dp.objective=mae", "model.text_heads=3"])["model"]["text_heads"] == 3
+
+
 def test_unknown_key_lists_allowed_keys(in_tmp):
     (problem,) = errors_for("dp.epsilom=3")
     assert problem.startswith("unknown key dp.epsilom (did you mean dp.epsilon?) (allowed keys: accountant, "
@@ -100,6 +109,8 @@ def test_a_count_written_as_a_float_is_refused_by_the_schema_naming_its_key(in_t
 def test_overrides_parse_yaml_values():
     out = apply_overrides({"dp": {"epsilon": 8, "sigma": 1.0}}, ["dp.epsilon=3", "dp.sigma=null"])
     assert out == {"dp": {"epsilon": 3, "sigma": None}}
+    signed = apply_overrides({"shards": {}}, ["shards.urls=['https://h/a.tar?sig=x=y']"])  # the key ends at the first =
+    assert signed == {"shards": {"urls": ["https://h/a.tar?sig=x=y"]}}
 
 
 def test_bad_override_syntax():
@@ -269,11 +280,29 @@ def test_resolved_params_keep_infinity_and_templates_and_refuse_an_edit(in_tmp):
     params["evaluate"]["sets"] = [{"name": "d", "source": "digits", "templates": ["a photo of a {c}."]}]
     path = write_resolved(params)
     assert read_resolved(path) == params and write_resolved(params) == path
+    with pytest.raises(ParamsError, match="takes no --set or --params"):
+        job_params("other.yaml", [], str(path))
     path.write_text(path.read_text().replace("epsilon: 8.0", "epsilon: 80.0"))
     with pytest.raises(ParamsError, match="was changed after it was validated"):
         read_resolved(path)
     with pytest.raises(ParamsError, match="takes no --set"):
         job_params("params.yaml", ["dp.epsilon=1"], str(path))
+
+
+def test_a_job_given_gpus_that_torch_cannot_see_is_refused_not_run_on_the_cpu(monkeypatch):
+    import torch
+
+    from pipeline.cli import resolve_device
+    from pipeline.launch import JOB_GPUS_ENV
+
+    monkeypatch.setenv(JOB_GPUS_ENV, "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for requested in ("auto", "cuda"):
+        with pytest.raises(ParamsError, match="this job was given 2 GPU\\(s\\) but torch .* sees no CUDA device"):
+            resolve_device(requested)
+    assert resolve_device("cpu") == "cpu"  # said outright: the GPUs are idle by choice
+    monkeypatch.setenv(JOB_GPUS_ENV, "0")
+    assert resolve_device("auto") == "cpu"
 
 
 def test_a_key_that_is_not_a_string_is_named_not_a_crash(in_tmp):
@@ -363,6 +392,9 @@ def test_a_warm_up_longer_than_its_run_is_warned_for_each_schedule_that_has_one(
     assert cli.main(["validate", "--set", "dp.steps=4", "--set", "dp.nonprivate.steps=3",
                      "--set", "dp.nonprivate.warmup_steps=1"]) == 0
     assert "warning" not in capsys.readouterr().out
+    assert cli.main(["validate", "--set", "dp.nonprivate.warmup_steps=5000"]) == 0  # the twin's warm-up alone
+    out = capsys.readouterr().out
+    assert "dp.nonprivate (the ε = ∞ twin): warmup_steps=5000 outlasts" in out and "dp: warmup" not in out
 
 
 def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, capsys):
@@ -401,6 +433,16 @@ def test_dpfm_validate_checks_dp_trains_plan_once_the_shards_give_n(in_tmp, caps
     built_with()
     assert cli.main(["validate", *bad]) == 2
     assert "dp params (n=100 usable private examples) is invalid" in capsys.readouterr().err
+    # Planned under the run's adjacency: a σ that reaches ε only under add/remove is short under replace-one.
+    from pipeline.privacy import accounting
+
+    steps = load_params()["dp"]["steps"]
+    add_remove = accounting.calibrate_sigma(8.0, 0.5, steps, 1 / 200, adjacency="add_remove")
+    fixed = ["--set", "dp.expected_batch_size=50", "--set", "curve.inits=[]", "--set", f"dp.sigma={add_remove}"]
+    assert cli.main(["validate", *fixed, "--set", "privacy.adjacency=add_remove"]) == 0
+    capsys.readouterr()
+    assert cli.main(["validate", *fixed]) == 2
+    assert "above the target dp.epsilon=8.0" in capsys.readouterr().err
 
 
 def wrong_values(spec: dict) -> list:

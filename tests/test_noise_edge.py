@@ -156,6 +156,21 @@ def test_dpfm_plan_marks_what_dp_train_would_refuse(capsys):
     assert "refused" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("epsilon", [150, 200, 300])
+def test_dpfm_plans_mark_is_dp_trains_refusal(capsys, epsilon):
+    """Measured against dp-train's own plan at ε = 150, 200, 300 (the edge gives away 0.005δ, 0.8δ and
+    290δ): `plan` marks the schedules dp-train refuses and no other, the one between δ/10 and δ too."""
+    main(["plan", "--n", "1000", "--epsilon", str(epsilon), "--delta", "1e-4", "--epochs", "1", "--batch-sizes", "100"])
+    marked = "refused by dp-train" in capsys.readouterr().out
+    dp = {**DP, "expected_batch_size": 100, "delta": 1e-4, "epsilon": float(epsilon), "steps": 10}
+    try:
+        plan_mechanism(dp, 1000, "replace_one")
+        refused = False
+    except ValueError as e:
+        refused = "never passes" in str(e)
+    assert marked == refused == (epsilon > 150)
+
+
 def test_a_ledger_from_before_the_noise_recorded_its_edge_is_not_resumed(tmp_path):
     """Its steps drew torch's fp32 normals: dp-train refuses to add steps of another noise to them, and the
     report and verify read its edge as fp32's."""

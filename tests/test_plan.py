@@ -24,6 +24,16 @@ def test_the_header_reads_back_as_the_same_plan(name):
     assert plan.denominator == pytest.approx(want)
 
 
+def test_the_plan_holds_the_params_schedule_and_refuses_a_delta_of_one_over_n():
+    """δ ≥ 1/n allows publishing a whole record: refused at the boundary itself, not from 2/n on."""
+    plan = plan_mechanism({**DP, "objective": "mae", "delta": 1e-4}, 1258, "replace_one")
+    assert (plan.steps, plan.sample_rate, plan.delta, plan.clip_norm) == (40, 128 / 1258, 1e-4, 1.5)
+    small = {**DP, "objective": "mae", "expected_batch_size": 10}
+    with pytest.raises(ValueError, match="delta=0.01 is >= 1/n"):
+        plan_mechanism({**small, "delta": 0.01}, 100, "replace_one")
+    assert plan_mechanism({**small, "delta": 0.0099}, 100, "replace_one").delta == 0.0099
+
+
 @pytest.mark.parametrize("field,value", [("noise_std", 0.5), ("sensitivity", 1.0)])
 def test_a_header_whose_derived_values_disagree_is_refused(field, value):
     header = plan_mechanism({**DP, "objective": "clip"}, 1258, "replace_one").header()
