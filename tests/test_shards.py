@@ -470,6 +470,23 @@ class FakeTokenizer:
         return torch.tensor([[len(c)] * max_len for c in captions])
 
 
+def test_batch_loader_workers_start_by_spawn_as_on_macos(tmp_path):
+    """Where processes start by spawn (macOS, Windows), the workers get the dataset pickled, not forked."""
+    import multiprocessing
+
+    write_set(tmp_path, n=12, per_shard=5)
+    ds = ShardDataset(tmp_path)
+    batches = [np.arange(i, i + 3) for i in range(0, 12, 3)]
+    before = multiprocessing.get_start_method()
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        spawned = list(BatchLoader(ds, 4, workers=2, prefetch=1)(batches))
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+    assert [i.tolist() for i, _ in spawned] == [b.tolist() for b in batches]
+    assert all(torch.equal(x, ds_x) for (_, (x,)), (_, (ds_x,)) in zip(spawned, BatchLoader(ds, 4)(batches)))
+
+
 def test_batch_loader_in_workers_matches_in_process_and_keeps_order(tmp_path):
     write_set(tmp_path, n=20, per_shard=6)
     ds = ShardDataset(tmp_path)

@@ -104,8 +104,9 @@ class BatchLoader:
                                              num_workers=self.workers, prefetch_factor=self.prefetch,
                                              worker_init_fn=_worker_init, collate_fn=_as_is,
                                              pin_memory=self.pinned)
-        # The workers are forked by iter(): with the stop signals blocked meanwhile, none can die of one
-        # before _worker_init ignores it. This process gets any that arrived once they are unblocked.
+        # The workers start in iter() (forked, or spawned on macOS): with the stop signals blocked meanwhile,
+        # none can die of one before _worker_init ignores it. This process gets any that arrived once they
+        # are unblocked.
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             batches_in_flight = iter(loader)
