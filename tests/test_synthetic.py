@@ -170,6 +170,14 @@ def test_quality_metrics_detect_bad_sets():
     assert S.near_constant_fraction(flat) == 1.0
     noisy = np.random.default_rng(0).integers(0, 256, (10, RES, RES, 3), dtype=np.uint8)
     assert S.near_constant_fraction(noisy) == 0.0
+    # The threshold, about 5 grey levels of spatial std in the liveliest channel: a 2-level ripple is
+    # flat, an 8-level one is not, nor is an image flat in one channel and varied in the others.
+    checkers = np.resize([-1, 1], (10, RES, RES, 3))
+    assert S.near_constant_fraction((128 + 2 * checkers).astype(np.uint8)) == 1.0
+    assert S.near_constant_fraction((128 + 8 * checkers).astype(np.uint8)) == 0.0
+    one_flat = noisy.copy()
+    one_flat[..., 1] = 90
+    assert S.near_constant_fraction(one_flat) == 0.0
     # white noise averages to grey at 16x16, so it is *not* diverse
     big_noise = np.random.default_rng(1).integers(0, 256, (6, 256, 256, 3), dtype=np.uint8)
     assert S.diversity(big_noise) < 1.0

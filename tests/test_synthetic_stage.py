@@ -102,6 +102,34 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(reference, tmp_path, monke
     assert output_bytes(other) == output_bytes(ref)
 
 
+def test_shards_finished_in_any_order_and_a_kill_9s_temporaries_give_the_same_output(reference, tmp_path,
+                                                                                      monkeypatch):
+    """Every shard rendered (the last one too), then a failure while the output was assembled, and a
+    temporary tar that a kill -9 left: the rerun renders nothing, clears the temporary, and writes the
+    same bytes; with the shards coming back in reverse order too."""
+    ref, _ = reference
+
+    def disk_gone(*args):
+        raise RuntimeError("disk gone")
+    with monkeypatch.context() as m:
+        m.setattr(synthetic_stage, "assemble", disk_gone)
+        with pytest.raises(RuntimeError, match="disk gone"):
+            run_stage(tmp_path)
+    staging = next((tmp_path / ".dpfm/state").glob("synthetic-*/"))
+    stale = staging / f".{synthetic_stage.shard_name(2)}.x1y2z3.tmp"
+    stale.write_bytes(b"half a tar")
+    rendered = patch_build(monkeypatch)
+    real_build_shards, real_assemble, stale_seen = synthetic_stage.build_shards, synthetic_stage.assemble, []
+    monkeypatch.setattr(synthetic_stage, "build_shards", lambda *a: reversed(list(real_build_shards(*a))))
+    monkeypatch.setattr(synthetic_stage, "assemble", lambda *a: stale_seen.append(stale.exists()) or real_assemble(*a))
+    tracker = run_stage(tmp_path)
+    assert rendered == [] and tracker.metrics["shards_resumed"] == SHARDS and stale_seen == [False]
+    assert output_bytes(tmp_path) == output_bytes(ref)
+    shutil.rmtree(tmp_path / artifact("synthetic"))
+    run_stage(tmp_path)  # rendered afresh, in reverse order
+    assert rendered == [0, 1, 2, 3, 4] and output_bytes(tmp_path) == output_bytes(ref)
+
+
 def test_a_damaged_staged_shard_is_rendered_again(reference, tmp_path, monkeypatch):
     ref, _ = reference
     with monkeypatch.context() as m:
@@ -123,8 +151,22 @@ def test_staging_is_keyed_by_what_decides_the_bytes():
     key = synthetic_stage.staging_dir(CFG, 7)
     assert synthetic_stage.staging_dir({**CFG, "workers": 8}, 7) == key
     assert synthetic_stage.staging_dir(CFG, 8) != key
-    assert synthetic_stage.staging_dir({**CFG, "resolution": 32}, 7) != key
-    assert synthetic_stage.staging_dir({**CFG, "samples_per_shard": 9}, 7) != key
+    other = {"num_programs": 13, "frames_per_program": 4, "resolution": 32, "mix_k": 2, "mix_alpha": 0.5,
+             "samples_per_shard": 9}
+    assert set(other) == set(CFG) - {"workers"}  # every param but the worker count
+    for k, v in other.items():
+        assert synthetic_stage.staging_dir({**CFG, k: v}, 7) != key, k
+
+
+def test_mixed_images_are_the_stages_params_blend(tmp_path):
+    """shaders21k_6mixup's mixing, as the stage's params set it (partners from its own programs)."""
+    run_stage(tmp_path, mix_k=2, mix_alpha=0.5)
+    items = [(p, f) for p in range(CFG["num_programs"]) for f in range(CFG["frames_per_program"])]
+    expected = synthetic.render_items(items, 16, base_seed=7, mix_k=2, mix_alpha=0.5, mix_pool=12).numpy()
+    ds = ShardDataset(tmp_path / artifact("synthetic"))
+    assert np.array_equal(ds.load_images(), expected)
+    assert not np.array_equal(expected, synthetic.render_items(items, 16, base_seed=7).numpy())
+    ds.close()
 
 
 @pytest.mark.parametrize("part,value", [("torch", "9.9.9"), ("cpu", "DEFAULT"), ("pillow", "0.1")])
@@ -176,6 +218,8 @@ def test_index_manifest_images_and_stats_agree(reference):
     assert sum(s["images"] for s in manifest["shards"]) == pq.read_table(out / "index.parquet").num_rows == 36
 
     stats = json.loads((out / "stats.json").read_text())
+    assert {k: stats[k] for k in ("images", "programs", "frames_per_program", "resolution", "shards")} == {
+        "images": 36, "programs": 12, "frames_per_program": 3, "resolution": 16, "shards": SHARDS}
     assert stats["quality_sample"] == 36  # fewer images than the sample size: all of them
     assert stats["near_constant_fraction"] == synthetic.near_constant_fraction(images)
     assert stats["near_constant_fraction"] <= synthetic_stage.NEAR_CONSTANT_TARGET

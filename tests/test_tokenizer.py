@@ -126,7 +126,7 @@ def test_a_sentencepiece_that_stalls_is_refused_before_training(tmp_path, monkey
 def test_encode_adds_bos_eos_pads_and_truncates(clean_model, tmp_path):
     (tmp_path / "spm.model").write_bytes(clean_model)
     t = tok.Tokenizer(tmp_path)
-    caption = "the number seven written by hand"
+    caption = "The Number Seven, written by hand"  # encoded as written: case and punctuation kept
     pieces = t.sp.encode(caption)
     ids = t.encode([caption, ""], max_len=len(pieces) + 4)
     assert ids.dtype == torch.long and ids.shape == (2, len(pieces) + 4)
