@@ -42,16 +42,20 @@ def test_a_run_commits_the_stages_it_ran_and_no_other(dvc_calls, monkeypatch, ca
 def test_stages_a_failed_run_finished_are_committed_by_the_next_run(dvc_calls, monkeypatch):
     """dp-train finished, then evaluate failed: the next run skips dp-train as up to date, and committed
     only what it ran, so dvc.lock never had dp-train and `dvc repro` trained it (and charged the budget)
-    again. A stage an earlier run finished under params edited since, or whose outputs are gone (a later
-    run failed in it: Snakemake deletes them), is not committed."""
+    again. A stage an earlier run finished under params edited since (its newest marker says which), or
+    whose outputs are gone (a later run failed in it: Snakemake deletes them), is not committed."""
+    finish(monkeypatch, "run-0", "tokenizer")  # the oldest run: params.yaml's tokenizer...
+    finish(monkeypatch, "run-1", "tokenizer", params=load_params(overrides=["tokenizer.vocab_size=300"]))
+    os.utime(dvc_commit.DONE_ROOT / "run-0/tokenizer", ns=(10**18, 10**18))  # ...then another, which is what
+    os.utime(dvc_commit.DONE_ROOT / "run-1/tokenizer", ns=(2 * 10**18, 2 * 10**18))  # models/tokenizer holds
     finish(monkeypatch, "run-1", "pretrain", "dp-train", params=load_params(overrides=["pretrain.lr=0.5"]))
-    finish(monkeypatch, "run-1", "verify")  # then run-1 fails: no commit
+    finish(monkeypatch, "run-1", "synthetic", "verify")  # then run-1 fails: no commit
     finish(monkeypatch, "run-2", "verify", "evaluate")
-    for out in stage("dp-train").all_outputs:
+    for out in stage("dp-train").all_outputs + stage("tokenizer").all_outputs:  # synthetic's are gone
         Path(out).mkdir(parents=True) if out.endswith("/") else Path(out).touch()
     dvc_commit.commit_run("run-2", load_params())
     assert dvc_calls == [["--force", "--quiet", "dp-train", "evaluate", "verify"]]
-    assert not dvc_commit.DONE_ROOT.exists()  # every marker spent: pretrain's is stale
+    assert not dvc_commit.DONE_ROOT.exists()  # every marker spent: pretrain's and the tokenizer's are stale
 
 
 def test_stages_run_with_config_overrides_are_not_committed(dvc_calls, monkeypatch, capsys):
@@ -78,3 +82,16 @@ def test_a_params_file_broken_during_the_run_versions_nothing(dvc_calls, monkeyp
         f.write("unknown_section: 1\n")
     dvc_commit.commit_run("run-1", config)
     assert dvc_calls == [] and "DVC does not version this run: params.yaml is invalid" in capsys.readouterr().err
+
+
+def test_the_cache_is_the_one_dvc_uses_its_local_config_first(tmp_path):
+    """DVC reads .dvc/config.local over .dvc/config: a shared cache named in config, a private one in
+    config.local (as `dvc cache dir --local` writes it), is sealed and read where DVC writes."""
+    from pipeline.dvc_cache import cache_dir
+
+    (tmp_path / ".dvc").mkdir()
+    assert cache_dir(tmp_path) == tmp_path / ".dvc" / "cache"
+    (tmp_path / ".dvc/config").write_text("[cache]\n    dir = ../shared-cache\n")
+    assert cache_dir(tmp_path) == (tmp_path / "shared-cache").resolve()
+    (tmp_path / ".dvc/config.local").write_text("[cache]\n    dir = /srv/own-cache\n")
+    assert cache_dir(tmp_path) == Path("/srv/own-cache")

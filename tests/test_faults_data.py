@@ -146,6 +146,20 @@ def test_the_next_write_reclaims_what_a_killed_writer_left(tmp_path):
     assert [p.name for p in (tmp_path / "shards").iterdir()] == ["private.tar"]
 
 
+def test_a_file_is_on_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    """A power cut just after the rename must not leave an empty file under the final name, which a later
+    stage would take for a good one: its bytes are fsynced first."""
+    from pipeline.io import atomic_path
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: events.append(("replace", str(src))) or real_replace(src, dst))
+    with atomic_path(tmp_path / "verification.json") as tmp:
+        tmp.write_text("{}")
+    assert events == [("fsync", str(tmp)), ("replace", str(tmp))]
+
+
 def test_a_writer_killed_between_its_two_renames_loses_no_output_and_leaves_no_copy(tmp_path):
     """atomic_dir moves the old output aside, then the new one in: killed between the two, neither was at
     its path, and the old one (of the private shards, a whole copy) stayed under a hidden name that no

@@ -103,3 +103,42 @@ def test_a_damaged_record_is_read_again_from_the_files(reads, tmp_path):
     assert tracking.input_tag("models/pretrain") == tag and reads == ["encoder.pt"]
     reads.clear()
     assert tracking.input_tag("models/pretrain") == tag and reads == []
+
+
+def test_the_hash_reads_every_byte_and_leaves_out_what_dvcignore_does(tmp_path):
+    """Two inputs that share their first MiB are told apart; Snakemake's marker and the non-private twin,
+    which .dvcignore leaves out of DVC's hash, are left out of the tag too, or it would not be DVC's."""
+    import hashlib
+
+    big = tmp_path / "d" / "shard.tar"
+    big.parent.mkdir()
+    data = bytearray(os.urandom(3 << 20))
+    write(big, bytes(data))
+    before, dir_before = plain_hash(big), plain_hash(big.parent)
+    data[(5 << 20) // 2] ^= 1  # a byte past the first two MiB
+    write(big, bytes(data))
+    assert plain_hash(big) == hashlib.md5(bytes(data)).hexdigest() != before
+    dir_now = plain_hash(big.parent)
+    assert dir_now != dir_before
+    for ignored in sorted(tracking.DVC_IGNORED):
+        write(big.parent / ignored, b"not part of the data")
+    assert plain_hash(big.parent) == dir_now
+
+
+def test_a_stage_run_is_nested_under_the_pipelines_run_and_no_secret_reaches_either(local_mlflow, monkeypatch):
+    import types
+
+    import mlflow
+
+    params = {"dp": {"objective": "mae", "epsilon": 8, "lr": 0.1, "noise_seed": 1234567}, "run": {"seed": 0}}
+    parent = tracking.start_parent("nesting", params)
+    monkeypatch.setenv(tracking.PARENT_ENV, parent)
+    stage = types.SimpleNamespace(name="dp-train", input_paths=[], touches_private_data=False)
+    with tracking.stage_run(stage, params, "nesting") as run:
+        child = run.run_id
+    client = mlflow.tracking.MlflowClient()
+    assert client.get_run(child).data.tags["mlflow.parentRunId"] == parent
+    for run_id in (parent, child):
+        logged = client.get_run(run_id).data.params
+        assert logged["dp.lr"] == "0.1" and not [k for k in logged if "noise_seed" in k]
+        assert "1234567" not in logged.values()

@@ -162,6 +162,13 @@ def test_the_saved_encoder_initialises_every_objective(uninterrupted, monkeypatc
     mae = build_model("mae", checkpoint.model_cfg)
     mae.load_state_dict(checkpoint.model)
     assert params_equal(mae.encoder.state_dict(), checkpoint.encoder)
+    # The decoder's head count changes no tensor's shape, but another split of its weights is another model:
+    # refused for an MAE warm start (the whole model), not for an encoder one.
+    cfg = ModelConfig.from_params({**model_params, "decoder_heads": 4}, "mae")
+    with pytest.raises(ValueError, match="model.decoder_heads: 2 there, 4 here"):
+        checkpoint.check_fits(build_model("mae", cfg), "mae", cfg.to_dict())
+    cfg = ModelConfig.from_params({**model_params, "decoder_heads": 4}, "caption", vocab_size=64)
+    checkpoint.check_fits(build_model("caption", cfg), "caption", cfg.to_dict())
 
 
 def test_loss_lr_and_throughput_reach_mlflow(uninterrupted):
