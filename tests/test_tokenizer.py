@@ -6,6 +6,7 @@ private captions are not."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -97,6 +98,9 @@ def test_training_is_deterministic(clean_model, tmp_path, monkeypatch):
     assert run_stage(tmp_path, monkeypatch) == clean_model
     info = json.loads((tmp_path / artifact("tokenizer") / "tokenizer.json").read_text())
     assert info["vocab_size"] == 256 and info["chars"] > 600_000
+    corpus = tok.public_corpus()  # what tokenizer.json says it was trained on, checkable by anyone
+    assert (info["lines"], info["chars"]) == (len(corpus), sum(map(len, corpus)))
+    assert info["sha256"] == hashlib.sha256("\n".join(corpus).encode()).hexdigest()
     assert sorted(p.name for p in (tmp_path / artifact("tokenizer")).iterdir()) == ["spm.model", "tokenizer.json"]
 
 
