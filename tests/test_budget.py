@@ -220,9 +220,11 @@ def test_a_release_outside_dp_makes_every_later_composition_infinite_whatever_it
     clean = budget.composition(ledger, DELTA)
     budget.record_outside_dp(identity, sketch, "with-twin-nonprivate", "a training without DP on them")
     budget.record_outside_dp(identity, sketch, "with-twin-nonprivate", "a training without DP on them")  # a resume
+    budget.record_outside_dp(identity, sketch, "with-twin-nonprivate", "a count of them published as it is")
     charge(identity, sketch, "later")
     later = budget.composition(ledger, DELTA)
-    assert later["epsilon"] == float("inf") and later["outside_dp"] == ["a training without DP on them"]
+    assert later["epsilon"] == float("inf") and sorted(later["outside_dp"]) == [  # each release the run made, once
+        "a count of them published as it is", "a training without DP on them"]
     assert later["runs"] == 2 and later["epsilon_dp_runs"] == clean["epsilon"] < float("inf")  # the DP runs alone
     params = load_params(Path(__file__).parents[1] / "params.yaml")
     params["curve"]["epsilons"], params["privacy"]["testing"], params["dp"]["noise_seed"] = [8.0], False, None
@@ -316,6 +318,36 @@ def entry(run, p):
             "delta": p.delta, "n": p.n, "noise_edge": p.noise_edge}
 
 
+def test_a_charge_is_kept_by_the_owner_before_the_budget_gets_it(in_tmp, monkeypatch):
+    """Killed (or out of disk) between the two appends, the charge survives in the owner's copy, and the
+    budget's next use adds it: the other order would leave a charge that an older budget checked out
+    over this one drops from every composition."""
+    identity, sketch = shard(in_tmp / "d", examples(10))
+    real_append = budget.append_durably
+
+    def budget_write_fails(fd, text, path):
+        if Path(path).name == "runs.jsonl":
+            raise OSError(28, "No space left on device")
+        return real_append(fd, text, path)
+    monkeypatch.setattr(budget, "append_durably", budget_write_fails)
+    with pytest.raises(OSError):
+        charge(identity, sketch, "cut-short")
+    assert [json.loads(line)["run"] for line in budget.CHARGES.read_text().splitlines()] == ["cut-short"]
+    monkeypatch.setattr(budget, "append_durably", real_append)
+    ledger = {**plan().header(), "run": "next", "data_identity": identity}
+    assert budget.composition(ledger, DELTA)["runs"] == 2  # cut-short, and the run asking
+    assert [e["run"] for e in budget._entries()] == ["cut-short"]
+
+
+def test_a_run_without_noise_voids_the_noise_edge_check_whatever_its_other_fields():
+    """σ = 0 has no noise edge to bound: counted as certain to show an example, never as nothing."""
+    p = plan()  # as the budget records a run (budget.record): its noise edge with it
+    entry = {"objective": p.objective, "sigma": p.sigma, "sample_rate": p.sample_rate, "steps": p.steps,
+             "adjacency": p.adjacency, "noise_edge": p.noise_edge}
+    assert budget.edges_problem([entry], DELTA, "add_remove") is None
+    assert budget.edges_problem([{**entry, "sigma": 0.0}], DELTA, "add_remove") is not None
+
+
 def test_a_torn_last_line_is_ignored_and_the_next_run_is_charged(in_tmp):
     d = shard(in_tmp / "d", examples(10))
     charge(*d, "r")
@@ -398,8 +430,10 @@ def test_a_budget_behind_the_version_git_records_gains_its_runs_and_a_push_keeps
     pointer = (in_tmp / "data/budget.dvc").read_text()
     shutil.rmtree(budget.BUDGET_DIR)
     shutil.copytree(behind, budget.BUDGET_DIR)
+    budget.CHARGES.write_text((behind / "runs.jsonl").read_text())  # B's own copy of the charges: A1's
     ledger = {**plan().header(), "run": "B1", "data_identity": d[0]}
     assert budget.composition(ledger, DELTA)["runs"] == 3  # A1, A2 and B1 (counted though not yet charged)
+    assert [json.loads(line)["run"] for line in budget.CHARGES.read_text().splitlines()] == ["A1", "A2"]  # kept here
     charge(*d, "B1")
     assert [e["run"] for e in budget._entries()] == ["A1", "A2", "B1"]
     assert [e["run"] for e in budget.runs(e[0])] == ["A2"]  # through A2's sketch, copied from the cache

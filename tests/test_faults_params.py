@@ -236,6 +236,25 @@ def test_a_run_that_publishes_what_its_epsilon_does_not_cover_is_not_private_as_
     params["dp"]["nonprivate_baseline"] = False
     assert release.not_private_reasons(params, {"eval_from_private": True}) == [
         "the eval split is carved out of the private data (shards.eval_fraction)"]
+    # A known noise key voids the noise whatever privacy.testing says (dp-train refuses the pair; a
+    # checkpoint or a run made before that check is judged the same).
+    params["dp"]["noise_seed"] = 7
+    assert release.not_private_reasons(params, {}) == [
+        "a test run (privacy.testing; a known dp.noise_seed voids the noise)"]
+
+
+def test_published_params_hide_a_noise_key_and_leave_the_run_its_own():
+    """The report's params and a checkpoint's config are published: a key in them would let anyone who
+    reads it subtract the noise."""
+    import json
+
+    from pipeline.privacy import release
+
+    params = {"dp": {"noise_seed": 918273645, "lr": 0.1}, "run": {"seed": 0}}
+    shown = release.public_params(params)
+    assert shown == {"dp": {"noise_seed": "(set; hidden)", "lr": 0.1}, "run": {"seed": 0}}
+    assert "918273645" not in json.dumps(shown) and params["dp"]["noise_seed"] == 918273645
+    assert release.public_params({"dp": {"noise_seed": None}})["dp"]["noise_seed"] is None
 
 
 @pytest.mark.parametrize("source, explicit, allowed", [

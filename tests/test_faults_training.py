@@ -463,7 +463,8 @@ def test_a_ledger_with_a_step_lost_or_edited_is_refused(tmp_path):
 
 # -- a run resumed where the accountant rounds otherwise: another node, another library build --------
 
-def test_a_ledger_reopened_with_sigma_calibrated_elsewhere_keeps_its_own_and_refuses_another(tmp_path):
+def test_a_ledger_reopened_with_sigma_calibrated_elsewhere_keeps_its_own_and_refuses_another(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the owner's log
     path = tmp_path / "ledger.jsonl"
     plan = Plan(objective="caption", clipping="per_sample", n=10, sample_rate=0.3, sigma=0.6387335711696435,
                 clip_norm=1.0, steps=3, delta=1e-3, accountant="pld", adjacency="replace_one", target_epsilon=8.0,
@@ -474,10 +475,17 @@ def test_a_ledger_reopened_with_sigma_calibrated_elsewhere_keeps_its_own_and_ref
     reopened = Ledger(path, elsewhere)
     assert reopened.plan == plan and reopened.steps == 1  # the noise the charged step was drawn with
     assert reopened.public() == {**plan.header(), "steps": 1}
-    for other in (dataclasses.replace(plan, sigma=plan.sigma * (1 + 1e-6)), dataclasses.replace(plan, n=11),
-                  dataclasses.replace(plan, objective="mae")):
+    changed = {"sigma": plan.sigma * (1 + 1e-6), "n": 11, "objective": "mae", "delta": plan.delta / 2, "clip_norm": 2.0,
+               "sample_rate": 0.31, "steps": 4, "adjacency": "add_remove", "accountant": "rdp"}
+    for field, value in changed.items():
         with pytest.raises(LedgerError, match="different mechanism"):
-            Ledger(path, other)
+            Ledger(path, dataclasses.replace(plan, **{field: value}))
+    # A step drawn again (after a resume) must draw the batch it was charged for: the sampler is deterministic.
+    reopened.record_step(0, 3)
+    with pytest.raises(LedgerError, match="step 0 redrew a batch of another size") as refused:
+        reopened.record_step(0, 4)
+    assert "4" not in str(refused.value).split("(")[0]  # the sizes go to the owner's log only
+    assert "step 0 redrew a batch of 4, the ledger has 3" in (tmp_path / ".dpfm/owner/dp-train.log").read_text()
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])

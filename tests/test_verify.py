@@ -172,6 +172,8 @@ DOCTORED = {
                                            {"claimed_epsilon_reproduced"}),
     "δ of 2/n": (lambda L, dp: (_reclaim(_with(L, delta=2 / L["n"])), None, {**dp, "delta": 2 / L["n"]}),
                  {"delta_below_1_over_n"}),
+    "δ of exactly 1/n": (lambda L, dp: (_reclaim(_with(L, delta=1 / L["n"])), None, {**dp, "delta": 1 / L["n"]}),
+                         {"delta_below_1_over_n"}),
     "ledger target above the params target": (
         lambda L, dp: (_reclaim(_with(L, target_epsilon=100.0, noise_std=0.7 * L["noise_std"], sigma=0.7 * L["sigma"])),
                        None, dp), {"ledger_matches_params", "epsilon_within_target"}),
