@@ -81,15 +81,30 @@ def test_each_seed_is_its_own_dp_training(data_dir, tmp_path, monkeypatch):
     seed k and evaluate's row at seed k differ by nothing else (the probe seed followed k here once)."""
     from pipeline.stages import curve
 
-    probe_seeds, splits, probe_outcomes = [], [], curve.probe_outcomes
+    probe_seeds, splits, probed, pooled = [], [], [], []
+    probe_outcomes, accuracy_ci, train_point = curve.probe_outcomes, curve.accuracy_ci, curve.train_point
     monkeypatch.setattr(curve, "probe_outcomes", lambda *a: probe_seeds.append(a[4]) or splits.append(a[2])
-                        or probe_outcomes(*a))
+                        or probed.append(probe_outcomes(*a)) or probed[-1])
+    monkeypatch.setattr(curve, "accuracy_ci", lambda correct, seed, refits: pooled.append((correct, refits))
+                        or accuracy_ci(correct, seed, refits=refits))
+
+    def spent_apart(p, *a):  # the seeds' ε set apart, to see which the point reports
+        model, eps, is_main = train_point(p, *a)
+        return model, eps * (1 + 0.01 * (p["run"]["seed"] - 5)), is_main
+    monkeypatch.setattr(curve, "train_point", spent_apart)
     work = project(data_dir, tmp_path)
-    result = run_curve(work, ["curve.epsilons=[2]", "curve.seeds=2", "run.seed=5"])
+    result = run_curve(work, ["curve.epsilons=[2]", "curve.seeds=2", "run.seed=5", "evaluate.probe_refits=2"])
     assert probe_seeds == [5, 5]
     assert all(np.array_equal(a, b) for split in splits[1:] for a, b in zip(split, splits[0]))  # one split, every seed
     (point,) = result["points"]
     assert point["seeds"] == result["seeds"] == 2
+    # The point pools both seeds: its accuracy over both, its interval over both and their probes' refits,
+    # and the most ε either spent.
+    [(correct, refits)] = pooled
+    assert np.array_equal(correct, np.stack([outcomes for outcomes, _ in probed]))
+    assert np.array_equal(refits, np.stack([refit for _, refit in probed])) and refits.shape[:2] == (2, 2)
+    assert point["linear_probe"] == pytest.approx(correct.mean())
+    assert point["epsilon_spent"] > 2 * 1.005  # the second seed's, set 1% above the first's (at most 2)
     runs = charged_runs(work)
     assert len(runs) == 2 and len({r["run"] for r in runs}) == 2  # two identities, both charged
 
@@ -156,6 +171,8 @@ def test_point_params_keep_dp_trains_sections_and_plan_infinity_at_the_recipes_e
     p = training.point_params(params, "random", 2)
     assert set(p) == {"run", "model", "dp", "privacy"} and p["dp"]["epsilon"] == 2.0 and p["dp"]["init"] == "random"
     assert training.point_params(params, "pretrain", math.inf)["dp"]["epsilon"] == 8.0
+    fixed = {**params, "dp": {**params["dp"], "sigma": 0.7}}  # dp-train's own σ, set by hand, is not a point's
+    assert training.point_params(fixed, "random", 2)["dp"]["sigma"] is None
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])

@@ -149,6 +149,38 @@ def test_duplicate_keys_keep_the_first_copy_within_and_across_shards(tmp_path):
     assert excluded(stats) == {"duplicate_key": 2}
 
 
+def sample(key, image, caption="a photo"):
+    return [(f"{key}.jpg", image), (f"{key}.txt", caption.encode()), (f"{key}.json", b"{}")]
+
+
+def test_which_copy_stays_follows_the_shards_given_order_and_each_rows_own_status(tmp_path):
+    """A key's copy right after its first is a duplicate too; a copy dropped for its key does not make
+    a later example with its image (p) a duplicate, or no copy of that image would stay; a later shard's
+    content duplicate is judged at its own row; and the first copy is the first in the order the shards
+    are listed, not their names' order."""
+    rng = np.random.default_rng(6)
+    x, y, q1, q2 = (encode_jpeg(picture(rng, 16)) for _ in range(4))
+    raw_tar(tmp_path / "1.tar", sample("a", x) + sample("a", q1, "again") + sample("b", y))
+    raw_tar(tmp_path / "2.tar", sample("a", y, "third") + sample("c", y) + sample("z", x))
+    raw_tar(tmp_path / "3.tar", sample("p", q1) + sample("r", q2) + sample("k", x))
+    stats, ds = index([tmp_path / f"{i}.tar" for i in (1, 2, 3)], tmp_path)
+    assert ds.index["key"] == ["a", "b", "p", "r"] and ds.caption(0) == "a photo"
+    assert excluded(stats) == {"duplicate_key": 2, "duplicate_content": 3}  # a twice; c (b's image), z and k (a's)
+    stats, ds = index([tmp_path / f"{i}.tar" for i in (3, 1, 2)], tmp_path, name="listed-otherwise")
+    assert ds.index["key"] == ["p", "r", "k", "b"]  # k holds x first now: a's image is its duplicate
+    assert excluded(stats) == {"duplicate_key": 2, "duplicate_content": 3}
+
+
+def test_a_shard_rewritten_since_its_scan_is_scanned_again(tmp_path):
+    rng = np.random.default_rng(8)
+    raw_tar(tmp_path / "1.tar", good("a", rng) + good("b", rng))
+    _, ds = index([tmp_path / "1.tar"], tmp_path)
+    assert ds.index["key"] == ["a", "b"]
+    raw_tar(tmp_path / "1.tar", good("c", rng) + good("d", rng) + good("e", rng))  # another crawl's shard
+    stats, ds = index([tmp_path / "1.tar"], tmp_path, name="again", cache="out")
+    assert ds.index["key"] == ["c", "d", "e"] and stats["private"]["usable"] == 3
+
+
 def test_the_same_image_under_another_key_is_one_example_whatever_its_caption(tmp_path):
     """Two shards of one crawl can hold an example twice under two keys, or one image under two alt
     texts. Kept twice, a step sampling both would add up to 2C of one image against a charge for C (to

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,9 @@ def test_unreadable_shards_are_skipped_and_counted(tmp_path, capsys):
     (tmp_path / "cut.tar").write_bytes(data[:data.index(b"y.jpg")])  # damaged: a clean cut before y
     stats, ds = index([tmp_path / f"{n}.tar" for n in ("ok", "missing", "junk", "cut")], tmp_path)
     assert len(ds) == 2
+    # Each row reads its own shard, whichever were skipped before it: x is in cut.tar, listed fourth.
+    with tarfile.open(tmp_path / "t.tar") as t:
+        assert [ds.key(i) for i in range(2)] == ["a", "x"] and ds.read_member(1, "jpg") == t.extractfile("x.jpg").read()
     skipped = {s["url"].rsplit("/", 1)[1]: s["error"] for s in stats["shards"]["skipped"]}
     assert set(skipped) == {"missing.tar", "junk.tar"}
     assert "FileNotFoundError" in skipped["missing.tar"] and "not a tar" in skipped["junk.tar"]
