@@ -21,13 +21,27 @@ def run_stages(work, names, overrides):
 
 
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
-def test_trained_rows_take_every_seed_and_each_dp_seed_is_charged(data_dir, tmp_path, objective):
+def test_trained_rows_take_every_seed_and_each_dp_seed_is_charged(data_dir, tmp_path, monkeypatch, objective):
+    from pipeline.config import load_params
+    from pipeline.privacy import training
+    from pipeline.stages import evaluate
+
     work = project(data_dir, tmp_path)
     common = [f"dp.objective={objective}", "dp.nonprivate_baseline=true", BASELINES, "evaluate.fewshot.shots=[]"]
     train(work, common)
     one = run_stages(work, ["verify", "evaluate"], common)["sets"]["digits"]
     assert len(charged_runs(work)) == 1
+    trained, randoms, train_point, random_candidate = [], [], training.train_point, evaluate.random_candidate
+    monkeypatch.setattr(training, "train_point", lambda p, ctx, init, epsilon, prefix: trained.append(
+        (p["run"]["seed"], epsilon)) or train_point(p, ctx, init, epsilon, prefix))
+    monkeypatch.setattr(evaluate, "random_candidate", lambda objective, cfg, seed, *a, **k: randoms.append(seed)
+                        or random_candidate(objective, cfg, seed, *a, **k))
     full = run_stages(work, ["evaluate"], [*common, "evaluate.seeds=3"])
+    params = load_params(work / "params.yaml", common)
+    seed, epsilon = params["run"]["seed"], params["dp"]["epsilon"]
+    # Each extra seed: the DP recipe at its ε, the twin without noise, and random init, all at that seed.
+    assert trained == [(seed + 1, epsilon), (seed + 1, float("inf")), (seed + 2, epsilon), (seed + 2, float("inf"))]
+    assert randoms[-2:] == [seed + 1, seed + 2]
     three = full["sets"]["digits"]
     runs = charged_runs(work)
     assert len(runs) == 3 and len({r["run"] for r in runs}) == 3  # dp-train's seed, then two more: each charged

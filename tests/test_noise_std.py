@@ -33,3 +33,35 @@ def test_noise_std_is_sigma_times_sensitivity_times_c(sigma, sensitivity, clip_n
     assert noise_matches(noise_std_of(std), std)
     assert not noise_matches(noise_std_of(std, scale=0.1), std)  # noise scaled down 10x is caught
     assert not noise_matches(noise_std_of(std, scale=0.97), std)  # even 3% too little is caught
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", "gpu"])
+def test_each_noise_value_is_its_own_draw_from_a_stream_no_other_randomness_shares(monkeypatch, device_kind):
+    """Each coordinate's normal N(0, 1) alone (the variance and normality tests above) is not enough: two
+    released coordinates sharing one draw, or noise drawn from the bits that chose the batch or the masks,
+    cancel or follow what they should hide. Measured on both branches of step_noise (the GPU's torch
+    Philox taken here on the CPU): the halves of a Box-Muller draw are uncorrelated and every value is
+    distinct; the noise follows the key and the step; and its stream is neither the step's Poisson
+    sampler's (numpy's generator of (key, step)) nor the MAE masks' (step_generator's MASKS stream)."""
+    import numpy as np
+
+    from pipeline.privacy import noise
+    from pipeline.train import MASKS, step_generator
+
+    if device_kind == "gpu":  # the branch a CUDA device takes, its generator built on the CPU
+        monkeypatch.setattr(noise, "step_generator", lambda key, step, stream, device: step_generator(
+            key, step, stream, "cpu"))
+    device = "cpu" if device_kind == "cpu" else "cuda"
+    cpu = torch.device("cpu")
+
+    def draw(key, step, count=20_000):
+        return noise.gaussian((count,), noise.step_noise(key, step, device), cpu)
+
+    z, half = draw(11, 3), 10_000
+    assert abs(np.corrcoef(z[:half].numpy(), z[half:].numpy())[0, 1]) < 5 / math.sqrt(half)
+    assert z.unique().numel() == z.numel()
+    assert not torch.equal(draw(11, 4), z) and not torch.equal(draw(12, 3), z)
+    ks = noise.uniforms(64, noise.step_noise(11, 3, device), cpu).mul_(2 ** 53).to(torch.int64)
+    sampler_bits = torch.from_numpy(np.random.default_rng([11, 3]).integers(0, 2 ** 53, size=64, dtype=np.int64))
+    mask_bits = torch.randint(0, 2 ** 53, (64,), generator=step_generator(11, 3, MASKS), dtype=torch.int64)
+    assert len(set(ks.tolist()) & (set(sampler_bits.tolist()) | set(mask_bits.tolist()))) == 0

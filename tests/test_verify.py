@@ -413,6 +413,27 @@ def test_the_batch_size_test_is_owner_only(project, in_tmp, capsys, valid_replac
     assert "are kept owner-only on the machine that trained it" in capsys.readouterr().err
 
 
+def test_a_budget_that_records_a_release_outside_dp_leaves_the_verified_model_not_private(project, in_tmp,
+                                                                                          monkeypatch, capsys):
+    """The run's own params are clean, but the budget it was charged to records an earlier release of
+    its examples without DP: verify passes the mechanism, and registers the model as NOT PRIVATE."""
+    import mlflow
+
+    from pipeline.privacy import budget
+    from pipeline.stages import verify as verify_stage
+
+    composed = budget.composition
+    monkeypatch.setattr(verify_stage.budget, "composition", lambda ledger, delta: {
+        **composed(ledger, delta), "epsilon": math.inf, "outside_dp": ["an earlier twin trained without DP"]})
+    assert cli.main(["verify"]) == 0
+    assert "verify: NOT PRIVATE as a whole: data/budget records releases" in capsys.readouterr().out
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=1)
+    assert "an earlier twin trained without DP" in run.data.tags["dpfm.not_private"]
+    [version] = client.search_model_versions()
+    assert version.tags["private"] == "false" and version.tags["epsilon"] == "inf"
+
+
 def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, valid_replace_one, capsys):
     valid = valid_replace_one
     doctored = {"sampler_is_poisson": (_with(valid, sampler="shuffle"), None),
