@@ -691,7 +691,7 @@ def test_each_figure_draws_each_models_own_values(tmp_path, monkeypatch):
     the axes."""
     from pipeline.report import plots
 
-    bars, bands, stars, limits = [], [], [], []
+    bars, bands, stars, limits, lines, ticks = [], [], [], [], [], []
     monkeypatch.setattr(plots.plt.Axes, "bar", lambda ax, xs, ys, w, yerr, label, **kw: bars.append(
         (label, np.round(ys, 6).tolist(), np.round(yerr, 6).tolist())))
     monkeypatch.setattr(plots.plt.Axes, "fill_between", lambda ax, xs, lo, hi, **kw: bands.append(
@@ -706,8 +706,15 @@ def test_each_figure_draws_each_models_own_values(tmp_path, monkeypatch):
     assert bars == [("DP", [82.2, 30.0], [[4.8, 5.0], [4.5, 5.0]]), ("Synthetic", [80.4], [[4.8], [4.8]])]
     curve = [{"init": "pretrain", "epsilon": e, "linear_probe": acc, "linear_probe_ci": [acc - 0.05, acc + 0.02]}
              for e, acc in ((8, 0.8), (1, 0.7), ("inf", 0.85))]
-    plots.plot_curve(curve, {}, tmp_path / "c.png")
+    with monkeypatch.context() as m:  # the curve's line and its ticks: each point at its own ε and accuracy
+        line, set_xticks = plots.plt.Axes.plot, plots.plt.Axes.set_xticks
+        m.setattr(plots.plt.Axes, "plot", lambda ax, xs, ys, **kw: lines.append((list(xs), list(ys)))
+                  or line(ax, xs, ys, **kw))
+        m.setattr(plots.plt.Axes, "set_xticks", lambda ax, at, labels: ticks.append((list(at), list(labels)))
+                  or set_xticks(ax, at, labels))
+        plots.plot_curve(curve, {}, tmp_path / "c.png")
     assert bands == [([0.0, 3.0, 4.0], [65.0, 75.0, 80.0], [72.0, 82.0, 87.0])]  # ε 1, 8, ∞ in order
+    assert lines == [([0.0, 3.0, 4.0], [70.0, 80.0, 85.0])] and ticks == [([0.0, 3.0, 4.0], ["1", "8", "∞"])]
     points = [{"epsilon": 2.0, "accuracy": 0.5, "objective": "mae", "current": False},
               {"epsilon": 7.99, "accuracy": 0.95, "objective": "mae", "current": True}]
     plots.plot_privacy_utility(points, {}, tmp_path / "p.png")
