@@ -44,8 +44,9 @@ def raw_tar(path, members) -> None:
             t.addfile(info, io.BytesIO(data))
 
 
-def good(key, rng, caption="a photo"):
-    return [(f"{key}.jpg", encode_jpeg(picture(rng, 16))), (f"{key}.txt", caption.encode()),
+def good(key, rng=None, caption="a photo", image: bytes | None = None):
+    """One sample's members: `image` (encoded) or a random picture drawn from `rng`."""
+    return [(f"{key}.jpg", encode_jpeg(picture(rng, 16)) if image is None else image), (f"{key}.txt", caption.encode()),
             (f"{key}.json", b"{}")]
 
 

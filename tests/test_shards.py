@@ -149,10 +149,6 @@ def test_duplicate_keys_keep_the_first_copy_within_and_across_shards(tmp_path):
     assert excluded(stats) == {"duplicate_key": 2}
 
 
-def sample(key, image, caption="a photo"):
-    return [(f"{key}.jpg", image), (f"{key}.txt", caption.encode()), (f"{key}.json", b"{}")]
-
-
 def test_which_copy_stays_follows_the_shards_given_order_and_each_rows_own_status(tmp_path):
     """A key's copy right after its first is a duplicate too; a copy dropped for its key does not make
     a later example with its image (p) a duplicate, or no copy of that image would stay; a later shard's
@@ -160,9 +156,9 @@ def test_which_copy_stays_follows_the_shards_given_order_and_each_rows_own_statu
     are listed, not their names' order."""
     rng = np.random.default_rng(6)
     x, y, q1, q2 = (encode_jpeg(picture(rng, 16)) for _ in range(4))
-    raw_tar(tmp_path / "1.tar", sample("a", x) + sample("a", q1, "again") + sample("b", y))
-    raw_tar(tmp_path / "2.tar", sample("a", y, "third") + sample("c", y) + sample("z", x))
-    raw_tar(tmp_path / "3.tar", sample("p", q1) + sample("r", q2) + sample("k", x))
+    raw_tar(tmp_path / "1.tar", good("a", image=x) + good("a", caption="again", image=q1) + good("b", image=y))
+    raw_tar(tmp_path / "2.tar", good("a", caption="third", image=y) + good("c", image=y) + good("z", image=x))
+    raw_tar(tmp_path / "3.tar", good("p", image=q1) + good("r", image=q2) + good("k", image=x))
     stats, ds = index([tmp_path / f"{i}.tar" for i in (1, 2, 3)], tmp_path)
     assert ds.index["key"] == ["a", "b", "p", "r"] and ds.caption(0) == "a photo"
     assert excluded(stats) == {"duplicate_key": 2, "duplicate_content": 3}  # a twice; c (b's image), z and k (a's)
