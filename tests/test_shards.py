@@ -403,6 +403,11 @@ def _with_footer(data: bytes, footer: bytes) -> bytes:
     return data[:-TAIL.size - length] + footer + TAIL.pack(len(footer), MAGIC)
 
 
+def _with_key_offset(data: bytes, path, i: int, value: int) -> bytes:
+    offset = read_footer(path)[0]["columns"]["key_offsets"][0] + 8 * i
+    return data[:offset] + np.int64(value).tobytes() + data[offset + 8:]
+
+
 def _footer_with(path, **changes) -> bytes:
     return json.dumps({**read_footer(path)[0], **changes}).encode()
 
@@ -415,6 +420,12 @@ def _footer_with(path, **changes) -> bytes:
     (lambda data, path: _with_footer(data, _footer_with(path, rows=10_000)), "does not describe the columns"),
     (lambda data, path: _with_footer(data, _footer_with(path, columns={
         **read_footer(path)[0]["columns"], "image_size": [len(data), "<i4", 9]})), "column image_size runs past"),
+    (lambda data, path: _with_footer(data, _footer_with(path, columns={  # its last 4 bytes inside the footer
+        **read_footer(path)[0]["columns"], "image_size": [read_footer(path)[1] - 32, "<i4", 9]})),
+     "column image_size runs past"),
+    (lambda data, path: data[:-TAIL.size] + TAIL.pack(len(data), MAGIC), "no end marker"),  # longer than the file
+    (lambda data, path: _with_key_offset(data, path, 0, 1), "the key offsets do not span"),
+    (lambda data, path: _with_key_offset(data, path, 9, 10**6), "the key offsets do not span"),
 ])
 def test_a_damaged_usable_file_is_a_clear_error_naming_it(tmp_path, damage, message):
     write_set(tmp_path, n=9, per_shard=4)
