@@ -104,6 +104,8 @@ def test_split_by_key_hash_is_disjoint_stable_and_near_the_fraction(tmp_path):
     keys_p, keys_e = set(private.index["key"]), set(held.index["key"])
     assert not keys_p & keys_e and len(keys_p | keys_e) == 400
     assert 60 < len(keys_e) < 140 and stats["eval"]["usable"] == len(keys_e)
+    hashes = _split_hash(np.array([key_hash(k) for k in sorted(keys_p | keys_e)], dtype=np.uint64), 3)
+    assert keys_e == {k for k, h in zip(sorted(keys_p | keys_e), hashes) if h < 2**51}  # the keys below 0.25·2⁵³
     build_index(urls[::-1], tmp_path / "o2", eval_fraction=0.25, seed=3, cache_dir=tmp_path / "c",
                 workers=1, check_size=SIZE)
     assert set(ShardDataset(tmp_path / "o2/eval").index["key"]) == keys_e  # order of shards does not matter
