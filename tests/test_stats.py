@@ -108,6 +108,20 @@ def test_the_seed_spread_is_the_standard_error_of_their_mean(seeds):
     assert draws.std() == pytest.approx(accuracy.std(ddof=1) / np.sqrt(seeds), rel=0.05)
 
 
+def test_the_draws_spread_by_the_test_images_and_the_seeds_together():
+    """Four seeds a point apart, each right on the images easier than its accuracy (the easy images
+    are easy for every seed, as in a real sweep): the draws of the mean spread by both sources at once,
+    sqrt(var_images + var_seeds), here 1.1 points. Resampling the seeds alone reads 0.5, the images
+    alone 1.0."""
+    from pipeline.eval.stats import _resampled_means
+
+    difficulty = np.random.default_rng(5).random(2000)
+    rows = (difficulty[None] < np.array([0.69, 0.70, 0.71, 0.72])[:, None]).astype(float)
+    draws = _resampled_means([rows[:, None]], seed=2, resamples=4000)
+    images, seeds = rows.mean(axis=0).var() / 2000, rows.mean(axis=1).var(ddof=1) / 4
+    assert draws.std() == pytest.approx(np.sqrt(images + seeds), rel=0.1)
+
+
 def _probe_draw(rng, w, train_n, test_n):
     """A two-class problem whose linear probe, fit on only `train_n` images, moves by points with
     which images those are: features in 20 dims, labels from a noisy linear rule `w`."""
