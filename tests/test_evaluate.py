@@ -154,6 +154,9 @@ def test_kshot_names_the_short_class():
     labels = np.array([0] * 10 + [1] * 3)
     with pytest.raises(ValueError, match=r"5-shot .* classes \[1\]"):
         kshot_subsets(labels, 5, 1, 0)
+    with pytest.raises(ValueError, match=r"4-shot .* classes \[1\] have only 3"):  # one short
+        kshot_subsets(labels, 4, 1, 0)
+    assert len(kshot_subsets(labels, 3, 1, 0)[0]) == 6  # just enough
 
 
 def test_fewshot_logreg_reports_mean_and_std_over_repeats():
