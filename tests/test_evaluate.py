@@ -12,6 +12,7 @@ import torch
 from pipeline import checkpoints
 from pipeline.data.transforms import to_tensor
 from pipeline.errors import VerificationFailed
+from pipeline.train import lr_at
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
 from pipeline.eval.probe import (SOLVERS, extract_features, logreg_estimator, logreg_probe, pool_tokens,
@@ -235,6 +236,7 @@ def test_finetune_trains_encoder_and_head_for_its_epochs_at_its_rate_and_decay(m
     [opt] = made
     assert len(opt.given) == len(list(enc.parameters())) + 2  # + the head's weight and bias
     assert len(opt.lrs) == 4 * 3 and max(opt.lrs) == pytest.approx(2e-3) and opt.lrs[-1] < 2e-3 / 10
+    assert opt.lrs == pytest.approx([lr_at(s, 2e-3, 1, 12) for s in range(12)])  # training's one schedule
     assert opt.param_groups[0]["weight_decay"] == 0.05
 
     subsets = []
@@ -244,6 +246,24 @@ def test_finetune_trains_encoder_and_head_for_its_epochs_at_its_rate_and_decay(m
                                    {"epochs": 1, "batch_size": 8, "lr": 1e-3, "weight_decay": 0.0}, "cls", 5)
     assert [s.tolist() for s in subsets] == [s.tolist() for s in kshot_subsets(y_tr, 2, 3, 5)]
     assert len({tuple(s) for s in subsets}) == 3 and out["2"]["runs"] == [0.5] * 3
+
+
+def test_lars_scales_a_matrix_step_to_trust_times_its_weight_norm_and_steps_a_bias_plainly():
+    """One step from rest: a weight matrix moves by lr·trust·‖w‖ along g + wd·w (its own norm whatever
+    the gradient's), a bias by lr·g; momentum then adds the previous step."""
+    from pipeline.eval.probe import LARS
+
+    w, b = torch.nn.Parameter(torch.full((2, 3), 2.0)), torch.nn.Parameter(torch.zeros(3))
+    w.grad, b.grad = torch.arange(6.0).reshape(2, 3), torch.ones(3)
+    opt = LARS([w, b], lr=0.5, weight_decay=0.1, trust=0.01)
+    start = w.detach().clone()
+    opt.step()
+    d = w.grad + 0.1 * start
+    assert torch.allclose(start - w.detach(), 0.5 * 0.01 * start.norm() * d / d.norm(), rtol=1e-3)
+    assert float((start - w.detach()).norm()) == pytest.approx(0.5 * 0.01 * float(start.norm()), rel=1e-3)
+    assert torch.allclose(b.detach(), torch.full((3,), -0.5))
+    opt.step()
+    assert torch.allclose(b.detach(), torch.full((3,), -0.5 - 0.5 * 1.9))  # momentum 0.9: 1 + 0.9
 
 
 # -- zero-shot ---------------------------------------------------------------------------------

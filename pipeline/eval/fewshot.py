@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from joblib import Parallel, delayed
 
 from pipeline.data.transforms import to_tensor
-from pipeline.eval.probe import POOL_WIDTHS, fit_workers, logreg_probe, lr_at, pool_tokens
+from pipeline.eval.probe import POOL_WIDTHS, fit_workers, logreg_probe, pool_tokens
+from pipeline.train import lr_at
 
 
 def kshot_subsets(labels: np.ndarray, k: int, repeats: int, seed: int) -> list[np.ndarray]:
@@ -87,7 +88,7 @@ def finetune_accuracy(encoder, train_images, train_y, test_images, test_y, num_c
         for b in range(per_epoch):
             idx = order[b * batch_size:(b + 1) * batch_size]
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, total, max(1, total // 10), lr)
+                group["lr"] = lr_at(step, lr, max(1, total // 10), total)
             tokens, _, _ = model.forward_features(x[idx].to(device))
             loss = F.cross_entropy(head(pool_tokens(tokens, pool)), y[idx].to(device))
             opt.zero_grad(set_to_none=True)

@@ -32,6 +32,7 @@ from pipeline.data.transforms import to_tensor
 from pipeline.errors import check_finite
 from pipeline.eval import device_logreg
 from pipeline.eval.images import Images
+from pipeline.train import lr_at
 
 SOLVERS = ("logreg", "lars", "adamw")
 
@@ -218,13 +219,6 @@ class LARS(torch.optim.Optimizer):
                 p.add_(buf, alpha=-group["lr"])
 
 
-def lr_at(step: int, total: int, warmup: int, base: float) -> float:
-    """Linear warmup, then half-cosine decay to 0."""
-    if step < warmup:
-        return base * (step + 1) / warmup
-    return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
 def train_linear_head(train_x, train_y, num_classes: int, solver: str, epochs: int, batch_size: int, lr: float,
                       weight_decay: float, seed: int = 0, device: str = "cpu") -> nn.Module:
     """BatchNorm1d(affine=False) + Linear on fixed features. `lr` is the base rate per 256 examples."""
@@ -252,7 +246,7 @@ def train_linear_head(train_x, train_y, num_classes: int, solver: str, epochs: i
         for b in range(per_epoch):
             idx = order[b * batch_size:(b + 1) * batch_size]
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, total, max(1, total // 10), rate)
+                group["lr"] = lr_at(step, rate, max(1, total // 10), total)
             loss = F.cross_entropy(head(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
