@@ -52,6 +52,7 @@ from pipeline.cli import StageContext, runner
 from pipeline.config import load_params
 from pipeline.eval.evalsets import load_eval_set
 from pipeline.eval.probe import features, probe_outcomes
+from pipeline.eval import stats
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import atomic_path, read_json
@@ -199,13 +200,13 @@ def row_name(key) -> str:
 def table_rows(probe: dict, refits: dict, zero: dict, noise: dict, n: int) -> list[dict]:
     """The JSON rows, pixels first: accuracy and interval; for trained rows the schedule's σ, B and σ/B;
     for every encoder the gain over synthetic-only, paired (same seeds, test images and probe resamples)."""
-    stats = summarise(probe, refits)
-    zstats = summarise({k: v for k, v in zero.items() if k != "chance"})
+    summaries = summarise(probe, refits)
+    zero_summaries = summarise({k: v for k, v in zero.items() if k != "chance"})
     synthetic = (None, "synthetic", None)
     rows = []
-    for key in [PIXELS] + [k for k in stats if k[1] != "pixels"]:
+    for key in [PIXELS] + [k for k in summaries if k[1] != "pixels"]:
         obj, init, eps = key
-        s = stats[key]
+        s = summaries[key]
         row = {"objective": obj, "init": init, "epsilon": None if eps is None else ("inf" if eps == math.inf else eps),
                "acc": round(s["acc"], 4), "ci": [round(x, 4) for x in s["ci"]],
                "seeds": len(probe[key]), "n": n}
@@ -217,8 +218,8 @@ def table_rows(probe: dict, refits: dict, zero: dict, noise: dict, n: int) -> li
         if key != synthetic and init != "pixels":
             d = paired_difference(probe, refits, key, synthetic)
             row["gain_over_synthetic"] = {"diff": round(d["diff"], 4), "ci": [round(x, 4) for x in d["ci"]]}
-        if key in zstats:
-            z = zstats[key]
+        if key in zero_summaries:
+            z = zero_summaries[key]
             row.update(zero_shot=round(z["acc"], 4), zero_shot_ci=[round(x, 4) for x in z["ci"]])
         rows.append(row)
     return rows
@@ -315,7 +316,7 @@ def main() -> None:
     probe[PIXELS] = pixels[None]
     if pixel_refits is not None:
         refits[PIXELS] = pixel_refits[None]
-    zero["chance"] = float(np.bincount(scorer.es.labels[te]).max() / len(te))
+    zero["chance"] = stats.chance(scorer.es.labels[te])
     targets = check_targets(probe, zero, args.objectives, epsilons, refits)
     rows = table_rows(probe, refits, zero, noise, n)
     print("\nutility: linear probe on", scorer.es.name, f"({len(te)} probe-test images, {args.seeds} seeds; "
