@@ -110,6 +110,23 @@ def test_rendezvous_ports_differ_for_neighbouring_jobs_and_stay_below_the_epheme
     outgoing connection on the head node may already hold the port and the rendezvous store cannot bind."""
     ports = [launch.rendezvous_port(str(job)) for job in range(4_000_000, 4_017_000)]
     assert len(set(ports)) == len(ports) and 1024 <= min(ports) and max(ports) < 32768
+    assert launch.rendezvous_port("41234_7") == launch.BASE_PORT  # an array task's id: below the range too
+
+
+def test_only_the_head_node_is_told_to_host_the_rendezvous_store():
+    """Each node's torchrun is told whether it hosts the store by its SLURM node name: the head alone
+    (two hosts, or none, and the nodes never meet); outside SLURM, torch's own guess."""
+    args = ["--nnodes=2", "--rdzv_endpoint=gpu017.ib.cluster:15000"]
+    for node, host in (("gpu017", 1), ("gpu018", 0)):
+        told = launch.agent_command(args, "gpu017", {"SLURMD_NODENAME": node})
+        assert told == [*launch.TORCHRUN, f"--rdzv_conf=is_host={host}", *args]
+    assert launch.agent_command(args, "gpu017", {}) == [*launch.TORCHRUN, *args]
+
+
+def test_torchruns_grace_for_saving_ends_before_slurm_kills_the_job():
+    """SLURM's TERM comes STOP_NOTICE_S before its KILL (the rules ask for it): torchrun's wait for its
+    workers to save must end inside that notice, with time left for the job to end."""
+    assert 30 < launch.SHUTDOWN_GRACE_S <= launch.STOP_NOTICE_S - 30
 
 
 def test_rendezvous_comes_from_scontrol_not_from_stripped_variables(monkeypatch):
@@ -142,6 +159,33 @@ def test_stage_threads_are_the_cpus_slurm_gave_the_node(monkeypatch):
     assert slurm.threads_per_process(2, {}) == 2  # not in SLURM: as asked
 
 
+def test_stage_threads_stay_at_least_one_and_fall_back_to_the_request_where_scontrol_says_too_little(monkeypatch):
+    """More local ranks than CPUs on the node: one thread each (torch refuses 0). A job line scontrol
+    gives without its nodes or with a CPU count that is no number: the threads asked for, not a crash."""
+    fake_scontrol(monkeypatch, {"9": "JobId=9 NumNodes=1 NumCPUs=8 NodeList=cpu001", "10": "JobId=10 NumCPUs=8",
+                                "11": "JobId=11 NumCPUs=eight NodeList=cpu001"})
+    assert slurm.threads_per_process(2, {"SLURM_JOB_ID": "9", "LOCAL_WORLD_SIZE": "16"}) == 1
+    assert slurm.threads_per_process(2, {"SLURM_JOB_ID": "10"}) == 2
+    assert slurm.threads_per_process(2, {"SLURM_JOB_ID": "11"}) == 2
+
+
+def test_the_job_is_found_by_either_variable_and_scontrol_is_asked_only_inside_a_slurm_cgroup(monkeypatch):
+    """SLURM_JOBID is the older name some sites' environments still set. Without either variable, a
+    process asks `scontrol pidinfo` only where its cgroup is a SLURM job's: a login node that has
+    scontrol would otherwise wait on it at every stage start."""
+    import io
+
+    calls = fake_scontrol(monkeypatch, {}, pids={os.getpid(): "41234"})
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert slurm.job_id({"SLURM_JOBID": "9"}) == "9" and slurm.job_id({"SLURM_JOB_ID": "8", "SLURM_JOBID": "9"}) == "8"
+    assert calls == []
+    for cgroup, found in (("0::/user.slice/user-1000.slice/session-3.scope\n", None),
+                          ("0::/system.slice/slurmstepd.scope/job_41234/step_0/user/task_0\n", "41234")):
+        monkeypatch.setattr(slurm, "open", lambda path, cgroup=cgroup: io.StringIO(cgroup), raising=False)
+        assert slurm.job_id({}) == found
+    assert calls == [("pidinfo", str(os.getpid()))]  # once: inside the job's cgroup
+
+
 def test_launcher_passes_the_stage_exit_status_through(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "pipeline.launch", *a], capture_output=True,
                                     text=True, timeout=60, env=tool_env())
@@ -160,9 +204,9 @@ def test_a_stage_given_gpus_it_cannot_see_refuses_to_train_on_the_cpu(monkeypatc
     from pipeline.config import ParamsError
 
     show = "import os; print(os.environ['DPFM_JOB_GPUS'])"
-    for gpus in ("0", "1"):
+    for gpus in ("0", "1"):  # the job's own count, whatever the environment it was started from held
         done = subprocess.run([sys.executable, "-m", "pipeline.launch", "--gpus", gpus, "--", sys.executable, "-c", show],
-                              capture_output=True, text=True, timeout=60, env=tool_env())
+                              capture_output=True, text=True, timeout=60, env=tool_env(DPFM_JOB_GPUS="8"))
         assert done.returncode == 0 and done.stdout.strip() == gpus, done.stderr
     assert not torch.cuda.is_available()
     monkeypatch.delenv("DPFM_JOB_GPUS", raising=False)

@@ -241,6 +241,76 @@ def test_a_holder_killed_while_its_forked_worker_lives_leaves_no_lock(tmp_path, 
         os.kill(worker, signal.SIGKILL)
 
 
+WAITER = """
+import sys
+from pathlib import Path
+from pipeline.locking import training_lock
+with training_lock(Path("state"), "dp-train-run", wait=True):
+    Path("trained").touch()  # what the second training would do to the run's ledger and checkpoint
+"""
+
+
+def blocked_on_a_lock(pid: int) -> bool:
+    """Whether process `pid` waits in the kernel for a flock another holds (/proc/locks marks it `->`)."""
+    return any(line.split()[1] == "->" and line.split()[5] == str(pid)
+               for line in Path("/proc/locks").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads Linux's /proc/locks")
+def test_a_training_that_waits_for_the_lock_starts_only_once_its_holder_is_done(tmp_path, monkeypatch):
+    """A second dp-train on one run (the curve's point beside dp-train) waits for the first: it says so,
+    then blocks in the kernel on the lock, and trains only after the holder released it."""
+    import sys
+
+    from pipeline.locking import training_lock
+
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    with training_lock(Path("state"), "dp-train-run", wait=False):
+        waiter = subprocess.Popen([sys.executable, "-c", WAITER], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(root)})
+        assert "a training in state is already running" in waiter.stderr.readline()
+        deadline = time.monotonic() + 60
+        while not blocked_on_a_lock(waiter.pid):
+            assert waiter.poll() is None and time.monotonic() < deadline, "the waiter did not wait for the lock"
+            time.sleep(0.01)
+        assert not (tmp_path / "trained").exists()
+    assert waiter.wait(60) == 0 and (tmp_path / "trained").exists()
+
+
+def test_trainings_of_other_runs_hold_their_own_locks_and_a_released_lock_leaves_forks_their_files(tmp_path,
+                                                                                                  monkeypatch):
+    """Two runs' trainings never exclude each other (the lock is named for the run); the same run's
+    second is refused. Once released, the lock's descriptor number is no longer the lock's: a file
+    opened under that number later reaches a forked child whole, not turned into /dev/null."""
+    import multiprocessing
+
+    from pipeline import locking
+    from pipeline.errors import StageBusy
+
+    monkeypatch.chdir(tmp_path)
+    with locking.training_lock(Path("a"), "dp-train-a", wait=False):
+        with locking.training_lock(Path("b"), "curve-b", wait=False):
+            (held, _) = sorted(locking._HELD)
+        with pytest.raises(StageBusy, match="a training in a is already running"):
+            with locking.training_lock(Path("a"), "dp-train-a", wait=False):
+                pass
+    assert not locking._HELD
+    (tmp_path / "data").write_text("the shard's bytes")
+    fd = os.open(tmp_path / "data", os.O_RDONLY)
+    if fd != held:  # the number the released lock had, as the next open usually takes it
+        os.dup2(fd, held)
+        os.close(fd)
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=lambda: writer.send(os.pread(held, 100, 0)))
+    child.start()
+    try:
+        assert reader.poll(60) and reader.recv() == b"the shard's bytes"
+    finally:
+        child.join(60)
+        os.close(held)
+
+
 def test_a_stage_already_running_in_the_directory_is_refused_at_once(in_tmp, capsys):
     """The stage's own lock, measured directly (a dp-train's second lock, on its run, would only make a
     second one wait): `dpfm shards` while another holds the stage exits 1 saying so, having built nothing."""

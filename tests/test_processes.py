@@ -4,6 +4,7 @@ a job's error reaches the caller."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +34,35 @@ def test_workers_give_what_this_process_gives():
 def test_a_failed_job_raises_its_error(workers):
     with pytest.raises(ValueError, match="job 3 failed"):
         list(processes.unordered(fails_on_three, [(k,) for k in range(6)], workers))
+
+
+def test_each_worker_computes_on_one_core():
+    """Workers × torch's whole pool would put cores × workers threads on the cores. Run where torch's pool
+    is its default (the tests' environment sets OMP_NUM_THREADS=1 for every process)."""
+    import subprocess
+    import sys
+
+    count = ("import torch; from pipeline import processes; "
+             "print(sorted(set(processes.unordered(torch.get_num_threads, [()] * 4, 2))))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", count], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip() == "[1]", done.stderr[-2000:]
+
+
+def fails_at_once_or_marks(k: int, marks: str) -> int:
+    import time
+    from pathlib import Path
+
+    if k == 0:
+        raise ValueError("job 0 failed")
+    time.sleep(0.2)  # a job's work: the error reaches the caller while most jobs still wait
+    Path(marks, str(k)).touch()
+    return k
+
+
+def test_the_jobs_still_waiting_when_one_fails_are_dropped(tmp_path):
+    """The error surfaces once the running jobs end, not after every queued job has run and written."""
+    with pytest.raises(ValueError, match="job 0 failed"):
+        list(processes.unordered(fails_at_once_or_marks, [(k, str(tmp_path)) for k in range(20)], 2))
+    assert len(list(tmp_path.iterdir())) < 10
