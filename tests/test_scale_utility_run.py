@@ -26,9 +26,9 @@ class Stopped(Exception):
     """The fault the test sets off in a training."""
 
 
-def run(work, capsys) -> dict:
-    argv = ["scale_utility", "--dir", str(work), "--objectives", "mae", "caption", "clip", "--sizes", "full",
-            "--epsilons", "8", "--probe-refits", str(REFITS)]
+def run(work, capsys, objectives=("mae", "caption", "clip"), sizes=("full",), refits=REFITS) -> dict:
+    argv = ["scale_utility", "--dir", str(work), "--objectives", *objectives, "--sizes", *sizes,
+            "--epsilons", "8", "--probe-refits", str(refits)]
     for knob in TINY:
         argv += ["--set", knob]
     sys.argv = argv
@@ -90,3 +90,18 @@ def test_the_table_runs_whole_on_the_device_probe_and_resumes_where_a_fault_stop
             assert row["epsilon_spent"] <= 8 + 1e-9
     for obj in ("caption", "clip"):  # the objectives with zero-shot have it scored
         assert "zero_shot" in rows[(obj, "synthetic")], rows[(obj, "synthetic")]
+
+    # Run again asking for more refits and a smaller private split: the kept rows take the new refits
+    # and keep their outcomes (and their training seconds); the smaller split is a point of its own.
+    [kept_dir] = {p.parent for p in tmp_path.glob("rows/*/mae-nfull-eps8.npz")}
+    before = scale_utility.Rows(kept_dir).get("mae-nfull-eps8")
+    out = run(tmp_path, capsys, objectives=["mae"], sizes=["300", "full"], refits=REFITS + 1)
+    after = scale_utility.Rows(kept_dir).get("mae-nfull-eps8")
+    assert (after["probe"] == before["probe"]).all() and after["meta"] == before["meta"]
+    assert after["refits"].shape[1] == REFITS + 1 and (after["refits"].shape[0], after["refits"].shape[2]) == \
+        (before["refits"].shape[0], before["refits"].shape[2])
+    small = scale_utility.Rows(kept_dir).get("mae-n300-eps8")
+    assert small["meta"]["n"] == 300 and small["meta"]["batch"] < before["meta"]["batch"]
+    assert small["refits"].shape[1] == REFITS + 1
+    by_n = {r["n"]: r for r in out["rows"] if r["objective"] == "mae"}
+    assert set(by_n) == {300, before["meta"]["n"]} and before["meta"]["n"] > 300
