@@ -50,9 +50,9 @@ import torch
 from pipeline import checkpoints
 from pipeline.cli import StageContext, runner
 from pipeline.config import load_params
+from pipeline.eval import stats
 from pipeline.eval.evalsets import load_eval_set
 from pipeline.eval.probe import features, probe_outcomes
-from pipeline.eval import stats
 from pipeline.eval.stats import accuracy_ci, difference_ci
 from pipeline.eval.zeroshot import ZERO_SHOT_OBJECTIVES, class_scores
 from pipeline.io import atomic_path, read_json
