@@ -160,18 +160,28 @@ def test_calibration_unreachable_targets():
         acc.calibrate_sigma(-1.0, 0.01, 10, 1e-5)
 
 
+def test_a_published_bound_is_rounded_up_at_its_last_digit():
+    """ε = 7.9849 shows as 7.99 (7.98 would claim less than the accountant bounds); a value stored a hair
+    above its decimal (7.98 as 7.98000000000000043) stays itself; the exponent form rounds its mantissa
+    up, carrying into the exponent."""
+    assert acc.round_up(7.9849, 2) == 7.99 and acc.round_up(7.98, 2) == 7.98 and acc.round_up(7.981, 2) == 7.99
+    assert acc.bound_text(7.9849, 2) == "7.99" and acc.bound_text(3.97452e-4, 2, exponent=True) == "3.98e-04"
+    assert acc.bound_text(9.999e-5, 2, exponent=True) == "1.00e-04" and acc.bound_text(math.inf, 2) == "inf"
+
+
 # --------------------------------------------------------------------------
 # Curves and step searches
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["pld", "rdp"])
-def test_epsilon_curve_matches_pointwise(name):
+@pytest.mark.parametrize("name, adjacency", [("pld", "add_remove"), ("pld", "replace_one"), ("rdp", "add_remove")])
+def test_epsilon_curve_matches_pointwise(name, adjacency):  # rdp accounts add/remove alone
     q, sigma, delta = 0.01, 1.0, 1e-5
     steps = [1000, 0, 10, 300, 100]
-    curve = acc.epsilon_curve(sigma, q, steps, delta, accountant=name)
+    curve = acc.epsilon_curve(sigma, q, steps, delta, accountant=name, adjacency=adjacency)
     assert len(curve) == len(steps)
     for t, value in zip(steps, curve):
-        assert value == pytest.approx(acc.epsilon(sigma, q, t, delta, accountant=name), rel=2e-3)
+        assert value == pytest.approx(acc.epsilon(sigma, q, t, delta, accountant=name, adjacency=adjacency),
+                                      rel=2e-3)
     ordered = [v for _, v in sorted(zip(steps, curve))]
     assert ordered == sorted(ordered)
     assert curve[1] == 0.0

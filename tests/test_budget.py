@@ -297,6 +297,37 @@ def test_round_off_that_falls_into_agreement_on_another_cpu_is_not_reported(monk
     assert composed >= 6.4128
 
 
+def test_round_off_is_judged_on_the_steps_composed_not_on_each_runs(monkeypatch):
+    """Two runs of 30,000 steps at δ = 1e-10: each alone is under the line T·2⁻⁵² = δ/10 (45,036 steps),
+    the two composed are over it: the composition is the RDP bound, whatever a PLD would read there."""
+    from pipeline.privacy import accountant_backends as backends
+
+    monkeypatch.setattr(backends, "_pld_parts_at", lambda *args: 0.5)  # a PLD below every bound
+    half = {"sigma": 0.8, "sample_rate": 4.2e-4, "steps": 30_000}
+    with pytest.warns(RuntimeWarning, match="numerically unstable"):
+        composed = budget.composed_epsilon([half, half], 1e-10, "replace_one")
+    assert composed == backends._rdp_parts_bound(((0.8, 4.2e-4, 30_000),) * 2, 1e-10, "replace_one") > 0.5
+
+
+def test_a_ladder_stopped_at_its_noise_floor_reports_the_largest_of_its_last_three_values(monkeypatch):
+    """Refining the grid, ε moved by 0.03, 0.02, 0.006 and then 0.011 (more than before: round-off, not
+    convergence). The last three agree to 1%, and what is reported bounds each of them."""
+    from pipeline.privacy import accountant_backends as backends
+
+    ladder = iter([2.0, 2.03, 2.01, 2.016, 2.005])
+    monkeypatch.setattr(backends, "_pld_parts_at", lambda *args: next(ladder))
+    monkeypatch.setattr(backends, "_capped_by_rdp", lambda eps, *args: eps)
+    assert backends.composed_epsilon([(1.0, 0.01, 300)], 1e-5) == 2.016
+
+
+def test_a_one_step_release_counts_in_the_composition():
+    """A release of one step (a full-batch query, q = 1) on the same examples: it composes like any run."""
+    one = {"sigma": 2.0, "sample_rate": 1.0, "steps": 1}
+    run = {"sigma": 1.0, "sample_rate": 0.01, "steps": 300}
+    assert budget.composed_epsilon([one], 1e-5) == pytest.approx(accounting.epsilon(2.0, 1.0, 1, 1e-5), rel=1e-6)
+    assert budget.composed_epsilon([run, one], 1e-5) > budget.composed_epsilon([run], 1e-5) + 0.5
+
+
 def test_a_run_whose_noise_stops_at_fp32s_edge_makes_the_composition_infinite(in_tmp):
     """A run charged before the budget recorded its noise's edge drew torch's fp32 normals, which stop at
     5.77 std: at this σ, q and T (an edge floor of 4.7·δ) no ε holds at δ for any run composed with it."""
