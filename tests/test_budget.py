@@ -320,6 +320,18 @@ def test_a_ladder_stopped_at_its_noise_floor_reports_the_largest_of_its_last_thr
     assert backends.composed_epsilon([(1.0, 0.01, 300)], 1e-5) == 2.016
 
 
+def test_a_pld_above_the_rdp_bound_is_replaced_by_it(monkeypatch):
+    """The exact PLD ε never exceeds RDP's: a PLD value above it, even by a fifth, is a numerical failure,
+    and the (always valid, here tighter) RDP bound is reported, said."""
+    from pipeline.privacy import accountant_backends as backends
+
+    parts = ((1.0, 0.01, 300),)
+    rdp = backends._rdp_parts_bound(parts, 1e-5)
+    monkeypatch.setattr(backends, "_pld_parts_at", lambda *args: 1.2 * rdp)
+    with pytest.warns(RuntimeWarning, match="exceeds the RDP bound"):
+        assert backends.composed_epsilon(parts, 1e-5) == rdp
+
+
 def test_a_one_step_release_counts_in_the_composition():
     """A release of one step (a full-batch query, q = 1) on the same examples: it composes like any run."""
     one = {"sigma": 2.0, "sample_rate": 1.0, "steps": 1}
