@@ -58,3 +58,18 @@ def test_clip_public_loss_splits_per_sample():
         left_out = torch.cat([logits[:, :3], logits[:, 4:]], 1)  # its own caption, then the others
         assert torch.allclose(model(imgs[:1], own), nn.functional.cross_entropy(left_out, torch.zeros(1, dtype=torch.long)))
         assert not torch.allclose(model(imgs[:1], own), nn.functional.cross_entropy(logits, torch.zeros(1, dtype=torch.long)))
+
+
+def test_a_public_caption_that_shares_tokens_with_the_examples_own_stays_its_negative():
+    """Captions all begin with BOS and end in padding: only a caption equal at every position is left out
+    of a row. One left out for sharing any token would leave no negative, a loss of 0 and nothing to learn."""
+    model = micro()
+    model.set_public_negatives(captions(6, seed=5))
+    toks = captions(2, seed=7)
+    assert (toks[:, :1] == model.public_negatives[:, 0]).all()  # the same BOS in every caption
+    with torch.no_grad():
+        img, txt = model.encode_image(images(2)), model.encode_text(toks)
+        negatives = model.encode_text(model.public_negatives)
+        logits = model._scale(img).unsqueeze(1) * torch.cat([(img * txt).sum(-1, keepdim=True), img @ negatives.t()], 1)
+        want = nn.functional.cross_entropy(logits, torch.zeros(2, dtype=torch.long), reduction="none")
+        assert torch.allclose(model(images(2), toks), want) and (want > 0).all()

@@ -66,6 +66,10 @@ def max_rel_error(a, b):
 
 
 def cases():
+    # Seeded: drawn from the global stream, the inputs followed whichever tests ran before in the process.
+    # 2 draws in 150 left clip-public's logit scale with a clipped sum near cancelling (0.007 at C = 70),
+    # where every engine, vmap, ghost and instantiated alike, parts from the brute force by 3e-4 to 2e-3.
+    torch.manual_seed(0)
     mae = build_model("mae", {"size": "micro"})
     cap = build_model("caption", {"size": "micro", "vocab_size": 50, "max_len": 10})
     imgs = torch.randn(6, 3, 16, 16)

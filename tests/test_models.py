@@ -637,3 +637,68 @@ def test_the_model_keys_an_objective_is_said_never_to_read_change_nothing_it_bui
         assert torch.equal(got_losses, losses), key
     read = sorted(set(other) - set(NOT_READ[objective]) - {"max_caption_len"})  # a key it reads changes something
     assert any(not torch.equal(built({**base, k: other[k]})[1], losses) for k in read)
+
+
+# -- what each embedding and pooling adds, read with the blocks taken out --------------------------------
+
+def test_each_patch_gets_its_own_position_and_the_cls_token_the_first_slot():
+    """Patch j is its embedding plus row j + 1 of the sin-cos table (row 0 is the cls token's): the MAE
+    decoder adds the same rows, so an encoder off by one would read every position shifted."""
+    from pipeline.models.vit import patchify
+
+    vit = build_encoder({"size": "micro", "img_size": 16, "patch_size": 4})
+    vit.blocks = nn.ModuleList()
+    imgs = images(2)
+    tokens, _, _ = vit.forward_features(imgs)
+    with torch.no_grad():
+        patches = vit.patch_embed(patchify(imgs, 4)) + vit.pos_embed[:, 1:]
+        cls = vit.cls_token(patches) + vit.pos_embed[:, :1]
+        assert torch.allclose(tokens, vit.norm(torch.cat([cls, patches], dim=1)), atol=1e-6)
+
+
+def test_each_caption_token_gets_the_position_it_stands_at():
+    """The text tower adds row i of its position table to token i (not one row to all: then only the causal
+    mask would carry word order)."""
+    text = micro("caption").decoder
+    text.blocks = nn.ModuleList()
+    toks = captions(3)
+    with torch.no_grad():
+        want = text.norm(text.token_embed(toks) + text.pos_embed.weight[:toks.shape[1]])
+        assert torch.allclose(text(toks), want, atol=1e-6)
+
+
+def test_clip_reads_a_caption_at_its_eos_token():
+    """The text embedding is the text tower's output at the last real token (EOS), projected and normalised,
+    wherever each caption ends."""
+    model = micro("clip")
+    toks = captions(4)
+    with torch.no_grad():
+        x = model.text(toks)
+        eos = [int((row != PAD).nonzero().max()) for row in toks]
+        assert len(set(eos)) == 4 and all(toks[i, e] == 2 for i, e in enumerate(eos))
+        want = nn.functional.normalize(model.text_proj(x[torch.arange(4), eos]), dim=-1)
+        assert torch.allclose(model.encode_text(toks), want, atol=1e-6)
+
+
+def test_clips_log_scale_is_held_between_0_and_ln_100_after_each_step():
+    """A temperature between 1 and 1/100, as open_clip holds it: above 1 (a log scale below 0) the
+    logits would be flattened, past 100 the scale gets no gradient and noise walks it unseen."""
+    model = micro("clip")
+    for start, held in ((-1.0, 0.0), (10.0, math.log(100.0)), (2.0, 2.0)):
+        with torch.no_grad():
+            model.logit_scale.weight.fill_(start)
+        model.after_optimizer_step()
+        assert torch.allclose(model.logit_scale.weight, torch.tensor(held))
+
+
+def test_zero_shot_scores_read_every_patch_whatever_the_training_mask_ratio():
+    """A captioner trained dropping patches (caption_mask_ratio) is scored on whole images: the same scores
+    on every call, those of the same weights at ratio 0."""
+    model = micro("caption", mask_ratio=0.5)
+    unmasked = micro("caption")
+    unmasked.load_state_dict(model.state_dict())
+    imgs, toks = images(2), captions(3)
+    with torch.no_grad():
+        first = model.score_captions(imgs, toks)
+        assert torch.equal(first, model.score_captions(imgs, toks))
+        assert torch.allclose(first, unmasked.score_captions(imgs, toks), atol=1e-6)
