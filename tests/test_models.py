@@ -249,12 +249,15 @@ def test_mae_losses_are_per_sample():
 def test_mae_loss_is_mse_on_masked_patches_only():
     model = micro("mae", norm_pix_loss=True)
     imgs, noise = images(2), mask_noise(2)
+    # A nearly flat patch (a uniform background), masked: its ε of 1e-6 sits inside the root, not beside it.
+    imgs[0, :, :4, :4] = 0.3 + 1e-4 * torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(4))
+    noise[0, 0] = 1.0
     loss, pred, mask = model.reconstruct(imgs, noise)
     target = patchify(imgs, 4)
     target = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6) ** 0.5
     per_patch = ((pred - target) ** 2).mean(-1)
     expected = torch.stack([per_patch[i][mask[i].bool()].mean() for i in range(2)])
-    assert mask.sum(1).tolist() == [12.0, 12.0]
+    assert mask.sum(1).tolist() == [12.0, 12.0] and mask[0, 0] == 1
     assert torch.allclose(loss, expected, atol=1e-6)
 
 
@@ -702,3 +705,36 @@ def test_zero_shot_scores_read_every_patch_whatever_the_training_mask_ratio():
         first = model.score_captions(imgs, toks)
         assert torch.equal(first, model.score_captions(imgs, toks))
         assert torch.allclose(first, unmasked.score_captions(imgs, toks), atol=1e-6)
+
+
+def test_masks_drawn_without_given_noise_are_each_samples_own():
+    """Without given noise (outside vmap) each sample still draws its own mask, of the same size."""
+    from pipeline.models.vit import random_masking
+
+    torch.manual_seed(5)
+    _, mask, _ = random_masking(torch.zeros(16, 16, 1), 0.75)
+    assert mask.sum(1).tolist() == [12.0] * 16 and len({tuple(m.tolist()) for m in mask}) > 8
+
+
+def test_layers_start_as_maes_do():
+    """xavier-uniform Linear weights with zero biases, unit LayerNorms (ε 1e-6), N(0, 0.02) tokens: the
+    reference implementation's start, which the warm start's recipe was tuned on."""
+    for objective in ("mae", "caption", "clip"):
+        model = micro(objective)
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                assert not module.bias.any(), name
+            if isinstance(module, nn.LayerNorm):
+                assert module.eps == 1e-6 and (module.weight == 1).all(), name
+                assert module.bias is None or not module.bias.any(), name
+    vit = build_encoder({"size": "small"})
+    assert 0.015 < float(vit.cls_token.weight.std()) < 0.025  # 384 values
+    mae = build_model("mae", {"size": "small"})
+    assert 0.015 < float(mae.mask_token.weight.std()) < 0.025
+
+
+def test_the_mlp_is_fc2_of_gelu_of_fc1():
+    from pipeline.models.layers import Mlp
+
+    mlp, x = Mlp(8, 32), torch.randn(4, 8)
+    assert torch.allclose(mlp(x), mlp.fc2(nn.functional.gelu(mlp.fc1(x))))
