@@ -738,3 +738,26 @@ def test_the_mlp_is_fc2_of_gelu_of_fc1():
 
     mlp, x = Mlp(8, 32), torch.randn(4, 8)
     assert torch.allclose(mlp(x), mlp.fc2(nn.functional.gelu(mlp.fc1(x))))
+
+
+def test_a_block_adds_self_attention_cross_attention_and_mlp_each_on_its_own_pre_norm():
+    """x + attn(norm1 x), then + cross_attn(norm_cross x, context) with the context as given (the
+    captioner's projected image tokens), then + mlp(norm2 x): each part checked with the others' outputs
+    zeroed."""
+    torch.manual_seed(6)
+    block = Block(8, 2, cross_attention=True, context_dim=8)
+    for module in block.modules():  # non-trivial norms: a norm applied where none belongs shows
+        if isinstance(module, nn.LayerNorm):
+            nn.init.normal_(module.weight, 1.0, 0.3), nn.init.normal_(module.bias, 0.0, 0.3)
+    x, context = torch.randn(2, 3, 8), 5 * torch.randn(2, 4, 8) + 2
+    parts = {"self": block.attn.proj, "cross": block.cross_attn.proj, "mlp": block.mlp.fc2}
+    want = {"self": lambda: block.attn(block.norm1(x)),
+            "cross": lambda: block.cross_attn(block.norm_cross(x), context),
+            "mlp": lambda: block.mlp(block.norm2(x))}
+    with torch.no_grad():
+        for kept in parts:
+            for name, proj in parts.items():
+                nn.init.zeros_(proj.weight), nn.init.zeros_(proj.bias)
+                if name == kept:
+                    nn.init.normal_(proj.weight), nn.init.normal_(proj.bias)
+            assert torch.allclose(block(x, context), x + want[kept](), atol=1e-5), kept
