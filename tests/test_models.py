@@ -761,3 +761,22 @@ def test_a_block_adds_self_attention_cross_attention_and_mlp_each_on_its_own_pre
                 if name == kept:
                     nn.init.normal_(proj.weight), nn.init.normal_(proj.bias)
             assert torch.allclose(block(x, context), x + want[kept](), atol=1e-5), kept
+
+
+def test_clip_on_one_rank_of_several_finds_each_pair_at_its_offset_in_the_gathered_batch():
+    """Under torchrun the batch is gathered from every rank and this rank's rows start at its offset: image
+    i's caption is column offset + i (the two-rank engine test covers it end to end, this one rank alone)."""
+    model = micro("clip")
+    imgs, toks = images(4), captions(4)
+
+    def gather(x):  # another rank's two rows first
+        return torch.cat([x[2:] + 1.0, x]), 2
+
+    with torch.no_grad():
+        img, txt = model.encode_image(imgs), model.encode_text(toks)
+        all_img, all_txt = gather(img)[0], gather(txt)[0]
+        scale, labels = model._scale(img).unsqueeze(1), torch.arange(2, 6)
+        ce = nn.functional.cross_entropy
+        want = 0.5 * (ce(scale * img @ all_txt.t(), labels, reduction="none")
+                      + ce(scale * txt @ all_img.t(), labels, reduction="none"))
+        assert torch.allclose(model(imgs, toks, gather=gather), want, atol=1e-6)
