@@ -211,6 +211,12 @@ class Rows:
 VALIDATION_FOLDS = 3
 
 
+def rows_name(recipe: str, validate: bool) -> str:
+    """The folder of a recipe's kept rows: validation rows (scored on probe-train) kept apart from the
+    probe-test part's, so neither is ever read as the other."""
+    return f"{recipe}-val{VALIDATION_FOLDS}" if validate else recipe
+
+
 def validation_folds(split: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """(fit, scored) folds that together score every probe-train image once, each by a probe fit on
     the other folds: the probe-test part is never read."""
@@ -295,19 +301,18 @@ def main() -> None:
         if params["shards"]["path"] is None:  # the stages run in DIR: the unpacked package stays in this checkout
             params["shards"]["path"] = str(ROOT / "data/public/fashion-mnist")
         device = resolve_device(params["run"]["device"])
-        part = f"-val{VALIDATION_FOLDS}" if args.validate else ""  # validation rows are kept apart
-        rows = Rows(kept_rows / (recipe_id(params) + part))
+        rows = Rows(kept_rows / rows_name(recipe_id(params), args.validate))
+        shared = Rows(kept_rows / rows_name(untrained_id(params), args.validate))  # pixels, random, synthetic
         print(f"scale_utility: {obj}: working in {work} on {device}; rows in {rows.dir}", flush=True)
         full_dir = work / f"n-{FULL}"
         prepare(full_dir, size_params(params, FULL, None), device, None)
         with inside(full_dir):  # the eval set reads the full split's held-out shards, relative to here
             rows_of_obj, te, chance, set_name = measure(params, obj, args, epsilons, sizes, work, full_dir, rows,
-                                                        Rows(kept_rows / (untrained_id(params) + part)),
-                                                        device, started)
+                                                        shared, device, started)
         table.update({k: v for k, v in rows_of_obj.items() if k not in table})  # pixels etc.: the first recipe's
         if args.against is not None:
             other = load_params(str(ROOT / "params.yaml"), [*RECIPE, *SCHEDULES[obj], *args.against])
-            versus.update(against(rows_of_obj, Rows(kept_rows / (recipe_id(other) + part))))
+            versus.update(against(rows_of_obj, Rows(kept_rows / rows_name(recipe_id(other), args.validate))))
     report(table, args, epsilons, sizes, chance, len(te), work, time.time() - started, device,
            set_name + (f" (probe-train, {VALIDATION_FOLDS}-fold cross-fitted)" if args.validate else ""), versus)
 

@@ -103,6 +103,13 @@ def test_sizes_keep_the_sampling_rate_and_the_steps():
     assert clip["dp"]["expected_batch_size"] == 9  # 8.53 rounded to the nearest: q stays 0.43%, not 0.40%
 
 
+def test_validation_rows_are_kept_apart_from_the_probe_test_parts():
+    from benchmarks.scale_utility import rows_name
+
+    assert rows_name("abc123", validate=False) == "abc123"
+    assert rows_name("abc123", validate=True) == f"abc123-val{VALIDATION_FOLDS}"
+
+
 def test_validation_scores_every_probe_train_image_once_and_never_reads_the_probe_test_part():
     labels = np.repeat(np.arange(10), 30)
     tr, te = np.arange(0, 300, 2), np.arange(1, 300, 2)
