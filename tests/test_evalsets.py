@@ -374,3 +374,22 @@ def test_a_split_whose_probe_train_part_lacks_a_class_is_refused_before_any_trai
     with pytest.raises(ParamsError, match="evaluate.fewshot.shots on eval set 'pets'"):
         check_protocols(balanced, few, seed=0, depth=12)
     check_protocols(balanced, {**few, "fewshot": {**few["fewshot"], "shots": [6]}}, seed=0, depth=12)
+
+
+def test_prompts_follow_the_classes_order_the_labels_index():
+    """Zero-shot reads prompt list i as class i: the digits' and Fashion-MNIST's names are not in
+    alphabetical order, and prompts sorted by name would score every image against another class."""
+    ev = EvalSet("s", np.zeros((3, 4, 4, 3), np.uint8), np.array([0, 1, 2]), ["zero", "one", "two"], ("a {c}", "b {c}"))
+    assert ev.prompts() == [["a zero", "b zero"], ["a one", "b one"], ["a two", "b two"]]
+
+
+def test_labels_are_indices_into_the_classes_as_given():
+    """A `classes` list in the user's order decides the indices (not its sorted order); integer labels
+    above the names it gives are refused, one short included."""
+    from pipeline.eval.evalsets import _encode_labels
+
+    labels, classes, named = _encode_labels(["dog", "cat", "dog"], ["dog", "cat"], "s")
+    assert labels.tolist() == [0, 1, 0] and classes == ["dog", "cat"] and named
+    with pytest.raises(EvalSetError, match="`classes` names 2 classes but labels go up to 2"):
+        _encode_labels([0, 1, 2], ["a", "b"], "s")
+    assert _encode_labels([0, 1, 2], ["a", "b", "c"], "s")[0].tolist() == [0, 1, 2]

@@ -207,6 +207,8 @@ def test_grey_rgba_cmyk_and_16_bit_images_decode_to_what_they_show():
     assert np.array_equal(decode_image(encoded(rgba, "PNG")), as_rgb)
     # 16-bit grey: scaled to 8 bits, not clipped (convert("RGB") alone turns everything above 255 white).
     assert np.array_equal(decode_image(encoded(Image.fromarray(grey.astype(np.uint16) * 257), "PNG")), as_rgb)
+    between = np.array([[200, 65535]], np.uint16)  # 200/257 = 0.78: rounded to 1, not cut to 0
+    assert decode_image(encoded(Image.fromarray(between), "PNG"))[0, :, 0].tolist() == [1, 255]
     cmyk = decode_image(encoded(Image.fromarray(as_rgb).convert("CMYK"), "JPEG"))
     assert cmyk.shape == (8, 8, 3) and np.abs(cmyk.astype(int) - as_rgb).max() < 40
 
@@ -229,3 +231,18 @@ def test_image_modes_are_kept_and_bombs_and_empty_files_counted(tmp_path, monkey
     assert ds.index["key"] == ["a", "b", "c", "d", "e"]
     assert excluded(stats) == {"corrupt_image": 2, "missing_caption": 1}
     assert stats["private"]["rows"] == 8
+
+
+def test_to_tensor_puts_channels_first_and_normalises_each_by_imagenets_rgb_constants():
+    """(N, H, W, 3) uint8 -> (N, 3, H, W) floats, channel c at (pixel/255 - MEAN[c]) / STD[c] with
+    ImageNet's RGB mean and std, on a non-square image so that a swapped H and W shows."""
+    import torch
+
+    from pipeline.data.transforms import to_tensor
+
+    img = np.random.default_rng(0).integers(0, 256, (1, 2, 3, 3), dtype=np.uint8)
+    out = to_tensor(img)
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    assert out.shape == (1, 3, 2, 3) and out.dtype == torch.float32
+    want = ((img / 255.0 - mean) / std).transpose(0, 3, 1, 2)
+    assert np.allclose(out.numpy(), want, atol=1e-5)

@@ -249,3 +249,12 @@ def test_fashion_mnist_eval_set_follows_the_shards_source(in_tmp):
     assert len(load_eval_set({"name": "digits", "source": "digits"}, 8).labels) == 1797
     with pytest.raises(ValueError, match=r"evaluate.sets\[p\].limit: only for the labelled sets"):
         load_eval_set({"name": "p", "source": "folder", "path": str(in_tmp), "limit": 5}, 8)
+
+
+def test_the_digits_decode_to_the_full_8_bit_range():
+    """sklearn's digits hold 0-16 per pixel: 16 is white (255), never wrapped past it to black."""
+    from sklearn.datasets import load_digits
+
+    images, labels = labelled_sets._read_digits(None)
+    assert images.dtype == np.uint8 and images.min() == 0 and images.max() == 255
+    assert np.array_equal(images, (load_digits().images / 16 * 255).round())
