@@ -393,3 +393,45 @@ def test_labels_are_indices_into_the_classes_as_given():
     with pytest.raises(EvalSetError, match="`classes` names 2 classes but labels go up to 2"):
         _encode_labels([0, 1, 2], ["a", "b"], "s")
     assert _encode_labels([0, 1, 2], ["a", "b", "c"], "s")[0].tolist() == [0, 1, 2]
+
+
+def test_a_labelled_set_prompts_with_its_own_templates_unless_the_set_names_others(tmp_path, monkeypatch):
+    """A bundled set's zero-shot prompts are its training captions' templates; `templates` in its
+    entry replaces them (it was read by folder and webdataset sets only)."""
+    from pipeline.data import labelled_sets
+
+    monkeypatch.chdir(tmp_path)
+    spec = {"name": "digits", "source": "digits", "limit": 50}
+    own = load_eval_set(spec, 8)
+    assert own.templates == labelled_sets.DIGITS.templates
+    assert own.prompts()[3][0] == "a handwritten digit three"
+    mine = load_eval_set({**spec, "templates": ["{c} in ink"]}, 8)
+    assert mine.prompts() == [[f"{c} in ink"] for c in labelled_sets.DIGITS.classes]
+
+
+def test_webdataset_samples_in_different_folders_are_different_samples(tmp_path):
+    """A webdataset key is the member's path up to the first dot of its name: `a/0.*` and `b/0.*` are
+    two samples, each with its own label and image, not one sample whose members overwrite."""
+    dark, light = png_bytes(np.zeros((8, 8, 3), np.uint8)), png_bytes(np.full((8, 8, 3), 200, np.uint8))
+    write_tar(tmp_path / "a.tar", [("cats/0", {"png": dark, "txt": b"cat"}), ("dogs/0", {"png": light, "txt": b"dog"}),
+                                   ("dogs/1", {"png": light, "txt": b"dog"})])
+    es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 8)
+    assert es.classes == ["cat", "dog"] and es.labels.tolist() == [0, 1, 1]
+    assert es.images[np.arange(3)].reshape(3, -1).max(1).tolist() == [0, 200, 200]
+
+
+def test_an_unindexed_tar_that_shrinks_after_listing_is_named_not_read_short(tmp_path):
+    """Images of tars without an index are read back by byte position: a tar cut short between the
+    listing and the read names the tar and the byte, instead of decoding a partial image."""
+    img = png_bytes(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    write_tar(tmp_path / "a.tar", [(f"s{i}", {"png": img, "txt": b"ant" if i % 2 else b"bee"}) for i in range(4)])
+    es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 8)
+    assert es.images[np.arange(4)].shape == (4, 8, 8, 3)
+    tar = tmp_path / "a.tar"
+    with tarfile.open(tar) as t:
+        last = t.getmember("s3.png")
+    with open(tar, "r+b") as f:
+        f.truncate(last.offset_data + len(img) // 2)
+    with pytest.raises(EvalSetError, match=rf"a.tar at byte {last.offset_data}: expected an image of {len(img)} "
+                                           rf"bytes, found {len(img) // 2}: the tar changed"):
+        es.images[np.array([3])]

@@ -80,6 +80,11 @@ def test_rgb_resizes_grey_images_to_three_channels(tmp_path):
     assert same.shape == (3, 28, 28, 3) and same.dtype == np.uint8
     np.testing.assert_array_equal(same, np.repeat(grey[..., None], 3, axis=-1))
     assert labelled_sets.rgb(grey, 32).shape == (3, 32, 32, 3)
+    # Upscaled by interpolation, not by repeating pixels: a 0/255 edge passes through greys between.
+    edge = np.zeros((1, 8, 8), np.uint8)
+    edge[:, :, 4:] = 255
+    row = labelled_sets.rgb(edge, 32)[0, 16, :, 0]
+    assert np.all(np.diff(row.astype(int)) >= 0) and len(set(row.tolist()) - {0, 255}) >= 2
 
 
 def test_a_missing_package_says_to_run_make(tmp_path):

@@ -248,3 +248,47 @@ def test_a_remote_shard_rewritten_in_place_is_refused_before_training(tmp_path, 
     assert len(ds.read_samples([a, b], ("image",))) == 2  # a read alone does not notice
     with pytest.raises(IndexMismatch, match="s-000000.tar is not the shard .* version tag has changed"):
         ShardDataset(tmp_path / "out" / "private", check_versions=True)
+
+
+def test_a_reader_used_before_a_fork_reads_in_the_forked_worker(shards):
+    """Loader workers are forked from a process whose reader already holds fsspec clients: those are
+    bound to the parent's event loop thread, which the child lacks, so the child opens its own."""
+    import multiprocessing
+    import multiprocessing.connection
+
+    _, _, local_urls, http_urls = shards
+    reader = RangeReader(http_urls)
+    expected = open(local_urls[1], "rb").read()[10:500]
+    assert reader.read(1, 10, 500) == expected  # the parent's client exists now
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=lambda: send.send(reader.read(1, 10, 500)))
+    child.start()
+    try:  # the answer, or the worker's end: whichever comes first
+        multiprocessing.connection.wait([receive, child.sentinel], timeout=60)
+        assert receive.poll(), f"the forked worker's read never came back (exit code {child.exitcode})"
+        assert receive.recv() == expected
+    finally:
+        child.kill()
+        child.join()
+
+
+def test_ranges_at_most_max_gap_apart_are_one_span_and_one_byte_more_are_two():
+    spans = remote.coalesce([(0, 0, 10), (0, 110, 120), (0, 221, 230), (1, 230, 240)], max_gap=100)
+    assert [(s.shard_id, s.start, s.end, s.positions) for s in spans] == [
+        (0, 0, 120, [0, 1]), (0, 221, 230, [2]), (1, 230, 240, [3])]
+
+
+def test_retries_wait_twice_as_long_each_time_with_jitter(monkeypatch):
+    """Waits of BACKOFF_S·2^k, each scaled by a jitter in [0.5, 1.5) so that readers do not retry in step."""
+    waits = []
+    monkeypatch.setattr(remote.time, "sleep", waits.append)
+    monkeypatch.setattr(remote.random, "random", lambda: 0.25)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        raise ConnectionError("reset")
+    with pytest.raises(ConnectionError):
+        remote.retry(flaky, attempts=4)
+    assert len(calls) == 4 and waits == pytest.approx([0.01 * 0.75, 0.02 * 0.75, 0.04 * 0.75])
