@@ -32,12 +32,12 @@ MICRO = [
 ]
 
 
-def run_in_process(name, overrides, tracked: bool = False):
+def run_in_process(name, overrides, tracked: bool = False, tracker=None):
     """The stage in this process; `tracked`: in its MLflow run (the store of the working directory), as
-    the `dpfm` command runs it."""
+    the `dpfm` command runs it; `tracker` (tests/recording.py): records what the stage logs."""
     st = stage(name)
     params = sections_of(load_params("params.yaml", overrides), st.sections)
-    with (stage_run(st, params, "dpfm") if tracked else contextlib.nullcontext(NullRun())) as tracker:
+    with (stage_run(st, params, "dpfm") if tracked else contextlib.nullcontext(tracker or NullRun())) as tracker:
         runner(name)(params, StageContext(st, tracker, 1, "cpu"))
 
 

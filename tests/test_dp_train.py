@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from recording import RecordingTracker
 from stage_runs import flat, initial_model, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline import checkpoints
@@ -252,6 +253,26 @@ def test_dp_train_says_not_private_when_its_held_out_loss_reads_an_eval_split_of
         printed = torchrun(work, "dp-train", clean).stdout
     assert "dp-train: NOT PRIVATE as a whole: the eval split is carved out of the private data" in printed, printed[-2000:]
     assert printed.count("NOT PRIVATE") == 1
+
+
+@pytest.mark.parametrize("objective_name", ["mae", "caption", "clip"])
+def test_the_non_finite_count_is_released_only_when_opted_in_and_a_test_runs_model_is_not_private(
+        data_dir, tmp_path, objective_name):
+    """The count of non-finite (dropped) examples is a statistic of the private data released without
+    noise: it reaches MLflow under dp.log_private_stats alone, which tags the run NOT PRIVATE. A test run's
+    noise key is known: its checkpoint says not private (evaluate and the registry read that flag)."""
+    logged = {}
+    for name, overrides in (("test", []), ("opted", ["dp.noise_seed=null", "privacy.testing=false",
+                                                     "dp.log_private_stats=true"])):
+        work, logged[name] = project(data_dir, tmp_path / name), RecordingTracker()
+        with inside(work):
+            run_in_process("dp-train", [f"dp.objective={objective_name}", *overrides], tracker=logged[name])
+        logged[name].private = checkpoints.load(work / "models/dp/checkpoint.pt").private
+    test, opted = logged["test"], logged["opted"]
+    assert "epsilon" in test.metrics and not any("nonfinite" in k for k in test.metrics), test.metrics
+    assert "a test run" in test.tags["dpfm.not_private"] and test.private is False
+    assert opted.metrics["private_nonfinite_examples"] == 0 and opted.private is True
+    assert "dp.log_private_stats" in opted.tags["dpfm.not_private"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

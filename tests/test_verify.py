@@ -383,14 +383,16 @@ def test_the_batch_size_test_is_owner_only(project, in_tmp, capsys, valid_replac
 
     from pipeline.privacy import owner
 
-    def released() -> tuple:  # stdout, verification.json, the MLflow run's figures and verdict
+    def released() -> tuple:  # stdout, verification.json, the MLflow run's figures, verdict and mechanism
         client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
         [run] = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=1)
+        mechanism = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/mechanism.json")
         return (capsys.readouterr().out, (in_tmp / artifact("verification")).read_text(), run.data.metrics,
-                run.data.tags["dpfm.verified"])
+                run.data.tags["dpfm.verified"], mechanism)
 
     assert cli.main(["verify"]) == 0
     first = released()
+    assert first[-1]["sample_rate"] == valid_replace_one["sample_rate"]  # the mechanism is there to compare
     ledger, rng = valid_replace_one, np.random.default_rng(1)
     other = rng.binomial(ledger["n"], ledger["sample_rate"], size=len(ledger["batch_sizes"])).tolist()
     while not V.batch_sizes_pass(V.batch_size_tests(other, ledger["n"], ledger["sample_rate"]), ALPHA):
@@ -469,6 +471,23 @@ def test_stage_exits_3_and_leaves_no_verification_on_failure(project, in_tmp, va
     assert cli.main(["verify"]) == 3
     assert "checkpoint.pt is missing" in capsys.readouterr().err
     assert not (in_tmp / artifact("verification")).exists()
+    # A later pass takes away the failure report an earlier check left: the two never stand side by side.
+    assert (in_tmp / failure_report(artifact("verification"))).exists()
+    project(valid)
+    assert cli.main(["verify"]) == 0
+    assert not (in_tmp / failure_report(artifact("verification"))).exists()
+
+
+def test_a_test_runs_model_passes_verification_but_is_never_registered(project, in_tmp):
+    """privacy.testing: the noise key is known, so the model is not private whatever its ε says; verify
+    still checks the mechanism, and registers the model only when the run is not a test run."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    assert cli.main(["verify", "--set", "privacy.testing=true"]) == 0
+    assert client.search_model_versions() == []
+    assert cli.main(["verify"]) == 0
+    assert len(client.search_model_versions()) == 1
 
 
 def test_every_version_registered_on_the_budget_carries_what_it_composes_to_now(project, in_tmp, valid_replace_one):
