@@ -76,6 +76,24 @@ def test_a_point_dp_train_would_refuse_stops_the_curve_before_any_point_is_charg
     assert charged_runs(work) == [] and not (work / artifact("curve")).exists()
 
 
+def test_the_points_are_planned_at_the_private_n(data_dir, tmp_path, monkeypatch):
+    """σ and q follow n: the points are planned as dp-train plans them, on the private split's usable
+    examples, not on the eval split's."""
+    class Planned(Exception):
+        pass
+
+    def planned_at(dp, n, *args, **kwargs):
+        seen.append(n)
+        raise Planned
+    seen, work = [], project(data_dir, tmp_path)
+    stats = json.loads((work / "data/shards/stats.json").read_text())
+    assert stats["private"]["usable"] != stats["eval"]["usable"]
+    monkeypatch.setattr(training, "checked_plan", planned_at)
+    with pytest.raises(Planned):
+        run_curve(work, ["curve.epsilons=[2]"])
+    assert seen == [stats["private"]["usable"]]
+
+
 def test_each_seed_is_its_own_dp_training(data_dir, tmp_path, monkeypatch):
     """...probed as evaluate probes its rows' seeds: with the run's probe seed, so a point at training
     seed k and evaluate's row at seed k differ by nothing else (the probe seed followed k here once)."""

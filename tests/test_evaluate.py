@@ -696,3 +696,25 @@ def test_every_protocol_fits_on_probe_train_and_scores_probe_test(monkeypatch):
     assert tuned_test.tolist() == test and np.array_equal(tuned_test_y, labels[te])
     assert how == (classes, [2, 5], 3, {k: finetune[k] for k in ("epochs", "batch_size", "lr", "weight_decay")})
     assert 0.5 < result["results"]["dp"]["linear_probe"] < 0.95  # a probe of these noisy features, not of the index
+
+
+def test_the_synthetic_baseline_is_the_warm_starts_encoder_and_random_init_follows_its_seed(tmp_path, monkeypatch):
+    """Synthetic-only (Syn-ViP) is the pretrain checkpoint's encoder, not the DP model's; random init is a
+    function of its seed alone, whatever the global stream did before."""
+    from pipeline.stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path)
+    candidates = evaluate.load_candidates(stage("evaluate"), ["synthetic"], 0, with_text=False)
+    [synthetic] = [c for c in candidates if c.name == "synthetic"]
+    warm = checkpoints.load(tmp_path / "models/pretrain/checkpoint.pt").encoder
+    dp = checkpoints.load(tmp_path / "models/dp/checkpoint.pt").encoder
+    got = synthetic.encoder.state_dict()
+    assert set(got) == set(warm) and all(torch.equal(got[k], warm[k]) for k in warm)
+    assert not all(torch.equal(got[k], dp[k]) for k in warm)
+
+    def random_weights(seed):
+        torch.rand(7)  # whatever ran before
+        encoder = evaluate.random_candidate("mae", MICRO, seed, False).encoder
+        return torch.cat([v.flatten() for v in encoder.state_dict().values()])
+    assert torch.equal(random_weights(3), random_weights(3)) and not torch.equal(random_weights(3), random_weights(4))

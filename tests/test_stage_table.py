@@ -49,6 +49,17 @@ def test_nothing_dvc_caches_and_pushes_is_private():
     assert private_paths(["data/shards.digest", "models/dp", "results/eval/metrics.json"]) == []
 
 
+def test_every_stage_that_reads_or_writes_the_private_shards_keeps_its_timing_private():
+    """A stage's time and resource use on the private shards are statistics of them: the one that writes
+    them and every one that reads them (dp-train, the curve, evaluate, the report) keeps them out of
+    MLflow and logs/; the others publish theirs."""
+    from pipeline.stages import PRIVATE_ARTIFACT
+
+    touching = {st.name for st in STAGES if PRIVATE_ARTIFACT in st.inputs + st.outputs}
+    assert {"shards", "dp-train", "curve", "evaluate", "report"} <= touching
+    assert {st.name for st in STAGES if st.touches_private_data} == touching
+
+
 def test_every_key_dvc_yaml_lists_is_one_params_yaml_must_hold():
     """dvc.yaml lists each stage's tracked keys from the schema: a key the schema left optional
     (shards.private_limit was) stops `dvc repro` and `dvc status` on a params.yaml without it, while
