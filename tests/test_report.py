@@ -2,6 +2,7 @@
 in headless Chromium (no console errors; the screenshot shows the accuracy table)."""
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -11,15 +12,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
+from matplotlib.axes import Axes
 from PIL import Image
 
-from pipeline.report import accuracy as report_accuracy, curves as report_curves, privacy as report_privacy
+from pipeline.report import accuracy as report_accuracy, content, curves as report_curves, plots
+from pipeline.report import privacy as report_privacy, render as report_render
 from pipeline.stages import report, stage
 from pipeline.report.render import TABLE_HEAD_COLOR
 from pipeline.io import read_json, write_json
 from pipeline.privacy.plan import Plan
 from pipeline.errors import VerificationFailed
 from pipeline.privacy import accounting
+from pipeline.privacy.accounting import bound_text
 from recording import RecordingTracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -569,7 +573,7 @@ def test_figures_pooled_over_several_dp_trainings_carry_what_they_compose_to(pro
     and the cards once put it beside one model's ε (7.99). Identical runs compose as one run of as many
     times the steps: the card must give that, the star the released model's own accuracy."""
     from pipeline.privacy import budget
-    from pipeline.privacy.accounting import bound_text, epsilon
+    from pipeline.privacy.accounting import epsilon
 
     root, params = project
     params["dp"]["noise_seed"] = None
@@ -720,3 +724,206 @@ def test_each_figure_draws_each_models_own_values(tmp_path, monkeypatch):
     plots.plot_privacy_utility(points, {}, tmp_path / "p.png")
     assert stars == [(7.99, 95.0, "this run")]
     assert limits[-1][0] <= 95.0 <= limits[-1][1], limits[-1]  # the star on the axes
+
+
+# -- each figure the report states, from the input it must come from ---------------------------------
+
+def a_plan(**kw) -> Plan:
+    """A digits-sized DP-Cap plan; C = 1 and σ = std there, so tests that tell them apart set C."""
+    base = dict(objective="caption", clipping="per_sample", n=1258, sample_rate=0.1, sigma=0.67, clip_norm=1.0,
+                steps=40, delta=4e-4, accountant="pld", adjacency="replace_one", target_epsilon=8.0, epsilon=7.99)
+    return Plan(**{**base, **kw})
+
+
+def a_ver(**kw) -> dict:
+    """verification.json of a run that passed, as the report reads it."""
+    base = {"passed": True, "checks": [], "run": "this", "epsilon": {"pld": 7.99, "rdp": 9.6},
+            "epsilon_reported": 7.99, "accountant": "pld", "delta": 4e-4, "steps": 40, "sigma": 0.67,
+            "sample_rate": 0.1, "n": 1258}
+    return {**base, **kw}
+
+
+def number_after(text: str, prefix: str) -> float:
+    """The figure the report printed after `prefix`."""
+    return float(re.search(re.escape(prefix) + r"\s*([0-9.]+)", text).group(1))
+
+
+# -- privacy.py ---------------------------------------------------------------------------------
+
+def test_per_batch_noise_over_the_steps_is_divided_by_root_t():
+    p = a_plan(objective="clip", clipping="per_batch", steps=37)
+    text = report_privacy.noise_text(a_ver(steps=37), p)
+    assert number_after(text, "std/√T =") == pytest.approx(p.noise_std / math.sqrt(p.steps), rel=1e-2)
+
+
+def test_sigma_over_b_is_the_multiplier_over_the_expected_batch_not_the_std():
+    p = a_plan(clip_norm=2.5)  # std = σ·C ≠ σ
+    shown = number_after(report_privacy.noise_scale_text(p), "σ/B =")
+    assert shown == pytest.approx(p.sigma / (p.sample_rate * p.n), rel=1e-2)
+
+
+def test_the_other_adjacencys_epsilon_is_rounded_up():
+    value = 3.98441  # to nearest: 3.9844, a smaller bound than the accountant's
+    text = report_privacy.adjacency_text(a_ver(adjacency="replace_one", epsilon_add_remove={"pld": value}))
+    assert number_after(text, "PLD ε =") >= value
+
+
+def test_the_add_remove_text_names_the_released_n():
+    v = a_ver(n=1258, steps=40)
+    text = report_privacy.adjacency_text(v)
+    assert f"n = {v['n']}," in text
+
+
+def test_final_privacy_carries_the_compositions_own_figures(monkeypatch):
+    c = {"epsilon": 12.5, "epsilon_dp_runs": 12.5, "delta": 1e-6, "runs": 3,
+         "by_run": [{"objective": "mae"}, {"objective": "caption"}, {"objective": "mae"}]}
+    monkeypatch.setattr(report_privacy.budget, "composition", lambda ledger, delta: c)
+    monkeypatch.setattr(report_privacy.release, "not_private_reasons", lambda *a: [])
+    final = report_privacy.final_privacy({}, {}, a_ver(), {})
+    assert final["epsilon_dp_runs"] == c["epsilon_dp_runs"] and final["epsilon_composed"] == c["epsilon"]
+    assert final["delta_composed"] == c["delta"] and final["runs"] == c["runs"]
+    assert final["objectives"] == ["mae", "caption", "mae"]
+
+
+# -- accuracy.py --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ci", [[0.0, 0.02], [-0.02, 0.0]])
+def test_an_interval_ending_at_zero_includes_zero(ci):
+    text = report_accuracy.verdict("X", {"diff": sum(ci) / 2, "ci": ci})
+    assert "cannot be told apart" in text and "beats" not in text and "BELOW" not in text
+
+
+def test_the_k_shot_legend_gives_the_few_shot_repeats():
+    protocol = {**metrics_json()["protocol"], "fewshot": {"shots": [1], "repeats": 5},
+                "finetune": {"enabled": True, "repeats": 3}}
+    text = report_accuracy.protocol_legend(protocol, ["Linear probe", "1-shot"], "caption")
+    assert f"over {protocol['fewshot']['repeats']} seeded class-balanced subsets" in text
+
+
+# -- content.py ---------------------------------------------------------------------------------
+
+def test_a_card_without_a_paired_comparison_gives_dp_minus_the_model():
+    lp = {"dp": 0.822, "random": 0.5}
+    models = {"dp": {"label": "DP"}, "random": {"label": "Random"}}
+    cards = content.summary_cards(a_ver(), {}, None, lp, {}, models, {}, "digits",
+                                  {"private": True, "runs": 1}, "σ/B = 0.005")
+    detail = next(d for k, _, d in cards if k == "Random")
+    assert detail == f"DP model {report_accuracy.signed(100 * (lp['dp'] - lp['random']))} points"
+
+
+def mech(privacy, **kw) -> dict:
+    rows = content.mechanism_rows(a_ver(**kw), a_plan(), {}, privacy)
+    return dict(rows)
+
+
+def test_the_sampling_row_gives_the_expected_batch_q_times_n():
+    rows = mech({"private": True, "runs": 1, "objectives": ["caption"], "epsilon_composed": 7.99,
+                 "delta_composed": 4e-4}, sample_rate=0.05, n=2000, steps=37)
+    assert "(expected batch 100)" in rows["sampling"]
+
+
+def test_the_composed_epsilon_row_is_rounded_up():
+    value = 7.98441  # to nearest at 4 places: 7.9844
+    rows = mech({"private": True, "runs": 2, "objectives": ["caption", "caption"], "epsilon_composed": value,
+                 "delta_composed": 4e-4})
+    assert float(rows["ε over all DP runs charged to data/budget"].split()[0]) >= value
+
+
+def test_a_not_private_run_gives_what_its_dp_runs_compose_to():
+    privacy = {"private": False, "runs": 2, "objectives": ["caption", "caption"], "epsilon_composed": math.inf,
+               "epsilon_dp_runs": 12.3456, "epsilon_run": 7.99, "not_private": ["a reason"]}
+    text = mech(privacy)["ε of this run's outputs"]
+    assert number_after(text, "compose to") == pytest.approx(privacy["epsilon_dp_runs"])
+
+
+def test_the_set_note_gives_probe_train_and_probe_test_sizes(tmp_path):
+    metrics = metrics_json()
+    s = metrics["sets"]["digits"]
+    (note,) = [x["note"] for x in content.accuracy_sets(metrics, "caption", tmp_path, "σ/B = 0.005")]
+    assert f"split into {s['n_probe_train']} probe-train / {s['n_probe_test']} probe-test images" in note
+
+
+def test_the_headline_states_the_reported_accountants_epsilon(project):
+    root, params = project
+    v = read_json(root / "results/privacy/verification.json")
+    write_json(root / "results/privacy/verification.json", {**v, "epsilon": {"pld": 5.5, "rdp": 7.99}})
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert f"σ = 0.67 at ε = {bound_text(v['epsilon_reported'], 2)}" in md
+
+
+# -- render.py ----------------------------------------------------------------------------------
+
+def test_best_in_column_is_the_highest():
+    rows = [{"cells": [(0.5, None, None), None]}, {"cells": [(0.9, None, None), (0.3, 0.1, None)]},
+            {"cells": [(0.7, None, None), (0.6, 0.1, None)]}]
+    assert report_render.best_per_column(rows) == [0.9, 0.6]
+
+
+def test_the_verdict_over_several_runs_gives_the_composed_delta():
+    """Composed over runs, δ is the smallest of theirs (budget.composition), not this run's own."""
+    privacy = {"private": True, "runs": 2, "epsilon_composed": 12.3, "delta_composed": 1e-6}
+    r = {"verification": a_ver(checks=[{"name": "a", "passed": True, "detail": ""}]), "privacy": privacy,
+         "delta_text": report_privacy.delta_text(4e-4, "1/2n")}
+    _, big, _ = report_render.verdict(r, ", ")
+    assert big.startswith(f"(ε = {bound_text(privacy['epsilon_composed'], 2)}, "
+                          f"δ = {bound_text(privacy['delta_composed'], 2, exponent=True)})-DP")
+
+
+def test_labels_and_check_details_are_escaped_in_the_html(project):
+    root, params = project
+    v = read_json(root / "results/privacy/verification.json")
+    v["checks"] = [{"name": "sampler", "passed": True, "detail": "q <b>&amp;</b> n"}]
+    write_json(root / "results/privacy/verification.json", v)
+    metrics = metrics_json()
+    metrics["models"]["random"]["label"] = "Random <i>init</i>"
+    write_json(root / "results/eval/metrics.json", metrics)
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    page = (root / "results/report/report.html").read_text()
+    assert "q <b>&amp;</b> n" not in page and "Random <i>init</i>" not in page
+    assert "q &lt;b&gt;&amp;amp;&lt;/b&gt; n" in page and "Random &lt;i&gt;init&lt;/i&gt;" in page
+
+
+# -- curves.py ----------------------------------------------------------------------------------
+
+def test_the_curve_caption_counts_only_the_dp_trainings(tmp_path):
+    points = [{"init": "pretrain", "epsilon": e, "epsilon_spent": spent, "linear_probe": 0.8,
+               "linear_probe_ci": [0.77, 0.83]} for e, spent in ((1, 0.98), (8, 7.9), ("inf", None))]
+    curve = {"objective": "caption", "set": "digits", "n_probe_test": 270, "points": points}
+    section = report_curves.curve_section(curve, {}, tmp_path / "c.png", {"steps": 40, "lr": 5e-4})
+    dp_points = sum(p["epsilon"] != "inf" for p in points)
+    assert f"{dp_points} of the points are DP trainings" in section["caption"]
+
+
+# -- plots.py -----------------------------------------------------------------------------------
+
+def test_the_epsilon_figure_marks_the_final_epsilon_rounded_up_on_labelled_axes(tmp_path, monkeypatch):
+    notes, axes = [], []
+    annotate = Axes.annotate
+    monkeypatch.setattr(Axes, "annotate", lambda ax, text, *a, **kw: notes.append(text) or annotate(ax, text, *a, **kw))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: axes.append(fig.axes[0]) or plots.plt.close(fig))
+    final = (40, 7.98441)
+    plots.plot_epsilon({"pld": ([1, 20, 40], [2.0, 5.0, final[1]])}, 8.0, final, tmp_path / "e.png")
+    assert number_after(notes[0], "ε =") >= final[1]
+    ax = axes[0]
+    assert "step" in ax.get_xlabel() and "ε" in ax.get_ylabel()
+    assert list(ax.lines[0].get_xdata()) == [1, 20, 40]  # steps along x, as the x label says
+
+
+def test_the_warm_starts_interval_bar_is_its_own_asymmetric_interval(tmp_path, monkeypatch):
+    bars, labels, axes = [], [], []
+    monkeypatch.setattr(Axes, "errorbar", lambda ax, x, y, yerr, **kw: bars.append((x, y, yerr)))
+    scatter = Axes.scatter
+    monkeypatch.setattr(Axes, "scatter", lambda ax, x, y, **kw: labels.append((x, kw.get("label")))
+                        or scatter(ax, x, y, **kw))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: axes.append(fig.axes[0]) or plots.plt.close(fig))
+    acc, ci = 0.7, [0.6, 0.74]
+    plots.plot_privacy_utility([{"epsilon": 4.0, "accuracy": 0.85, "objective": "mae", "current": False}],
+                               {"synthetic": ("synthetic only", acc, ci)}, tmp_path / "p.png")
+    ((x, y, yerr),) = bars
+    assert x == 0 and y == pytest.approx(100 * acc)
+    assert [yerr[0][0], yerr[1][0]] == pytest.approx([100 * (acc - ci[0]), 100 * (ci[1] - acc)])
+    # the warm start sits at ε = 0 (it saw no private data), and says so in the legend
+    assert [label for x, label in labels if x == 0] == ["synthetic only, ε = 0"]
+    ax = axes[0]
+    assert "ε" in ax.get_xlabel() and "accuracy" in ax.get_ylabel()
