@@ -52,10 +52,32 @@ def test_each_violation_names_key_and_allowed_values(in_tmp, override, expected)
 def test_the_model_shapes_are_checked_for_the_objective_trained(in_tmp):
     """The text tower is the captioner's and CLIP's: its shape is refused before any work for them, not
     found by the model's build hours into a run; an MAE run never builds it."""
-    for objective in ("caption", "clip"):
+    for objective in ("caption", "clip", "clip-public"):
         assert errors_for(f"dp.objective={objective}", "model.text_heads=3") == [
             f"model.text_width=64 does not split into model.text_heads=3 heads (the {objective} model's text tower)"]
     assert load_params(overrides=["dp.objective=mae", "model.text_heads=3"])["model"]["text_heads"] == 3
+    # 6 splits into 2 heads, but the MAE decoder's 2-D sin-cos positions give each axis a sine and a cosine half.
+    assert errors_for("model.decoder_width=6", "model.decoder_heads=2") == [
+        "model.decoder_width=6 is not a multiple of 4 (the MAE decoder's 2-D position embedding)"]
+    assert load_params(overrides=["model.decoder_width=8", "model.decoder_heads=2"])["model"]["decoder_width"] == 8
+
+
+def test_earlier_forms_strip_the_newest_knobs_while_neutral_and_stop_at_one_set_otherwise():
+    """A resumed run looks for its state under the params earlier versions wrote; a knob set away from
+    its neutral value did not exist before, so no form older than it can be the same run."""
+    from pipeline.config import ADDED_KNOBS, earlier_forms
+
+    params = {"other": {"x": 1}}
+    for section, key, neutral in ADDED_KNOBS:
+        params.setdefault(section, {})[key] = neutral
+    assert len(earlier_forms(params)) == len(ADDED_KNOBS)
+    assert earlier_forms(params)[-1] == {"other": {"x": 1}, "dp": {}, "model": {}}
+    params["dp"]["frozen"] = ["decoder"]
+    newer = [key for _, key, _ in ADDED_KNOBS[ADDED_KNOBS.index(("dp", "frozen", [])) + 1:]]
+    forms = earlier_forms(params)
+    assert len(forms) == len(newer)  # the knobs newer than dp.frozen, then no further
+    assert all(k not in forms[-1]["dp"] and k not in forms[-1]["model"] for k in newer)
+    assert forms[-1]["dp"]["frozen"] == ["decoder"] and forms[-1]["dp"]["compile"] is False
 
 
 def test_unknown_key_lists_allowed_keys(in_tmp):
@@ -454,7 +476,7 @@ def wrong_values(spec: dict) -> list:
     if {"integer", "number", "boolean"} & set(kinds) and "string" not in kinds:
         wrong.append("not_a_value")
     if kinds == ["integer"] or kinds == ["integer", "null"]:
-        wrong.append(1.5)
+        wrong += [1.5, True]  # YAML's true is a Python bool, an int to isinstance: not a count of 1
     return wrong
 
 
