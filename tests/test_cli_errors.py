@@ -79,3 +79,27 @@ def test_a_json_write_that_fails_half_way_leaves_the_previous_file(tmp_path, mon
         write_json(path, {"v": 2, "more": list(range(100))})
     monkeypatch.undo()
     assert read_json(path) == {"v": 1} and [p.name for p in tmp_path.iterdir()] == ["stats.json"]
+
+
+def test_each_kind_of_stop_has_its_exit_code_and_one_line(capsys):
+    """Schedulers and snakemake read the code: 2 bad params, 3 a failed privacy check, 128 + signum a
+    stop by signal (as a process killed by it), 1 a refusal; a command's own code passes through."""
+    import signal
+
+    from pipeline.config import ParamsError
+    from pipeline.errors import PrivateDataError, Stopped, VerificationFailed
+
+    cases = [(ParamsError(["dp.steps: 0"]), 2), (VerificationFailed("ε above target"), 3),
+             (Stopped(signal.SIGTERM, "stopped at step 4"), 128 + signal.SIGTERM),
+             (Stopped(signal.SIGINT, "stopped at step 4"), 128 + signal.SIGINT),
+             (PrivateDataError("decoding failed"), 1)]
+    for error, code in cases:
+        def fail(args, error=error):
+            raise error
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cli, "_owner_composition", fail)
+            assert cli.main(["owner-composition"]) == code, error
+        assert capsys.readouterr().err == f"dpfm: {error}\n"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "_owner_composition", lambda args: 5)
+        assert cli.main(["owner-composition"]) == 5
