@@ -246,3 +246,26 @@ def test_to_tensor_puts_channels_first_and_normalises_each_by_imagenets_rgb_cons
     assert out.shape == (1, 3, 2, 3) and out.dtype == torch.float32
     want = ((img / 255.0 - mean) / std).transpose(0, 3, 1, 2)
     assert np.allclose(out.numpy(), want, atol=1e-5)
+
+
+def test_atomic_writes_reach_the_disk_before_their_name_and_get_the_modes_of_ordinary_writes(tmp_path, monkeypatch):
+    """A file is fsynced before it is renamed into place (else a crash can leave the final name on
+    empty blocks); the published outputs then carry the umask's modes, not mkstemp's owner-only ones
+    (a group sharing a project reads them), and an explicit mode wins."""
+    from pipeline import io as pio
+
+    events, fsync, replace = [], pio.os.fsync, pio.os.replace
+    monkeypatch.setattr(pio.os, "fsync", lambda fd: events.append("fsync") or fsync(fd))
+    monkeypatch.setattr(pio.os, "replace", lambda a, b: events.append(f"replace {Path(b).name}") or replace(a, b))
+    before = os.umask(0o027)
+    try:
+        pio.write_json(tmp_path / "metrics.json", {"a": 1})
+        pio.write_json(tmp_path / "owner.json", {"a": 1}, mode=0o600)
+        with pio.atomic_dir(tmp_path / "shards") as out:
+            (out / "x").write_text("x")
+    finally:
+        os.umask(before)
+    assert events[:2] == ["fsync", "replace metrics.json"]
+    assert oct(os.stat(tmp_path / "metrics.json").st_mode & 0o777) == oct(0o640)
+    assert oct(os.stat(tmp_path / "owner.json").st_mode & 0o777) == oct(0o600)
+    assert oct(os.stat(tmp_path / "shards").st_mode & 0o777) == oct(0o750)
