@@ -150,12 +150,10 @@ class StageRun:
         self.run_id = run_id
         self.stamp = stamp  # ms: every metric's timestamp, on private data; else the time of the call
 
-    def log_metrics(self, metrics: dict, step: int | None = None, timestamp: int | None = None) -> None:
-        """`timestamp` (ms) in place of the time of the call, where the time between calls must not show
-        (a stage's own stamp, on private data, wins over it)."""
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        """At the stage's stamp on private data (the time between calls must not show), else at the call's time."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
-        at = self.stamp if self.stamp is not None else timestamp
-        _retry(lambda: self._mlflow.log_metrics(clean, step=step, timestamp=at))
+        _retry(lambda: self._mlflow.log_metrics(clean, step=step, timestamp=self.stamp))
 
     def log_series(self, name: str, values, steps) -> None:
         """A whole curve in one batched call (fewer SQLite writes than one call per point)."""
@@ -249,7 +247,7 @@ class NullRun:
 
     run_id = None
 
-    def log_metrics(self, metrics, step=None, timestamp=None): ...
+    def log_metrics(self, metrics, step=None): ...
     def log_series(self, name, values, steps): ...
     def log_artifact(self, path, artifact_path=None): ...
     def set_tags(self, tags): ...

@@ -5,7 +5,7 @@ class RecordingTracker:
     def __init__(self):
         self.metrics, self.points, self.series, self.tags, self.artifacts = {}, [], {}, {}, []
 
-    def log_metrics(self, metrics, step=None, timestamp=None):
+    def log_metrics(self, metrics, step=None):
         if step is None:
             self.metrics.update(metrics)
         else:

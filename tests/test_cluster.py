@@ -733,6 +733,8 @@ def test_a_parent_whose_report_did_not_run_is_named_not_private_from_its_config_
     assert "test run" in test_run["dpfm.not_private"] and test_run["dpfm.private"] == "false"
     released = parent_tags(False, ["dp-train-twin (ε = ∞)"])
     assert released["mlflow.runName"].startswith("NOT PRIVATE ") and "dp-train-twin" in released["dpfm.not_private"]
+    both = parent_tags(True, ["dp-train-twin (ε = ∞)"])["dpfm.not_private"]  # every reason, not the first
+    assert "test run" in both and "dp-train-twin" in both, both
     private = parent_tags(False, [])
     assert not private["mlflow.runName"].startswith("NOT PRIVATE") and "dpfm.private" not in private
     os.remove("results/privacy/verification.json")
