@@ -309,6 +309,8 @@ def test_resolved_params_keep_infinity_and_templates_and_refuse_an_edit(in_tmp):
         read_resolved(path)
     with pytest.raises(ParamsError, match="takes no --set"):
         job_params("params.yaml", ["dp.epsilon=1"], str(path))
+    with pytest.raises(ParamsError, match="--resolved names no file"):  # a job's unset variable: not params.yaml
+        job_params("params.yaml", [], "")
 
 
 def test_a_job_given_gpus_that_torch_cannot_see_is_refused_not_run_on_the_cpu(monkeypatch):
