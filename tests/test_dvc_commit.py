@@ -95,3 +95,77 @@ def test_the_cache_is_the_one_dvc_uses_its_local_config_first(tmp_path):
     assert cache_dir(tmp_path) == (tmp_path / "shared-cache").resolve()
     (tmp_path / ".dvc/config.local").write_text("[cache]\n    dir = /srv/own-cache\n")
     assert cache_dir(tmp_path) == Path("/srv/own-cache")
+
+
+def make_outputs(*stage_names, skip=()):
+    for name in stage_names:
+        for out in stage(name).all_outputs:
+            if out not in skip:
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                Path(out).mkdir(parents=True) if out.endswith("/") else Path(out).touch()
+
+
+def test_a_stage_a_failed_run_finished_under_params_yamls_values_is_committed(dvc_calls, monkeypatch):
+    """The positive case for a stage other than dp-train: the marker must hold that stage's own params
+    digest, or the tokenizer a failed run finished is never versioned."""
+    finish(monkeypatch, "run-1", "tokenizer")  # then run-1 fails
+    finish(monkeypatch, "run-2", "synthetic")
+    make_outputs("tokenizer")
+    dvc_commit.commit_run("run-2", load_params())
+    assert dvc_calls == [["--force", "--quiet", "synthetic", "tokenizer"]]
+
+
+def test_the_newest_marker_wins_by_time_not_by_run_name(dvc_calls, monkeypatch):
+    """Run ids are random: the run named "a" may be the newer one. Its tokenizer (vocab 300) is what
+    models/tokenizer holds, so params.yaml's tokenizer (the older run "b") must not be committed."""
+    finish(monkeypatch, "b", "tokenizer")  # older, params.yaml's values
+    finish(monkeypatch, "a", "tokenizer", params=load_params(overrides=["tokenizer.vocab_size=300"]))  # newer
+    os.utime(dvc_commit.DONE_ROOT / "b/tokenizer", ns=(10**18, 10**18))
+    os.utime(dvc_commit.DONE_ROOT / "a/tokenizer", ns=(2 * 10**18, 2 * 10**18))
+    finish(monkeypatch, "run-3", "synthetic")
+    make_outputs("tokenizer")
+    dvc_commit.commit_run("run-3", load_params())
+    assert dvc_calls == [["--force", "--quiet", "synthetic"]]
+
+
+def test_an_earlier_stage_with_any_output_missing_is_not_committed(dvc_calls, monkeypatch):
+    """report's directory is there but its metrics file (privacy.json) is not: committing it would
+    record a version DVC cannot cache."""
+    finish(monkeypatch, "run-1", "report")
+    finish(monkeypatch, "run-2", "synthetic")
+    metrics = [o for o in stage("report").all_outputs if not o.endswith("/")]
+    assert metrics and any(o.endswith("/") for o in stage("report").all_outputs)
+    make_outputs("report", skip=metrics)
+    dvc_commit.commit_run("run-2", load_params())
+    assert dvc_calls == [["--force", "--quiet", "synthetic"]]
+
+
+def test_a_stage_this_run_overrode_is_not_committed_through_an_earlier_runs_marker(dvc_calls, monkeypatch, capsys):
+    """run-0 trained dp-train under params.yaml's ε; run-2 retrained it at ε = 16 (--config). The model on
+    disk is run-2's: dp-train must not be committed (and not twice), whatever run-0's marker says."""
+    finish(monkeypatch, "run-0", "dp-train")
+    os.utime(dvc_commit.DONE_ROOT / "run-0/dp-train", ns=(10**18, 10**18))
+    overridden = load_params(overrides=["dp.epsilon=16"])
+    finish(monkeypatch, "run-2", "dp-train", "synthetic", params=overridden)
+    make_outputs("dp-train", "synthetic")
+    dvc_commit.commit_run("run-2", overridden)
+    assert dvc_calls == [["--force", "--quiet", "synthetic"]]
+    assert "DVC does not version dp-train" in capsys.readouterr().err
+
+
+def test_a_run_whose_every_stage_was_overridden_commits_nothing(dvc_calls, monkeypatch, capsys):
+    """`dvc commit` with no targets commits every stage in dvc.yaml: with nothing to commit, it must not run."""
+    overridden = load_params(overrides=["dp.epsilon=16"])
+    finish(monkeypatch, "run-1", "dp-train", params=overridden)
+    dvc_commit.commit_run("run-1", overridden)
+    assert dvc_calls == []
+    assert "DVC does not version dp-train" in capsys.readouterr().err
+
+
+def test_a_failed_dvc_commit_is_reported_even_when_silent(in_tmp, monkeypatch, capsys):
+    monkeypatch.setattr(dvc_commit.subprocess, "run", lambda args, **kw:
+                        dvc_commit.subprocess.CompletedProcess(args, 1, "", ""))
+    finish(monkeypatch, "run-1", "synthetic")
+    dvc_commit.commit_run("run-1", load_params())
+    said = capsys.readouterr()
+    assert "`dvc commit` failed" in said.err and "DVC: outputs of" not in said.out

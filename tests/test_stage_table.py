@@ -43,6 +43,9 @@ def test_nothing_dvc_caches_and_pushes_is_private():
     stages = yaml.safe_load(render_dvc_yaml())["stages"]
     pushed = [p for st in stages.values() for key in ("outs", "metrics", "plots") for p in st.get(key, [])]
     assert "models/dp" in pushed and private_paths(pushed) == []
+    # A dependency's md5 goes into dvc.lock, which git publishes: the shards' keyed digest, never the shards.
+    deps = [p for st in stages.values() for p in st.get("deps", [])]
+    assert "data/shards.digest" in deps and private_paths(deps) == []
     assert private_paths([".dpfm/owner", ".dpfm/state/dp-train-1/ledger.jsonl", "data/shards", "data/shards/private",
                           "results/x/ledger.jsonl"]) == [".dpfm/owner", ".dpfm/state/dp-train-1/ledger.jsonl",
                                                          "data/shards", "data/shards/private", "results/x/ledger.jsonl"]
@@ -227,3 +230,12 @@ def test_no_stage_imports_another_stage():
                   for a in n.names}
         named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not (named & (modules - {st.module})), (st.name, sorted(named & modules))
+
+
+def test_export_dvc_writes_exactly_what_the_check_wants(tmp_path):
+    """`dpfm export-dvc` (no --check) must write the file --check accepts, byte for byte."""
+    path = tmp_path / "dvc.yaml"
+    assert main(["export-dvc", "--output", str(path)]) == 0
+    assert path.read_text() == render_dvc_yaml() and check_dvc_yaml(path) == ""
+    path.write_text(render_dvc_yaml() + "\n")  # any drift, even a blank line, is drift
+    assert check_dvc_yaml(path) != ""
