@@ -21,7 +21,7 @@ run: $(STAMP)
 	snakemake --cores all
 
 # Test files side by side, one worker per core (pytest-xdist). A file stays on one worker, so its module
-# fixtures (a whole DAG, a SLURM cluster) are built once. 2 cores: 27-55 min (docs/pipeline.md).
+# fixtures (a whole DAG, a SLURM cluster) are built once. 2 cores: 27-60 min (docs/pipeline.md).
 PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 
 test: $(STAMP)
