@@ -37,7 +37,6 @@ collapsed refit among fifty) past the estimate: every interval is stretched to h
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 RESAMPLES = 2000
 LEVEL = 0.95
@@ -113,10 +112,16 @@ def _resampled_means(models: list[np.ndarray], seed: int, resamples: int, chunk:
     return np.concatenate(out)
 
 
+def normal_quantile(p: float) -> float:
+    from scipy import stats  # ~1 s to import: here, not in every stage that imports tracking (which imports released)
+
+    return float(stats.norm.ppf(p))
+
+
 def wilson(accuracy: float, n: int, level: float = LEVEL) -> list[float]:
     """The Wilson score interval of an accuracy over n independent test examples: the test images'
     own uncertainty, which keeps its level at 0% and 100% where a bootstrap of them collapses."""
-    z = float(stats.norm.ppf((1 + level) / 2))
+    z = normal_quantile((1 + level) / 2)
     centre = (accuracy + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * np.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
     return [float(centre - half), float(centre + half)]
@@ -126,7 +131,7 @@ def paired_wald(discordant_a: float, discordant_b: float, n: int, level: float =
     """Bonett and Price's adjusted Wald interval of a paired difference over n test examples, from the
     counts only model a gets right (discordant_a) and only model b does: the test images' own
     uncertainty, which a bootstrap of them loses where the two models disagree on few or none."""
-    z = float(stats.norm.ppf((1 + level) / 2))
+    z = normal_quantile((1 + level) / 2)
     only_a, only_b = (discordant_a + 1) / (n + 2), (discordant_b + 1) / (n + 2)
     half = z * np.sqrt((only_a + only_b - (only_a - only_b) ** 2) / (n + 2))
     return [float(only_a - only_b - half), float(only_a - only_b + half)]

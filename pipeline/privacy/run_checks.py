@@ -13,8 +13,6 @@ import math
 import numbers
 from pathlib import Path
 
-from scipy import stats as sstats
-
 from pipeline import checkpoints
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json
@@ -69,6 +67,8 @@ def batch_size_tests(batch_sizes: list[int], n: int, q: float) -> dict:
     The spread test is what tells Poisson sampling from a fixed-size sampler with the same mean
     (whose sizes do not vary at all): Σ (b - nq)² / (nq(1-q)) is about χ² with one degree of freedom
     per step under Binomial sizes, and far below it for fixed ones."""
+    from scipy import stats as sstats  # ~1 s to import: where the test runs, not in every rank that imports this
+
     t = len(batch_sizes)
     mean, var = n * q, n * q * (1 - q)
     if t == 0 or var == 0:
