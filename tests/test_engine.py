@@ -167,6 +167,38 @@ def test_two_ranks_give_the_one_rank_update(tmp_path, name):
     assert relative(two - start, one - start) <= 1e-4
 
 
+NONFINITE = [2, 9, 21, 30]  # examples whose image is NaN: each rank's share of the step holds some
+
+
+def dropped_count(name, world):
+    """(the step's count of dropped examples, per batch: batches, on this rank; the update finite) for a
+    batch of 18 examples, NONFINITE among them."""
+    fetch = fetcher(name)
+
+    def with_nans(step, indices, positions):
+        imgs, other = fetch(step, indices, positions)
+        broken = torch.from_numpy(np.isin(indices[positions], NONFINITE))
+        return imgs.masked_fill(broken[:, None, None, None], float("nan")), other
+    model = model_for(name)
+    result = dp_step(0, sampler=FixedSampler(sorted({*range(0, 32, 2), *NONFINITE})), fetch=with_nans,
+                     clipper=clipper_for(name, model, world), plan=plan_for(name, 0.0), key=KEY, world=world,
+                     physical_batch_size=4)
+    return result.nonfinite, bool(torch.isfinite(grads(model)).all())
+
+
+def _dropped_count(name, world):
+    return dropped_count(name, world)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_the_dropped_count_is_the_whole_steps_on_two_ranks(tmp_path, name):
+    """The count the owner's record keeps (and dp.log_private_stats logs) is of the step, not rank 0's part;
+    a per-batch step drops its one batch. The update stays finite either way."""
+    expected = 1 if OBJECTIVES[name].clipping == "per_batch" else len(NONFINITE)
+    assert dropped_count(name, World()) == (expected, True)
+    assert on_two_ranks(tmp_path, _dropped_count, name) == (expected, True)
+
+
 @pytest.mark.parametrize("name, bug_name", [("mae", "whole batch per rank"), ("caption", "whole batch per rank"),
                                             ("clip", "local negatives only")])
 def test_two_rank_equality_catches_a_broken_split(tmp_path, name, bug_name):
