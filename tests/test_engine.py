@@ -186,17 +186,13 @@ def dropped_count(name, world):
     return result.nonfinite, bool(torch.isfinite(grads(model)).all())
 
 
-def _dropped_count(name, world):
-    return dropped_count(name, world)
-
-
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_the_dropped_count_is_the_whole_steps_on_two_ranks(tmp_path, name):
     """The count the owner's record keeps (and dp.log_private_stats logs) is of the step, not rank 0's part;
     a per-batch step drops its one batch. The update stays finite either way."""
     expected = 1 if OBJECTIVES[name].clipping == "per_batch" else len(NONFINITE)
     assert dropped_count(name, World()) == (expected, True)
-    assert on_two_ranks(tmp_path, _dropped_count, name) == (expected, True)
+    assert on_two_ranks(tmp_path, dropped_count, name) == (expected, True)
 
 
 @pytest.mark.parametrize("name, bug_name", [("mae", "whole batch per rank"), ("caption", "whole batch per rank"),
