@@ -241,6 +241,10 @@ def test_a_run_that_publishes_what_its_epsilon_does_not_cover_is_not_private_as_
     params["dp"]["noise_seed"] = 7
     assert release.not_private_reasons(params, {}) == [
         "a test run (privacy.testing; a known dp.noise_seed voids the noise)"]
+    # privacy.testing alone too: its checkpoint is saved private=False and never registered.
+    params["dp"]["noise_seed"], params["privacy"]["testing"] = None, True
+    assert release.not_private_reasons(params, {}) == [
+        "a test run (privacy.testing; a known dp.noise_seed voids the noise)"]
 
 
 def test_published_params_hide_a_noise_key_and_leave_the_run_its_own():
@@ -271,6 +275,32 @@ def test_nonprivate_training_on_private_data_is_opt_in_for_web_sources(source, e
     else:
         with pytest.raises(ParamsError, match="WITHOUT differential privacy"):
             release.check_nonprivate(privacy, source, "the curve's ε = ∞ point")
+
+
+def test_the_workflow_start_refuses_what_dp_train_would_from_the_params_alone():
+    """`dpfm validate` (release.check_asked_for, as a workflow starts) refuses the ε = ∞ twin on a web source
+    and a known noise key, each as dp-train would, before a stage holds a GPU; asked for by name, each passes."""
+    from pathlib import Path
+
+    import yaml
+
+    from pipeline.config import ParamsError
+    from pipeline.privacy import release
+
+    params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    params["privacy"]["testing"], params["dp"]["noise_seed"], params["curve"]["epsilons"] = False, None, [8]
+    params["shards"]["source"], params["dp"]["nonprivate_baseline"] = "urls", False
+    release.check_asked_for(params)  # nothing outside ε asked for
+    params["dp"]["nonprivate_baseline"] = True
+    with pytest.raises(ParamsError, match="dp.nonprivate_baseline trains WITHOUT differential privacy"):
+        release.check_asked_for(params)
+    params["privacy"]["nonprivate_on_private_data"] = True
+    release.check_asked_for(params)
+    params["dp"]["nonprivate_baseline"], params["dp"]["noise_seed"] = False, 5
+    with pytest.raises(ParamsError, match="dp.noise_seed fixes the noise key"):
+        release.check_asked_for(params)
+    params["privacy"]["testing"] = True
+    release.check_asked_for(params)
 
 
 def test_a_negative_thread_count_is_refused_by_its_option(capsys):

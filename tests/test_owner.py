@@ -32,6 +32,8 @@ def test_records_and_logs_are_owner_only_under_any_umask(open_umask):
     assert mode(owner.OWNER_DIR) == 0o700 and mode(record) == 0o600 and mode(log) == 0o600
     assert owner.note("shards", "shard 9 too") == log and log.read_text().splitlines() == [
         "shard 7 could not be read", "shard 9 too"]
+    # A record never written reads as None: verify names the missing record (run_checks.with_batch_sizes).
+    assert owner.read(owner.run_record("never-trained")) is None
 
 
 def test_seal_closes_what_other_tools_wrote_in_the_zone_and_leaves_links_alone(open_umask):
