@@ -1,4 +1,4 @@
-"""The documentation (README.md and docs/*.md) against the code it describes.
+"""The documentation (README.md, docs/*.md, pipeline/privacy/README.md) against the code it describes.
 
 - README.md stays short (at most README_MAX_LINES lines);
 - every relative link and image points to a file that exists (and an #anchor to a heading in it);
@@ -6,7 +6,9 @@
   Makefile's targets, `python -m benchmarks.NAME` / `python benchmarks/NAME.py` against the file and
   its flags, `snakemake ...` against `snakemake --help` and the stage table's outputs and rule names;
 - every params key named (`dp.epsilon`, `--set shards.scan_groups=4`, `-S dp.epsilon=2`) is in
-  params.yaml.
+  params.yaml;
+- every test named (`tests/test_x.py::test_name`, or `::test_name` after a file is named; `test_na…`:
+  a test whose name starts so) is in that file, so an invariant's evidence is a test that runs.
 
 Each check reports the file, the line and the offending text. `test_the_checks_catch_mistakes`
 feeds the same checks a page of planted mistakes, so a check that stopped finding anything fails.
@@ -28,7 +30,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "pipeline/privacy/README.md"]
 README_MAX_LINES = 120
 
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -331,6 +333,31 @@ def key_problems(path: Path, text: str) -> list[str]:
     return problems
 
 
+TEST_FILE_OR_NAME = re.compile(r"tests/(test_\w+\.py)|::(test_\w+)( ?…)?")
+
+
+@functools.cache
+def named_tests(file: str) -> frozenset[str] | None:
+    path = ROOT / "tests" / file
+    return frozenset(re.findall(r"^def (test_\w+)", path.read_text(), re.M)) if path.is_file() else None
+
+
+def named_test_problems(path: Path, text: str) -> list[str]:
+    """`::test_x` names a test of the last test file named before it; `test_x…` any test whose name starts so."""
+    problems, file = [], None
+    for m in TEST_FILE_OR_NAME.finditer(text):
+        if m.group(1):
+            file = m.group(1)
+            if named_tests(file) is None:
+                problems.append(f"{rel(path)}:{line_of(text, m.start())}: tests/{file} does not exist")
+            continue
+        names, name = (named_tests(file) if file else None) or frozenset(), m.group(2)
+        if not (any(t.startswith(name) for t in names) if m.group(3) else name in names):
+            problems.append(f"{rel(path)}:{line_of(text, m.start())}: `::{name}{m.group(3) or ''}`: "
+                            f"{'tests/' + file if file else 'no test file named before it'} has no such test")
+    return problems
+
+
 # ---- the tests ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -375,6 +402,11 @@ def test_every_params_key_named_exists():
     assert not problems, "params keys the docs name that params.yaml lacks:\n" + "\n".join(problems)
 
 
+def test_every_test_named_exists():
+    problems = [p for path in DOCS for p in named_test_problems(path, path.read_text())]
+    assert not problems, "tests the docs name that do not exist:\n" + "\n".join(problems)
+
+
 PLANTED = """# Planted mistakes
 
 See [the old engine page](dp-engine.md), [a missing heading](privacy.md#no-such-heading) and
@@ -392,21 +424,25 @@ python -m benchmarks.scale_utility --dir /tmp/x \\
 Run `dpfm frobnicate`, `python benchmarks/nothing.py` and `dpfm epsilon --sigma 1`, then set
 `dp.epsilonn` (or `--set shards.scan_group=4`, `-S privacy.adjacent=replace_one`,
 `dp.nonprivate.stepz`). Not keys: `report.md`, `model.pt`, `pipeline.cli`, `results/report/report.html`.
+Shown by `tests/test_docs.py::test_the_readme_is_short`, `::test_every_page_starts…` and `::test_the_readme_is_long`,
+`::test_no_such_prefix…` and `tests/test_nowhere.py::test_anything`.
 """
 
 
 def test_the_checks_catch_mistakes(snakemake_help):
     page = ROOT / "docs" / "planted.md"  # never written: the checks read the text given
     reported = "\n".join(link_problems(page, PLANTED) + command_problems(page, PLANTED, snakemake_help)
-                         + key_problems(page, PLANTED))
+                         + key_problems(page, PLANTED) + named_test_problems(page, PLANTED))
     for mistake in ("(dp-engine.md)", "#no-such-heading", "images/none.png", "--sett", "--no-such-option",
                     "models/nowhere", "make deploy", "--no-such-flag", "dpfm frobnicate", "nothing.py",
                     "dpfm epsilon --sigma 1", "`dp.epsilonn`", "`shards.scan_group`", "`privacy.adjacent`",
-                    "`dp.nonprivate.stepz`"):
+                    "`dp.nonprivate.stepz`", "`::test_the_readme_is_long`", "`::test_no_such_prefix…`",
+                    "tests/test_nowhere.py does not exist"):
         assert mistake in reported, f"{mistake!r} was not reported:\n{reported}"
     # Not reported: file names and modules that look like keys, and a profile's path (an option's value,
     # behind `VAR=value` and `.venv/bin/`) taken for a target.
-    for fine in ("report.md", "model.pt", "pipeline.cli", "profiles/slurm is no", "--workflow-profile"):
+    for fine in ("report.md", "model.pt", "pipeline.cli", "profiles/slurm is no", "--workflow-profile",
+                 "test_the_readme_is_short`", "test_every_page_starts"):
         assert fine not in reported.replace("--workflow-profile profiles/slurm --no-such-option`", ""), \
             f"{fine!r} was reported:\n{reported}"
     # The continuation line joins its command, reported at the line the command starts on.
