@@ -1,6 +1,7 @@
 """The model registry (pipeline/tracking.py: log_dp_model, tag_dp_models): what a registered DP encoder's
 version says of its privacy from its first moment, and what later runs on the same examples add to it."""
 
+import os
 import types
 
 import pytest
@@ -56,3 +57,50 @@ def test_a_model_trained_without_dp_is_never_registered_and_a_versions_own_reaso
     [v] = client.search_model_versions("name='dpfm-mae'")
     assert set(v.tags["not_private"].split("; ")) == {"its own reason", "a later reason"}
     assert (v.tags["private"], v.tags["epsilon"]) == ("false", "inf")
+
+
+LOAD_REGISTERED = """
+import sys
+import numpy as np
+import mlflow.pytorch
+import torch
+
+# Without dpfm's installed package: the classes must come from the code the version carries.
+import importlib.util
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+assert importlib.util.find_spec("pipeline") is None
+encoder = mlflow.pytorch.load_model(sys.argv[1])
+with torch.no_grad():
+    np.save(sys.argv[3], encoder(torch.from_numpy(np.load(sys.argv[2]))).numpy())
+"""
+
+
+@pytest.mark.parametrize("objective", ["mae", "caption", "clip"])
+def test_a_registered_version_loads_where_dpfm_is_not_installed_and_gives_the_checkpoints_features(
+        local_mlflow, tmp_path, objective):
+    """A team that loads `models:/dpfm-<objective>/1` in a fresh environment gets the verified encoder: the same
+    features as the checkpoint's, on a batch of another size than the signature's example."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+
+    cfg = ModelConfig.of({"size": "micro", "img_size": 16}).to_dict()
+    torch.manual_seed(3)
+    checkpoints.save("c.pt", build_model(objective, cfg), objective=objective, model_cfg=cfg, steps=1, private=True,
+                     config={})
+    with tracking.stage_run(STAGE, {"run": {"seed": 0}}, "dpfm") as run:
+        run.log_dp_model("c.pt", 2.0, 1e-5)
+    images = torch.randn(5, 3, 16, 16)
+    np.save("images.npy", images.numpy())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MLFLOW_TRACKING_URI": tracking.tracking_uri()}
+    loaded = subprocess.run([sys.executable, "-c", LOAD_REGISTERED, f"models:/dpfm-{objective}/1",
+                             str(tmp_path / "images.npy"), str(tmp_path / "features.npy")],
+                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    with torch.no_grad():
+        expected = checkpoints.load("c.pt").build_encoder().eval()(images).numpy()
+    np.testing.assert_array_equal(np.load(tmp_path / "features.npy"), expected)
