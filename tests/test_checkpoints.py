@@ -38,16 +38,31 @@ def test_a_saved_checkpoint_hides_its_noise_key(tmp_path):
     assert b"918273645" not in (tmp_path / "c.pt").read_bytes()
 
 
-@pytest.mark.parametrize("key", checkpoints.LEGACY_STEP_KEYS)
-def test_a_checkpoint_from_an_earlier_version_keeps_its_step_count(tmp_path, key):
+@pytest.mark.parametrize("key", ["optimizer_steps", "step"])
+def test_a_checkpoint_from_an_earlier_version_keeps_its_step_count_and_is_not_taken_for_a_dp_model(tmp_path, key):
+    """Earlier versions wrote the update count under other keys (pretrain's `step`) and no private flag."""
     torch.save({"objective": "mae", "model_cfg": {}, "model": {}, "encoder": {}, key: 11}, tmp_path / "old.pt")
-    assert checkpoints.load(tmp_path / "old.pt").steps == 11
+    old = checkpoints.load(tmp_path / "old.pt")
+    assert (old.steps, old.private) == (11, False)
 
 
 def test_a_checkpoint_without_a_step_count_is_refused(tmp_path):
     torch.save({"objective": "mae", "model_cfg": {}, "model": {}, "encoder": {}}, tmp_path / "c.pt")
     with pytest.raises(checkpoints.CheckpointError, match="has no step count: it was not written by a dpfm stage"):
         checkpoints.load(tmp_path / "c.pt")
+
+
+def test_a_warm_starts_weights_digest_covers_the_weights_outside_its_encoder(tmp_path):
+    """An MAE warm start is the whole model, its decoder too (Checkpoint._part): a changed decoder is another
+    input, so the digest that keys a DP run by its warm start must move."""
+    model = Tiny()
+    checkpoints.save(tmp_path / "a.pt", model, objective="mae", model_cfg={"size": "micro"}, steps=2, private=False,
+                     config={})
+    with torch.no_grad():
+        model.head.weight[0, 0] += 1.0
+    checkpoints.save(tmp_path / "b.pt", model, objective="mae", model_cfg={"size": "micro"}, steps=2, private=False,
+                     config={})
+    assert checkpoints.weights_digest(tmp_path / "a.pt") != checkpoints.weights_digest(tmp_path / "b.pt")
 
 
 def test_a_save_cut_short_keeps_the_previous_file_whole(tmp_path, monkeypatch):

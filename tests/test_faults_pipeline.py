@@ -314,10 +314,16 @@ def test_trainings_of_other_runs_hold_their_own_locks_and_a_released_lock_leaves
 def test_a_stage_already_running_in_the_directory_is_refused_at_once(in_tmp, capsys):
     """The stage's own lock, measured directly (a dp-train's second lock, on its run, would only make a
     second one wait): `dpfm shards` while another holds the stage exits 1 saying so, having built nothing."""
-    from pipeline import cli
-    from pipeline.locking import stage_lock
+    import socket
 
+    from pipeline import cli
+    from pipeline.locking import LOCK_DIR, stage_lock
+
+    LOCK_DIR.mkdir(parents=True)  # a dead holder's note, longer than this one's: replaced whole, not overwritten
+    (LOCK_DIR / "shards.lock").write_text("pid 4000000 on a-node-of-a-cluster-long-gone.example.org")
     with stage_lock("shards"):
         assert cli.main(["shards"]) == 1
-    assert "shards is already running in this directory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "shards is already running in this directory" in err
+    assert f"(pid {os.getpid()} on {socket.gethostname()}, {LOCK_DIR / 'shards.lock'})" in err, err
     assert not (in_tmp / "data/shards").exists()

@@ -56,13 +56,37 @@ def fails_at_once_or_marks(k: int, marks: str) -> int:
 
     if k == 0:
         raise ValueError("job 0 failed")
+    Path(marks, f"start-{k}").touch()
     time.sleep(0.2)  # a job's work: the error reaches the caller while most jobs still wait
-    Path(marks, str(k)).touch()
+    Path(marks, f"end-{k}").touch()
     return k
 
 
 def test_the_jobs_still_waiting_when_one_fails_are_dropped(tmp_path):
-    """The error surfaces once the running jobs end, not after every queued job has run and written."""
+    """The error surfaces once the running jobs end (they may be writing files the caller then cleans up),
+    not after every queued job has run and written."""
     with pytest.raises(ValueError, match="job 0 failed"):
         list(processes.unordered(fails_at_once_or_marks, [(k, str(tmp_path)) for k in range(20)], 2))
-    assert len(list(tmp_path.iterdir())) < 10
+    started, ended = ({p.name.split("-")[1] for p in tmp_path.glob(f"{mark}-*")} for mark in ("start", "end"))
+    assert started and started == ended and len(ended) < 10
+
+
+def the_first_waits_for_go(k: int, go: str) -> int:
+    import time
+
+    deadline = time.monotonic() + 20  # the first job ends once the caller has the second's result (or in 20 s)
+    while k == 0 and not Path(go).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return k
+
+
+def test_results_come_as_their_jobs_complete_not_in_the_order_given(tmp_path):
+    go = tmp_path / "go"
+    results = processes.unordered(the_first_waits_for_go, [(0, str(go)), (1, str(go))], 2)
+    try:
+        first = next(results)
+        go.touch()
+        assert (first, list(results)) == (1, [0])
+    finally:
+        go.touch()
+        results.close()
