@@ -137,14 +137,23 @@ def test_noise_divided_by_the_world_size_is_flagged_at_two_ranks(tmp_path, name)
     assert "1/W = 0.500 at this world size, is the noise divided by the ranks?" in result["problems"][0]
 
 
-def test_dpfm_audit_prints_figures_and_exits_nonzero_when_flagged(in_tmp, capsys):
+def test_dpfm_audit_prints_figures_and_exits_nonzero_when_flagged(in_tmp, capsys, monkeypatch):
     args = ["audit", "--sigma", "0.8", *sum((["--set", s] for s in MICRO), [])]
-    assert cli.main(args + ["--json", "audit.json"]) == 0
+    assert cli.main(args + ["--json", "audit.json", "--set", "dp.sigma=3.0"]) == 0  # --sigma wins over dp.sigma
     out = capsys.readouterr().out
-    assert "noise std" in out and "sensitivity" in out and "verdict: consistent" in out
+    assert "noise std" in out and "sensitivity" in out and "verdict: consistent" in out and "σ=0.8," in out
     with bug("noise x0.7"):
         assert cli.main(args) == 1
     assert "FLAGGED: the step adds noise" in capsys.readouterr().out
+    # What the worst-case neighbours find fails the audit on its own (every bug in broken_engine.py shows in the
+    # random-batch figures too, so their measurement is made to report one here).
+    from pipeline.privacy.tools import step_audit
+
+    real = step_audit.worst_case_sensitivity
+    monkeypatch.setattr(step_audit, "worst_case_sensitivity",
+                        lambda *a, **kw: {**real(*a, **kw), "problems": ["worst-case neighbours move it by 2"]})
+    assert cli.main(args) == 1
+    assert "FLAGGED: worst-case neighbours move it by 2" in capsys.readouterr().out
 
 
 def test_dpfm_audit_audits_the_device_dp_train_runs_on(in_tmp, monkeypatch):
