@@ -368,6 +368,10 @@ def test_data_card_reports_usable_n_and_never_the_exclusion_counts():
     # Measured: the same usable n from another count of rows read and excluded gives the same card.
     other = {"source": "urls", "private": {"usable": 97, "rows": 131, "excluded": {"missing_image": 34}}}
     assert data_card(other) == (title, value, detail)
+    # An eval split carved out of the private data (shards.eval_fraction) is scored in public: the card says so.
+    carved = {**stats, "eval": {"usable": 11}, "eval_from_private": True}
+    assert "11 private examples held out for evaluation are NOT protected" in data_card(carved)[2]
+    assert "NOT protected" not in detail
 
 
 def test_headline_says_in_plain_words_whether_dp_beat_each_baseline():
@@ -771,7 +775,7 @@ def test_the_other_adjacencys_epsilon_is_rounded_up():
 def test_the_add_remove_text_names_the_released_n():
     v = a_ver(n=1258, steps=40)
     text = report_privacy.adjacency_text(v)
-    assert f"n = {v['n']}," in text
+    assert "n = 1258," in text and "does NOT cover" in text
 
 
 def test_final_privacy_carries_the_compositions_own_figures(monkeypatch):
@@ -779,10 +783,15 @@ def test_final_privacy_carries_the_compositions_own_figures(monkeypatch):
          "by_run": [{"objective": "mae"}, {"objective": "caption"}, {"objective": "mae"}]}
     monkeypatch.setattr(report_privacy.budget, "composition", lambda ledger, delta: c)
     monkeypatch.setattr(report_privacy.release, "not_private_reasons", lambda *a: [])
-    final = report_privacy.final_privacy({}, {}, a_ver(), {})
-    assert final["epsilon_dp_runs"] == c["epsilon_dp_runs"] and final["epsilon_composed"] == c["epsilon"]
+    final = report_privacy.final_privacy({}, {}, a_ver(epsilon_reported=3.25), {})
+    assert (final["epsilon_run"], final["epsilon_dp_runs"], final["epsilon_composed"]) == (3.25, 12.5, 12.5)
     assert final["delta_composed"] == c["delta"] and final["runs"] == c["runs"]
     assert final["objectives"] == ["mae", "caption", "mae"]
+    # NOT PRIVATE as a whole: ε = ∞, and what the DP runs alone compose to stays beside it (MLflow, the report).
+    c.update(epsilon=math.inf, epsilon_dp_runs=4.5)
+    monkeypatch.setattr(report_privacy.release, "not_private_reasons", lambda *a: ["trained without DP"])
+    final = report_privacy.final_privacy({}, {}, a_ver(), {})
+    assert (final["private"], final["epsilon_composed"], final["epsilon_dp_runs"]) == (False, math.inf, 4.5)
 
 
 # -- accuracy.py --------------------------------------------------------------------------------
