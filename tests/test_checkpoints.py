@@ -53,8 +53,8 @@ def test_a_checkpoint_without_a_step_count_is_refused(tmp_path):
 
 
 def test_a_warm_starts_weights_digest_covers_the_weights_outside_its_encoder(tmp_path):
-    """An MAE warm start is the whole model, its decoder too (Checkpoint._part): a changed decoder is another
-    input, so the digest that keys a DP run by its warm start must move."""
+    """An MAE warm start is the whole model, its decoder too (Checkpoint._part): a change outside the encoder
+    (here Tiny's head) is another input, so the digest that keys a DP run by its warm start must move."""
     model = Tiny()
     checkpoints.save(tmp_path / "a.pt", model, objective="mae", model_cfg={"size": "micro"}, steps=2, private=False,
                      config={})

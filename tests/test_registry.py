@@ -60,13 +60,14 @@ def test_a_model_trained_without_dp_is_never_registered_and_a_versions_own_reaso
 
 
 LOAD_REGISTERED = """
+import importlib.util
 import sys
-import numpy as np
+
 import mlflow.pytorch
+import numpy as np
 import torch
 
 # Without dpfm's installed package: the classes must come from the code the version carries.
-import importlib.util
 sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 assert importlib.util.find_spec("pipeline") is None
 encoder = mlflow.pytorch.load_model(sys.argv[1])
