@@ -434,3 +434,20 @@ def test_budget_guard_refuses_a_step_beyond_the_accounted_ones(tmp_path, name):
     for refused in (guarded_step(name, 2, World()), on_two_ranks(tmp_path, guarded_step, name, 2)):
         assert refused == "refusing step 2: ε was accounted for 2 steps"
 
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_fixed_batch_is_cut_as_training_cuts_a_batch_expecting_as_many(world_size):
+    """The step audit releases a FixedBatch of B examples; what it measures (the others' rounding by
+    bucket) is training's only if its micro-batches are those of a Poisson step expecting B: the same
+    B examples spread over k·B, drawn at rate 1/k."""
+    from pipeline.privacy.engine import rank_share
+    from pipeline.privacy.sampling import PoissonSampler
+
+    size, physical, k = 1000, 7, 50  # B / P not a bucket multiple: halving the buckets moves the cuts
+    for rank in range(world_size):
+        world = World(rank=rank, size=world_size)
+        audited = rank_share(np.arange(size), FixedBatch(np.arange(size), size), "per_example", physical, world)
+        trained = rank_share(k * np.arange(size), PoissonSampler(k * size, 1 / k, key=0), "per_example", physical,
+                             world)
+        assert len(audited) > 1 and [m.tolist() for m in audited] == [m.tolist() for m in trained]
