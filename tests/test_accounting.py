@@ -13,6 +13,7 @@ import dp_accounting
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants import PRVAccountant, RDPAccountant
+from scipy import stats
 
 from pipeline.privacy import accounting as acc
 from pipeline.privacy.tools.accounting_cli import main
@@ -563,3 +564,87 @@ def test_a_noise_multiplier_below_the_floor_is_refused_before_any_distribution_i
         checked_plan(dp, 1000, "replace_one")
     assert time.process_time() - start < 5 and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000
     assert acc.epsilon(acc.SIGMA_MIN, 0.01, 10, 1e-6) > 0  # the floor itself is accounted
+
+
+def test_every_spelling_of_one_over_2n_parses_alike():
+    """'1/(2*n)' is '1/2n': read as 1/n, δ would be twice what was asked."""
+    for text in ("1/2n", "1/(2n)", "1/(2*n)", " 1 / 2n "):
+        assert acc.parse_delta(text, 1000) == pytest.approx(5e-4, rel=1e-12)
+
+
+def test_a_delta_just_below_one_over_n_is_accepted():
+    """Refused is δ ≥ 1/n and nothing below it: the largest float under 1/n passes, at n = 100 and 1,258."""
+    for n in (100, 1258):
+        just_below = math.nextafter(1 / n, 0)
+        assert acc.check_delta(just_below, n) == just_below
+        with pytest.raises(ValueError, match="1/n"):
+            acc.check_delta(1 / n, n)
+
+
+@pytest.mark.parametrize("text", ["1.5", "0", "-1e-5", "1"])
+def test_a_delta_written_as_a_number_outside_0_1_is_refused(text):
+    """A δ string is range-checked like a δ number: "1.5" is no probability."""
+    with pytest.raises(ValueError, match="delta must be in"):
+        acc.parse_delta(text)
+
+
+def test_a_bound_above_its_decimal_by_more_than_float_noise_rounds_up():
+    """The 1e-9 forgives float representation only: 7.98 + 1e-7 must show as 7.99."""
+    assert acc.round_up(7.98 + 1e-7, 2) == 7.99 and acc.bound_text(7.98 + 1e-7, 2) == "7.99"
+    assert acc.round_up(0.1 + 1e-8, 1) == 0.2
+
+
+def gaussian_delta(eps: float, mu: float) -> float:
+    """δ(ε) of the Gaussian mechanism with sensitivity/std = mu (Balle & Wang 2018, exact)."""
+    return stats.norm.cdf(mu / 2 - eps / mu) - math.exp(eps) * stats.norm.cdf(-mu / 2 - eps / mu)
+
+
+def gaussian_epsilon(delta: float, mu: float) -> float:
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gaussian_delta(mid, mu) > delta else (lo, mid)
+    return hi
+
+
+@pytest.mark.parametrize("adjacency, move", [("add_remove", 1.0), ("replace_one", 2.0)])
+def test_full_batch_epsilon_is_the_gaussian_mechanisms_closed_form(adjacency, move):
+    """At q = 1, T steps of noise σ are one Gaussian mechanism of sensitivity/std = move·√T/σ (move 1 for
+    add/remove, 2 for replace-one): ε from that closed form, an upper bound within the accountant's 0.1%."""
+    sigma, steps, delta = 3.0, 10, 1e-5
+    exact = gaussian_epsilon(delta, move * math.sqrt(steps) / sigma)
+    assert exact <= acc.epsilon(sigma, 1.0, steps, delta, adjacency=adjacency) <= exact * 1.003
+
+
+@pytest.mark.parametrize("name", ["pld", "rdp"])
+def test_calibration_lands_in_its_stated_window(name):
+    """calibrate_sigma promises 0.998·target <= ε(σ) <= target (not only the 0.5% the round trip checks)."""
+    for target, q, steps, delta in [(1.0, 0.01, 1000, 1e-5), (3.0, 0.1, 50, 1e-6), (8.0, 128 / 1258, 40, 1 / 2516)]:
+        sigma = acc.calibrate_sigma(target, q, steps, delta, accountant=name)
+        assert 0.998 * target <= acc.epsilon(sigma, q, steps, delta, accountant=name) <= target
+
+
+def test_each_curve_point_is_at_least_as_tight_as_epsilon():
+    """The curve recomposes on the finer of its ends' grids, so (both being pessimistic upper bounds) no point
+    may exceed what epsilon() reports for it; on the coarser grid the long-run points read 0.15-0.2% high."""
+    q, sigma, delta, steps = 0.01, 1.0, 1e-5, [1, 10, 1000, 10_000]
+    curve = acc.epsilon_curve(sigma, q, steps, delta)
+    for t, value in zip(steps, curve):
+        assert value <= acc.epsilon(sigma, q, t, delta) * (1 + 1e-4)
+
+
+def test_steps_to_reach_is_the_largest_admissible_under_prv():
+    """The PLD grid only steers the search: the T returned must be PRV's own (PRV reads ~0.1% above PLD)."""
+    q, sigma, delta, target = 0.01, 1.0, 1e-5, 2.0
+    t = acc.steps_to_reach(target, sigma, q, delta, "prv")
+    assert acc.epsilon(sigma, q, t, delta, accountant="prv") <= target < acc.epsilon(sigma, q, t + 1, delta,
+                                                                                      accountant="prv")
+
+
+@pytest.mark.parametrize("target", [0.0, -0.0])
+def test_a_target_epsilon_of_zero_is_refused_by_name(target):
+    """ε = 0 is no target any σ meets: refused naming it, not by a math domain error deep in the search."""
+    with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
+        acc.calibrate_sigma(target, 0.01, 100, 1e-5)
+    with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
+        acc.steps_to_reach(target, 1.0, 0.01, 1e-5)

@@ -9,6 +9,7 @@ from scipy import stats
 
 from pipeline.privacy.clipping import BookKeepingClipper
 from pipeline.privacy.engine import add_noise
+from pipeline.privacy.noise import gaussian, step_noise
 
 
 def noise_std_of(noise_std, scale=1.0):
@@ -65,3 +66,13 @@ def test_each_noise_value_is_its_own_draw_from_a_stream_no_other_randomness_shar
     sampler_bits = torch.from_numpy(np.random.default_rng([11, 3]).integers(0, 2 ** 53, size=64, dtype=np.int64))
     mask_bits = torch.randint(0, 2 ** 53, (64,), generator=step_generator(11, 3, MASKS), dtype=torch.int64)
     assert len(set(ks.tolist()) & (set(sampler_bits.tolist()) | set(mask_bits.tolist()))) == 0
+
+
+@pytest.mark.parametrize("shape", [(300_001,), (7, 13, 3)])
+def test_the_cpu_noise_streams_draws_are_standard_normal_in_any_shape(shape):
+    """dp-train's CPU noise comes from numpy's PCG64 (step_noise), not the torch generator the other tests
+    use: its normals must be N(0, 1) too, and an odd count must still fill the shape."""
+    z = gaussian(torch.Size(shape), step_noise(11, 3, "cpu"), torch.device("cpu"))
+    assert z.shape == shape and z.dtype == torch.float64
+    if z.numel() > 1000:
+        assert stats.kstest(z.numpy(), "norm").pvalue > 1e-3 and noise_matches(z, 1.0)
