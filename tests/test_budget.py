@@ -3,6 +3,7 @@ overlapping sets compose, a resumed run is charged once, and the record survives
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from shard_data import write_set
 from pipeline.data.shards import ShardWriter, encode_png
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import accounting, budget
+from pipeline.privacy.noise_edge import largest_move, noise_edge_floor
 from pipeline.privacy.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -714,3 +716,184 @@ def test_the_budget_and_dvcs_copy_of_it_are_readable_by_the_owner_only(in_tmp, c
     budget.sync()
     assert f"DVC's cache {shared} (cache.dir) receives data/budget/" in capsys.readouterr().err
     assert shared.stat().st_mode & 0o777 == 0o775
+
+
+def edge_giving(share, sigma, sample_rate, steps, move):
+    """The noise edge at which one run's edge floor is `share`·δ (bisected on noise_edge_floor)."""
+    lo, hi = 1.0, 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if noise_edge_floor(sigma, sample_rate, steps, mid, move=move) > share * DELTA else (lo, mid)
+    return hi
+
+
+def edge_entry(edge, sigma=0.9, sample_rate=0.01, steps=300, adjacency="add_remove"):
+    """A run as budget.record writes it, with the noise edge `edge`."""
+    return {"run": "r", "objective": "mae", "sigma": sigma, "sample_rate": sample_rate, "steps": steps,
+            "delta": DELTA, "adjacency": adjacency, "noise_edge": edge}
+
+
+def test_a_noise_edge_giving_away_half_of_delta_voids_epsilon_at_delta():
+    """The edge alone may give away at most a tenth of δ: a run whose edge shows an example with
+    probability δ/2 leaves too little of δ for the ε stated at it."""
+    half = edge_entry(edge_giving(0.5, 0.9, 0.01, 300, move=1.0))
+    assert noise_edge_floor(0.9, 0.01, 300, half["noise_edge"], move=1.0) == pytest.approx(0.5 * DELTA, rel=1e-6)
+    assert budget.edges_problem([half], DELTA, "add_remove") is not None
+    assert budget.edges_problem([edge_entry(edge_giving(0.05, 0.9, 0.01, 300, move=1.0))], DELTA, "add_remove") is None
+
+
+def test_a_charged_run_whose_edge_gives_away_half_of_delta_makes_the_composition_infinite(in_tmp):
+    """Measured through the budget: a charged run whose noise edge shows an example with probability δ/2
+    (at the composition's own δ) voids every ε at δ of the runs composed with it."""
+    identity, sketch = shard(in_tmp / "d", examples(30))
+    charge(identity, sketch, "earlier")
+    ledger = {**plan().header(), "run": "later", "data_identity": identity}
+    assert budget.composition(ledger, DELTA)["epsilon"] < float("inf")
+    path = budget.BUDGET_DIR / "runs.jsonl"
+    edge = edge_giving(0.5, 0.9, 0.01, 300, move=1.0)
+    path.write_text("".join(json.dumps({**json.loads(line), "noise_edge": edge}) + "\n"
+                            for line in path.read_text().splitlines()))
+    budget.CHARGES.unlink()  # else the charge as recorded, its edge with it, is put back beside the edited one
+    later = budget.composition(ledger, DELTA)
+    assert later["runs"] == 2 and later["epsilon"] == float("inf") and "stops short" in later["outside_dp"][0]
+
+
+def test_noise_edges_of_composed_runs_add_up():
+    """Each of two runs' edges shows an example with probability 0.06·δ, under the tenth of δ allowed;
+    composed, they show it with probability 0.12·δ, over it: the check is on the runs together."""
+    e = edge_entry(edge_giving(0.06, 0.9, 0.01, 300, move=1.0))
+    assert budget.edges_problem([e], DELTA, "add_remove") is None
+    assert budget.edges_problem([e, {**e, "run": "s"}], DELTA, "add_remove") is not None
+
+
+def test_a_runs_noise_edge_is_judged_under_its_own_adjacency():
+    """A full-batch replace-one run (q = 1) moves x's coordinate 2C past its neighbour's edge: composed into a
+    later add-remove run, its edge floor is still the one its own adjacency gives, not the later run's."""
+    assert largest_move(1.0, "replace_one", 1.0) == 2 * largest_move(1.0, "add_remove", 1.0)
+    edge = edge_giving(0.5, 0.5, 1.0, 1, move=2.0)  # a δ/2 floor as replace-one; far below δ/10 as add-remove
+    assert noise_edge_floor(0.5, 1.0, 1, edge, move=1.0) < 0.01 * DELTA
+    run = edge_entry(edge, sigma=0.5, sample_rate=1.0, steps=1, adjacency="replace_one")
+    assert budget.edges_problem([run], DELTA, "add_remove") is not None
+
+
+def test_a_set_whose_own_sketch_was_lost_composes_with_every_run(in_tmp):
+    """Without its own sketch on record, which sets share its examples cannot be read: every run charged,
+    on whatever set, is composed with it (never fewer runs than there were)."""
+    mine, other = shard(in_tmp / "mine", examples(30)), shard(in_tmp / "other", examples(30, seed=1, start=100))
+    charge(*mine, "mine")
+    charge(*other, "other")
+    assert [e["run"] for e in budget.runs(mine[0])] == ["mine"]
+    (budget.BUDGET_DIR / "sets" / f"{mine[0]}.npz").unlink()
+    assert [e["run"] for e in budget.runs(mine[0])] == ["mine", "other"]
+
+
+def test_a_charged_replace_one_runs_edge_counts_in_a_later_add_remove_runs_composition(in_tmp):
+    """Measured through the budget: a full-batch replace-one run whose edge floor is δ/2 under its own
+    adjacency (far below δ/10 under add-remove) voids the composition of a later add-remove run."""
+    identity, sketch = shard(in_tmp / "d", examples(30))
+    edge = edge_giving(0.5, 0.5, 1.0, 1, move=2.0)
+    full = dataclasses.replace(plan(), adjacency="replace_one", sample_rate=1.0, sigma=0.5, steps=1, noise_edge=edge)
+    budget.record(identity, sketch, "full-batch", full, key=7)
+    ledger = {**plan().header(), "run": "later", "data_identity": identity}
+    assert ledger["adjacency"] == "add_remove"
+    composed = budget.composition(ledger, DELTA)
+    assert composed["epsilon"] == float("inf") and "stops short" in composed["outside_dp"][0]
+
+
+def test_a_garbled_last_line_that_ends_in_a_newline_is_a_lost_charge_not_a_torn_one(in_tmp):
+    """Only a last line without its newline is torn (a kill inside a charge). A complete last line that does
+    not read was a charge (an edit, two writers without a lock): composing without it would undercount."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "r")
+    charge(*d, "s")
+    path = budget.BUDGET_DIR / "runs.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:25] + "\n")
+    budget.CHARGES.unlink()  # no copy of it kept (a budget from before the owner kept one) to put it back
+    for read in (lambda: budget.runs(d[0]), lambda: charge(*d, "t")):
+        with pytest.raises(budget.BudgetCorrupt, match="runs.jsonl, line 2, is not a charge"):
+            read()
+
+
+def test_a_charge_being_appended_while_the_budget_is_read_is_not_a_lost_one(in_tmp, monkeypatch):
+    """The budget is read (`_entries`) after its lock is released: another process may be inside its append,
+    its line not yet whole. That line is not yet a charge (its run has not started), and stops no reader."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "r")
+    check = budget._check_here
+
+    def check_then_another_appends():
+        check()
+        with open(budget.BUDGET_DIR / "runs.jsonl", "a") as f:
+            f.write('{"run": "another", "se')
+
+    monkeypatch.setattr(budget, "_check_here", check_then_another_appends)
+    assert [e["run"] for e in budget.runs(d[0])] == ["r"]
+
+
+def test_a_release_outside_dp_composes_to_infinity_beside_dp_runs(in_tmp):
+    """composed_epsilon over a set's runs (`runs`) that include a release without DP is ∞, whatever the DP
+    runs beside it compose to."""
+    identity, sketch = shard(in_tmp / "d", examples(10))
+    charge(identity, sketch, "dp")
+    budget.record_outside_dp(identity, sketch, "twin", "a training without DP on them")
+    assert budget.composed_epsilon(budget.runs(identity), DELTA) == float("inf")
+
+
+def test_a_torn_line_in_the_owners_copy_of_the_charges_is_cut_not_added_to_the_budget(in_tmp):
+    """A kill inside the append to the owner's copy (budget-charges.jsonl) leaves a line without its newline.
+    Read as a charge at the next use, it was added to runs.jsonl, whose every reader then stopped."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "r")
+    with open(budget.CHARGES, "a") as f:
+        f.write('{"run": "half')
+    charge(*d, "s")
+    assert [e["run"] for e in budget.runs(d[0])] == ["r", "s"]
+    assert [json.loads(line)["run"] for line in budget.CHARGES.read_text().splitlines()] == ["r", "s"]
+
+
+def test_runs_merged_from_the_recorded_budget_are_kept_whole_after_a_torn_charge(in_tmp):
+    """A kill inside an append to the owner's copy of the charges left a line without its newline; the next
+    use merges runs from the budget version git records into both. Glued onto the torn line, a merged
+    charge was garbled in the owner's copy, and from there stopped every reader of the budget."""
+    dvc = [str(ROOT / ".venv/bin/dvc")]
+    subprocess.run(dvc + ["init", "-q", "--no-scm"], check=True)
+    d, e = shard(in_tmp / "d", examples(10)), shard(in_tmp / "e", examples(10, seed=1))
+    charge(*d, "A1")
+    behind = in_tmp / "b-budget"
+    shutil.copytree(budget.BUDGET_DIR, behind)
+    charge(*e, "A2")
+    subprocess.run(dvc + ["add", "-q", "data/budget"], check=True)  # A's push
+    shutil.rmtree(budget.BUDGET_DIR)
+    shutil.copytree(behind, budget.BUDGET_DIR)
+    budget.CHARGES.write_text((behind / "runs.jsonl").read_text() + '{"run": "half')  # B's copy, torn
+    ledger = {**plan().header(), "run": "B1", "data_identity": d[0]}
+    assert budget.composition(ledger, DELTA)["runs"] == 3
+    assert [json.loads(line)["run"] for line in budget.CHARGES.read_text().splitlines()] == ["A1", "A2"]
+    assert [e["run"] for e in budget._entries()] == ["A1", "A2"]
+
+
+def test_the_owners_copy_of_the_charges_alone_refuses_a_new_budget(in_tmp):
+    """The mark outside the project may be absent (another $XDG_STATE_HOME, a home it could not be written
+    to): a budget deleted while the owner's copy of its charges is here is refused all the same."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "before")
+    shutil.rmtree(budget.BUDGET_DIR)
+    budget.started_mark().unlink()
+    with pytest.raises(budget.BudgetNotHere, match=r"data/budget/ is gone but DP runs it charged left"):
+        charge(*d, "after")
+    assert not budget.BUDGET_DIR.exists()
+
+
+def test_a_budget_started_before_the_mark_existed_is_marked_at_its_next_use(in_tmp):
+    """A budget from before the mark outside the project: its next use marks it, so a `git clean -X` that
+    deletes it with every record of its runs inside the project is refused, not restarted from nothing."""
+    d = shard(in_tmp / "d", examples(10))
+    charge(*d, "before")
+    budget.started_mark().unlink()
+    budget.sync()
+    assert budget.started_mark().is_file()
+    for ignored in ("data", ".dpfm"):
+        shutil.rmtree(ignored)
+    with pytest.raises(budget.BudgetNotHere, match=r"data/budget/ is gone but DP runs it charged left"):
+        charge(*shard(in_tmp / "d2", examples(10)), "after")
