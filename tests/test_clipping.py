@@ -16,7 +16,7 @@ from pipeline.models.layers import ClassToken
 from pipeline.privacy.clipping import BookKeepingClipper, PerBatchClipper, VmapClipper
 from pipeline.privacy.engine import make_clipper
 from pipeline.privacy.layer_rules import GRAM_BLOCK, gram_inner
-from pipeline.train import autocast
+from pipeline.train import autocast, loss_scale
 from pipeline.privacy.tools import emulated_bf16_gemm
 
 torch.manual_seed(0)
@@ -102,6 +102,9 @@ def engine_sum(engine, model, batch, clip_norm, **kw):
     return clipped_sum(BookKeepingClipper, model, batch, clip_norm, ghost=ghost, **kw)
 
 
+ENGINES = ["ghost-auto", "ghost-always", "instantiate", "vmap"]
+
+
 @pytest.mark.parametrize("name", ["mae", "caption", "clip-public", "all_layers"])
 @pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap", "opacus-hooks", "opacus-ghost"])
 def test_clipped_sum_equals_brute_force(name, engine):
@@ -140,7 +143,7 @@ def brute_force_grouped_sum(model, batch, clip_norm, share):
 
 
 @pytest.mark.parametrize("name", ["mae", "caption", "clip-public"])
-@pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_clip_groups_equal_brute_force(name, engine):
     """dp.encoder_clip_share: each example's encoder part and the rest clipped to their own bounds,
     which clip some examples and not others in each part."""
@@ -172,7 +175,7 @@ def view_cases():
 
 
 @pytest.mark.parametrize("name", ["mae", "caption", "all_layers"])
-@pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_mask_views_equal_brute_force(name, engine):
     """dp.mask_views: each example's rows make one gradient (their mean), clipped once, through every
     route and layer type (reused layers, embeddings, broadcast tokens)."""
@@ -309,11 +312,14 @@ def test_comparison_catches_an_engine_that_does_not_clip():
     assert max_rel_error(got, want) > SUM_TOL  # the tolerance the equality tests use
 
 
-def test_nonfinite_example_contributes_nothing():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nonfinite_example_contributes_nothing_on_every_route(engine):
+    """A non-finite example is dropped on each route: instantiated per-example gradients and vmap's have
+    their own zeroing of its rows, apart from the ghost norms'."""
     model, (imgs, noise) = cases()["mae"]
     bad = imgs.clone()
     bad[2] = float("nan")
-    got, st = clipped_sum(BookKeepingClipper, model, (bad, noise), 0.5)
+    got, st = engine_sum(engine, model, (bad, noise), 0.5)
     keep = torch.tensor([i != 2 for i in range(6)])
     want, _ = brute_force_clipped_sum(model, (imgs[keep], noise[keep]), 0.5)
     assert st.nonfinite == 1
@@ -691,3 +697,105 @@ def test_the_slot_records_lay_out_from_a_micro_batch_of_one_example(name, views)
     clipper.reset()
     clipper.accumulate(*batch)
     assert max_rel_error(clipper.sum, want) <= SUM_TOL
+
+
+def contribution(engine, model, batch, clip_norm, **kw):
+    """The norm of what the batch adds to the clipped sum (fp64)."""
+    got, _ = engine_sum(engine, model, batch, clip_norm, **kw)
+    return math.sqrt(sum(float(v.double().pow(2).sum()) for v in got.values()))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_example_with_a_norm_near_the_factors_epsilon_stays_within_c(engine):
+    """min(1, C/(‖g‖ + ε)) never lets a small-norm example carry more than C, whatever C: with C and
+    ‖g‖ both of the order of ε (1e-6) one example still moves the sum by at most C."""
+    torch.manual_seed(0)
+    model = MeanSquare(nn.Linear(4, 3, bias=False))
+    x = torch.randn(1, 2, 4)
+    _, (norm,) = brute_force_clipped_sum(model, (x,), 1e9)
+    x = x * math.sqrt(1.5e-6 / norm)  # the loss is quadratic in x: ‖g‖ = 1.5e-6
+    _, (norm,) = brute_force_clipped_sum(model, (x,), 1e9)
+    assert norm == pytest.approx(1.5e-6, rel=1e-3)
+    clip_norm = 1e-6
+    assert contribution(engine, model, (x,), clip_norm) <= clip_norm * (1 + 1e-5)
+
+
+class TwoTowers(nn.Module):
+    """An `encoder` reading x and a `head` reading y: a non-finite y spoils only the head's gradient
+    (the other clip group's stays finite). Takes `gather` so the per-batch clipper can run it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, y, gather=None):
+        return self.encoder(x).pow(2).mean((1, 2)) + self.head(y).pow(2).mean((1, 2))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_example_nonfinite_in_one_clip_group_contributes_nothing(engine):
+    """With dp.encoder_clip_share, an example whose gradient is not finite in one group is dropped whole
+    (its finite group too), and the others' clipped sum stays finite and exact."""
+    torch.manual_seed(0)
+    model, x, y = TwoTowers(), torch.randn(5, 3, 4), torch.randn(5, 3, 4)
+    bad = y.clone()
+    bad[2] = float("nan")
+    got, st = engine_sum(engine, model, (x, bad), 0.5, encoder_share=0.5)
+    keep = torch.tensor([i != 2 for i in range(5)])
+    want = brute_force_grouped_sum(model, (x[keep], y[keep]), 0.5, 0.5)
+    assert st.nonfinite == 1
+    assert all(bool(torch.isfinite(v).all()) for v in got.values())
+    assert max_rel_error(got, want) <= SUM_TOL
+
+
+@pytest.mark.parametrize("share", [None, 0.5])
+def test_a_nonfinite_per_batch_sum_is_dropped_whole(share):
+    """Per batch: a batch gradient not finite (in any clip group) is dropped, every sum zeroed, not NaN."""
+    torch.manual_seed(0)
+    model, x, y = TwoTowers(), torch.randn(5, 3, 4), torch.randn(5, 3, 4)
+    y[2] = float("nan")
+    clipper = PerBatchClipper(model, 1e-3, encoder_share=share)
+    clipper.reset()
+    clipper.accumulate(x, y)
+    assert clipper.finish(5) == 1
+    assert all(bool((v == 0).all()) for v in clipper.sum.values())
+
+
+class NestedEncoders(nn.Module):
+    """The image `encoder` and, deeper, a `head.encoder` (say, a text decoder's own): the encoder share
+    belongs to the shallowest."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 3)
+        self.head = nn.Module()
+        self.head.encoder = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head.encoder(torch.tanh(self.encoder(x))).pow(2).mean((1, 2))
+
+
+@pytest.mark.parametrize("engine", ["ghost-auto", "vmap"])
+def test_the_encoder_share_goes_to_the_shallowest_encoder(engine):
+    torch.manual_seed(0)
+    model, batch = NestedEncoders(), (torch.randn(6, 3, 4),)
+    _, norms = brute_force_clipped_sum(model, batch, 1e9)
+    clip_norm = sorted(norms)[3]
+    want = brute_force_grouped_sum(model, batch, clip_norm, 0.2)  # groups: names under "encoder." or not
+    got, _ = engine_sum(engine, model, batch, clip_norm, encoder_share=0.2)
+    assert max_rel_error(got, want) <= SUM_TOL
+
+
+@pytest.mark.parametrize("engine", ["ghost-auto", "instantiate", "vmap"])
+def test_fp16_sums_and_norms_are_those_of_the_unscaled_loss(engine):
+    """fp16's fixed loss scale is taken back out before norms and sums: an unclipped example (C far above
+    its norm) adds its own gradient, not loss_scale times it (every clipped one would still add C, so
+    the worst-case audits cannot tell)."""
+    model, batch = cases()["mae"]
+    want, want_st = engine_sum(engine, model, batch, 1e6)
+    want = {k: v.clone() for k, v in want.items()}
+    got, st = engine_sum(engine, model, batch, 1e6, autocast=lambda: autocast("cpu", "fp16"),
+                         loss_scale=loss_scale("fp16"))
+    assert st.norms == pytest.approx(want_st.norms, rel=2e-2)
+    assert max_rel_error(got, want) <= 5e-2
