@@ -201,3 +201,13 @@ def test_the_refusal_says_what_lets_the_plan_through():
         plan_mechanism({**dp, "steps": 1}, 1258, "replace_one")
     assert "with dp.sigma given, raise it or take fewer steps" in str(refused.value)
     assert plan_mechanism({**dp, "steps": 5}, 1258, "replace_one").sigma > 0
+
+
+@pytest.mark.parametrize("sigma, q, steps, edge, move", [
+    (0.5, 0.1, 1, 5.77, 1.0), (0.5, 0.1, 3, 5.77, 1.0), (0.3, 1.0, 2, 8.57, 2.0), (0.9, 0.01, 300, 6.0, 1.0)])
+def test_the_edge_floor_is_one_minus_the_chance_no_sampled_step_passes(sigma, q, steps, edge, move):
+    """Computed independently: each step samples x with rate q and then passes the edge with the normal tail
+    past edge - move/σ; the floor is the chance that happens in at least one of the T steps."""
+    per_step = q * stats.norm.sf(edge - move / sigma)
+    want = 1 - (1 - per_step) ** steps
+    assert noise_edge.noise_edge_floor(sigma, q, steps, edge, move=move) == pytest.approx(want, rel=1e-9)

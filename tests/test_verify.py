@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from pipeline import checkpoints, cli
 from pipeline.config import load_params
@@ -17,7 +18,7 @@ from pipeline.privacy.plan import plan_mechanism
 from pipeline.errors import VerificationFailed
 from pipeline.io import read_json, write_json
 from pipeline.models import ModelConfig, build_model
-from pipeline.privacy import accounting, run_checks as V
+from pipeline.privacy import accountant_backends, accounting, run_checks as V
 from pipeline.privacy.ledger import Ledger
 from pipeline.privacy.noise_edge import NOISE_EDGE
 from pipeline.artifacts import artifact
@@ -602,3 +603,123 @@ def test_every_epsilon_verify_prints_is_rounded_up(project, in_tmp, monkeypatch,
         shown = {a: float(v) for a, v in re.findall(r"(\w+): (\d+\.\d+)", part)}
         assert shown and set(shown) == set(result[key]), (line, result[key])
         assert all(shown[a] >= result[key][a] for a in shown), (line, result[key])
+
+
+def test_a_step_the_batch_sizes_lack_fails_though_header_and_optimizer_agree(valid):
+    """ε is accounted from the recorded batch sizes: a step the header and the optimizer count but that
+    records no batch size was applied uncharged."""
+    ledger = _reclaim(_with(valid, batch_sizes=valid["batch_sizes"][:-1]))
+    assert ledger["steps"] == len(valid["batch_sizes"])
+    assert failed(run_verify(ledger, ledger["steps"])) == {"ledger_steps_match_optimizer"}
+
+
+@pytest.mark.parametrize("sampler", ["fixed_size", "Poisson", "uniform"])
+def test_any_sampler_but_poisson_fails(valid, sampler):
+    """The accountant assumes Poisson sampling: every other sampler is refused, not only `shuffle`."""
+    assert failed(run_verify(_with(valid, sampler=sampler))) == {"sampler_is_poisson"}
+
+
+def test_sigma_recorded_a_percent_above_the_noise_fails(valid):
+    """The σ the report publishes must be the noise applied, not near it."""
+    assert failed(run_verify(_with(valid, sigma=1.01 * valid["sigma"]))) == {"noise_matches_sigma"}
+
+
+@pytest.mark.parametrize("field", ["delta", "objective", "accountant"])
+def test_a_ledger_other_than_params_in_each_field_fails(valid, dp, field):
+    """The run must be the one params.yaml asked for in δ, objective and accountant too: each differs
+    here from params alone (the ledger is otherwise self-consistent and passes every other check)."""
+    ledger, want = valid, dict(dp)
+    if field == "delta":
+        ledger = _reclaim(_with(valid, delta=1 / (1.5 * valid["n"])))  # still below 1/n
+    elif field == "objective":
+        want["objective"] = "caption"  # same sensitivity as mae
+    else:
+        want["accountant"] = "prv"
+    assert failed(run_verify(ledger, dp=want)) == {"ledger_matches_params"}
+
+
+@pytest.mark.parametrize("field, factor", [("clip_norm", 1.001), ("expected_batch_size", 1.001), ("delta", 1.001)])
+def test_params_a_tenth_of_a_percent_off_fail(valid, dp, field, factor):
+    """The params comparison is exact up to float rounding: no slack lets a nearby run pass."""
+    want = dict(dp)
+    want[field] = factor * (accounting.parse_delta(dp["delta"], valid["n"]) if field == "delta" else dp[field])
+    assert failed(run_verify(valid, dp=want)) == {"ledger_matches_params"}
+
+
+def test_a_ledger_without_adjacency_is_accounted_add_remove(valid):
+    """Ledgers from before adjacency was recorded were accounted add/remove: they still pass, as such."""
+    old = {k: v for k, v in valid.items() if k != "adjacency"}
+    result = run_verify(old)
+    assert failed(result) == set() and result["adjacency"] == "add_remove"
+
+
+def test_a_full_batch_replace_one_ledger_is_checked_at_twice_the_move(tmp_path, dp):
+    """q = 1 under replace-one: x's replacement is always in the batch, so x moves its coordinate 2C past
+    the neighbour's highest. σ = 0.2 is far enough from the edge at C and too close at 2C."""
+    full = {**dp, "expected_batch_size": 1258, "sigma": 0.2, "epsilon": 1e4, "steps": 2}
+    ledger = realistic_ledger(tmp_path, full, n=1258, adjacency="add_remove")
+    assert ledger["sample_rate"] == 1.0
+    assert "noise_edge_within_delta" not in failed(V.verify(ledger, ledger["steps"], full, ACCOUNTANTS, ALPHA))
+    replace = _with(ledger, adjacency="replace_one")
+    assert "noise_edge_within_delta" in failed(V.verify(replace, ledger["steps"], full, ["pld"], ALPHA))
+
+
+def test_a_replace_one_epsilon_below_the_add_remove_one_fails(valid_replace_one, dp, monkeypatch):
+    """Replace-one ε is never below add/remove ε: a replace-one PLD answering 0.99× the add/remove one
+    (and a claim made with it) fails accountants_agree."""
+    real = accounting.epsilon
+
+    def broken(*a, adjacency="add_remove", **k):
+        return 0.99 * real(*a, **k) if adjacency == "replace_one" else real(*a, **k)
+
+    monkeypatch.setattr(V.accounting, "epsilon", broken)
+    L = valid_replace_one
+    ledger = _with(L, epsilon=broken(L["sigma"], L["sample_rate"], L["steps"], L["delta"], adjacency="replace_one"))
+    assert "accountants_agree" in failed(V.verify(ledger, L["steps"], dp, ACCOUNTANTS, ALPHA, "replace_one"))
+
+
+def test_a_replace_one_epsilon_above_the_group_privacy_bound_fails(valid_replace_one, dp, monkeypatch):
+    """The replace-one PLD must not exceed its group-privacy RDP bound: a bound below it is a contradiction."""
+    L = valid_replace_one
+    monkeypatch.setattr(accountant_backends, "_rdp_bound", lambda *a, **k: 0.9 * L["epsilon"])
+    assert failed(V.verify(L, L["steps"], dp, ACCOUNTANTS, ALPHA, "replace_one")) == {"accountants_agree"}
+
+
+def test_a_batch_size_above_n_is_refused_as_malformed(valid):
+    """No batch can hold more than the n examples: the ledger is refused before any check, as for -1."""
+    ledger = _with(valid, batch_sizes=valid["batch_sizes"][:-1] + [valid["n"] + 1])
+    with pytest.raises(VerificationFailed, match=r"batch_sizes must lie in \[0, n="):
+        run_verify(ledger)
+
+
+@pytest.mark.parametrize("case, expected", [("target", {"epsilon_within_target"}),
+                                            ("claim", {"claimed_epsilon_reproduced"})])
+def test_near_misses_fail(valid, dp, case, expected):
+    """ε a millionth above the params' target, or a claim 0.3% below the recomputed ε (three times the
+    accountant's own tolerance), fails: no slack beyond float rounding and the PLD ladder's 1e-3."""
+    if case == "target":
+        target = valid["epsilon"] / (1 + 1e-6)
+        ledger, want = _with(valid, target_epsilon=target), {**dp, "epsilon": target}
+    else:
+        ledger, want = _with(valid, epsilon=0.997 * valid["epsilon"]), dp
+    assert failed(run_verify(ledger, dp=want)) == expected
+
+
+@pytest.mark.parametrize("share, refused", [(0.09, False), (0.11, True), (0.5, True)])
+def test_verify_refuses_a_ledger_whose_edge_gives_away_over_a_tenth_of_delta(valid, share, refused):
+    """The ledger's noise edge is set (solved independently with scipy) where its floor is `share`·δ:
+    verify refuses it past δ/10, as dp-train's plan does, not only past δ."""
+    L = valid
+    multiplier, q, steps = L["noise_std"] / (L["sensitivity"] * L["clip_norm"]), L["sample_rate"], L["steps"]
+    per_step = -math.expm1(math.log1p(-share * L["delta"]) / steps)  # 1 - (1 - share·δ)^(1/T)
+    edge = 1 / multiplier + stats.norm.isf(per_step / q)
+    result = run_verify(_with(L, noise_edge=edge))
+    assert failed(result) == ({"noise_edge_within_delta"} if refused else set())
+
+
+def test_a_replace_one_runs_epsilon_curve_ends_at_its_reported_epsilon(valid_replace_one, dp):
+    """The curve published beside a replace-one run is its own adjacency's, not the smaller add/remove one."""
+    L = valid_replace_one
+    result = V.verify(L, L["steps"], dp, ACCOUNTANTS, ALPHA, "replace_one")
+    assert result["epsilon_curve"]["steps"][-1] == L["steps"]
+    assert result["epsilon_curve"]["pld"][-1] == pytest.approx(result["epsilon_reported"], rel=2e-3)
