@@ -28,11 +28,11 @@ from pipeline.models import ModelConfig, build_model
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import clipping
 from pipeline.privacy.clipping import BookKeepingClipper, UnboundableModel, VmapClipper
-from pipeline.privacy.engine import StepRefused, dp_step, make_clipper
+from pipeline.privacy.engine import StepRefused, dp_step, make_clipper, micro_batches, pieces, rank_share
 from pipeline.privacy.noise import gaussian, step_noise
 from pipeline.train import NOISE, step_generator
 from pipeline.privacy.plan import Plan
-from pipeline.privacy.sampling import FixedBatch
+from pipeline.privacy.sampling import FixedBatch, PoissonSampler
 
 N, Q, C, SIGMA, KEY = 40, 0.3, 0.05, 1.3, 11
 CFG = {"size": "micro", "vocab_size": 50, "max_len": 8}
@@ -441,9 +441,6 @@ def test_a_fixed_batch_is_cut_as_training_cuts_a_batch_expecting_as_many(world_s
     """The step audit releases a FixedBatch of B examples; what it measures (the others' rounding by
     bucket) is training's only if its micro-batches are those of a Poisson step expecting B: the same
     B examples spread over k·B, drawn at rate 1/k."""
-    from pipeline.privacy.engine import rank_share
-    from pipeline.privacy.sampling import PoissonSampler
-
     size, physical, k = 1000, 7, 50  # B / P not a bucket multiple: halving the buckets moves the cuts
     for rank in range(world_size):
         world = World(rank=rank, size=world_size)
@@ -451,3 +448,84 @@ def test_a_fixed_batch_is_cut_as_training_cuts_a_batch_expecting_as_many(world_s
         trained = rank_share(k * np.arange(size), PoissonSampler(k * size, 1 / k, key=0), "per_example", physical,
                              world)
         assert len(audited) > 1 and [m.tolist() for m in audited] == [m.tolist() for m in trained]
+
+
+def noise_off_its_stream(name, world):
+    """How far step 2's released noise is from step_noise(KEY, 2)'s draws · σ·K·C / divisor, relatively."""
+    released = noise_at(name, 2, None, world)
+    model, plan, generator = model_for(name), plan_for(name), step_noise(KEY, 2, "cpu")
+    drawn = torch.cat([gaussian(p.shape, generator, torch.device("cpu")).flatten()
+                       for p in model.parameters() if p.requires_grad])
+    return relative(released.double(), drawn * plan.noise_std / plan.denominator)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_the_noise_is_step_noise_of_key_and_step(tmp_path, name):
+    """Only step_noise(key, t)'s stream is shown apart from the sampler's and the masks' (test_noise_std): noise
+    drawn from another generator of (key, t), e.g. the Poisson sampler's, passes every test of test_engine."""
+    assert noise_off_its_stream(name, World()) < 1e-4
+    assert on_two_ranks(tmp_path, noise_off_its_stream, name) < 1e-4
+
+
+def sum_dtype_of_one_part_per_rank(name, world):
+    """The dtype of the summed clipped gradients after a step in which each rank has one micro-batch."""
+    model = model_for(name)
+    clipper = clipper_for(name, model, world)
+    dp_step(0, sampler=FixedSampler(np.arange(0, N, 5)), fetch=fetcher(name), clipper=clipper, plan=plan_for(name, 0.0),
+            key=KEY, world=world, physical_batch_size=N)
+    return next(iter(clipper.sum.values())).dtype
+
+
+@pytest.mark.parametrize("name", [n for n, o in OBJECTIVES.items() if o.clipping == "per_sample"])
+def test_a_sum_over_two_ranks_is_fp64_even_with_one_micro_batch_each(tmp_path, name):
+    """Two ranks' partial sums add up like two micro-batches': in fp64 (clipping.SUM_DTYPE), or the
+    others' rounding moves with one example beyond what the step audit measured."""
+    assert sum_dtype_of_one_part_per_rank(name, World()) == torch.float32  # one part: fp32 suffices
+    assert on_two_ranks(tmp_path, sum_dtype_of_one_part_per_rank, name) == torch.float64
+
+
+def test_every_rank_joins_a_per_batch_step_of_one_example_and_none_joins_an_empty_one():
+    """A per-batch rank with nothing of the batch must still join its part's gathers (or the other rank
+    waits forever); an empty batch gives no part to any rank."""
+    sampler = PoissonSampler(N, 0.3, KEY)
+    for size in (1, 2, 3):
+        for rank in (0, 1):
+            parts = list(micro_batches(np.arange(size), sampler, "per_batch", 4, World(rank, 2)))
+            assert len(parts) == 1 and sorted(parts[0].tolist()) == list(range(size))[rank::2]
+    for rank in (0, 1):
+        assert list(micro_batches(np.arange(0), sampler, "per_batch", 4, World(rank, 2))) == []
+
+
+def per_batch_update(name, world, clip=1e6):
+    """A per-batch step's noiseless update with clip bound `clip`, on the batch of every third example."""
+    model, mode = model_for(name), OBJECTIVES[name].clipping
+    clipper = make_clipper(mode, model, clip, gather=gather_with_grad(world))
+    plan = Plan.unaccounted(name, mode, 0.0, clip, n=N, sample_rate=Q, steps=1)
+    dp_step(0, sampler=FixedSampler(np.arange(0, N, 3)), fetch=fetcher(name), clipper=clipper, plan=plan, key=KEY,
+            world=world, physical_batch_size=4)
+    return grads(model)
+
+
+@pytest.mark.parametrize("name", [n for n, o in OBJECTIVES.items() if o.clipping == "per_batch"])
+def test_an_unclipped_per_batch_update_is_the_batch_mean_gradient(tmp_path, name):
+    """The per-batch release is the clipped batch *mean*: the clip alone cannot show it (a clipped sum and a
+    clipped mean are both C·S/‖S‖), so with C out of reach the update must be ∇ of the mean loss."""
+    indices = np.arange(0, N, 3)
+    model = model_for(name)
+    losses = model(*fetcher(name)(0, indices, np.arange(len(indices))))
+    mean = torch.autograd.grad(losses.sum() / len(indices), [p for p in model.parameters() if p.requires_grad],
+                               allow_unused=True)
+    want = torch.cat([g.flatten() for g in mean if g is not None])
+    assert float(want.norm()) < 1e6
+    assert relative(per_batch_update(name, World()), want) < 1e-4
+    assert relative(on_two_ranks(tmp_path, per_batch_update, name), want) < 1e-4
+
+
+def test_pieces_cover_a_part_in_order_and_an_empty_part_is_one_empty_piece():
+    """The streaming loader decodes a per-batch part piece by piece and checks the ids: a piece lost past the
+    physical size, or no piece for an empty part (a rank with none of a small batch), breaks the step."""
+    for size in (1, 3, 4, 16):
+        for n in range(0, 3 * size + 2):
+            got = pieces(np.arange(10, 10 + n), size)
+            assert all(0 < len(p) <= size for p in got) if n else [len(p) for p in got] == [0]
+            assert np.concatenate(got).tolist() == list(range(10, 10 + n))
