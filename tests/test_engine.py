@@ -479,8 +479,8 @@ def sum_dtype_of_one_part_per_rank(name, world):
 @pytest.mark.parametrize("name", [n for n, o in OBJECTIVES.items() if o.clipping == "per_sample"])
 def test_a_sum_over_two_ranks_is_fp64_even_with_one_micro_batch_each(tmp_path, name):
     """Two ranks' partial sums add up like two micro-batches': in fp64 (clipping.SUM_DTYPE), or the
-    others' rounding moves with one example beyond what the step audit measured."""
-    assert sum_dtype_of_one_part_per_rank(name, World()) == torch.float32  # one part: fp32 suffices
+    others' rounding moves with one example beyond what the step audit measured. One micro-batch per rank
+    is the case a count of this rank's parts alone (one: no sum to round) gets wrong."""
     assert on_two_ranks(tmp_path, sum_dtype_of_one_part_per_rank, name) == torch.float64
 
 
