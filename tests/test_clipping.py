@@ -106,7 +106,7 @@ ENGINES = ["ghost-auto", "ghost-always", "instantiate", "vmap"]
 
 
 @pytest.mark.parametrize("name", ["mae", "caption", "clip-public", "all_layers"])
-@pytest.mark.parametrize("engine", ["ghost-auto", "ghost-always", "instantiate", "vmap", "opacus-hooks", "opacus-ghost"])
+@pytest.mark.parametrize("engine", [*ENGINES, "opacus-hooks", "opacus-ghost"])
 def test_clipped_sum_equals_brute_force(name, engine):
     model, batch = cases()[name]
     trainable = [p.requires_grad for p in model.parameters()]  # clip-public's text tower is not
@@ -778,6 +778,7 @@ class NestedEncoders(nn.Module):
 
 @pytest.mark.parametrize("engine", ["ghost-auto", "vmap"])
 def test_the_encoder_share_goes_to_the_shallowest_encoder(engine):
+    """A deeper module also named `encoder` (a text decoder's own) stays in the rest's clip group."""
     torch.manual_seed(0)
     model, batch = NestedEncoders(), (torch.randn(6, 3, 4),)
     _, norms = brute_force_clipped_sum(model, batch, 1e9)

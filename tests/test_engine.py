@@ -435,7 +435,6 @@ def test_budget_guard_refuses_a_step_beyond_the_accounted_ones(tmp_path, name):
         assert refused == "refusing step 2: ε was accounted for 2 steps"
 
 
-
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_fixed_batch_is_cut_as_training_cuts_a_batch_expecting_as_many(world_size):
     """The step audit releases a FixedBatch of B examples; what it measures (the others' rounding by
