@@ -211,3 +211,13 @@ def test_the_edge_floor_is_one_minus_the_chance_no_sampled_step_passes(sigma, q,
     per_step = q * stats.norm.sf(edge - move / sigma)
     want = 1 - (1 - per_step) ** steps
     assert noise_edge.noise_edge_floor(sigma, q, steps, edge, move=move) == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("edge", [math.nextafter(noise_edge.NOISE_EDGE, math.inf), 1e9, 0.0, math.nan])
+def test_a_header_recording_an_edge_dpfms_noise_cannot_have_is_refused(edge):
+    """The report and the budget read a run's edge from its header: one past NOISE_EDGE would hide what the
+    edge gives away, and none is at or below 0."""
+    header = plan_mechanism(DP, 1258, "replace_one").header()
+    assert Plan.from_header(header).noise_edge == noise_edge.NOISE_EDGE
+    with pytest.raises(ValueError, match="noise_edge="):
+        Plan.from_header({**header, "noise_edge": edge})

@@ -294,7 +294,7 @@ def test_a_pld_that_under_reports_is_caught_from_below(tmp_path, monkeypatch, ob
     (lambda L: L.update(batch_sizes=L["batch_sizes"][:-1] + [-1]), "batch_sizes must lie in [0, n="),
     (lambda L: L.update(sample_rate=1.5), "sample_rate=1.5 must be in (0, 1]"),
     (lambda L: L.update(accountant="moments"), "accountant='moments' must be one of"),
-    (lambda L: L.update(noise_edge="12"), "noise_edge='12' must be a finite number > 0"),
+    (lambda L: L.update(noise_edge="12"), "noise_edge='12' must be in (0, 12.12]"),
 ])
 def test_malformed_ledger_is_refused_with_its_reason(valid, doctor, message):
     ledger = copy.deepcopy(valid)
@@ -723,3 +723,13 @@ def test_a_replace_one_runs_epsilon_curve_ends_at_its_reported_epsilon(valid_rep
     result = V.verify(L, L["steps"], dp, ACCOUNTANTS, ALPHA, "replace_one")
     assert result["epsilon_curve"]["steps"][-1] == L["steps"]
     assert result["epsilon_curve"]["pld"][-1] == pytest.approx(result["epsilon_reported"], rel=2e-3)
+
+
+@pytest.mark.parametrize("edge", [math.nextafter(NOISE_EDGE, math.inf), 1e9])
+def test_a_ledger_recording_an_edge_past_dpfms_noise_is_refused(valid, edge):
+    """No noise dpfm draws passes NOISE_EDGE, so a larger recorded edge is false, and it would hide what the
+    edge gives away: 1e9 passed the edge check (its floor is 0) for any σ."""
+    small_sigma = _with(valid, noise_edge=edge, sigma=0.05, noise_std=0.05 * valid["sensitivity"] * valid["clip_norm"])
+    with pytest.raises(VerificationFailed, match=r"noise_edge=.* must be in \(0, 12.12\]"):
+        run_verify(small_sigma)
+    assert "noise_edge_within_delta" in failed(run_verify(_with(small_sigma, noise_edge=NOISE_EDGE)))

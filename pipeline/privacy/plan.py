@@ -86,6 +86,8 @@ class Plan:
         header = {"noise_edge": UNRECORDED_EDGE, **header}  # written before the ledger recorded the edge
         plan = cls(**{k: header[k] for k in names if k in header}, steps=header["planned_steps"],
                    epsilon=header["epsilon_planned"])
+        if not 0 < plan.noise_edge <= NOISE_EDGE:  # past the farthest dpfm's noise reaches: it would hide its edge
+            raise ValueError(f"the ledger's noise_edge={plan.noise_edge} is not in (0, {NOISE_EDGE:.4g}]")
         for derived in ("sensitivity", "noise_std"):
             if derived in header and not math.isclose(header[derived], getattr(plan, derived), rel_tol=1e-9):
                 raise ValueError(f"the ledger's {derived}={header[derived]} is not what its mechanism gives "

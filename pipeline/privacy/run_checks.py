@@ -19,7 +19,7 @@ from pipeline.io import read_json
 from pipeline.objectives import OBJECTIVES
 from pipeline.privacy import accounting, owner
 from pipeline.privacy.accounting import bound_text
-from pipeline.privacy.noise_edge import UNRECORDED_EDGE, edge_problem, largest_move
+from pipeline.privacy.noise_edge import NOISE_EDGE, UNRECORDED_EDGE, edge_problem, largest_move
 
 CURVE_POINTS = 40  # ε-against-step points written for the report and MLflow
 
@@ -49,8 +49,10 @@ def ledger_problems(ledger: dict) -> list[str]:
         problems.append(f"delta={ledger['delta']!r} must be in (0, 1)")
     if not real(ledger["epsilon"]):
         problems.append(f"epsilon={ledger['epsilon']!r} must be a finite number")
-    if "noise_edge" in ledger and not (real(ledger["noise_edge"]) and ledger["noise_edge"] > 0):
-        problems.append(f"noise_edge={ledger['noise_edge']!r} must be a finite number > 0")
+    if "noise_edge" in ledger and not (real(ledger["noise_edge"]) and 0 < ledger["noise_edge"] <= NOISE_EDGE):
+        # No noise dpfm draws goes past NOISE_EDGE: a ledger recording more would hide what its edge gives away.
+        problems.append(f"noise_edge={ledger['noise_edge']!r} must be in (0, {NOISE_EDGE:.4g}], the farthest "
+                        "dpfm's noise reaches")
     if ledger["accountant"] not in accounting.ACCOUNTANTS:
         problems.append(f"accountant={ledger['accountant']!r} must be one of {', '.join(accounting.ACCOUNTANTS)}")
     sizes = ledger["batch_sizes"]
