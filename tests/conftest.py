@@ -1,3 +1,4 @@
+import atexit
 import os
 import shutil
 import tempfile
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Where the budget marks a project's budget as started (budget.started_mark): the tests' own, not the home's.
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="dpfm-test-state-")
+atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], ignore_errors=True)  # one per test process
 # The helper modules' asserts report their values as a test's own do.
 pytest.register_assert_rewrite("fault_hooks", "shard_data")
 
