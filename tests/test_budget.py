@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -263,6 +264,16 @@ def test_different_mechanisms_compose_between_their_parts(in_tmp):
     parts = [budget.composed_epsilon([e], DELTA) for e in [small, big]]
     both = budget.composed_epsilon([small, big], DELTA)
     assert max(parts) < both < sum(parts) * 1.01
+
+
+@pytest.mark.parametrize("adjacency", ["replace-one", "replace", ""])
+def test_a_composition_under_an_adjacency_no_accountant_knows_is_refused(adjacency):
+    """Below it every name but replace_one reads as add/remove: a ledger header saying 'replace-one'
+    composed σ 1, q 0.01, T 300 to add/remove's 1.07 where replace-one spends 1.50."""
+    runs = [entry("a", plan(sigma=1.0))]
+    assert budget.composed_epsilon(runs, DELTA, "replace_one") > 1.1 * budget.composed_epsilon(runs, DELTA)
+    with pytest.raises(ValueError, match="adjacency must be one of"):
+        budget.composed_epsilon(runs, DELTA, adjacency)
 
 
 def test_a_composition_that_pld_cannot_resolve_falls_back_to_a_bound_not_to_round_off():
@@ -897,3 +908,27 @@ def test_a_budget_started_before_the_mark_existed_is_marked_at_its_next_use(in_t
         shutil.rmtree(ignored)
     with pytest.raises(budget.BudgetNotHere, match=r"data/budget/ is gone but DP runs it charged left"):
         charge(*shard(in_tmp / "d2", examples(10)), "after")
+
+
+def test_the_ladder_never_builds_a_one_step_pld_past_its_grid_cap(monkeypatch):
+    """Memory: each halving of the interval doubles the one-step PLD's points (and its FFT); a ladder still
+    converging when the next halving would pass _PLD_MAX_GRID points stops there. Simulated: the grid starts
+    at a quarter of the cap and ε keeps moving by half its last change, above PLD_REL_TOL."""
+    from pipeline.privacy import accountant_backends as backends
+
+    size = {}
+
+    def grid(noise, q, interval, adjacency="add_remove"):
+        return round(backends._PLD_MAX_GRID / 4 * backends.PLD_START_INTERVAL / interval)
+
+    def at(parts, delta, interval, adjacency="add_remove"):
+        size[interval] = grid(1.0, 0.01, interval)
+        return 1.8 + 0.2 * interval / backends.PLD_START_INTERVAL
+
+    monkeypatch.setattr(backends, "_pld_parts_at", at)
+    monkeypatch.setattr(backends, "_pld_grid_size", grid)
+    monkeypatch.setattr(backends, "_capped_by_rdp", lambda eps, *args: eps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        backends.composed_epsilon([(1.0, 0.01, 300)], 1e-5)
+    assert len(size) >= 3 and max(size.values()) <= backends._PLD_MAX_GRID

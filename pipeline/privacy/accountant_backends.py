@@ -112,6 +112,7 @@ def _pld_epsilon_and_interval(noise: float, q: float, steps: int, delta: float,
 
 def composed_epsilon(parts: Parts, delta: float, adjacency: str = "add_remove") -> float:
     """ε at δ of the parts applied one after another to the same data (`_pld_ladder`)."""
+    check_adjacency(adjacency, "pld")  # below, any name but replace_one would read as add/remove
     parts = tuple((float(n), float(q), int(t)) for n, q, t in parts if t > 0)
     return _pld_ladder(parts, delta, adjacency)[0] if parts else 0.0
 
