@@ -648,3 +648,52 @@ def test_a_target_epsilon_of_zero_is_refused_by_name(target):
         acc.calibrate_sigma(target, 0.01, 100, 1e-5)
     with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
         acc.steps_to_reach(target, 1.0, 0.01, 1e-5)
+
+
+@pytest.mark.parametrize("name", acc.ACCOUNTANTS)
+def test_no_accountant_answers_replace_one_below_the_replace_one_pld(name):
+    """An accountant that cannot account replace-one must refuse it: one that answered its add/remove ε
+    instead (PRV at σ 0.9, q 0.05, T 200: 5.94 against replace-one's 8.40) claims less than the run spends."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(0.9)), 200)
+    ref = pld_privacy_accountant.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE, 1e-4
+                                               ).compose(event).get_epsilon(1e-5)
+    try:
+        eps = acc.epsilon(0.9, 0.05, 200, 1e-5, accountant=name, adjacency="replace_one")
+    except ValueError as e:
+        assert "add/remove adjacency only" in str(e)
+    else:
+        assert eps >= ref * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("name", acc.ACCOUNTANTS)
+def test_an_adjacency_no_accountant_knows_is_refused_not_read_as_add_remove(name):
+    """Downstream every name but 'replace_one' reads as add/remove: 'replace-one' accepted gave PLD's
+    add/remove ε (1.07 at σ 1, q 0.01, T 300, δ 1e-5) for a replace-one ε of 1.50."""
+    for adjacency in ("replace-one", "replace", "", None):
+        with pytest.raises(ValueError, match="adjacency must be one of"):
+            acc.epsilon(1.0, 0.01, 300, 1e-5, accountant=name, adjacency=adjacency)
+        with pytest.raises(ValueError, match="adjacency must be one of"):
+            acc.epsilon_curve(1.0, 0.01, [10, 300], 1e-5, accountant=name, adjacency=adjacency)
+
+
+def test_prv_bounds_bracket_the_gaussian_mechanisms_closed_form():
+    """At q = 1 the run is one Gaussian mechanism of sensitivity/std √T/σ, its ε known exactly: Opacus PRV's
+    upper end (what a PRV run publishes) must not fall below it, nor its lower end (what verify checks
+    another accountant's ε from below with) rise above it."""
+    from pipeline.privacy.accountant_backends import prv_bounds
+
+    for sigma, steps, delta in [(3.0, 10, 1e-5), (2.0, 4, 1e-6)]:
+        exact = gaussian_epsilon(delta, math.sqrt(steps) / sigma)
+        lower, upper = prv_bounds(sigma, 1.0, steps, delta)
+        assert lower <= exact <= upper
+        assert acc.epsilon(sigma, 1.0, steps, delta, accountant="prv") >= exact
+
+
+def test_prv_reports_opacus_get_epsilon_to_the_last_bit():
+    """A PRV run publishes Opacus' own figure: prv_bounds rebuilds the PRV get_epsilon builds (same ε and δ
+    errors), so its upper end must equal get_epsilon exactly, where test_prv_matches_opacus allows 1%."""
+    for sigma, q, steps, delta in [(1.0, 0.01, 1000, 1e-5), (0.8, 0.05, 200, 1e-6)]:
+        reference = PRVAccountant()
+        reference.history = [(sigma, q, steps)]
+        assert acc.epsilon(sigma, q, steps, delta, accountant="prv") == reference.get_epsilon(delta=delta)

@@ -800,3 +800,78 @@ def test_fp16_sums_and_norms_are_those_of_the_unscaled_loss(engine):
                          loss_scale=loss_scale("fp16"))
     assert st.norms == pytest.approx(want_st.norms, rel=2e-2)
     assert max_rel_error(got, want) <= 5e-2
+
+
+@pytest.mark.parametrize("views", [1, VIEWS])
+@pytest.mark.parametrize("name", ["mae", "all_layers"])
+def test_the_slot_records_over_a_steps_shrinking_micro_batches_equal_brute_force(name, views):
+    """dp.compile's records (run eagerly) over micro-batches of 3, 2 and 1 examples: the smaller ones use a
+    slice of the first one's probes, a reused layer's calls are summed, and at a C that leaves half the
+    examples unclipped (a C of 1e-3 clips all, and hides any scale) each norm and the sum are brute force's."""
+    model, batch = (view_cases() if views > 1 else cases())[name]
+    _, norms = brute_force_clipped_sum(model, batch, 1e9, views)
+    clip_norm = sorted(norms)[len(norms) // 2]
+    assert min(norms) < clip_norm < max(norms)
+    want, _ = brute_force_clipped_sum(model, batch, clip_norm, views)
+    clipper = make_clipper("per_sample", model, clip_norm, compiled=True, views=views)
+    clipper.reset()
+    got = []
+    for lo, hi in [(0, 3), (3, 5), (5, 6)]:
+        got += clipper.accumulate(*(x[lo * views:hi * views] for x in batch)).norms
+    assert got == pytest.approx(norms, rel=1e-4)
+    assert max_rel_error(clipper.sum, want) <= SUM_TOL
+
+
+@pytest.mark.parametrize("views", [1, VIEWS])
+def test_the_slot_records_count_the_bytes_of_the_layers_they_reduce_as_the_eager_clipper(views):
+    """The held budget (how many per-example gradients may be instantiated) counts the bytes the layers
+    reduced inside the backward freed: dp.compile's records must count what the eager backward counts,
+    micro-batch by micro-batch (a smaller one's from a slice of the probes), or the routes part from eager's."""
+    model, batch = (view_cases() if views > 1 else cases())["mae"]
+    eager = BookKeepingClipper(model, 1.0, views=views)
+    slots = make_clipper("per_sample", model, 1.0, compiled=True, views=views)
+    for rows in (slice(0, 3 * views), slice(3 * views, 5 * views)):
+        counted = []
+        for clipper in (eager, slots):
+            clipper.reset()
+            clipper._backward(tuple(x[rows] for x in batch))
+            counted.append(clipper._reduced_bytes)
+        assert counted[0] > 0 and counted[1] == counted[0]
+
+
+def test_a_call_whose_output_changes_shape_after_the_layout_stops_the_step():
+    """A slot's probe has the output shape its layout found. An output that later comes longer (a model
+    that reads more tokens once a flag flips, its input shapes the same) would take the short probe by
+    broadcasting, its gradient the tokens' output gradients summed, and misreport the norms: it stops."""
+    torch.manual_seed(0)
+
+    class Growing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.tokens = nn.Linear(4, 4), 1
+
+        def forward(self, x):
+            return self.a(x[:, :self.tokens]).pow(2).sum((1, 2))
+
+    model = Growing()
+    clipper = make_clipper("per_sample", model, 1.0, compiled=True)
+    clipper.reset()
+    clipper.accumulate(torch.randn(5, 3, 4))
+    model.tokens = 3
+    clipper.reset()
+    with pytest.raises(RuntimeError, match="call 0 of the clipped layers .* not the one its slot was laid out for"):
+        clipper.accumulate(torch.randn(5, 3, 4))
+
+
+def test_the_slot_records_of_two_input_shapes_each_equal_brute_force():
+    """Layouts and probes are kept per shape of the batch's inputs: one clipper fed sequences of two
+    lengths in turn (9 tokens, 5, 9 again) clips each batch as brute force does, on its own shape's probes."""
+    torch.manual_seed(0)
+    model = AllLayers()
+    clipper = make_clipper("per_sample", model, 1e-3, compiled=True)
+    for tokens in (9, 5, 9):
+        batch = (torch.randint(0, 4, (4, tokens)), torch.randn(4, tokens + 1, 8))
+        want, _ = brute_force_clipped_sum(model, batch, 1e-3)
+        clipper.reset()
+        clipper.accumulate(*batch)
+        assert max_rel_error(clipper.sum, want) <= SUM_TOL
