@@ -3,6 +3,7 @@
 Each test trains in its own project (stage_runs.project) on the shards and tokenizer that the
 session-wide `data_dir` fixture (conftest.py) makes once."""
 
+import dataclasses
 import io
 import json
 import math
@@ -11,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +20,20 @@ import pytest
 import torch
 import yaml
 from recording import RecordingTracker
-from stage_runs import flat, initial_model, initial_weights, inside, project, run_in_process, torchrun, train
+from stage_runs import (charged_runs, flat, initial_model, initial_weights, inside, project, run_in_process, torchrun,
+                        train)
 
 from pipeline import checkpoints
 from pipeline.artifacts import artifact
-from pipeline.privacy import accounting, training
+from pipeline.privacy import accounting, budget, training
 from pipeline.privacy import engine
-from pipeline.config import ParamsError, load_params
+from pipeline.config import ParamsError, load_params, sections_of
 from pipeline.data.tokenizer import Tokenizer
+from pipeline.errors import InputError
 from pipeline.models import ModelConfig
 from pipeline.objectives import objective
 from pipeline.privacy.run_checks import verify
+from pipeline.stages import stage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -801,3 +806,185 @@ def test_a_run_another_process_holds_is_not_charged_or_touched_until_it_is_relea
     assert waiter.returncode == 0, err[-3000:]
     ledger = json.loads((work / "models/dp/ledger.json").read_text())
     assert ledger["run"] == state.name and [r["run"] for r in charged_runs(work)] == [state.name]
+
+
+def test_a_failed_step_names_its_step_and_details_to_the_owner_alone(tmp_path, monkeypatch):
+    """The line printed for a failed DP step names neither the failure's own message (a tensor's shape, the
+    bytes an allocator was asked for: they follow the realised batch size) nor the step; the owner's log
+    holds both. The CPU allocator's failure is told as out of memory, with its advice."""
+    monkeypatch.chdir(tmp_path)
+    shape = RuntimeError("The size of tensor a (37) must match the size of tensor b (16) at dimension 0")
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123456 bytes.")
+    for step, e, line in ((4, shape, "the DP step failed (RuntimeError)"), (5, oom, "out of memory in the DP step")):
+        shown = str(training.kept_for_owner(step, e))
+        assert line in shown and "(37)" not in shown and "123456" not in shown, shown
+        assert f"step {step}" not in shown
+    kept = (tmp_path / ".dpfm/owner/dp-train.log").read_text()
+    assert "step 4: " in kept and "tensor a (37)" in kept and "step 5: " in kept and "123456 bytes" in kept
+
+
+def test_the_owner_only_non_finite_count_adds_up_every_steps(data_dir, tmp_path, monkeypatch):
+    """The owner's record keeps the run's non-finite count (verify and dp.log_private_stats read it): the
+    sum of every step's, not the last step's, nor nothing. Each step here reports step + 1 dropped."""
+    real = training.dp_step
+    monkeypatch.setattr(training, "dp_step",
+                        lambda step, **kw: dataclasses.replace(real(step, **kw), nonfinite=step + 1))
+    ledger, _ = train(project(data_dir, tmp_path))
+    assert ledger["nonfinite_examples"] == sum(range(1, 6 + 1))
+
+
+def test_the_held_out_loss_is_published_every_eval_step_and_at_the_last_and_the_twins_apart(data_dir, tmp_path):
+    """dp.eval_every=3 over 6 steps: the held-out loss at steps 0, 3 and the last (5), each once, as
+    history.json has it; the ε = ∞ twin's own loss goes under nonprivate_*, never over the DP run's curve."""
+    work, logged = project(data_dir, tmp_path), RecordingTracker()
+    with inside(work):
+        run_in_process("dp-train", ["dp.nonprivate_baseline=true"], tracker=logged)
+    points = sorted((s, v) for k, s, v in logged.points if k == "heldout_loss")
+    history = json.loads((work / "models/dp/history.json").read_text())
+    kept = [(s, m["heldout_loss"]) for s, m in zip(history["step"], history["metrics"]) if "heldout_loss" in m]
+    assert [s for s, _ in points] == [0, 3, 5] and points == kept
+    assert logged.curve("nonprivate_heldout_loss")
+
+
+def test_the_runs_state_follows_its_adjacency_and_not_what_is_reported_beside_it(data_dir, tmp_path):
+    """σ is calibrated to the adjacency: under another one the same dp params are another mechanism, so
+    another run (key, ledger, charge). Keys that change only what is reported beside the run
+    (the twins, dp.log_private_stats), or only its history's points (dp.eval_every), must resume it, not train
+    and charge the same model again."""
+    work = project(data_dir, tmp_path)
+    with inside(work):
+        p = sections_of(load_params("params.yaml"), stage("dp-train").sections)
+        trainer = training.setup(p, "cpu")
+        run = training.work_dir(p, trainer)
+        other = {**p, "privacy": {**p["privacy"], "adjacency": "add_remove"}}
+        assert p["privacy"]["adjacency"] == "replace_one" and training.work_dir(other, trainer) != run
+        for key in ("nonprivate_baseline", "nonprivate_clipped", "log_private_stats"):
+            assert training.work_dir({**p, "dp": {**p["dp"], key: not p["dp"][key]}}, trainer) == run, key
+        assert training.work_dir({**p, "dp": {**p["dp"], "eval_every": p["dp"]["eval_every"] + 1}}, trainer) == run
+
+
+def test_a_private_index_that_disagrees_with_the_shards_stats_stops_before_anything_is_charged(data_dir, tmp_path):
+    """stats.json's usable count is what the shards stage published; an index holding another n (a shard
+    rewritten since) would plan q on one population and sample another: refused before any charge."""
+    work = project(data_dir, tmp_path)
+    stats = json.loads((work / "data/shards/stats.json").read_text())
+    stats["private"]["usable"] += 1
+    (work / "data/shards/stats.json").write_text(json.dumps(stats))
+    with pytest.raises(InputError, match="re-run the shards stage"):
+        train(work)
+    assert charged_runs(work) == []
+
+
+def test_what_a_run_releases_without_dp_is_charged_once_for_each_reason(data_dir, tmp_path):
+    """A known noise key, dp.log_private_stats' count, a training without DP (the ε = ∞ twin) and a held-out
+    loss on an eval split carved from the private source are each a release outside ε: each is charged to
+    the examples it touches (the private set, or the carved split), under the run's name; a DP run with none
+    of them charges nothing outside DP. The twin's release is its training's, whatever its dp flags."""
+    work = project(data_dir, tmp_path)
+    with inside(work):
+        p = sections_of(load_params("params.yaml"), stage("dp-train").sections)
+        data_id, sketch = budget.examples_identity("data/shards/private")
+
+        def charged(run, identity=data_id, twin=False, **dp):
+            training.record_outside_dp({**p, "dp": {**p["dp"], **dp}}, run, data_id, sketch, None, twin)
+            return [e["outside_dp"] for e in budget.runs(identity) if e["run"] == run]
+
+        assert charged("clean", noise_seed=None, log_private_stats=False) == []
+        assert charged("seeded", noise_seed=5, log_private_stats=False) == ["a known noise key (dp.noise_seed)"]
+        assert charged("counted", noise_seed=None, log_private_stats=True) == [
+            "dp.log_private_stats published a count without noise"]
+        assert charged("twin", twin=True, noise_seed=5, log_private_stats=True) == ["a training without DP on them"]
+        stats = json.loads(Path("data/shards/stats.json").read_text())
+        Path("data/shards/stats.json").write_text(json.dumps({**stats, "eval_from_private": True}))
+        eval_id, _ = budget.examples_identity("data/shards/eval")
+        carved = ["the eval split carved out of the source (shards.eval_fraction)"]
+        assert charged("carved", eval_id, noise_seed=None, log_private_stats=False) == carved
+        assert charged("carved-twin", eval_id, twin=True) == carved
+
+
+def test_the_curves_infinite_epsilon_point_charges_the_eval_split_its_held_out_loss_reads(data_dir, tmp_path):
+    """The curve's ε = ∞ point trains through train_nonprivate alone: it publishes the held-out loss of an
+    eval split carved from the private source, and charges that split as a DP run does, and its training set."""
+    work = project(data_dir, tmp_path)
+    stats = json.loads((work / "data/shards/stats.json").read_text())
+    (work / "data/shards/stats.json").write_text(json.dumps({**stats, "eval_from_private": True}))
+    with inside(work):
+        p = sections_of(load_params("params.yaml"), stage("dp-train").sections)
+        trainer = training.setup(p, "cpu")
+        training.train_nonprivate(p, trainer, types.SimpleNamespace(tracker=RecordingTracker()))
+        charges = {name: [e["outside_dp"] for e in budget.runs(budget.examples_identity(f"data/shards/{name}")[0])]
+                   for name in ("private", "eval")}
+    assert charges == {"private": ["a training without DP on them"],
+                       "eval": ["the eval split carved out of the source (shards.eval_fraction)"]}
+
+
+def test_an_infinite_epsilon_twin_on_a_web_source_is_refused_before_it_is_charged_or_trained(data_dir, tmp_path):
+    """The curve's ε = ∞ point trains through train_nonprivate alone (dp.nonprivate_baseline is off, so
+    setup checks nothing): on a web source it is refused there, before its release is recorded."""
+    work = project(data_dir, tmp_path)
+    with inside(work):
+        p = sections_of(load_params("params.yaml"), stage("dp-train").sections)
+        trainer = training.setup(p, "cpu")
+        trainer.source = "img2dataset"
+        with pytest.raises(ParamsError, match="the ε = ∞ twin trains WITHOUT differential privacy"):
+            training.train_nonprivate(p, trainer, types.SimpleNamespace(tracker=RecordingTracker()))
+        assert budget.runs(budget.examples_identity("data/shards/private")[0]) == []
+    assert not list((work / ".dpfm/state").glob("dp-train-*/nonprivate*"))
+
+
+def test_a_run_with_a_known_noise_key_is_charged_outside_dp_under_its_name(data_dir, tmp_path):
+    """A known noise key (dp.noise_seed, a test run's: stage_runs.MICRO) lets anyone subtract the noise: the run
+    charges that release to its examples, so the composition that counts it is ∞ whatever later params say."""
+    work = project(data_dir, tmp_path)
+    ledger, _ = train(work)
+    with inside(work):
+        outside = [(e["run"], e["outside_dp"]) for e in budget.runs(ledger["data_identity"]) if "outside_dp" in e]
+        composed = budget.composition(ledger, ledger["delta"])
+    assert outside == [(ledger["run"], "a known noise key (dp.noise_seed)")]
+    assert composed["epsilon"] == float("inf") and composed["epsilon_dp_runs"] < float("inf")
+
+
+def test_a_run_resumed_where_the_accountant_rounds_otherwise_adds_the_noise_its_ledger_began_with(data_dir, tmp_path,
+                                                                                               monkeypatch):
+    """Requeued on a node whose accountant rounds otherwise (every ε 1e-11 off), σ calibrates a hair apart: the
+    ledger keeps its header's σ, and every resumed step must add that noise, not this node's calibration."""
+    work, real, calls = project(data_dir, tmp_path), engine.add_noise, []
+
+    def crashing(*args, **kw):  # dies in the 3rd step, after its charge
+        calls.append(1)
+        if len(calls) == 3:
+            raise Crash
+        return real(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "add_noise", crashing)
+        with pytest.raises(Crash):
+            train(work)
+    for name in ("_eps_noise", "_pld_eps_at"):
+        off = lambda *a, real=getattr(accounting, name), **k: real(*a, **k) * (1 + 1e-11)  # noqa: E731
+        monkeypatch.setattr(accounting, name, off)
+    added = []
+    monkeypatch.setattr(engine, "add_noise", lambda clipper, std, *a: added.append(std) or real(clipper, std, *a))
+    ledger, _ = train(work)
+    assert len(added) == 4 and set(added) == {ledger["noise_std"]}, (added, ledger["noise_std"])
+
+
+def test_a_resumed_run_publishes_the_whole_held_out_curve_to_its_own_stage_run(data_dir, tmp_path, monkeypatch):
+    """The points logged before a crash went to the interrupted stage's MLflow run: the resumed stage's run
+    gets the whole curve (steps 0, 3 and the last, 5), the earlier points from the checkpoint's history."""
+    work, real, calls = project(data_dir, tmp_path), engine.add_noise, []
+
+    def crashing(*args, **kw):  # dies in the 6th step: the step-4 checkpoint holds the points of 0 and 3
+        calls.append(1)
+        if len(calls) == 6:
+            raise Crash
+        return real(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "add_noise", crashing)
+        with pytest.raises(Crash):
+            train(work)
+    logged = RecordingTracker()
+    with inside(work):
+        run_in_process("dp-train", [], tracker=logged)
+    assert sorted(logged.curve("heldout_loss")) == [0, 3, 5]

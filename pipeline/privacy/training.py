@@ -274,11 +274,13 @@ def train_private(params: dict, trainer: "Trainer", ctx, metrics_as: str = ""):
     return model, counters, record
 
 
-def record_outside_dp(params: dict, run: str, data_id: str, sketch, public_set: str | None) -> None:
-    """What this DP run releases without DP, charged to the budget before it is released: later runs on
-    these examples compose to ∞ too, whatever their own flags (budget.record_outside_dp)."""
-    reasons = [(data_id, sketch, "a known noise key (dp.noise_seed)")] if params["dp"]["noise_seed"] is not None else []
-    if params["dp"]["log_private_stats"]:
+def record_outside_dp(params: dict, run: str, data_id: str, sketch, public_set: str | None, twin=False) -> None:
+    """What this run releases without DP, charged before it is released: later runs on these examples compose
+    to ∞ whatever their flags (budget.record_outside_dp). The ε = ∞ `twin` releases its set and held-out loss."""
+    reasons = [(data_id, sketch, "a training without DP on them")] if twin else []
+    if params["dp"]["noise_seed"] is not None and not twin:
+        reasons.append((data_id, sketch, "a known noise key (dp.noise_seed)"))
+    if params["dp"]["log_private_stats"] and not twin:
         reasons.append((data_id, sketch, "dp.log_private_stats published a count without noise"))
     if read_json(artifact("shards") / "stats.json").get("eval_from_private"):  # the held-out loss reads it
         reasons.append((*budget.examples_identity(artifact("shards") / "eval"),
@@ -298,9 +300,9 @@ def train_nonprivate(params: dict, trainer: "Trainer", ctx, metrics_as: str = ""
     work = work_dir(p, trainer) / ("nonprivate-clipped" if p["dp"]["nonprivate_clipped"] else "nonprivate")
     with one_process(work, trainer.world):
         if trainer.world.is_main:  # charged before its first step, as a DP run is
-            data_id, sketch = budget.examples_identity(artifact("shards") / "private")
-            budget.record_outside_dp(data_id, sketch, f"{work.parent.name}-{work.name}",
-                                     "a training without DP on them", release.public_set(trainer.source))
+            record_outside_dp(params, f"{work.parent.name}-{work.name}",
+                              *budget.examples_identity(artifact("shards") / "private"),
+                              release.public_set(trainer.source), twin=True)
         return twin.train(params["run"]["seed"], work, ctx, private=False, metrics_as=metrics_as)[0]
 
 
