@@ -4,8 +4,13 @@ init; a public caption equal to the example's own is not its negative."""
 
 import torch
 import torch.nn as nn
+import stage_runs
+import yaml
 
-from pipeline.models import build_model
+from pipeline.config import apply_overrides
+from pipeline.data.tokenizer import Tokenizer, public_captions
+from pipeline.models import ModelConfig, build_model
+from pipeline.privacy.training import public_negative_tokens
 
 PAD = 0
 MICRO = dict(size="micro", img_size=16, patch_size=4, vocab_size=50, max_len=12, pad_id=PAD, public_negatives=6)
@@ -73,3 +78,17 @@ def test_a_public_caption_that_shares_tokens_with_the_examples_own_stays_its_neg
         logits = model._scale(img).unsqueeze(1) * torch.cat([(img * txt).sum(-1, keepdim=True), img @ negatives.t()], 1)
         want = nn.functional.cross_entropy(logits, torch.zeros(2, dtype=torch.long), reduction="none")
         assert torch.allclose(model(images(2), toks), want) and (want > 0).all()
+
+
+def test_the_public_negatives_are_k_captions_the_same_on_every_call_labelled_ones_first(data_dir):
+    """Every rank and every run scores images against the same K public captions (a seeded draw): another
+    set on one rank would be another loss, another gradient than the one clipped elsewhere."""
+    params = apply_overrides(yaml.safe_load((data_dir / "params.yaml").read_text()), stage_runs.MICRO)
+    tokenizer = Tokenizer(data_dir / "models/tokenizer")
+    labelled, _ = public_captions()
+    for k in (len(labelled) // 2, len(labelled) + 40):
+        cfg = ModelConfig.from_params({**params["model"], "public_negatives": k}, "clip-public", tokenizer.vocab_size)
+        tokens = public_negative_tokens(tokenizer, cfg)
+        assert tokens.shape == (k, cfg.max_len) and torch.equal(tokens, public_negative_tokens(tokenizer, cfg))
+        first = labelled[:min(k, len(labelled))]
+        assert torch.equal(tokens[:len(first)], tokenizer.encode(list(first), cfg.max_len))

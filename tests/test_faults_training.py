@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -27,13 +28,18 @@ from fault_hooks import (BIN, MARKER, MISMATCH_ROWS, OOM_MIB, STEPS, UNREADABLE,
                          dp_outcome, dp_state, dpfm, dpfm_torchrun, kill_at_fault, log_tail, mlflow_runs,
                          start_dpfm_torchrun, with_sets)
 from pretrain_project import make_project, micro_sets, saved
+from ranks import on_two_ranks
 from shard_data import write_set
 from stage_runs import project, train
 
 from pipeline.artifacts import artifact
+from pipeline.config import load_params, sections_of
 from pipeline.data.shards import ShardDataset
+from pipeline.errors import RanksDisagree
+from pipeline.privacy import training
 from pipeline.privacy.ledger import Ledger, LedgerError
 from pipeline.privacy.plan import Plan
+from pipeline.stages import stage
 
 
 # -- pretrain: kill -9 while a checkpoint is half written, SIGTERM to it and its decoding workers -----
@@ -526,3 +532,39 @@ def test_every_rank_adds_the_main_ranks_noise_where_its_own_accountant_rounds_ot
     moved = (work / "moved.0").read_text().splitlines()
     assert "models/dp" in moved and any(m.endswith("/checkpoint.pt") for m in moved), moved
     assert not (work / "moved.1").exists(), (work / "moved.1").read_text()
+
+
+def _disagreements(workdir, world):
+    """What check_same_params and check_same_data say on this rank, for rank 1 launched otherwise: None where
+    the ranks may train together, else the refusal's line."""
+    os.chdir(workdir)
+    p = sections_of(load_params("params.yaml"), stage("dp-train").sections)
+    n = len(ShardDataset(artifact("shards") / "private"))
+
+    def said(check, *args):
+        try:
+            check(*args, world)
+        except RanksDisagree as e:
+            return str(e)
+
+    def rank_1(section, key, value):
+        return p if world.rank == 0 else {**p, section: {**p[section], key: value}}
+
+    def plan(**other):
+        mine = {"n": n, "sample_rate": 0.1, "steps": 6}
+        return types.SimpleNamespace(**{**mine, **(other if world.rank == 1 else {})})
+
+    return {"data_workers": said(training.check_same_params, rank_1("dp", "data_workers", 3)),
+            "text_width": said(training.check_same_params, rank_1("model", "text_width", 64)),
+            "same plan": said(training.check_same_data, plan()),
+            "steps": said(training.check_same_data, plan(steps=7)),
+            "sample_rate": said(training.check_same_data, plan(sample_rate=0.2))}
+
+
+def test_ranks_may_run_other_loader_workers_but_no_other_model_or_plan(data_dir, tmp_path):
+    """dp.data_workers is per node (each runs its own loaders); a model key (another set of tensors, or
+    shapes), another T or q (another mechanism than the one charged) on one rank stops every rank."""
+    said = on_two_ranks(tmp_path, _disagreements, str(project(data_dir, tmp_path / "work")))
+    assert said["data_workers"] is None and said["same plan"] is None, said
+    assert "other params (rank 0: model.text_width=32)" in str(said["text_width"]), said
+    assert all("different private data" in str(said[k]) for k in ("steps", "sample_rate")), said

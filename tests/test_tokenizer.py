@@ -251,3 +251,11 @@ def test_a_missing_tokenizer_is_one_line_naming_it_and_what_makes_it(tmp_path):
 
     with pytest.raises(InputError, match=r"spm.model is missing: .*dpfm tokenizer"):
         Tokenizer(tmp_path / "models/tokenizer")
+
+
+def test_a_labelled_sets_caption_that_max_len_cuts_is_named(default_project):
+    """A labelled set's captions are public templates: a max_len that cuts one is named (CaptionsTruncated),
+    where a private caption would be cut silently."""
+    t = tok.Tokenizer(default_project / artifact("tokenizer"))
+    with pytest.warns(tok.CaptionsTruncated):
+        check_labelled_captions(t, 3, "digits")
