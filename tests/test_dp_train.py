@@ -64,25 +64,31 @@ class Crash(BaseException):
     """The process dies inside a step (a kill, a lost node): no handler of the step's errors sees it."""
 
 
+def train_until_crash(work, monkeypatch, step: int, more=()):
+    """Train `work` until the process dies in step `step` (counted from 1), between its ledger record and
+    its update: the step is charged, not applied."""
+    real, calls = engine.add_noise, []
+
+    def crashing(*args, **kw):
+        calls.append(1)
+        if len(calls) == step:
+            raise Crash
+        return real(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "add_noise", crashing)
+        with pytest.raises(Crash):
+            train(work, list(more))
+
+
 @pytest.mark.parametrize("more", [[], ["dp.ema_decay=0.6"]], ids=["last-iterate", "weight-average"])
 def test_crash_after_charging_a_step_resumes_to_the_uninterrupted_result(data_dir, tmp_path, monkeypatch, more):
     """The resumed run restores the weights' moving average too (dp.ema_decay), from the step-4 checkpoint."""
     ledger_ref, ref = train(project(data_dir, tmp_path / "a"), more)
-    real, calls = engine.add_noise, []
-
-    def crashing(*args, **kw):  # dies between the ledger record and the update of the 6th step
-        calls.append(1)
-        if len(calls) == 6:
-            raise Crash
-        return real(*args, **kw)
-
     work = project(data_dir, tmp_path / "b")
-    monkeypatch.setattr(engine, "add_noise", crashing)
-    with pytest.raises(Crash):
-        train(work, more)
+    train_until_crash(work, monkeypatch, 6, more)
     charged = next((work / ".dpfm/state").glob("dp-train-*")) / "ledger.jsonl"
     assert len(charged.read_text().splitlines()) == 1 + 6  # header + every step begun, the crashed one too
-    monkeypatch.setattr(engine, "add_noise", real)
     ledger, got = train(work, more)
     assert ledger["steps"] == 6 and ledger["batch_sizes"] == ledger_ref["batch_sizes"]
     for k, v in ref.model.items():
@@ -98,28 +104,10 @@ def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_t
     key, resumes as well; so does the finished run on 2 ranks. So with a model key its objective never reads
     changed (the MAE's text tower, the others' MAE decoder): keyed by it, the same model trained and was charged
     again."""
-    from stage_runs import charged_runs
-
     obj = [f"dp.objective={objective_name}"]
     unread = {"mae": "model.text_width=128", "clip": "model.caption_mask_ratio=0.5"}.get(objective_name,
                                                                                        "model.decoder_width=128")
     ref_ledger, ref = train(project(data_dir, tmp_path / "ref"), obj)
-    real = engine.add_noise
-
-    def stopped_at_step_6(work):
-        calls = []
-
-        def crashing(*args, **kw):
-            calls.append(1)
-            if len(calls) == 6:
-                raise Crash
-            return real(*args, **kw)
-
-        with monkeypatch.context() as m:
-            m.setattr(engine, "add_noise", crashing)
-            with pytest.raises(Crash):
-                train(work, obj)
-
     finished = None
     for name, keyed_before in (("smaller", False), ("keyed-before", True)):
         work = project(data_dir, tmp_path / name)
@@ -127,7 +115,7 @@ def test_a_run_resumed_under_another_micro_batch_or_schedule_of_checkpoints_is_t
             if keyed_before:
                 m.setattr(training, "HOW_IT_RUNS", ())
                 m.setattr(training, "model_params_read", lambda model, objective: model)
-            stopped_at_step_6(work)
+            train_until_crash(work, monkeypatch, 6, obj)
         resumed = obj + ([] if keyed_before else ["dp.physical_batch_size=2", "dp.checkpoint_every=2",
                                                   "dp.eval_every=3", unread])
         ledger, got = train(work, resumed)
@@ -441,7 +429,6 @@ def test_pretrain_run_again_to_the_same_weights_resumes_the_dp_run_and_charges_i
     which only schedules) writes another file time, summary (its images/s) and history (its steps/s):
     keyed by those files, the DP run started again under a new key and was charged a second time.
     Keyed by the weights, it resumes; a warm start with other weights is another run, charged."""
-    from stage_runs import charged_runs
 
     work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.init=pretrain", "dp.noise_seed=null"]
 
@@ -481,7 +468,6 @@ def test_a_warm_start_pretrained_with_other_model_settings_is_refused_before_any
         data_dir, tmp_path, objective_name, edit, named, ranks):
     """pretrain run by hand, then the model section edited: dp-train charged the budget and then stopped
     on a size mismatch loading the warm start. It is refused first, naming the settings that differ."""
-    from stage_runs import charged_runs
 
     work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.init=pretrain"]
     with inside(work):
@@ -503,7 +489,6 @@ def test_a_warm_start_pretrained_with_other_model_settings_is_refused_before_any
 def test_a_diverged_warm_start_is_refused_before_anything_is_charged(data_dir, tmp_path, objective_name, ranks):
     """A warm start holding a NaN weight (a pretrain that diverged, saved by a version that did not stop):
     dp-train charged the run, and every example's gradient, non-finite, was dropped. It is refused first."""
-    from stage_runs import charged_runs
 
     work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.init=pretrain"]
     with inside(work):
@@ -568,7 +553,6 @@ def test_a_run_started_again_without_its_state_is_charged_again(data_dir, tmp_pa
     """A run's name is a digest of its params and inputs, its secret key lives in its state directory.
     Started again without that directory (`.dpfm/` deleted by hand), the same run once found its charge
     on record and was not charged: a new key, so new batches and new noise, a second release for free."""
-    from stage_runs import charged_runs
 
     work, sets = project(data_dir, tmp_path), [f"dp.objective={objective_name}", "dp.noise_seed=null"]
 
@@ -725,7 +709,6 @@ def test_a_run_made_before_a_knob_existed_resumes_at_its_neutral_value_and_is_ch
     the params without it, is the same run while the knob is at its neutral value. It must not train
     again (a fresh noise key) nor be charged twice; set otherwise, it is another mechanism, charged anew.
     The upgraded dpfm runs on `ranks` processes."""
-    from stage_runs import charged_runs
 
     from pipeline import train as train_module
 
@@ -771,7 +754,6 @@ def test_a_run_another_process_holds_is_not_charged_or_touched_until_it_is_relea
     import subprocess
     import sys
 
-    from stage_runs import charged_runs
 
     from pipeline.config import sections_of
     from pipeline.locking import training_lock
@@ -948,18 +930,8 @@ def test_a_run_resumed_where_the_accountant_rounds_otherwise_adds_the_noise_its_
                                                                                                monkeypatch):
     """Requeued on a node whose accountant rounds otherwise (every ε 1e-11 off), σ calibrates a hair apart: the
     ledger keeps its header's σ, and every resumed step must add that noise, not this node's calibration."""
-    work, real, calls = project(data_dir, tmp_path), engine.add_noise, []
-
-    def crashing(*args, **kw):  # dies in the 3rd step, after its charge
-        calls.append(1)
-        if len(calls) == 3:
-            raise Crash
-        return real(*args, **kw)
-
-    with monkeypatch.context() as m:
-        m.setattr(engine, "add_noise", crashing)
-        with pytest.raises(Crash):
-            train(work)
+    work, real = project(data_dir, tmp_path), engine.add_noise
+    train_until_crash(work, monkeypatch, 3)
     for name in ("_eps_noise", "_pld_eps_at"):
         off = lambda *a, real=getattr(accounting, name), **k: real(*a, **k) * (1 + 1e-11)  # noqa: E731
         monkeypatch.setattr(accounting, name, off)
@@ -972,18 +944,8 @@ def test_a_run_resumed_where_the_accountant_rounds_otherwise_adds_the_noise_its_
 def test_a_resumed_run_publishes_the_whole_held_out_curve_to_its_own_stage_run(data_dir, tmp_path, monkeypatch):
     """The points logged before a crash went to the interrupted stage's MLflow run: the resumed stage's run
     gets the whole curve (steps 0, 3 and the last, 5), the earlier points from the checkpoint's history."""
-    work, real, calls = project(data_dir, tmp_path), engine.add_noise, []
-
-    def crashing(*args, **kw):  # dies in the 6th step: the step-4 checkpoint holds the points of 0 and 3
-        calls.append(1)
-        if len(calls) == 6:
-            raise Crash
-        return real(*args, **kw)
-
-    with monkeypatch.context() as m:
-        m.setattr(engine, "add_noise", crashing)
-        with pytest.raises(Crash):
-            train(work)
+    work = project(data_dir, tmp_path)
+    train_until_crash(work, monkeypatch, 6)  # the step-4 checkpoint holds the points of steps 0 and 3
     logged = RecordingTracker()
     with inside(work):
         run_in_process("dp-train", [], tracker=logged)
