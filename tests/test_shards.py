@@ -653,3 +653,110 @@ def test_key_hash_and_split_hash_are_pinned():
                                                 3346392537386807]
     assert _split_hash(hashes, 2**40).tolist() == [1086391519962111, 3935090871261176, 3975415982119241,
                                                    8336609483162168]
+
+
+def test_an_image_in_both_splits_under_two_keys_stays_on_one_side_only(tmp_path):
+    """The split is by key, the dedup by image: an image whose first copy lands in the private split and
+    a copy under another key in the eval split must be dropped from eval too, or the model is evaluated
+    on an example it trained on (and the eval split holds a private example twice over)."""
+    rng = np.random.default_rng(11)
+    images = [encode_jpeg(picture(rng, 16)) for _ in range(12)]
+    raw_tar(tmp_path / "1.tar", [m for i, x in enumerate(images) for m in good(f"k{i}a", image=x)])
+    raw_tar(tmp_path / "2.tar", [m for i, x in enumerate(images) for m in good(f"k{i}b", caption="other", image=x)])
+    held_out = _split_hash(np.array([key_hash(f"k{i}{c}") for i in range(12) for c in "ab"], dtype=np.uint64), 0)
+    held_out = (held_out < 2**52).reshape(12, 2)  # eval_fraction 0.5: the keys below 2⁵²
+    assert any(not a and b for a, b in held_out)  # a first copy private, its later copy in eval
+    with contextlib.chdir(tmp_path):
+        stats = build_index([str(tmp_path / "1.tar"), str(tmp_path / "2.tar")], tmp_path / "o", eval_fraction=0.5,
+                            seed=0, cache_dir=tmp_path / "c", workers=1, check_size=SIZE)
+    private, held = ShardDataset(tmp_path / "o/private"), ShardDataset(tmp_path / "o/eval")
+    seen = [{hashlib.sha256(ds.read_member(i, "jpg")).hexdigest() for i in range(len(ds))} for ds in (private, held)]
+    assert not seen[0] & seen[1] and len(private) + len(held) == 12 == len(seen[0] | seen[1])
+    assert stats["private"]["usable"] + stats["eval"]["usable"] == 12
+
+
+def test_an_unusable_first_copy_does_not_make_a_later_good_copy_a_duplicate(tmp_path):
+    """Only usable rows compete for a key or an image: a first copy that is corrupt (or has no caption)
+    is excluded for that reason, and the later good copy is the example, not a duplicate of nothing."""
+    rng = np.random.default_rng(12)
+    x = encode_jpeg(picture(rng, 16))
+    raw_tar(tmp_path / "1.tar", [("a.jpg", b"not an image"), ("a.txt", b"cap"), ("m.jpg", x), ("m.txt", b"  ")]
+            + good("b", rng))
+    raw_tar(tmp_path / "2.tar", good("a", rng, "second") + good("n", image=x))
+    stats, ds = index([tmp_path / "1.tar", tmp_path / "2.tar"], tmp_path)
+    assert ds.index["key"] == ["b", "a", "n"] and ds.caption(1) == "second"
+    assert excluded(stats) == {"corrupt_image": 1, "missing_caption": 1}
+
+
+def test_writer_rejects_a_key_repeated_in_a_later_shard(tmp_path):
+    """Keys are unique across the whole set, not per tar: the same key in two shards is the same example
+    written twice (counted twice in n)."""
+    with pytest.raises(ValueError, match="duplicate sample key"):
+        with ShardWriter(tmp_path, samples_per_shard=1) as w:
+            for key in ("a", "b", "a"):
+                w.write(key, encode_png(picture(np.random.default_rng(0))), "c", {})
+
+
+def test_a_shard_interrupted_mid_write_leaves_no_temporary_file(tmp_path):
+    """A worker stopped by Ctrl-C (KeyboardInterrupt, not an Exception) while writing its shard removes
+    the half-written tar at once, like any other failure."""
+    def samples():
+        yield "a", encode_png(picture(np.random.default_rng(0))), "c", {}
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as handled:
+        write_shard(tmp_path / "s-000000.tar", 0, samples())
+    assert handled.traceback and not list(tmp_path.iterdir())
+
+
+def test_a_scan_killed_while_caching_a_shard_leaves_nothing_the_next_scan_takes_for_a_scan(tmp_path, monkeypatch):
+    """A scan stopped while writing a shard's cached scan (kill, Ctrl-C) must leave no half-written piece:
+    the next build would find it, fail to read it, and skip the whole shard (its examples lost to n)."""
+    from pipeline.data import index as index_module
+
+    write_set(tmp_path / "w", n=10, per_shard=5)
+    urls = sorted((tmp_path / "w").glob("*.tar"))
+    real = index_module.pq.write_table
+
+    def killed(table, where, *a, **k):
+        real(table, where, *a, **k)
+        Path(where).write_bytes(Path(where).read_bytes()[:100])  # half of it on disk
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(index_module.pq, "write_table", killed)
+    with pytest.raises(KeyboardInterrupt):
+        index(urls, tmp_path)
+    monkeypatch.setattr(index_module.pq, "write_table", real)
+    stats, ds = index(urls, tmp_path, name="again", cache="out")
+    assert len(ds) == 10 and stats["shards"]["skipped"] == []
+
+
+def test_index_writer_holds_at_most_a_row_group_of_rows_at_a_time(tmp_path, monkeypatch):
+    """Memory flat in n: the index is written a row group at a time as the shards are read, never
+    gathered whole (233M rows) before the first write."""
+    from pipeline.data import index as index_module
+
+    write_set(tmp_path / "w", n=40, per_shard=5)
+    monkeypatch.setattr(index_module, "ROW_GROUP_ROWS", 8)
+    gathered, concat = [], index_module.pa.concat_tables
+    monkeypatch.setattr(index_module.pa, "concat_tables", lambda ts, *a, **k: gathered.append(sum(map(len, ts)))
+                        or concat(ts, *a, **k))
+    _, ds = index(sorted((tmp_path / "w").glob("*.tar")), tmp_path)
+    assert len(ds) == 40 and sum(gathered) == 40 and max(gathered) < 8 + 5  # a group, and at most a shard more
+
+
+def test_header_check_catches_an_offset_onto_another_samples_member_of_the_same_size(tmp_path):
+    """A stale offset can land on another sample's member of the very same size (two samples' json of
+    one length): only the member's name in the tar header tells, else the read returns another
+    example's bytes as this one's."""
+    write_set(tmp_path, n=4, per_shard=4)
+    table = pq.read_table(tmp_path / INDEX_NAME)
+    rows = table.to_pylist()
+    assert rows[0]["json_size"] == rows[1]["json_size"]
+    rows[0]["json_offset"] = rows[1]["json_offset"]
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), tmp_path / INDEX_NAME)
+    (tmp_path / USABLE_NAME).unlink()  # derived anew from the edited parquet
+    ds = ShardDataset(tmp_path)
+    assert ds.meta(1) == {"label": 1}
+    with pytest.raises(IndexMismatch, match="expects member 's0000.json'"):
+        ds.meta(0)

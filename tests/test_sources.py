@@ -600,3 +600,55 @@ def test_digits_need_a_held_out_part(in_tmp):
     params = load_params(overrides=["shards.eval_fraction=0"])
     with pytest.raises(ValueError, match="eval_fraction=0 with source digits"):
         shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(stage=stage("shards"), threads=1))
+
+
+def test_an_eval_index_that_does_not_hold_the_counted_rows_is_refused_and_names_no_count(in_tmp, monkeypatch):
+    """Both splits' indexes are checked against the counts, and the message names neither count: the
+    eval split of a web source is private data too."""
+    write_set(in_tmp / "ext", n=20, per_shard=10)
+    written = shards_stage.build_index
+
+    def eval_one_row_short(urls, out, **kw):
+        stats = written(urls, out, **kw)
+        index = out / "eval" / "index.parquet"
+        pq.write_table(pq.read_table(index).slice(1), index)
+        return stats
+    monkeypatch.setattr(shards_stage, "build_index", eval_one_row_short)
+    params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{000000..000001}}.tar']",
+                                    "shards.eval_fraction=0.5", "shards.workers=1"])
+    ctx = types.SimpleNamespace(stage=stage("shards"), tracker=types.SimpleNamespace(log_metrics=print), threads=1)
+    with pytest.raises(RuntimeError, match="the eval index does not hold the rows the stage counted") as e:
+        shards_stage.run(sections_of(params, ("run", "shards")), ctx)
+    assert not re.search(r"\d", str(e.value)), str(e.value)  # no count anywhere in it, the parenthesis too
+    assert not (in_tmp / "data/shards").exists()
+
+
+def test_a_source_with_no_usable_private_example_says_so_without_a_count(in_tmp):
+    """The error names where the owner's record is, never how many rows were read or excluded."""
+    from shard_data import raw_tar
+
+    (in_tmp / "ext").mkdir()
+    raw_tar(in_tmp / "ext/s-0.tar", [m for i in range(7) for m in ((f"b{i}.jpg", b"x"), (f"b{i}.txt", b"a"))])
+    params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-0.tar']", "shards.workers=1"])
+    ctx = types.SimpleNamespace(stage=stage("shards"), tracker=types.SimpleNamespace(log_metrics=print), threads=1)
+    with pytest.raises(ValueError, match="no usable private examples") as e:
+        shards_stage.run(sections_of(params, ("run", "shards")), ctx)
+    assert not re.search(r"\d", str(e.value)), str(e.value)
+
+
+def test_a_download_at_another_image_size_is_not_taken_from_the_last_ones_shards(tmp_path, serve):
+    """A finished shard is reused only for the same rows at the same image_size: the shards hold the
+    images resized, so a resolution change must download them again, not train on the old size."""
+    rng = np.random.default_rng(1)
+    (tmp_path / "www").mkdir()
+    for i in range(3):
+        (tmp_path / "www" / f"img{i}.png").write_bytes(encode_png(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)))
+    u = serve(tmp_path / "www").url
+    table = tmp_path / "pairs.csv"
+    table.write_text("url,caption\n" + "".join(f"{u}/img{i}.png,picture {i}\n" for i in range(3)))
+    kwargs = dict(samples_per_shard=2, threads=2, timeout_s=4.0, retries=0)
+    sources.download(str(table), tmp_path / "dl", image_size=16, **kwargs)
+    shards, stats = sources.download(str(table), tmp_path / "dl", image_size=8, **kwargs)
+    assert stats["download"]["reused_shards"] == 0
+    with tarfile.open(shards[0]) as t:
+        assert decode_image(t.extractfile("000000000.jpg").read()).shape == (8, 8, 3)
