@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from recording import RecordingTracker
 from stage_runs import charged_runs, flat, initial_weights, inside, project, run_in_process, torchrun, train
 
 from pipeline import checkpoints
@@ -243,3 +244,65 @@ def test_the_curve_on_two_ranks_is_the_one_process_curve_charged_once(data_dir, 
     update = flat(ref) - start
     assert float(update.norm()) > 0
     assert float((flat(ranks) - start - update).norm() / update.norm()) <= 1e-4
+
+
+def test_the_curve_probes_the_first_set_split_as_evaluate_splits_it_and_names_dp_trains_run(data_dir, tmp_path,
+                                                                                              monkeypatch):
+    """A point is read beside evaluate's rows: probed on the first eval set (not another one of
+    evaluate.sets), fit on evaluate's probe-train at the run's seed and scored on its probe-test; curve.json
+    names dp-train's run (evaluate refuses a curve made beside another run) and the protocol it used."""
+    from PIL import Image
+
+    from pipeline.config import load_params
+    from pipeline.eval.evalsets import load_eval_set
+    from pipeline.stages import curve
+
+    work = project(data_dir, tmp_path)
+    ledger, _ = train(work, ["run.seed=5"])
+    pets = tmp_path / "pets"  # a second set, readable, that the curve must leave alone
+    for cls in ("cat", "dog"):
+        (pets / cls).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (20, 20), (60 * i, 0, 0)).save(pets / cls / f"{i}.png")
+    seen, probe_outcomes = [], curve.probe_outcomes
+    monkeypatch.setattr(curve, "probe_outcomes", lambda x, labels, split, *a: seen.append((labels, split))
+                        or probe_outcomes(x, labels, split, *a))
+    sets = "evaluate.sets=[{name: digits, source: digits}, {name: pets, source: folder, path: %s}]" % pets
+    result = run_curve(work, ["run.seed=5", "curve.epsilons=[2]", "evaluate.probe_refits=2",
+                              "evaluate.fewshot.shots=[]", sets])
+    fraction = load_params(work / "params.yaml")["evaluate"]["probe_fraction"]
+    with inside(work):
+        digits = load_eval_set({"name": "digits", "source": "digits"}, 16)
+    tr, te = digits.split(fraction, 5)
+    assert not np.array_equal(tr, digits.split(fraction, 0)[0])  # the run's seed decides the split here
+    [(labels, (fit_on, scored_on))] = seen
+    assert np.array_equal(labels, digits.labels)
+    assert np.array_equal(fit_on, tr) and np.array_equal(scored_on, te)
+    assert result["set"] == "digits" and result["n_probe_test"] == len(te) and result["probe_refits"] == 2
+    assert result["run"] == ledger["run"]
+
+
+def test_a_curve_run_by_hand_refuses_its_infinite_point_before_any_point_is_charged(data_dir, tmp_path):
+    """`dpfm curve` run by itself: the workflow's check (release.check_asked_for) never ran, so the stage's
+    own refusal is the only one. Without it the ε = 2 point was charged, then ε = ∞ trained without DP on
+    data whose params forbid it."""
+    from pipeline.config import ParamsError
+
+    work = project(data_dir, tmp_path)
+    with pytest.raises(ParamsError, match="ε = ∞ point trains WITHOUT differential privacy"):
+        run_curve(work, ["curve.epsilons=[2, .inf]", "privacy.nonprivate_on_private_data=false"])
+    assert charged_runs(work) == [] and not (work / artifact("curve")).exists()
+
+
+def test_only_the_main_process_writes_the_curve_and_labels_its_run(data_dir, tmp_path, monkeypatch):
+    """Under torchrun every rank runs the stage, and only rank 0's points carry their verified ε: a curve.json
+    written by another rank (after rank 0's) would publish points without it. Here every point is another
+    rank's: nothing is written, labelled or logged as an artifact."""
+    from pipeline.stages import curve
+
+    train_point = curve.train_point
+    monkeypatch.setattr(curve, "train_point", lambda *a: (train_point(*a)[0], None, False))
+    work, tracker = project(data_dir, tmp_path), RecordingTracker()
+    with inside(work):
+        run_in_process("curve", ["curve.inits=[random]", "curve.epsilons=[2]"], tracker=tracker)
+    assert not (work / artifact("curve")).exists() and tracker.tags == {} and tracker.artifacts == []

@@ -2,6 +2,7 @@
 tests/test_evalsets.py)."""
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -718,3 +719,97 @@ def test_the_synthetic_baseline_is_the_warm_starts_encoder_and_random_init_follo
         encoder = evaluate.random_candidate("mae", MICRO, seed, False).encoder
         return torch.cat([v.flatten() for v in encoder.state_dict().values()])
     assert torch.equal(random_weights(3), random_weights(3)) and not torch.equal(random_weights(3), random_weights(4))
+
+
+def test_stage_refuses_a_verification_whose_checks_failed(tmp_path, monkeypatch):
+    """A verification of the very steps applied, but failed: it vouches for nothing, and evaluate would log
+    its ε beside the model."""
+    from pipeline.stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path, objective="mae", nonprivate=False)
+    ver = json.loads((tmp_path / "results/privacy/verification.json").read_text())
+    (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "passed": False}))
+    with pytest.raises(VerificationFailed, match="passed=False"):
+        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
+                                                    threads=1))
+    assert not (tmp_path / "results/eval/metrics.json").exists()
+
+
+def test_evaluate_tags_not_private_what_verify_found_outside_dp_and_a_model_saved_not_private(tmp_path, monkeypatch):
+    """The ε evaluate logs must carry what is known to leave it: a release outside DP that verify found on the
+    budget (not only the params'), and the checkpoint's own `private: false` (a test run's model)."""
+    from pipeline.stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path, objective="mae", nonprivate=False)
+    ver = json.loads((tmp_path / "results/privacy/verification.json").read_text())
+    ver["composition_at_verify"] = {"outside_dp": ["a twin"]}
+    (tmp_path / "results/privacy/verification.json").write_text(json.dumps(ver))
+    ckpt = checkpoints.load(tmp_path / "models/dp/checkpoint.pt")
+    checkpoints.save(tmp_path / "models/dp/checkpoint.pt", ckpt.build_model(), objective="mae",
+                     model_cfg=ckpt.model_cfg, steps=ckpt.steps, private=False, config={})
+    tracker = RecordingTracker()
+    evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=tracker, device="cpu", threads=1))
+    assert tracker.tags["dpfm.private"] == "false" and "(a twin)" in tracker.tags["dpfm.not_private"]
+    assert tracker.tags["dpfm.model_private"] == "false"
+    metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
+    assert any("(a twin)" in reason for reason in metrics["privacy"]["not_private"])
+
+
+def test_extra_seeds_are_the_recipes_trainings_at_each_seed_and_the_tables_rest_stays_the_first_seeds(tmp_path,
+                                                                                                    monkeypatch):
+    """train_point stubbed (a fresh model per call), so the stage's own handling is measured: each extra
+    seed trains the DP recipe (its init and ε) and its twin at that seed, each under its own metric names;
+    the rows probe and zero-shot those models, not the first seed's again; few-shot, the table's models and
+    their order stay the released checkpoints'; the metrics count every DP training the row pools."""
+    from pipeline.privacy import training
+    from pipeline.stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    make_project(tmp_path)  # caption, with a non-private twin
+    mcfg = checkpoints.load(tmp_path / "models/dp/checkpoint.pt").model_cfg
+    trained, models = [], []
+
+    def stub(p, ctx, init, epsilon, metrics_as):
+        trained.append((p["run"]["seed"], init, epsilon, metrics_as))
+        torch.manual_seed(100 + len(trained))
+        models.append(build_model("caption", mcfg))
+        return models[-1], None if math.isinf(epsilon) else 3.0, True
+    monkeypatch.setattr(training, "train_point", stub)
+    featurized, scored, features, class_scores = [], [], evaluate.features, evaluate.class_scores
+    monkeypatch.setattr(evaluate, "features", lambda encoder, *a, **k: featurized.append(encoder)
+                        or features(encoder, *a, **k))
+    monkeypatch.setattr(evaluate, "class_scores", lambda model, *a: scored.append(model) or class_scores(model, *a))
+    runs = {}
+    for seeds in (1, 3):
+        params = eval_params(seeds=seeds)
+        evaluate.run(params, SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
+                                             threads=1))
+        runs[seeds] = json.loads((tmp_path / "results/eval/metrics.json").read_text())
+    dp = params["dp"]
+    assert [t[:3] for t in trained] == [(1, dp["init"], dp["epsilon"]), (1, dp["init"], math.inf),
+                                        (2, dp["init"], dp["epsilon"]), (2, dp["init"], math.inf)]
+    assert trained[0][3] != trained[2][3]  # each seed's per-step metrics under its own names
+    assert all(any(f is m.encoder for f in featurized) for m in models)
+    assert all(any(s is m for s in scored) for m in models)
+    one, three = runs[1], runs[3]
+    assert three["model_order"] == one["model_order"] and three["models"] == one["models"]
+    assert three["privacy"]["dp_trainings"] == 1 + sum(math.isfinite(t[2]) for t in trained)
+    for name, r in three["sets"]["digits"]["results"].items():
+        assert r["fewshot_logreg"] == one["sets"]["digits"]["results"][name]["fewshot_logreg"], name
+
+
+def test_chance_is_the_majority_share_of_the_images_scored(monkeypatch):
+    """An official split whose test part is not balanced as its train part is: chance, the floor each
+    accuracy is read against, is the most frequent class's share of the images scored (probe-test)."""
+    from pipeline.stages import evaluate
+
+    rng = np.random.default_rng(0)
+    labels = np.r_[np.arange(40) % 2, np.zeros(15, int), np.ones(5, int)]  # train part 50/50, test part 75/25
+    es = EvalSet("toy", rng.integers(0, 256, (60, 8, 8, 3), dtype=np.uint8), labels, ["a", "b"],
+                 ("a photo of a {c}.",), parts=(np.arange(40), np.arange(40, 60)))
+    monkeypatch.setattr(evaluate, "features", lambda *a, **k: rng.normal(size=(60, 4)).astype(np.float32))
+    cfg = {**eval_params()["evaluate"], "fewshot": {"shots": [], "repeats": 1}, "zero_shot": False}
+    result = evaluate.evaluate_set(es, [evaluate.Candidate("dp", "DP", "x", object())], cfg, 0, "cpu", lambda c: None)
+    assert result["n_probe_test"] == 20 and result["chance"] == pytest.approx(15 / 20)
