@@ -519,25 +519,30 @@ def test_a_source_with_no_usable_private_example_stops_the_stage_and_leaves_no_s
     assert read_json(".dpfm/owner/shards.json")["private"]["excluded"] == {"corrupt_image": 6}
 
 
-def test_an_index_that_does_not_hold_the_counted_rows_is_refused_and_names_no_count(in_tmp, monkeypatch):
+@pytest.mark.parametrize("split, fraction", [("private", 0), ("eval", 0.5)])
+def test_an_index_that_does_not_hold_the_counted_rows_is_refused_and_names_no_count(in_tmp, monkeypatch, split,
+                                                                                    fraction):
     """n for accounting is the count the stage kept as it wrote the index: an index that lost (or gained)
-    a row against it would train on another n than the one ε is computed for."""
+    a row against it would train on another n than the one ε is computed for. Both splits are checked, and
+    the message names no count (the parenthesis too): a web source's eval split is private data too."""
     write_set(in_tmp / "ext", n=20, per_shard=10)
     written = shards_stage.build_index
 
     def one_row_short(urls, out, **kw):
         stats = written(urls, out, **kw)
-        index = out / "private" / "index.parquet"
+        index = out / split / "index.parquet"
         pq.write_table(pq.read_table(index).slice(1), index)
         return stats
     monkeypatch.setattr(shards_stage, "build_index", one_row_short)
     params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{000000..000001}}.tar']",
-                                    "shards.workers=1"])
+                                    f"shards.eval_fraction={fraction}", "shards.workers=1"])
     ctx = types.SimpleNamespace(stage=stage("shards"), tracker=types.SimpleNamespace(log_metrics=print), threads=1)
-    with pytest.raises(RuntimeError, match="the private index does not hold the rows the stage counted") as e:
+    with pytest.raises(RuntimeError, match=f"the {split} index does not hold the rows the stage counted") as e:
         shards_stage.run(sections_of(params, ("run", "shards")), ctx)
-    assert not re.search(r"\d", str(e.value).split("(")[0])  # the counts go to the owner's log only
-    assert "holds 19 rows, the stage counted 20" in (in_tmp / ".dpfm/owner/shards.log").read_text()
+    assert not re.search(r"\d", str(e.value)), str(e.value)  # the counts go to the owner's log only
+    held, counted = re.search(r"holds (\d+) rows, the stage counted (\d+)",
+                              (in_tmp / ".dpfm/owner/shards.log").read_text()).groups()
+    assert int(held) == int(counted) - 1  # for the owner
     assert not (in_tmp / "data/shards").exists()
 
 
@@ -600,27 +605,6 @@ def test_digits_need_a_held_out_part(in_tmp):
     params = load_params(overrides=["shards.eval_fraction=0"])
     with pytest.raises(ValueError, match="eval_fraction=0 with source digits"):
         shards_stage.run(sections_of(params, ("run", "shards")), types.SimpleNamespace(stage=stage("shards"), threads=1))
-
-
-def test_an_eval_index_that_does_not_hold_the_counted_rows_is_refused_and_names_no_count(in_tmp, monkeypatch):
-    """Both splits' indexes are checked against the counts, and the message names neither count: the
-    eval split of a web source is private data too."""
-    write_set(in_tmp / "ext", n=20, per_shard=10)
-    written = shards_stage.build_index
-
-    def eval_one_row_short(urls, out, **kw):
-        stats = written(urls, out, **kw)
-        index = out / "eval" / "index.parquet"
-        pq.write_table(pq.read_table(index).slice(1), index)
-        return stats
-    monkeypatch.setattr(shards_stage, "build_index", eval_one_row_short)
-    params = load_params(overrides=["shards.source=urls", f"shards.urls=['{in_tmp}/ext/s-{{000000..000001}}.tar']",
-                                    "shards.eval_fraction=0.5", "shards.workers=1"])
-    ctx = types.SimpleNamespace(stage=stage("shards"), tracker=types.SimpleNamespace(log_metrics=print), threads=1)
-    with pytest.raises(RuntimeError, match="the eval index does not hold the rows the stage counted") as e:
-        shards_stage.run(sections_of(params, ("run", "shards")), ctx)
-    assert not re.search(r"\d", str(e.value)), str(e.value)  # no count anywhere in it, the parenthesis too
-    assert not (in_tmp / "data/shards").exists()
 
 
 def test_a_source_with_no_usable_private_example_says_so_without_a_count(in_tmp):
