@@ -464,6 +464,12 @@ def make_project(root, objective="caption", nonprivate=True, steps=3):
                 "accountant": "pld", "delta": 1e-5, "steps": steps, "sigma": 1.0, "sample_rate": 0.1, "n": 100})
 
 
+def evaluate_ctx(tracker=None) -> SimpleNamespace:
+    """The evaluate stage's context on the CPU, its MLflow calls recorded."""
+    return SimpleNamespace(stage=stage("evaluate"), tracker=tracker if tracker is not None else RecordingTracker(),
+                           device="cpu", threads=1)
+
+
 def eval_params(**overrides):
     import yaml
 
@@ -479,7 +485,7 @@ def test_stage_evaluates_dp_model_beside_every_baseline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_project(tmp_path)
     tracker = RecordingTracker()
-    evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=tracker, device="cpu", threads=1))
+    evaluate.run(eval_params(), evaluate_ctx(tracker))
     metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
     assert metrics["model_order"] == ["dp", "nonprivate", "synthetic", "pixels", "random"]
     digits = metrics["sets"]["digits"]
@@ -530,7 +536,7 @@ def test_an_evaluate_run_of_a_test_run_is_tagged_not_private_beside_the_epsilon_
     make_project(tmp_path)
     tracker, params = RecordingTracker(), eval_params()
     params["privacy"] = {**params["privacy"], "testing": True}
-    evaluate.run(params, SimpleNamespace(stage=stage("evaluate"), tracker=tracker, device="cpu", threads=1))
+    evaluate.run(params, evaluate_ctx(tracker))
     assert "epsilon" in tracker.metrics and tracker.tags["dpfm.private"] == "false"
     assert "a test run" in tracker.tags["dpfm.not_private"]
     metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
@@ -547,8 +553,8 @@ def test_stage_intervals_cover_the_probe_refits_and_keep_the_accuracies(tmp_path
     make_project(tmp_path)
     runs = {}
     for refits in (0, 8):
-        evaluate.run(eval_params(probe_refits=refits, probe_c=1.0),  # auto picks a C at which noise images fit alike
-                     SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu", threads=1))
+        # probe_c fixed: auto picks a C at which noise images fit alike
+        evaluate.run(eval_params(probe_refits=refits, probe_c=1.0), evaluate_ctx())
         runs[refits] = json.loads((tmp_path / "results/eval/metrics.json").read_text())
     assert runs[8]["protocol"]["probe_refits"] == 8
     plain, refit = (runs[k]["sets"]["digits"] for k in (0, 8))
@@ -575,20 +581,18 @@ def test_stage_refuses_a_checkpoint_the_verification_does_not_cover(tmp_path, mo
     ver = json.loads((tmp_path / "results/privacy/verification.json").read_text())
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "steps": 2}))
     with pytest.raises(VerificationFailed, match="2 verified steps vs 3 applied"):
-        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu", threads=1))
+        evaluate.run(eval_params(), evaluate_ctx())
     # dp-train run again at another ε, the same steps, and evaluate run by hand before verify: the
     # verification left is the earlier run's, and its ε would be logged beside the new model.
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "run": "r0"}))
     with pytest.raises(VerificationFailed, match="another DP run"):
-        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
-                                                    threads=1))
+        evaluate.run(eval_params(), evaluate_ctx())
     # ... and so is the curve left by the earlier run (another recipe's points), published beside the new
     # model's accuracies: curve.json names the run it was made beside.
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps(ver))
     write_json(tmp_path / "results/curve/curve.json", {"run": "r0", "points": []})
     with pytest.raises(VerificationFailed, match=r"curve.json was made for another DP run .* run `dpfm curve`"):
-        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
-                                                    threads=1))
+        evaluate.run(eval_params(), evaluate_ctx())
 
 
 def test_evaluate_set_gives_the_same_results_streamed_as_in_memory(tmp_path, monkeypatch):
@@ -731,8 +735,7 @@ def test_stage_refuses_a_verification_whose_checks_failed(tmp_path, monkeypatch)
     ver = json.loads((tmp_path / "results/privacy/verification.json").read_text())
     (tmp_path / "results/privacy/verification.json").write_text(json.dumps({**ver, "passed": False}))
     with pytest.raises(VerificationFailed, match="passed=False"):
-        evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
-                                                    threads=1))
+        evaluate.run(eval_params(), evaluate_ctx())
     assert not (tmp_path / "results/eval/metrics.json").exists()
 
 
@@ -750,7 +753,7 @@ def test_evaluate_tags_not_private_what_verify_found_outside_dp_and_a_model_save
     checkpoints.save(tmp_path / "models/dp/checkpoint.pt", ckpt.build_model(), objective="mae",
                      model_cfg=ckpt.model_cfg, steps=ckpt.steps, private=False, config={})
     tracker = RecordingTracker()
-    evaluate.run(eval_params(), SimpleNamespace(stage=stage("evaluate"), tracker=tracker, device="cpu", threads=1))
+    evaluate.run(eval_params(), evaluate_ctx(tracker))
     assert tracker.tags["dpfm.private"] == "false" and "(a twin)" in tracker.tags["dpfm.not_private"]
     assert tracker.tags["dpfm.model_private"] == "false"
     metrics = json.loads((tmp_path / "results/eval/metrics.json").read_text())
@@ -784,8 +787,7 @@ def test_extra_seeds_are_the_recipes_trainings_at_each_seed_and_the_tables_rest_
     runs = {}
     for seeds in (1, 3):
         params = eval_params(seeds=seeds)
-        evaluate.run(params, SimpleNamespace(stage=stage("evaluate"), tracker=RecordingTracker(), device="cpu",
-                                             threads=1))
+        evaluate.run(params, evaluate_ctx())
         runs[seeds] = json.loads((tmp_path / "results/eval/metrics.json").read_text())
     dp = params["dp"]
     assert [t[:3] for t in trained] == [(1, dp["init"], dp["epsilon"]), (1, dp["init"], math.inf),
