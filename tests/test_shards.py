@@ -30,7 +30,7 @@ from pipeline.stages import shards as shards_stage, stage
 from pipeline.data.dedup import duplicate_mask, duplicate_rows
 from pipeline.data.index import (INDEX_NAME, MEMBERS, IndexMismatch, _split_hash, build_index, key_hash,
                                   read_index, read_usable_table)
-from pipeline.data.index_mmap import MAGIC, TAIL, USABLE_NAME, CorruptIndex, read_footer
+from pipeline.data.index_mmap import MAGIC, TAIL, USABLE_NAME, CorruptIndex, read_footer, source_id
 from pipeline.data.loader import BatchLoader
 from pipeline.data.remote import ShardReadError, filesystem
 from pipeline.data.shards import ShardDataset, ShardWriter, encode_png, write_shard
@@ -608,14 +608,21 @@ def test_digits_shards_are_the_pinned_bytes(in_tmp):
     parquet footer names the pyarrow version). Re-pinned when the index gained each example's
     content digest (the privacy budget's identity), when stats.json lost the owner-only counts, when
     it gained the digest of the params the shards were built with (dpfm validate's check of n), and when
-    the eval split's captions got a generator of their own (the private shards' bytes unchanged)."""
+    the eval split's captions got a generator of their own (the private shards' bytes unchanged).
+    usable.idx's footer names the parquet it was derived from by a digest of that parquet's footer, which
+    names the pyarrow version too: it is checked against the parquet beside it and pinned without it."""
     run_digits(eval_fraction=None)
     digest = hashlib.sha256()
     for f in sorted(f for f in Path("data/shards").rglob("*") if f.is_file()):
-        data = (json.dumps(pq.read_table(f).to_pylist(), sort_keys=True).encode() if f.name == INDEX_NAME
-                else f.read_bytes())
+        data = f.read_bytes()
+        if f.name == INDEX_NAME:
+            data = json.dumps(pq.read_table(f).to_pylist(), sort_keys=True).encode()
+        elif f.name == USABLE_NAME:
+            footer, start = read_footer(f)
+            assert footer.pop("source") == source_id(f.with_name(INDEX_NAME))
+            data = data[:start] + json.dumps(footer, sort_keys=True).encode()
         digest.update(f"{f.relative_to('data/shards')}\n".encode() + data)
-    assert digest.hexdigest() == "6b1cda378def9442e3fd5b4a2e4002b6b3f9d620cebc5af2f64c9060d85c2253"
+    assert digest.hexdigest() == "7872bbc1ec09831f7bea32d06b529a9b20de32026c7564bf1b2ab638437e4e24"
 
 
 def test_index_dict_keeps_per_format_offset_columns(tmp_path):
