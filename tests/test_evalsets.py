@@ -435,3 +435,38 @@ def test_an_unindexed_tar_that_shrinks_after_listing_is_named_not_read_short(tmp
     with pytest.raises(EvalSetError, match=rf"a.tar at byte {last.offset_data}: expected an image of {len(img)} "
                                            rf"bytes, found {len(img) // 2}: the tar changed"):
         es.images[np.array([3])]
+
+
+def test_finetunes_shots_are_checked_where_finetuning_is_enabled():
+    """Fine-tuning draws its K shots from probe-train too: enabled, a K its set cannot give is refused before
+    any training, by its own key; disabled, its shots ask nothing of the set."""
+    from pipeline.config import ParamsError, load_params
+    from pipeline.eval.protocols import check_protocols
+
+    cfg = load_params(ROOT / "params.yaml")["evaluate"]
+    balanced = EvalSet("pets", np.zeros((24, 4, 4, 3), np.uint8), np.arange(24) % 2, ["cat", "dog"], ("a {c}",))
+    on = {**cfg, "probe_fraction": 0.5, "fewshot": {**cfg["fewshot"], "shots": [1]},
+          "finetune": {**cfg["finetune"], "enabled": True, "shots": [8]}}  # 6 images a class in probe-train
+    with pytest.raises(ParamsError, match="evaluate.finetune.shots on eval set 'pets'"):
+        check_protocols(balanced, on, seed=0, depth=12)
+    check_protocols(balanced, {**on, "finetune": {**on["finetune"], "enabled": False}}, seed=0, depth=12)
+    check_protocols(balanced, {**on, "finetune": {**on["finetune"], "shots": [6]}}, seed=0, depth=12)
+
+
+def test_two_eval_sets_of_one_name_are_refused(tmp_path):
+    """metrics.json keys each set's results by its name: a second set of the same name would overwrite
+    the first's, so the pair is refused by name before anything is trained."""
+    from pipeline.config import ParamsError, load_params
+    from pipeline.eval.protocols import checked_eval_sets
+
+    for name, value in (("cat", 20), ("dog", 200)):
+        (tmp_path / name).mkdir()
+        for i in range(4):
+            Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(tmp_path / name / f"{i}.png")
+    cfg = load_params(ROOT / "params.yaml")["evaluate"]
+    cfg = {**cfg, "probe_fraction": 0.5, "fewshot": {**cfg["fewshot"], "shots": [1]},
+           "finetune": {**cfg["finetune"], "enabled": False}}
+    spec = {"name": "pets", "source": "folder", "path": str(tmp_path)}
+    assert len(checked_eval_sets([spec, {**spec, "name": "more"}], cfg, 0, 8, 12, decode=False)) == 2
+    with pytest.raises(ParamsError, match=r"two sets are named \['pets'\]"):
+        checked_eval_sets([spec, dict(spec)], cfg, 0, 8, 12, decode=False)

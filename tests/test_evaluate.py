@@ -16,7 +16,7 @@ from pipeline.errors import VerificationFailed
 from pipeline.train import lr_at
 from pipeline.eval.evalsets import EvalSet, load_eval_set
 from pipeline.eval.fewshot import finetune_accuracy, fewshot_logreg, kshot_subsets
-from pipeline.eval.probe import (SOLVERS, extract_features, logreg_estimator, logreg_probe, pool_tokens,
+from pipeline.eval.probe import (SOLVERS, auto_folds, extract_features, logreg_estimator, logreg_probe, pool_tokens,
                                  probe_accuracy)
 from pipeline.eval.stats import paired_wald
 from pipeline.eval.zeroshot import class_scores, zero_shot_accuracy
@@ -815,3 +815,22 @@ def test_chance_is_the_majority_share_of_the_images_scored(monkeypatch):
     cfg = {**eval_params()["evaluate"], "fewshot": {"shots": [], "repeats": 1}, "zero_shot": False}
     result = evaluate.evaluate_set(es, [evaluate.Candidate("dp", "DP", "x", object())], cfg, 0, "cpu", lambda c: None)
     assert result["n_probe_test"] == 20 and result["chance"] == pytest.approx(15 / 20)
+
+
+def test_two_images_of_the_rarest_class_are_enough_to_cross_validate_c():
+    """auto chooses C on stratified folds of probe-train, each holding out an image of every class: two
+    images of the rarest class make two such folds, and only a class of one (1-shot) leaves C at 1."""
+    y = np.array([0, 0, 1, 1, 1, 1, 2, 2, 2])
+    folds = auto_folds(y, 0)
+    assert folds is not None and folds.get_n_splits() == 2
+    assert all(set(y[held]) == {0, 1, 2} for _, held in folds.split(y, y))
+    assert auto_folds(y[1:], 0) is None
+
+
+def test_auto_cs_folds_follow_the_seed():
+    """The folds C is chosen on are shuffled by the evaluation's seed: the same seed the same folds, another
+    seed others, as every other draw of the protocol follows it."""
+    y = np.arange(60) % 3
+    held = {s: [tuple(h) for _, h in auto_folds(y, s).split(y, y)] for s in (0, 1)}
+    assert held[0] == [tuple(h) for _, h in auto_folds(y, 0).split(y, y)]
+    assert held[0] != held[1]

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.eval.stats import accuracy_ci, difference_ci, paired_wald
+from pipeline.eval.stats import accuracy_ci, difference_ci, normal_quantile, paired_wald
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -329,3 +329,109 @@ def test_a_paired_difference_where_the_models_rarely_disagree_keeps_its_level():
     same = rng.random((2, 270)) < 0.8
     d = difference_ci(same, same)  # two seeds each, agreeing everywhere
     assert d["diff"] == 0 and d["ci"] == pytest.approx(paired_wald(0, 0, 270)) and d["ci"][1] > 0.005
+
+
+def test_the_bootstrap_draws_every_test_example_alike_the_last_as_the_first():
+    """A resample of the test images must reach each of them with the same odds: a draw that never
+    reached the last example (an off-by-one in its range) reads a model right on it alone as 0% right."""
+    from pipeline.eval.stats import _resampled_means
+
+    for hit in (0, 9):
+        only = np.zeros((1, 1, 10))
+        only[0, 0, hit] = 1.0  # right on one of ten images: every draw's mean is its count of that image / 10
+        draws = _resampled_means([only], seed=0, resamples=4000)
+        assert draws.mean() == pytest.approx(0.1, abs=0.01)
+
+
+def test_the_seed_chooses_which_test_images_the_bootstrap_draws():
+    """`seed` is the bootstrap's own stream: the same seed gives the same draws, another seed others (a
+    stream seeded without it gives every caller, and every trial of a coverage run, the same draws)."""
+    from pipeline.eval.stats import _resampled_means
+
+    correct = (np.random.default_rng(13).random(300) < 0.7)[None, None].astype(float)
+    first, again, other = (_resampled_means([correct], seed=s, resamples=200) for s in (0, 0, 1))
+    assert np.array_equal(first, again)
+    assert not np.array_equal(first, other)
+
+
+def test_a_difference_over_unequal_seed_counts_is_centred_on_the_difference():
+    """Two seeds of one model against four of another are resampled each on their own: the draws are of
+    the difference of the two means, so the interval lies a few points either side of it, not around
+    their sum (a sign lost between the two models)."""
+    rng = np.random.default_rng(14)
+    a, b = rng.random((2, 500)) < 0.7, rng.random((4, 500)) < 0.6
+    d = difference_ci(a, b)
+    assert d["ci"][0] < d["diff"] < d["ci"][1]
+    assert d["ci"][1] - d["diff"] < 0.1 and d["diff"] - d["ci"][0] < 0.1
+
+
+def test_an_interval_never_reaches_past_what_an_accuracy_or_a_difference_can_be():
+    """The shift to the full fit moves the refits' draws by the gap between the full probe and its refits:
+    a probe right on every image whose refits are right on half would read up to 105%, a difference up
+    to +1.05, without the bounds."""
+    rng = np.random.default_rng(15)
+    right, wrong = np.ones(400, bool), np.zeros(400, bool)
+    half = rng.random((20, 400)) < 0.5
+    lo, hi = accuracy_ci(right, refits=half)
+    assert 0.9 < lo <= hi == 1.0
+    d = difference_ci(right, wrong, refits_a=half, refits_b=np.zeros((20, 400), bool))
+    assert d["diff"] == 1.0 and 0.9 < d["ci"][0] <= d["ci"][1] == 1.0
+
+
+def _seed_rows(rng, difficulty, centre, seeds=20):
+    """`seeds` trainings whose accuracies spread by 5 points around `centre`, each right on the images
+    easier than its accuracy (the easy images are easy for every seed, as in a real sweep)."""
+    return difficulty[None] < rng.normal(centre, 0.05, seeds)[:, None]
+
+
+@pytest.mark.parametrize("level", [0.5, 0.95])
+def test_the_interval_reaches_its_levels_normal_quantile_of_standard_errors_either_side(level):
+    """Twenty seeds on 2,000 images: the draws of the mean are near normal, so the interval at `level`
+    reaches z standard errors either side (z the level's two-sided normal quantile). A percentile
+    interval read at the wrong quantiles (90% for 95%) or a bootstrap blind to `level` reads another width."""
+    rng = np.random.default_rng(11)
+    difficulty = rng.random(2000)
+    rows = _seed_rows(rng, difficulty, 0.7)
+    se = np.sqrt(rows.mean(axis=0).var() / 2000 + rows.mean(axis=1).var(ddof=1) / 20)
+    lo, hi = accuracy_ci(rows, level=level)
+    assert (hi - lo) / 2 == pytest.approx(normal_quantile((1 + level) / 2) * se, rel=0.06)
+    assert (lo + hi) / 2 == pytest.approx(rows.mean(), abs=0.1 * se)
+
+
+@pytest.mark.parametrize("level", [0.5, 0.95])
+def test_a_paired_interval_reaches_its_levels_normal_quantile_of_standard_errors_either_side(level):
+    """Two models paired seed by seed over twenty seeds: the paired interval at `level` reaches z standard
+    errors of the difference either side, with the test images and the seeds' differences together."""
+    rng = np.random.default_rng(12)
+    difficulty = rng.random(2000)
+    a, b = _seed_rows(rng, difficulty, 0.72), _seed_rows(rng, difficulty, 0.68)
+    per_image = (a.astype(float) - b).mean(axis=0)
+    se = np.sqrt(per_image.var() / 2000 + (a.mean(axis=1) - b.mean(axis=1)).var(ddof=1) / 20)
+    lo, hi = difference_ci(a, b, level=level)["ci"]
+    assert (hi - lo) / 2 == pytest.approx(normal_quantile((1 + level) / 2) * se, rel=0.08)
+
+
+def test_one_set_of_refits_serves_every_seed_of_a_model():
+    """refits may be (fits, examples), one set shared by every seed (the probe-train part and its
+    resamples do not depend on the training seed): an interval over three seeds takes them as they are."""
+    rng = np.random.default_rng(16)
+    rows = rng.random((3, 300)) < 0.7
+    refits = rng.random((5, 300)) < 0.68
+    lo, hi = accuracy_ci(rows, refits=refits)
+    assert lo <= rows.mean() <= hi and hi - lo < 0.2
+    assert (lo, hi) == tuple(accuracy_ci(rows, refits=np.stack([refits] * 3)))
+
+
+def test_a_difference_against_a_model_wrong_everywhere_reads_the_models_own_refit_interval():
+    """Refit r of a is paired with refit r of b. Against a model wrong on every image in every refit, the
+    paired draws are a's own: where the bootstrap sets the top of a's interval (49 refits near 90% and one
+    collapsed, which skews the draws) the difference's top is the same, not its mirror about the estimate
+    (the two models' refits swapped)."""
+    rng = np.random.default_rng(17)
+    full = rng.random(4000) < 0.9
+    refits = np.concatenate([rng.random((49, 4000)) < 0.9, np.zeros((1, 4000), bool)])
+    wrong = np.zeros(4000, bool)
+    lo, hi = accuracy_ci(full, refits=refits)
+    d = difference_ci(full, wrong, refits_a=refits, refits_b=np.zeros((50, 4000), bool))
+    assert d["diff"] == pytest.approx(full.mean())
+    assert d["ci"][1] == pytest.approx(hi, abs=1e-9) and d["ci"][0] == pytest.approx(lo, abs=0.002)
