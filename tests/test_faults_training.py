@@ -568,3 +568,25 @@ def test_ranks_may_run_other_loader_workers_but_no_other_model_or_plan(data_dir,
     assert said["data_workers"] is None and said["same plan"] is None, said
     assert "other params (rank 0: model.text_width=32)" in str(said["text_width"]), said
     assert all("different private data" in str(said[k]) for k in ("steps", "sample_rate")), said
+
+
+def test_decoding_workers_outlive_a_ctrl_c_so_the_step_in_flight_can_finish(tmp_path):
+    """Ctrl-C reaches the whole process group like SLURM's SIGTERM: the training process decides when to
+    stop, and its workers must keep serving the step in flight until then."""
+    import psutil
+
+    from pipeline.data.loader import BatchLoader
+
+    write_set(tmp_path / "set", n=20, per_shard=10)
+    before = {p.pid for p in psutil.Process().children()}
+    batches = BatchLoader(ShardDataset(tmp_path / "set"), 8, workers=2, prefetch=1)(
+        [np.arange(i, i + 2) for i in range(0, 20, 2)])
+    got = [next(batches)[0]]
+    workers = [p for p in psutil.Process().children() if p.pid not in before]
+    assert len(workers) == 2
+    for worker in workers:
+        worker.send_signal(signal.SIGINT)
+    for worker in workers:  # acted on (or discarded) before the next fetch
+        wait_until_handled(worker, signal.SIGINT)
+    got += [indices for indices, _ in batches]
+    assert np.array_equal(np.concatenate(got), np.arange(20))

@@ -4,6 +4,7 @@ saved encoder initialises every DP objective, bf16 autocast runs on CPU, and cur
 from __future__ import annotations
 
 import json
+import gc
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -334,3 +335,107 @@ def test_a_diverged_run_stops_and_saves_no_warm_start(tmp_path, monkeypatch):
     with pytest.raises(Diverged, match="non-finite gradient"):
         run_stage(project, monkeypatch, steps=6)
     assert len(calls) == 3 and not (project / artifact("pretrain")).exists()
+
+
+def test_a_grad_clip_of_zero_disables_clipping(tmp_path, monkeypatch):
+    """pretrain.grad_clip: 0 means no clipping (params.yaml); clipped to a norm of 0 the gradients would
+    vanish and AdamW would step on nothing."""
+    monkeypatch.chdir(make_project(tmp_path))
+    cfg = ModelConfig.from_params(stage_params()["model"], "mae")
+    images = torch.rand(4, 3, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(1))
+    noise = torch.rand(4, (cfg.img_size // cfg.patch_size) ** 2, generator=torch.Generator().manual_seed(2))
+    stepped = {}
+    for grad_clip in (0.0, 1e9):
+        torch.manual_seed(0)
+        model = build_model("mae", cfg)
+        optimizer = train.make_optimizer(model, "adamw", 1e-3, 0.0)
+        pretrain.mae_step(model, optimizer, images, noise, "cpu", "fp32", grad_clip)
+        stepped[grad_clip] = model.state_dict()
+    assert params_equal(stepped[0.0], stepped[1e9])
+
+
+def test_an_infinite_gradient_norm_stops_before_the_step(tmp_path, monkeypatch):
+    """Gradients too large for a float32 norm (finite each, infinite together) make the clip scale every
+    gradient to 0 or NaN: the step must stop there, as for a NaN, with the weights untouched."""
+    from pipeline.errors import Diverged
+
+    monkeypatch.chdir(make_project(tmp_path))
+    cfg = ModelConfig.from_params(stage_params()["model"], "mae")
+    torch.manual_seed(0)
+    model = build_model("mae", cfg)
+    first = next(p for p in model.parameters() if p.requires_grad)
+    first.register_hook(lambda g: torch.full_like(g, 1e30))  # finite, but its square overflows
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = train.make_optimizer(model, "adamw", 1e-3, 0.0)
+    images, noise = torch.rand(2, 3, cfg.img_size, cfg.img_size), torch.rand(2, (cfg.img_size // cfg.patch_size) ** 2)
+    for grad_clip in (0.0, 1.0):
+        with pytest.raises(Diverged, match="non-finite gradient"):
+            pretrain.mae_step(model, optimizer, images, noise, "cpu", "fp32", grad_clip)
+        assert params_equal(model.state_dict(), before)
+
+
+def test_a_synthetic_set_without_images_is_refused_by_name(tmp_path, monkeypatch):
+    """An empty synthetic set (every program failed) must say so and what to run, not fail on a division
+    by zero in the epoch shuffle."""
+    import shutil
+
+    from pipeline.data.shards import ShardWriter
+
+    project = make_project(tmp_path)
+    shutil.rmtree(project / artifact("synthetic"))
+    with ShardWriter(project / artifact("synthetic"), prefix="synthetic", samples_per_shard=8):
+        pass
+    with pytest.raises(ValueError, match="has no usable images: run the synthetic stage"):
+        run_stage(project, monkeypatch)
+
+
+def test_the_images_per_second_curve_is_the_steps_per_second_curve_times_the_batch(uninterrupted):
+    """MLflow's throughput curve counts images (what the data path must sustain), not steps."""
+    _, tracker = uninterrupted
+    steps, images = tracker.curve("steps_per_s"), tracker.curve("images_per_s")
+    assert sorted(images) == sorted(steps) == list(range(6))
+    assert all(images[s] == pytest.approx(steps[s] * stage_params()["pretrain"]["batch_size"]) for s in steps)
+
+
+def test_a_resumed_runs_throughput_counts_only_the_steps_it_ran(tmp_path, monkeypatch):
+    """Resumed at step 4 of 6, the run trains 2 steps: its mean images/s divides 2 batches by its time,
+    not all 6 (which would report 3x the real throughput)."""
+    clock = SimpleNamespace(time=iter([100.0, 110.0]).__next__)  # the run's start and end: 10 s apart
+    project, tracker = interrupted_then_resumed(tmp_path, monkeypatch, lambda m: m.setattr(pretrain, "time", clock))
+    summary = json.loads((project / artifact("pretrain") / "summary.json").read_text())
+    assert summary["resumed_at"] == 4
+    assert summary["images_per_s"] == pytest.approx(2 * stage_params()["pretrain"]["batch_size"] / 10)
+
+
+def test_a_failed_pretrain_stops_its_decoding_workers_while_the_error_is_held(tmp_path, monkeypatch):
+    """A step that fails hands its error up with a traceback holding the stage's frames, the batch stream
+    among them: the stage stops its decoding workers itself, or they outlive the error."""
+    import psutil
+
+    project = make_project(tmp_path)
+    before = {p.pid for p in psutil.Process().children()}
+    with monkeypatch.context() as m:
+        crash_at(m, 3)
+        with pytest.raises(KeyboardInterrupt) as held:
+            run_stage(project, m, data_workers=2)
+    assert held.value is not None
+    left = [p.pid for p in psutil.Process().children() if p.pid not in before]
+    del held  # let go, so that workers left running here stop and do not hang the session's exit
+    gc.collect()
+    assert left == []
+
+
+def test_a_pretrain_output_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A failure while the output is written (a full disk at summary.json) leaves no output: a checkpoint
+    and history without their summary would pass for a finished run, and the state is gone after it."""
+    project, real_write = make_project(tmp_path), pretrain.write_json
+
+    def full_disk(path, value):
+        if path.name == "summary.json":
+            raise OSError(28, "No space left on device")
+        return real_write(path, value)
+
+    monkeypatch.setattr(pretrain, "write_json", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        run_stage(project, monkeypatch)
+    assert not (project / artifact("pretrain")).exists()

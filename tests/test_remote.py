@@ -7,11 +7,16 @@ counts and records every request and can fail a given range once.
 
 from __future__ import annotations
 
+import pickle
+
+import fsspec
 import numpy as np
 import pytest
 import torch
+from aiohttp import ClientResponseError, RequestInfo
 from http_server import closed_port
 from shard_data import SIZE, index, write_set
+from yarl import URL
 
 from pipeline.data import remote
 from pipeline.data.loader import BatchLoader
@@ -292,3 +297,119 @@ def test_retries_wait_twice_as_long_each_time_with_jitter(monkeypatch):
     with pytest.raises(ConnectionError):
         remote.retry(flaky, attempts=4)
     assert len(calls) == 4 and waits == pytest.approx([0.01 * 0.75, 0.02 * 0.75, 0.04 * 0.75])
+
+
+@pytest.fixture
+def memory_shard():
+    """The url of a 4 KiB shard in fsspec's in-memory filesystem, and its bytes."""
+    data = bytes(range(256)) * 16
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/dpfm-remote-test/s.tar", data)
+    yield "memory:///dpfm-remote-test/s.tar", data
+    fs.rm("/dpfm-remote-test", recursive=True)
+
+
+def failing_first(reader, times: int, error=ConnectionResetError) -> list:
+    """Make the reader's first `times` fetches fail with `error` for every span; the list counts fetches."""
+    calls, real = [], reader._fetch
+
+    def fetch(spans):
+        calls.append(len(spans))
+        return [error("injected") for _ in spans] if len(calls) <= times else real(spans)
+
+    reader._fetch = fetch
+    return calls
+
+
+@pytest.mark.parametrize("attempts", [2, 4])
+def test_a_range_is_asked_for_exactly_attempts_times(memory_shard, attempts):
+    """A range that fails attempts-1 times is still read; one that fails every time is given up on after
+    `attempts` requests, no more and no fewer."""
+    url, data = memory_shard
+    reader = RangeReader([url], attempts=attempts)
+    calls = failing_first(reader, attempts - 1)
+    assert reader.read(0, 100, 300) == data[100:300] and len(calls) == attempts
+    reader = RangeReader([url], attempts=attempts)
+    calls = failing_first(reader, attempts)
+    with pytest.raises(ShardReadError, match="bytes 100-300 of memory:///dpfm-remote-test/s.tar"):
+        reader.read(0, 100, 300)
+    assert len(calls) == attempts
+
+
+def test_range_retries_wait_with_backoff(memory_shard, monkeypatch):
+    """Retried at once, a batch's failed ranges hammer a struggling store; each retry waits
+    BACKOFF_S·2^k (times the jitter), as `retry` does."""
+    url, data = memory_shard
+    waits = []
+    monkeypatch.setattr(remote.time, "sleep", waits.append)
+    monkeypatch.setattr(remote.random, "random", lambda: 0.25)
+    reader = RangeReader([url], attempts=4)
+    failing_first(reader, 2)
+    assert reader.read(0, 0, 10) == data[:10]
+    assert waits == pytest.approx([remote.BACKOFF_S * 0.75, remote.BACKOFF_S * 2 * 0.75])
+
+
+def test_an_error_that_is_neither_network_nor_missing_file_is_not_retried(memory_shard):
+    """Only the network's errors are worth another request: a ValueError from the client library is a bug
+    that every retry meets again, after seconds of backoff."""
+    url, _ = memory_shard
+    reader = RangeReader([url], attempts=4)
+    calls = failing_first(reader, 4, error=ValueError)
+    with pytest.raises(ShardReadError, match="ValueError"):
+        reader.read(0, 0, 10)
+    assert len(calls) == 1
+
+
+def test_a_pickled_reader_keeps_its_attempts(memory_shard):
+    """Loader workers get the reader pickled: one set to give up sooner (or later) must do so there too."""
+    url, _ = memory_shard
+    copy = pickle.loads(pickle.dumps(RangeReader([url], attempts=2, max_gap=0)))
+    calls = failing_first(copy, 10)
+    with pytest.raises(ShardReadError):
+        copy.read(0, 0, 10)
+    assert len(calls) == 2
+
+
+def test_the_error_names_the_permanent_failure_among_transient_ones(shards):
+    """A batch with an unreachable range and a missing file: retrying cannot help, and the error must
+    say which file is missing, not which connection dropped first."""
+    _, server, _, _ = shards
+    dead, missing = f"http://127.0.0.1:{closed_port()}/s-000000.tar", f"{server.url}/gone.tar"
+    with pytest.raises(ShardReadError, match=f"of {missing}: FileNotFoundError"):
+        RangeReader([dead, missing]).read_many([(0, 0, 10), (1, 0, 10)])
+
+
+def test_server_errors_from_500_up_are_retried_and_client_errors_below_are_not():
+    """The boundary of `transient`: 500 itself is the commonest server error (a store's internal error)
+    and is retried; 499 and below (except 408, 425, 429) get the same answer again."""
+    def answer(status):
+        return ClientResponseError(RequestInfo(URL("http://h/s.tar"), "GET", {}), (), status=status)
+
+    assert [remote.transient(answer(s)) for s in (400, 404, 499, 500, 502, 599, 408, 425, 429)] == \
+        [False, False, False, True, True, True, True, True, True]
+
+
+def test_a_shard_read_again_and_again_stays_open_while_others_come_and_go(tmp_path, monkeypatch):
+    """The MAX_OPEN descriptors kept are the most recently read: a hot shard read between each of many
+    others is opened once, not again each time MAX_OPEN others have passed."""
+    files = []
+    for i in range(3 * remote.MAX_OPEN):
+        path = tmp_path / f"{i:04d}.bin"
+        path.write_bytes(bytes([i % 251]) * 64)
+        files.append(str(path))
+    opened, real_open = [], remote.os.open
+    monkeypatch.setattr(remote.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a))
+    reader = RangeReader(files)
+    for i in range(1, len(files)):
+        assert reader.read(0, 0, 4) == bytes(4) and reader.read(i, 0, 4) == bytes([i % 251]) * 4
+    reader.close()
+    assert opened.count(files[0]) == 1 and len(opened) == len(files)
+
+
+def test_s3_clients_get_the_connect_and_read_timeouts():
+    """Without them botocore waits 60 s to connect and retries on its own; a stalled GET must be given
+    up on in READ_TIMEOUT_S, for s3:// and s3a:// alike."""
+    for protocol in ("s3", "s3a"):
+        options = remote.storage_options(protocol)["config_kwargs"]
+        assert (options["connect_timeout"], options["read_timeout"]) == (remote.CONNECT_TIMEOUT_S,
+                                                                         remote.READ_TIMEOUT_S)

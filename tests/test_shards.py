@@ -8,10 +8,12 @@ Local files and fsspec's in-memory filesystem only; http(s) is tested in test_so
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import io
 import json
 import pickle
+import signal
 import tarfile
 import types
 from collections import Counter
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import fsspec
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -767,3 +770,38 @@ def test_header_check_catches_an_offset_onto_another_samples_member_of_the_same_
     assert ds.meta(1) == {"label": 1}
     with pytest.raises(IndexMismatch, match="expects member 's0000.json'"):
         ds.meta(0)
+
+
+def test_starting_decoding_workers_leaves_the_training_process_stop_signals_unblocked(tmp_path):
+    """The stop signals are blocked only while the workers start; left blocked, a SIGTERM from SLURM
+    would stay pending in the training process for the whole run and it would never checkpoint."""
+    write_set(tmp_path, n=12, per_shard=6)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    batches = BatchLoader(ShardDataset(tmp_path), 4, workers=2, prefetch=1)([np.arange(3), np.arange(3, 6)])
+    next(batches)  # the workers have started
+    try:
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    finally:
+        batches.close()
+
+
+def test_a_worker_error_stops_the_decoding_workers_while_the_error_is_still_held(tmp_path):
+    """A worker's decoding error reaches the caller with a traceback that holds the loader's iterator;
+    unless the loader stops its workers itself they (stop signals ignored) outlive it, and the
+    process's exit waits on them for ever."""
+    write_set(tmp_path, n=12, per_shard=6)
+    ds = ShardDataset(tmp_path)
+    size, offset = int(ds._rows.sizes["image"][5]), int(ds._rows.offsets["image"][5])
+    shard = sorted(tmp_path.glob("*.tar"))[0]
+    data = bytearray(shard.read_bytes())
+    data[offset:offset + size] = bytes(size)  # example 5 no longer decodes; its tar header still checks out
+    shard.write_bytes(bytes(data))
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(ValueError, match="no longer decodes") as held:
+        for _ in BatchLoader(ShardDataset(tmp_path), 4, workers=2, prefetch=1)([np.arange(4, 8)]):
+            pass
+    assert held.value is not None  # the traceback (and the frames it holds) are alive here
+    left = [p.pid for p in psutil.Process().children() if p.pid not in before]
+    del held  # let go, so that workers left running here stop and do not hang the session's exit
+    gc.collect()
+    assert left == []
