@@ -267,6 +267,19 @@ def test_lars_scales_a_matrix_step_to_trust_times_its_weight_norm_and_steps_a_bi
     assert torch.allclose(b.detach(), torch.full((3,), -0.5 - 0.5 * 1.9))  # momentum 0.9: 1 + 0.9
 
 
+@pytest.mark.parametrize("batch_size", [64, 512])
+def test_a_probes_rate_grows_with_its_batch_from_the_base_rate_per_256_examples(batch_size):
+    """evaluate.probe.lr is the rate per 256 examples (the MAE/ViP probe recipe), scaled linearly with the
+    batch. One AdamW step from rest moves each bias by its rate (Adam's first step is lr·g/|g|): a rate
+    scaled the wrong way would move it 1/16 or 16 times as far at these batches."""
+    from pipeline.eval.probe import train_linear_head
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(batch_size, 4)).astype(np.float32), np.arange(batch_size) % 3
+    head = train_linear_head(x, y, 3, "adamw", epochs=1, batch_size=batch_size, lr=0.1, weight_decay=0.0)
+    assert head[1].bias.detach().abs().numpy() == pytest.approx(np.full(3, 0.1 * batch_size / 256), rel=1e-3)
+
+
 # -- zero-shot ---------------------------------------------------------------------------------
 
 class StubCaptioner:
