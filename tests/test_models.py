@@ -25,7 +25,8 @@ from pipeline.models import (
     unpatchify,
 )
 from pipeline.privacy.layer_rules import SUPPORTED_LAYERS
-from pipeline.models.layers import Attention, Block, sincos_pos_embed_2d
+from pipeline.models.config import NOT_READ, ModelConfig
+from pipeline.models.layers import Attention, Block, CrossAttention, sincos_pos_embed_2d
 
 # The CPU SDPA kernel has no vmap batching rule; torch falls back to a loop and warns.
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -613,9 +614,9 @@ def test_each_objective_masks_by_its_own_ratio():
 @pytest.mark.parametrize("objective", ["mae", "caption", "clip", "clip-public"])
 def test_the_model_keys_an_objective_is_said_never_to_read_change_nothing_it_builds_or_computes(objective):
     """models.config.NOT_READ leaves these keys out of a DP run's identity (a change resumes the run, not
-    charges it again): measured, each changed alone gives the same weights and the same losses."""
-    from pipeline.models.config import NOT_READ, ModelConfig
-
+    charges it again): measured, each changed alone gives the same weights and the same losses. And its
+    converse: each key left out of it changes one or the other, or a key said to be read would key the run
+    by it, and changing it would train the same model again and charge the budget twice."""
     base = {"size": "micro", "img_size": 16, "patch_size": 4, "mask_ratio": 0.75, "caption_mask_ratio": 0.0,
             "norm_pix_loss": True, "decoder_width": 32, "decoder_depth": 1, "decoder_heads": 2, "text_width": 32,
             "text_depth": 1, "text_heads": 2, "max_caption_len": 12, "public_negatives": 4}
@@ -626,9 +627,10 @@ def test_the_model_keys_an_objective_is_said_never_to_read_change_nothing_it_bui
 
     def built(model_params):
         torch.manual_seed(0)
-        model = build_model(objective, ModelConfig.from_params(model_params, objective, vocab_size=VOCAB)).train()
-        torch.manual_seed(1)
-        losses = model(imgs) if objective == "mae" else model(imgs, tokens)
+        cfg = ModelConfig.from_params(model_params, objective, vocab_size=VOCAB)
+        model = build_model(objective, cfg).train()
+        torch.manual_seed(1)  # captions padded to max_len, as the tokenizer pads them (clip-public compares them)
+        losses = model(imgs) if objective == "mae" else model(imgs, tokens[:, :cfg.max_len])
         return model.state_dict(), losses
 
     weights, losses = built(base)
@@ -638,8 +640,15 @@ def test_the_model_keys_an_objective_is_said_never_to_read_change_nothing_it_bui
         assert got_weights.keys() == weights.keys(), key
         assert all(torch.equal(got_weights[k], weights[k]) for k in weights), key
         assert torch.equal(got_losses, losses), key
-    read = sorted(set(other) - set(NOT_READ[objective]) - {"max_caption_len"})  # a key it reads changes something
-    assert any(not torch.equal(built({**base, k: other[k]})[1], losses) for k in read)
+    def moved(key):
+        got_weights, got_losses = built({**base, key: other[key]})
+        return (got_weights.keys() != weights.keys() or not torch.equal(got_losses, losses)
+                or any(got_weights[k].shape != weights[k].shape or not torch.equal(got_weights[k], weights[k])
+                       for k in weights))
+
+    read = sorted(set(other) - set(NOT_READ[objective]))
+    unmoved = [key for key in read if not moved(key)]
+    assert read and not unmoved, f"{objective} is said to read {unmoved}, but changing them changes nothing"
 
 
 # -- what each embedding and pooling adds, read with the blocks taken out --------------------------------
@@ -780,3 +789,77 @@ def test_clip_on_one_rank_of_several_finds_each_pair_at_its_offset_in_the_gather
         want = 0.5 * (ce(scale * img @ all_txt.t(), labels, reduction="none")
                       + ce(scale * txt @ all_img.t(), labels, reduction="none"))
         assert torch.allclose(model(imgs, toks, gather=gather), want, atol=1e-6)
+
+
+def test_every_paper_size_has_64_wide_heads_and_the_vip_sizes_twelve_blocks():
+    """ViT-Ti/S/B/L attend in heads of 64 channels, and the table assumes ViP's nano/tiny/small do too,
+    at ViT-B's depth of 12: a head count off by a factor reads other attention patterns at the same
+    parameter count, which no parameter count catches (kills mutant 11)."""
+    with torch.device("meta"):
+        for size in ("nano", "tiny", "small", "base", "large"):
+            vit = build_encoder({"size": size})
+            assert all(blk.attn.heads * 64 == vit.width for blk in vit.blocks), size
+            if size != "large":
+                assert len(vit.blocks) == 12, size
+
+
+def test_pico_is_the_cpu_size_at_two_thirds_of_its_width():
+    """pico was the CPU recipe made narrower and nothing else (docs/results.md, "Wall time"): same depth,
+    same images and patches, two thirds of the width (kills mutant 12)."""
+    pico, cpu = build_encoder({"size": "pico"}), build_encoder({"size": "cpu"})
+    assert len(pico.blocks) == len(cpu.blocks)
+    assert 3 * pico.width == 2 * cpu.width
+    assert (pico.img_size, pico.patch_size) == (cpu.img_size, cpu.patch_size)
+
+
+def test_a_text_tower_left_at_its_default_heads_attends_in_heads_of_64():
+    """text_heads 0 means "as the encoders do": heads of 64 channels (DP-Cap's 768-wide decoder: 12 heads),
+    at least one for a narrow tower (kills mutant 42)."""
+    with torch.device("meta"):
+        cap = build_model("caption", {"size": "base", "vocab_size": 1000})
+    assert cap.decoder.blocks[0].attn.heads == 12
+    for width in (64, 256, 768, 1024):
+        assert ModelConfig.of({"text_width": width}).text_heads * 64 == width
+    assert ModelConfig.of({"text_width": 32}).text_heads == 1
+
+
+def test_the_encoder_pools_as_its_model_config_says():
+    """ModelConfig.pool is the pooled feature of the encoder built from it: with pool "mean" the encoder's
+    own forward returns the patch tokens' mean, not the cls token (kills mutant 47)."""
+    imgs = images(2)
+    for pool, want in (("cls", lambda t: t[:, 0]), ("mean", lambda t: t[:, 1:].mean(dim=1))):
+        torch.manual_seed(0)
+        vit = build_encoder({**MICRO, "pool": pool})
+        with torch.no_grad():
+            assert torch.allclose(vit(imgs), want(vit.forward_features(imgs)[0]), atol=1e-6), pool
+
+
+def test_cross_attention_lets_every_text_position_read_every_image_token():
+    """The captioner's decoder reads the image through cross-attention: softmax(q k^T / sqrt(d)) v over all
+    the context tokens, keys from the first half of kv and values from the second. Causal is the text's
+    self-attention alone; a causal cross-attention would hide from caption token t all image tokens past t
+    (mutant 18, which the suite caught only by its untrained loss drifting from log V)."""
+    torch.manual_seed(0)
+    B, L, M, D, H = 2, 3, 5, 8, 2
+    attn, x, context = CrossAttention(D, H, context_dim=6), torch.randn(B, L, D), torch.randn(B, M, 6)
+    with torch.no_grad():
+        q = attn.q(x).reshape(B, L, H, D // H).transpose(1, 2)
+        k, v = attn.kv(context).reshape(B, M, 2, H, D // H).permute(2, 0, 3, 1, 4)
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(D // H)).softmax(dim=-1)
+        assert (weights > 0).all()  # every text position reads every image token
+        expected = attn.proj((weights @ v).transpose(1, 2).reshape(B, L, D))
+        assert torch.allclose(attn(x, context), expected, atol=1e-5)
+
+
+def test_linear_layers_start_xavier_uniform_and_embeddings_at_std_002():
+    """test_layers_start_as_maes_do reads the biases, norms and tokens; this reads the rest of MAE's init:
+    Linear weights uniform over the xavier bound sqrt(6 / (fan_in + fan_out)), token and position
+    embeddings N(0, 0.02) (mutants 19 and 20 were caught only through the untrained caption loss)."""
+    model = micro("caption", text_width=192, text_heads=3)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.weight.numel() >= 4096:
+            bound = math.sqrt(6.0 / (module.in_features + module.out_features))
+            w = module.weight.detach().abs()
+            assert float(w.max()) <= bound and float(w.max()) > 0.95 * bound, name
+        if isinstance(module, nn.Embedding):
+            assert 0.017 < float(module.weight.std()) < 0.023, name
