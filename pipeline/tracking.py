@@ -199,19 +199,19 @@ class StageRun:
             signature = infer_signature(example.numpy(), encoder(example).numpy())
         name = f"dpfm-{ckpt.objective}"
         info = _retry(lambda: self._mlflow.pytorch.log_model(
-            encoder, name="dp_encoder", signature=signature, registered_model_name=name,
+            encoder, name="dp_encoder", signature=signature,
             serialization_format="pickle", code_paths=[str(Path(__file__).parent)],  # the classes travel with it
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy"]))
-        client = self._mlflow.tracking.MlflowClient()
-        version = info.registered_model_version
         # `epsilon` is what all DP runs on the examples compose to (the report updates it after the
         # curve's and the seeds' trainings); `epsilon_run` is this model's own.
         composed = math.inf if not private else epsilon if epsilon_composed is None else epsilon_composed
         composed_at = delta if delta_composed is None else delta_composed
-        for key, value in (("epsilon", bound_text(composed, 4)), ("delta_composed", bound_text(composed_at, 3, True)),
-                           ("epsilon_run", bound_text(epsilon, 4)), ("delta", bound_text(delta, 3, exponent=True)),
-                           ("private", str(private).lower())) + ((("budget", budget),) if budget else ()):
-            _retry(lambda: client.set_model_version_tag(name, version, key, value))
+        tags = {"epsilon": bound_text(composed, 4), "delta_composed": bound_text(composed_at, 3, True),
+                "epsilon_run": bound_text(epsilon, 4), "delta": bound_text(delta, 3, exponent=True),
+                "private": str(private).lower()} | ({"budget": budget} if budget else {})
+        # The version is created with its tags in one write: registered first and tagged after, a failure or
+        # a kill between the two left a published version with no ε and no NOT PRIVATE mark.
+        _retry(lambda: self._mlflow.register_model(info.model_uri, name, tags=tags))
         return name
 
     def tag_dp_models(self, tags: dict, budget: str | None = None) -> int:

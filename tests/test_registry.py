@@ -105,3 +105,89 @@ def test_a_registered_version_loads_where_dpfm_is_not_installed_and_gives_the_ch
     with torch.no_grad():
         expected = checkpoints.load("c.pt").build_encoder().eval()(images).numpy()
     np.testing.assert_array_equal(np.load(tmp_path / "features.npy"), expected)
+
+
+def registered(client, name: str, run_id: str, tags: dict) -> str:
+    """A version of `name` created straight in the registry (no model to log: only its tags matter here)."""
+    if not client.search_registered_models(filter_string=f"name = '{name}'"):
+        client.create_registered_model(name)
+    return client.create_model_version(name, f"runs:/{run_id}/dp_encoder", run_id=run_id, tags=tags).version
+
+
+def test_every_version_on_the_budget_of_every_dpfm_model_is_tagged_and_no_version_of_another_budget(local_mlflow):
+    """A later composition on the budget tags every version charged to it, older ones and those of other
+    objectives included (tagging only the newest left an older version claiming a smaller ε); versions
+    on another budget, or on none, are not this composition's and keep their tags, even when called
+    with no budget at all."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient()
+    with tracking.stage_run(STAGE, {"run": {"seed": 0}}, "dpfm") as run:
+        ours = [("dpfm-mae", registered(client, "dpfm-mae", run.run_id, {"budget": "b1", "epsilon": "1.0"})),
+                ("dpfm-mae", registered(client, "dpfm-mae", run.run_id, {"budget": "b1", "epsilon": "1.0"})),
+                ("dpfm-clip", registered(client, "dpfm-clip", run.run_id, {"budget": "b1", "epsilon": "1.0"}))]
+        others = [("dpfm-mae", registered(client, "dpfm-mae", run.run_id, {"budget": "b2", "epsilon": "1.0"})),
+                  ("dpfm-mae", registered(client, "dpfm-mae", run.run_id, {"epsilon": "1.0"}))]
+        assert run.tag_dp_models({"epsilon": "3.0", "dp_runs_on_data": "2"}, "b1") == 3
+        assert run.tag_dp_models({"epsilon": "4.0", "dp_runs_on_data": "3"}) == 0  # no budget, no parent: none
+    for name, version in ours:
+        tags = client.get_model_version(name, version).tags
+        assert (tags["epsilon"], tags["dp_runs_on_data"]) == ("3.0", "2"), (name, version, tags)
+    for name, version in others:
+        tags = client.get_model_version(name, version).tags
+        assert tags["epsilon"] == "1.0" and "dp_runs_on_data" not in tags, (name, version, tags)
+
+
+def test_versions_registered_under_this_pipelines_parent_are_tagged_and_another_pipelines_are_not(local_mlflow,
+                                                                                                   monkeypatch):
+    """Without a budget id, the versions this pipeline registered (their runs nested under its parent) are
+    its composition's; a version another pipeline registered is not, and keeps what it says."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient()
+    versions, parents = {}, {}
+    for pipeline in ("this", "another"):
+        parents[pipeline] = tracking.start_parent("dpfm")
+        monkeypatch.setenv(tracking.PARENT_ENV, parents[pipeline])
+        with tracking.stage_run(STAGE, {"run": {"seed": 0}}, "dpfm") as run:
+            versions[pipeline] = registered(client, "dpfm-mae", run.run_id, {"epsilon": "1.0"})
+    monkeypatch.setenv(tracking.PARENT_ENV, parents["this"])
+    with tracking.stage_run(STAGE, {"run": {"seed": 0}}, "dpfm") as run:
+        assert run.tag_dp_models({"epsilon": "3.0"}) == 1
+    assert client.get_model_version("dpfm-mae", versions["this"]).tags["epsilon"] == "3.0"
+    assert client.get_model_version("dpfm-mae", versions["another"]).tags["epsilon"] == "1.0"
+
+
+def test_a_not_private_version_stays_so_and_a_composed_epsilon_never_falls_nor_leaves_its_delta(local_mlflow):
+    """A later run that finds nothing outside DP does not make a NOT PRIVATE version private again; and a
+    version already stating a larger composed ε (at its δ) keeps both: a smaller ε at another δ would
+    understate what its examples spent."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient()
+    with tracking.stage_run(STAGE, {"run": {"seed": 0}}, "dpfm") as run:
+        public = registered(client, "dpfm-mae", run.run_id, {"budget": "b1", "private": "false", "epsilon": "inf"})
+        larger = registered(client, "dpfm-mae", run.run_id, {"budget": "b1", "private": "true", "epsilon": "5.0",
+                                                              "delta_composed": "1.00e-06"})
+        assert run.tag_dp_models({"private": "true", "epsilon": "3.0", "delta_composed": "2.00e-06"}, "b1") == 1
+    kept = client.get_model_version("dpfm-mae", public).tags
+    assert (kept["private"], kept["epsilon"]) == ("false", "inf"), kept
+    held = client.get_model_version("dpfm-mae", larger).tags
+    assert (held["private"], held["epsilon"], held["delta_composed"]) == ("true", "5.0", "1.00e-06"), held
+
+
+def test_a_version_is_never_seen_without_its_privacy_tags_whatever_fails_after_it_is_created(local_mlflow,
+                                                                                              monkeypatch):
+    """A version registered first and tagged after: a failure (or a kill) between the two left a published
+    version with no ε and no NOT PRIVATE mark. It is created with its tags in one write, so no later tag
+    write can leave it bare: any version the registry shows states its verdict and its ε."""
+    import mlflow
+
+    def connection_reset(*a, **k):
+        raise RuntimeError("connection reset")
+
+    monkeypatch.setattr(mlflow.tracking.MlflowClient, "set_model_version_tag", connection_reset)
+    with tracking.stage_run(STAGE, {"run": {"seed": 0}}, "dpfm") as run:
+        run.log_dp_model(saved("c.pt"), 2.0, 1e-5, private=False)
+    [v] = mlflow.tracking.MlflowClient().search_model_versions("name='dpfm-mae'")
+    assert (v.tags["private"], v.tags["epsilon"], v.tags["epsilon_run"]) == ("false", "inf", bound_text(2.0, 4))
