@@ -781,3 +781,124 @@ def test_the_rules_shell_waits_for_a_stage_saving_its_checkpoint_on_sigterm(tmp_
     (tmp_path / "go").write_text("")
     assert job.wait(timeout=60) == 128 + signal.SIGTERM and (tmp_path / "saved").exists()
     assert "told to end" in (tmp_path / "job.log").read_text()  # tee logged to the end
+
+
+def test_a_private_stages_metrics_and_series_carry_its_steps_and_its_one_start_time(local_mlflow):
+    """On private data every point (single metrics and whole series, past one batch of MLflow's limit)
+    carries the stage's start as its time, so the gaps between calls do not publish how long each part
+    took; and each is at the step given, the series' whole curve included."""
+    import types
+
+    from pipeline import tracking
+
+    stage = types.SimpleNamespace(name="dp-train", input_paths=[], touches_private_data=True)
+    with tracking.stage_run(stage, {"run": {"seed": 0}}, "dpfm") as run:
+        run.log_metrics({"loss": 2.0, "skipped": None}, step=3)
+        time.sleep(0.05)
+        run.log_series("heldout_loss", [float(i) for i in range(1000)], range(5, 1005))
+        time.sleep(0.05)
+        run.log_metrics({"loss": 1.0}, step=7)
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    finished = client.get_run(run.run_id)
+    loss, curve = (client.get_metric_history(run.run_id, k) for k in ("loss", "heldout_loss"))
+    assert sorted((m.step, m.value) for m in loss) == [(3, 2.0), (7, 1.0)]
+    assert sorted((m.step, m.value) for m in curve) == [(i + 5, float(i)) for i in range(1000)]
+    assert {m.timestamp for m in loss + curve} == {finished.info.start_time}
+    assert "skipped" not in finished.data.metrics
+
+
+def test_a_stages_artifacts_land_under_the_path_given_and_every_tag_is_set(local_mlflow, tmp_path):
+    """The report reads artifacts from where the stage put them (a folder and a file under `artifact_path`);
+    a missing file is skipped; each tag of a set is written, as text."""
+    import types
+
+    from pipeline import tracking
+
+    (tmp_path / "figs").mkdir()
+    (tmp_path / "figs/a.png").write_bytes(b"png")
+    (tmp_path / "table.json").write_text("{}")
+    stage = types.SimpleNamespace(name="evaluate", input_paths=[], touches_private_data=False)
+    with tracking.stage_run(stage, {"run": {"seed": 0}}, "dpfm") as run:
+        run.log_artifact(tmp_path / "figs", "results/figs")
+        run.log_artifact(tmp_path / "table.json", "results")
+        run.log_artifact(tmp_path / "missing.json", "results")
+        run.set_tags({"dpfm.private": False, "dpfm.not_private": "a reason", "dp_runs": 2})
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    assert sorted(a.path for a in client.list_artifacts(run.run_id, "results")) == ["results/figs",
+                                                                                    "results/table.json"]
+    assert [a.path for a in client.list_artifacts(run.run_id, "results/figs")] == ["results/figs/a.png"]
+    tags = client.get_run(run.run_id).data.tags
+    assert (tags["dpfm.private"], tags["dpfm.not_private"], tags["dp_runs"]) == ("False", "a reason", "2")
+
+
+def test_a_locked_store_is_retried_and_any_other_error_or_the_last_lock_is_raised(monkeypatch):
+    """Parallel stages share one SQLite writer: 'database is locked' is waited out, with backoff; an error
+    of another kind, or a lock that outlasts every attempt, must reach the stage, not be dropped."""
+    from pipeline import tracking
+
+    waits = []
+    monkeypatch.setattr(tracking.time, "sleep", waits.append)
+    calls = []
+
+    def locked_twice():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RuntimeError("(sqlite3.OperationalError) database is locked")
+        return "logged"
+
+    assert tracking._retry(locked_twice) == "logged" and len(calls) == 3 and waits == [0.2, 0.4]
+    with pytest.raises(RuntimeError, match="locked"):
+        tracking._retry(lambda: (_ for _ in ()).throw(RuntimeError("database is locked")), attempts=3)
+    calls.clear()
+
+    def broken():
+        calls.append(1)
+        raise ValueError("no such table: runs")
+
+    with pytest.raises(ValueError, match="no such table"):
+        tracking._retry(broken)
+    assert len(calls) == 1
+
+
+def test_a_failed_pipelines_parent_ends_failed_and_a_not_private_one_publishes_no_composed_epsilon(local_mlflow):
+    """The parent of a failed workflow must say FAILED, not FINISHED; and a run NOT PRIVATE as a whole
+    has composed ε = ∞ (a tag): no finite epsilon_composed metric stands beside its ε."""
+    from pipeline import tracking
+    from pipeline.io import write_json
+
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    exp_id = client.get_experiment_by_name("dpfm").experiment_id
+    statuses = []
+    for ok in (False, True):
+        parent = tracking.start_parent("dpfm")
+        time.sleep(0.01)  # written after the parent started: this run's
+        write_json("results/privacy/verification.json", {"epsilon_reported": 2.0, "sigma": 1.4, "delta": 4e-4})
+        write_json("results/privacy/privacy.json", {"private": False, "not_private": ["a reason"],
+                                                    "epsilon_composed": 2.5})
+        client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
+        tracking.end_parent("dpfm", parent, ok=ok)
+        statuses.append(client.get_run(parent).info.status)
+    finished = client.get_run(parent)
+    assert statuses == ["FAILED", "FINISHED"]
+    assert finished.data.metrics["epsilon"] == 2.0 and "epsilon_composed" not in finished.data.metrics
+    assert finished.data.tags["dpfm.private"] == "false"
+
+
+def test_the_parents_params_yaml_never_holds_the_noise_key(local_mlflow):
+    """The parent's params.yaml artifact is published: a known noise key in it would let anyone subtract
+    the noise from the released model."""
+    import mlflow
+
+    from pipeline import tracking
+    from pipeline.config import load_params
+
+    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    shutil.copytree(ROOT / "schemas", "schemas")
+    params = load_params("params.yaml", ["privacy.testing=true", "dp.noise_seed=1234567"])
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    parent = tracking.start_parent("dpfm", params)
+    exp_id = client.get_experiment_by_name("dpfm").experiment_id
+    client.set_terminated(client.create_run(exp_id, tags={"mlflow.parentRunId": parent}).info.run_id)
+    tracking.end_parent("dpfm", parent, ok=True, params=params)
+    shown = Path(mlflow.artifacts.download_artifacts(run_id=parent, artifact_path="params.yaml")).read_text()
+    assert "noise_seed" in shown and "1234567" not in shown, shown

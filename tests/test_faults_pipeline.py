@@ -327,3 +327,50 @@ def test_a_stage_already_running_in_the_directory_is_refused_at_once(in_tmp, cap
     assert "shards is already running in this directory" in err
     assert f"(pid {os.getpid()} on {socket.gethostname()}, {LOCK_DIR / 'shards.lock'})" in err, err
     assert not (in_tmp / "data/shards").exists()
+
+
+@pytest.mark.parametrize("error, status", [(ValueError("bad input"), "FAILED"),
+                                           ("stopped", "KILLED"), (KeyboardInterrupt(), "KILLED")],
+                         ids=["error", "stopped", "ctrl-c"])
+def test_a_stage_that_fails_or_is_stopped_ends_its_run_failed_or_killed_and_still_raises(local_mlflow, error,
+                                                                                        status):
+    """A stage's exception must reach `dpfm` (its exit status tells Snakemake the job failed) and its run
+    must not show as running forever: FAILED for an error, KILLED for a stop (SIGTERM, Ctrl-C), which
+    resumes; and the next stage in the process opens a run of its own, not one nested in the dead one."""
+    import types
+
+    import mlflow
+
+    from pipeline import tracking
+    from pipeline.errors import Stopped
+
+    error = Stopped(15, "stopped after step 3") if error == "stopped" else error
+    stage = types.SimpleNamespace(name="dp-train", input_paths=[], touches_private_data=False)
+    with pytest.raises(type(error)):
+        with tracking.stage_run(stage, {"run": {"seed": 0}}, "dpfm") as run:
+            failed = run.run_id
+            raise error
+    client = mlflow.tracking.MlflowClient()
+    assert client.get_run(failed).info.status == status
+    assert mlflow.active_run() is None
+
+
+def test_a_dead_pipeline_whose_snakemake_belongs_to_another_user_is_left_running(local_mlflow, monkeypatch):
+    """Another user's Snakemake on this machine cannot be signalled (EPERM) but is alive: its runs are not
+    marked KILLED under it."""
+    import socket
+
+    from pipeline import tracking
+
+    client = tracking._mlflow("dpfm").tracking.MlflowClient()
+    theirs = tracking.start_parent("dpfm")
+    client.set_tag(theirs, "dpfm.host", socket.gethostname())
+    client.set_tag(theirs, "dpfm.pid", "4242")
+
+    def not_permitted(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tracking.os, "kill", not_permitted)
+    exp_id = client.get_experiment_by_name("dpfm").experiment_id
+    assert tracking.mark_killed_runs(client, exp_id, client.get_run(theirs).data.tags["dpfm.workdir"]) == []
+    assert client.get_run(theirs).info.status == "RUNNING"

@@ -4,6 +4,7 @@ not read again; one that has changed always is, and the md5s of the private file
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +143,24 @@ def test_a_stage_run_is_nested_under_the_pipelines_run_and_no_secret_reaches_eit
         logged = client.get_run(run_id).data.params
         assert logged["dp.lr"] == "0.1" and not [k for k in logged if "noise_seed" in k]
         assert "1234567" not in logged.values()
+
+
+def test_a_stage_run_on_the_private_shards_publishes_only_their_keyed_hash(local_mlflow, tmp_path):
+    """The stage's run is published: its input tag for the private shards is the keyed hash, never the
+    plain DVC hash against which anyone could test a guess of the private data."""
+    import types
+
+    import mlflow
+
+    from pipeline.artifacts import ARTIFACTS
+    from pipeline.stages import PRIVATE_ARTIFACT
+
+    shards = Path(ARTIFACTS[PRIVATE_ARTIFACT])
+    (tmp_path / shards / "train").mkdir(parents=True)
+    (tmp_path / shards / "train/000000.tar").write_bytes(b"private bytes")
+    stage = types.SimpleNamespace(name="dp-train", input_paths=[str(shards)], touches_private_data=True)
+    with tracking.stage_run(stage, {"run": {"seed": 0}}, "dpfm") as run:
+        pass
+    tags = mlflow.tracking.MlflowClient().get_run(run.run_id).data.tags
+    plain = tracking.dvc_hash(shards)
+    assert tags[f"dvc.input.{shards}"] == public_name(plain) != plain
