@@ -936,3 +936,240 @@ def test_the_warm_starts_interval_bar_is_its_own_asymmetric_interval(tmp_path, m
     assert [label for x, label in labels if x == 0] == ["synthetic only, ε = 0"]
     ax = axes[0]
     assert "ε" in ax.get_xlabel() and "accuracy" in ax.get_ylabel()
+
+
+def test_the_legend_reads_refits_finetune_repeats_zero_shot_rule_and_blocks_from_the_protocol():
+    """Each clause of the legend is its own protocol field: the probe's refits, the fine-tune repeats (not
+    the few-shot ones), the objective's own zero-shot rule and which blocks were pooled."""
+    protocol = {**metrics_json()["protocol"], "probe_refits": 4, "last_k_blocks": 2,
+                "fewshot": {"shots": [1], "repeats": 5}, "finetune": {"enabled": True, "repeats": 3}}
+    text = report_accuracy.protocol_legend(protocol, ["Linear probe", "1-shot FT", "Zero-shot"], "caption")
+    assert "over 4 refits of the linear probe" in text
+    assert "fine-tuned on K examples per class (AdamW), mean ± std over 3 subsets" in text
+    assert "the last 2 block(s)" in text and "every block" not in text
+    assert "captions have the lowest loss" in text  # DP-Cap scores classes by caption loss
+    clip = report_accuracy.protocol_legend({**protocol, "last_k_blocks": "all", "probe_refits": 0},
+                                           ["Linear probe", "Zero-shot"], "clip")
+    assert "prompt embedding is closest (cosine)" in clip and "lowest loss" not in clip
+    assert "every block" in clip and "refits" not in clip
+
+
+def test_the_warm_start_reason_gives_the_expected_batch_not_n():
+    """DP-SGD's noise shrinks with the expected batch q·n: the sentence explaining a missing gain must give
+    that batch, not the dataset's size."""
+    metrics = metrics_json()
+    mechanism = {"n": 1258, "batch": 125.8, "sigma": 0.67, "epsilon": 7.99, "noise": 0.67 / 125.8, "per_batch": False,
+                 "scale": "σ/B = 0.00533"}
+    text = report_accuracy.headline_sentence("digits", metrics["sets"]["digits"], metrics["models"], mechanism)
+    assert f"an expected batch of {mechanism['batch']:.0f} and σ" in text
+
+
+def test_the_reports_warm_start_reason_gives_the_runs_batch_and_noise_per_averaged_coordinate(project):
+    """The headline's numbers come from this run's mechanism: batch q·n, and σ·C divided by it (the noise on
+    the averaged gradient), not the undivided std."""
+    root, params = project
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    ver, ledger = read_json(root / "results/privacy/verification.json"), read_json(root / "models/dp/ledger.json")
+    batch = ver["sample_rate"] * ver["n"]
+    assert f"an expected batch of {batch:.0f} and σ" in md
+    assert number_after(md, "σ·C/batch =") == pytest.approx(ledger["sigma"] * ledger["clip_norm"] / batch, rel=1e-2)
+
+
+def test_a_one_seed_curve_caption_says_one_seed_not_training_seeds(tmp_path):
+    """Over one seed the band covers the test images only: the caption must not claim seeds it never pooled."""
+    points = [{"init": "pretrain", "epsilon": e, "epsilon_spent": spent, "linear_probe": 0.8,
+               "linear_probe_ci": [0.77, 0.83]} for e, spent in ((1, 0.98), ("inf", None))]
+    curve = {"objective": "caption", "set": "digits", "n_probe_test": 270, "points": points}
+    section = report_curves.curve_section(curve, {}, tmp_path / "c.png", {"steps": 40, "lr": 5e-4})
+    assert "over the test images, one seed" in section["caption"] and "training seeds" not in section["caption"]
+    section = report_curves.curve_section({**curve, "seeds": 3}, {}, tmp_path / "c.png", {"steps": 40, "lr": 5e-4})
+    assert "over 3 training seeds" in section["caption"] and "one seed" not in section["caption"]
+
+
+def test_the_twins_own_schedule_lists_only_what_differs_from_the_dp_points():
+    """dp.nonprivate may repeat a DP value: the caption names only the settings the ε = ∞ point changes."""
+    recipe = {"steps": 40, "lr": 5e-4, "nonprivate": {"steps": 80, "lr": 5e-4}, "nonprivate_clipped": False}
+    assert report_curves.twin_text(recipe) == ("∞ is the recipe without clipping or noise, on a schedule of its own "
+                                               "(dp.nonprivate: steps 80; the DP points: steps 40, lr 0.0005)")
+    same = {**recipe, "nonprivate": {"steps": 40, "lr": 5e-4}}
+    assert report_curves.twin_text(same) == "∞ is the same recipe without clipping or noise"
+
+
+def test_the_set_note_gives_chance_in_percent_and_names_raw_pixels_only_when_scored(tmp_path):
+    """Chance is a fraction in metrics.json and a percentage in the note; the raw-pixels sentence explains a
+    row, so it is there only when that row is."""
+    metrics = metrics_json()
+    s = metrics["sets"]["digits"]
+    (note,) = [x["note"] for x in content.accuracy_sets(metrics, "caption", tmp_path, "σ/B = 0.005")]
+    assert f"chance {100 * s['chance']:.1f}%" in note and "raw pixels" in note
+    del s["results"]["pixels"], s["dp_versus"]["pixels"]
+    (note,) = [x["note"] for x in content.accuracy_sets(metrics, "caption", tmp_path, "σ/B = 0.005")]
+    assert "raw pixels" not in note
+
+
+def test_the_privacy_card_of_a_run_not_private_as_a_whole_says_so():
+    """The card's ε is ∞ then; its detail must say why, not read like a composition of private runs."""
+    lp, models = {"dp": 0.822}, {"dp": {"label": "DP"}}
+
+    def privacy_card(privacy):
+        cards = content.summary_cards(a_ver(), {}, None, lp, {}, models, {}, "digits", privacy, "σ/B = 0.005")
+        return next((v, d) for k, v, d in cards if k == "Privacy")
+
+    value, detail = privacy_card({"private": False, "runs": 1, "epsilon_composed": math.inf})
+    assert value == "ε = ∞" and "NOT PRIVATE as a whole" in detail
+    value, detail = privacy_card({"private": True, "runs": 2, "epsilon_composed": 12.3})
+    assert value == f"ε = {bound_text(12.3, 2)}" and "NOT PRIVATE" not in detail
+
+
+def test_the_cards_give_the_primary_sets_accuracies_whatever_other_sets_follow(project):
+    """With several eval sets the cards are the first set's (the headline's): a later set's rows must not
+    stand in for them."""
+    root, params = project
+    metrics = metrics_json()
+    other = {**metrics["sets"]["digits"], "results": {
+        n: {**r, "linear_probe": 0.111, "linear_probe_ci": [0.1, 0.12]} for n, r in
+        metrics["sets"]["digits"]["results"].items()}}
+    metrics["sets"]["zzz-other"] = other  # sorts after the primary set in the key-sorted JSON
+    write_json("results/eval/metrics.json", metrics)
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    for name, row in metrics_json()["sets"]["digits"]["results"].items():
+        label = metrics["models"][name]["label"]
+        assert f"| {label} | **{100 * row['linear_probe']:.1f}%** |" in md, name
+    assert "**11.1%**" not in md
+
+
+def test_the_reports_figures_draw_every_baseline_this_run_scored(project, monkeypatch):
+    """The experiment plot shows synthetic, non-private and random init; the curve synthetic, random init
+    and raw pixels: each with its own accuracy and interval from the primary set."""
+    root, params = project
+    metrics = metrics_json()
+    metrics["privacy_utility"] = {"objective": "caption", "set": "digits", "n_probe_test": 270, "points": [
+        {"init": "pretrain", "epsilon": e, "epsilon_spent": spent, "linear_probe": 0.8, "linear_probe_ci": [0.77, 0.83]}
+        for e, spent in ((8, 7.9), ("inf", None))]}
+    write_json("results/eval/metrics.json", metrics)
+    drawn, pu, curve = {}, plots.plot_privacy_utility, plots.plot_curve
+    monkeypatch.setattr(plots, "plot_privacy_utility", lambda p, b, path: drawn.update(pu=b) or pu(p, b, path))
+    monkeypatch.setattr(plots, "plot_curve", lambda p, b, path: drawn.update(curve=b) or curve(p, b, path))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    results, models = metrics["sets"]["digits"]["results"], metrics["models"]
+
+    def expected(names):
+        return {n: (models[n]["label"], results[n]["linear_probe"], results[n]["linear_probe_ci"]) for n in names}
+
+    assert drawn["pu"] == expected(("synthetic", "nonprivate", "random"))
+    assert drawn["curve"] == expected(("synthetic", "random", "pixels"))
+
+
+@pytest.mark.parametrize("whole", [False, None])
+def test_the_caption_explains_hollow_points_only_when_one_is_drawn(project, monkeypatch, whole):
+    """A hollow point is a run known NOT PRIVATE as a whole (False); a run not yet known (None) is drawn
+    filled, so the caption explains hollow points only for the former."""
+    root, params = project
+    params["dp"]["noise_seed"] = None
+    params["curve"]["epsilons"] = [8]  # no ε = ∞ point: this run is private as a whole
+    points = [{"epsilon": 2.0, "accuracy": 0.7, "objective": "caption", "current": False, "ci": None,
+               "private_as_a_whole": whole}]
+    monkeypatch.setattr(report, "experiment_points", lambda *a: (points, "1 DP model(s) in MLflow"))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert ("A hollow point is a model DP at its ε from a run NOT PRIVATE as a whole" in md) == (whole is False)
+
+
+def test_k_shot_columns_run_in_increasing_k_each_with_its_own_mean():
+    """Columns are read left to right as more shots: 1, 5, 10, not in the order the JSON happened to hold."""
+    few = {str(k): {"mean": k / 20, "std": 0.01} for k in (10, 1, 5)}
+    s = {"results": {"dp": {"linear_probe": 0.8, "linear_probe_ci": [0.7, 0.9], "fewshot_logreg": few}}}
+    columns, (row,) = report_render.accuracy_table(s, {"dp": {"label": "DP"}})
+    assert columns == ["Linear probe", "1-shot", "5-shot", "10-shot"]
+    assert [c[0] for c in row["cells"][1:]] == [0.05, 0.25, 0.5]
+
+
+def test_the_markdown_table_bolds_the_best_in_each_column_only(project):
+    """The legend says 'Bold: best in column': the highest linear probe (non-private, 90.0) is bold, the DP
+    row's lower one is not."""
+    root, params = project
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert "| Not private (DP-Cap without DP, ε = ∞) | **90.0 (86.3–93.3)** |" in md
+    assert "| DP (DP-Cap) (σ/B = 0.00533) | 82.2 (77.4–86.7) |" in md
+
+
+def test_a_figure_caption_from_mlflow_is_escaped_in_the_html(project, monkeypatch):
+    """The privacy–utility caption carries MLflow's source line (an experiment's name is anyone's text):
+    it must reach the page as text, not markup."""
+    root, params = project
+    monkeypatch.setattr(report, "experiment_points", lambda *a: ([], "MLflow experiment '<b>x</b>' not found"))
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    page = (root / "results/report/report.html").read_text()
+    assert "<b>x</b>" not in page and "&lt;b&gt;x&lt;/b&gt;" in page
+
+
+def test_the_accuracy_figure_draws_chance_in_percent_on_a_percent_axis(tmp_path, monkeypatch):
+    """Bars are in % (0-100): the chance line must be on the same scale and the axis say %."""
+    lines, axes = [], []
+    axhline = Axes.axhline
+    monkeypatch.setattr(Axes, "axhline", lambda ax, y, **kw: lines.append((y, kw.get("label"))) or axhline(ax, y, **kw))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: axes.append(fig.axes[0]) or plots.plt.close(fig))
+    rows = [{"name": "dp", "label": "DP", "cells": [(0.822, None, [0.774, 0.867])]}]
+    plots.plot_accuracy(["Linear probe"], rows, 0.102, tmp_path / "a.png")
+    assert lines == [(pytest.approx(10.2), "chance (10%)")]
+    assert "%" in axes[0].get_ylabel() and axes[0].get_ylim() == (0, 100)
+
+
+def test_a_run_not_private_as_a_whole_is_drawn_hollow(tmp_path, monkeypatch):
+    """The docstring's promise: such a model is DP at its ε but its run is not; the point is drawn with no
+    fill, only a DP-coloured edge, and a private run's point filled."""
+    drawn = []
+    scatter = Axes.scatter
+    monkeypatch.setattr(Axes, "scatter", lambda ax, x, y, **kw: drawn.append(
+        (x, kw.get("marker"), kw["color"], kw["edgecolor"])) or scatter(ax, x, y, **kw))
+    points = [{"epsilon": 2.0, "accuracy": 0.7, "objective": "mae", "current": False, "private_as_a_whole": False},
+              {"epsilon": 4.0, "accuracy": 0.8, "objective": "mae", "current": False, "private_as_a_whole": True}]
+    plots.plot_privacy_utility(points, {}, tmp_path / "p.png")
+    dp = plots.MODEL_COLORS["dp"]
+    assert drawn == [(2.0, "o", "none", dp), (4.0, "o", dp, "white")]
+
+
+def test_the_experiment_plots_y_range_holds_each_points_interval(tmp_path, monkeypatch):
+    """An error bar is cut off where the axes end: the y range must reach each logged interval's ends."""
+    limits = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: limits.append(fig.axes[0].get_ylim()) or plots.plt.close(fig))
+    ci = [0.6, 0.9]
+    plots.plot_privacy_utility([{"epsilon": 4.0, "accuracy": 0.85, "objective": "mae", "current": False, "ci": ci}],
+                               {}, tmp_path / "p.png")
+    ((lo, hi),) = limits
+    assert lo <= 100 * ci[0] and hi >= 100 * ci[1]
+
+
+def test_the_curves_x_axis_is_labelled_epsilon(tmp_path, monkeypatch):
+    """The curve's x ticks are ε values (and ∞): the label must say so."""
+    axes = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: axes.append(fig.axes[0]) or plots.plt.close(fig))
+    curve = [{"init": "pretrain", "epsilon": e, "linear_probe": 0.8, "linear_probe_ci": [0.75, 0.85]} for e in (1, 8)]
+    plots.plot_curve(curve, {}, tmp_path / "c.png")
+    assert axes[0].get_xlabel().startswith("ε") and "accuracy" in axes[0].get_ylabel()
+
+
+def test_the_dp_loss_panel_draws_the_held_out_loss_at_its_steps(tmp_path, monkeypatch):
+    """The right panel is the DP model's held-out loss (public data), never a training loss on private data."""
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or plots.plt.close(fig))
+    dp_hist = {"step": [0, 10, 20], "metrics": [{"loss": 9.0, "heldout_loss": 3.0}, {"loss": 8.0},
+                                                {"loss": 7.0, "heldout_loss": 2.0}]}
+    plots.plot_losses(history("loss", range(0, 30, 10)), dp_hist, tmp_path / "l.png")
+    (line,) = figures[0].axes[1].lines
+    assert list(line.get_xdata()) == [0, 20] and list(line.get_ydata()) == [3.0, 2.0]
+
+
+def test_a_run_from_before_the_adjacency_choice_counts_as_add_remove():
+    """Runs that logged neither the tag nor the param predate replace-one: their ε is add/remove's, about half
+    a replace-one ε, so counting them as replace-one would draw them on the wrong axis."""
+    def run(tags=(), params=()):
+        return SimpleNamespace(data=SimpleNamespace(tags=dict(tags), params=dict(params)))
+
+    assert report_curves.adjacency_of(run()) == "add_remove"
+    assert report_curves.adjacency_of(run(params={"privacy.adjacency": "replace_one"})) == "replace_one"
+    assert report_curves.adjacency_of(run({"dpfm.adjacency": "add_remove"}, {"privacy.adjacency": "replace_one"})) \
+        == "add_remove"
