@@ -1173,3 +1173,17 @@ def test_a_run_from_before_the_adjacency_choice_counts_as_add_remove():
     assert report_curves.adjacency_of(run(params={"privacy.adjacency": "replace_one"})) == "replace_one"
     assert report_curves.adjacency_of(run({"dpfm.adjacency": "add_remove"}, {"privacy.adjacency": "replace_one"})) \
         == "add_remove"
+
+
+def test_a_pipe_in_a_markdown_cell_stays_in_its_cell(project):
+    """report.md's tables split cells at `|`: a check's detail or an eval set's name holding one would
+    spill into the next column and shift every cell after it. Each table row keeps its column count."""
+    root, params = project
+    ver = read_json(root / "results/privacy/verification.json")
+    ver["checks"][0]["detail"] = "|z| ≤ 12.12 std"
+    write_json(root / "results/privacy/verification.json", ver)
+    report.run(params, SimpleNamespace(stage=stage("report"), tracker=RecordingTracker()))
+    md = (root / "results/report/report.md").read_text()
+    assert "| pass | sampler_is_poisson | \\|z\\| ≤ 12.12 std |" in md
+    table = md.split("### Verification checks")[1].split("\n\n")[1].splitlines()
+    assert {len(re.split(r"(?<!\\)\|", line)) for line in table} == {5}

@@ -196,37 +196,42 @@ def render_html(r: dict) -> str:
     return "\n".join(out)
 
 
+def _row(*cells) -> str:
+    """A markdown table row; a `|` in a cell (an eval set's name, a check's detail) would end the cell."""
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
 def render_markdown(r: dict) -> str:
     ver = r["verification"]
     md = [f"# {r['title']}", "", f"_{r['subtitle']}_", ""]
     _, big, detail = verdict(r, ", ")
     md.append(f"**{big}.** {detail}")
     md += ["", r["headline"], "", "| | | |", "| --- | --- | --- |"]
-    md += [f"| {k} | **{v}** | {d} |" for k, v, d in r["cards"]]
+    md += [_row(k, f"**{v}**", d) for k, v, d in r["cards"]]
     for s in r["sets"]:
         best = best_per_column(s["rows"])
         md += ["", f"## Downstream accuracy · {s['name']}", "", s["note"], "",
-               "| " + " | ".join(["Model"] + s["columns"]) + " |",
+               _row("Model", *s["columns"]),
                "| --- |" + " ---: |" * len(s["columns"])]
         for row in s["rows"]:
             cells = [f"**{fmt_acc(c)}**" if c is not None and b is not None and abs(c[0] - b) < 1e-12 else fmt_acc(c)
                      for c, b in zip(row["cells"], best)]
-            md.append("| " + " | ".join([row["label"]] + cells) + " |")
+            md.append(_row(row["label"], *cells))
         md += ["", s["legend"]]
         if s.get("figure"):
             md += ["", f"![accuracy on {s['name']}]({Path(s['figure']).name})"]
     f = r["figures"]
     if r.get("curve"):
         c = r["curve"]
-        md += ["", "## Privacy–utility curve", "", "| " + " | ".join(["Linear probe"] + c["columns"]) + " |",
+        md += ["", "## Privacy–utility curve", "", _row("Linear probe", *c["columns"]),
                "| --- |" + " ---: |" * len(c["columns"])]
-        md += ["| " + " | ".join([row["label"]] + [fmt_acc(x) for x in row["cells"]]) + " |" for row in c["rows"]]
+        md += [_row(row["label"], *map(fmt_acc, row["cells"])) for row in c["rows"]]
         md += ["", f"![privacy-utility curve]({Path(c['figure']).name})", "", c["caption"]]
     md += ["", "## Privacy and utility", "", f"![privacy-utility]({f['privacy_utility'].name})", "", r["pu_caption"],
            "", f"![epsilon against step]({f['epsilon'].name})", "", r["eps_caption"], "", "### Mechanism", "",
-           "| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in r["mechanism"]]
+           "| | |", "| --- | --- |"] + [_row(k, v) for k, v in r["mechanism"]]
     md += ["", "### Verification checks", "", "| result | check | detail |", "| --- | --- | --- |"]
-    md += [f"| {'pass' if c['passed'] else '**FAIL**'} | {c['name']} | {c['detail']} |" for c in ver["checks"]]
+    md += [_row("pass" if c["passed"] else "**FAIL**", c["name"], c["detail"]) for c in ver["checks"]]
     md += ["", "## Training", "", f"![losses]({f['losses'].name})", "", r["loss_caption"],
            "", "## Synthetic pretraining images", "", f"![synthetic images]({f['contact_sheet'].name})", "",
            r["sheet_caption"], "", "## Parameters", "", "```yaml", r["params_yaml"].rstrip(), "```", "",
