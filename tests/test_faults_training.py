@@ -98,7 +98,10 @@ def test_sigterm_to_pretrain_and_its_decoding_workers_checkpoints_then_resumes_b
     check_same_pretrained(work, pretrained)
 
 
-def test_decoding_workers_outlive_a_sigterm_so_the_step_in_flight_can_finish(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_decoding_workers_outlive_a_stop_signal_so_the_step_in_flight_can_finish(tmp_path, signum):
+    """SLURM's SIGTERM and a Ctrl-C reach the whole process group: the training process decides when to
+    stop, and its workers must keep serving the step in flight until then."""
     import psutil
 
     from pipeline.data.loader import BatchLoader
@@ -110,10 +113,10 @@ def test_decoding_workers_outlive_a_sigterm_so_the_step_in_flight_can_finish(tmp
     got = [next(batches)[0]]
     workers = [p for p in psutil.Process().children() if p.pid not in before]
     assert len(workers) == 2
-    for worker in workers:  # what SLURM's SIGTERM to the process group does to them
-        worker.send_signal(signal.SIGTERM)
+    for worker in workers:  # what the signal to the process group does to them
+        worker.send_signal(signum)
     for worker in workers:  # no race with the next fetch: each signal has been acted on (or discarded)
-        wait_until_handled(worker, signal.SIGTERM)
+        wait_until_handled(worker, signum)
     got += [indices for indices, _ in batches]
     assert np.array_equal(np.concatenate(got), np.arange(40))
 
@@ -568,25 +571,3 @@ def test_ranks_may_run_other_loader_workers_but_no_other_model_or_plan(data_dir,
     assert said["data_workers"] is None and said["same plan"] is None, said
     assert "other params (rank 0: model.text_width=32)" in str(said["text_width"]), said
     assert all("different private data" in str(said[k]) for k in ("steps", "sample_rate")), said
-
-
-def test_decoding_workers_outlive_a_ctrl_c_so_the_step_in_flight_can_finish(tmp_path):
-    """Ctrl-C reaches the whole process group like SLURM's SIGTERM: the training process decides when to
-    stop, and its workers must keep serving the step in flight until then."""
-    import psutil
-
-    from pipeline.data.loader import BatchLoader
-
-    write_set(tmp_path / "set", n=20, per_shard=10)
-    before = {p.pid for p in psutil.Process().children()}
-    batches = BatchLoader(ShardDataset(tmp_path / "set"), 8, workers=2, prefetch=1)(
-        [np.arange(i, i + 2) for i in range(0, 20, 2)])
-    got = [next(batches)[0]]
-    workers = [p for p in psutil.Process().children() if p.pid not in before]
-    assert len(workers) == 2
-    for worker in workers:
-        worker.send_signal(signal.SIGINT)
-    for worker in workers:  # acted on (or discarded) before the next fetch
-        wait_until_handled(worker, signal.SIGINT)
-    got += [indices for indices, _ in batches]
-    assert np.array_equal(np.concatenate(got), np.arange(20))
