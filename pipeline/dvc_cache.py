@@ -5,19 +5,29 @@ from __future__ import annotations
 
 import configparser
 import json
+import os
 from pathlib import Path
 
+import platformdirs
 import yaml
 
 
+def config_files(root: Path = Path(".")) -> list[Path]:
+    """DVC's config files, the one that wins first: the checkout's (.dvc/config.local, .dvc/config), the
+    user's (`dvc config --global`), the machine's (`--system`). A team's shared cache is often set globally."""
+    user = os.environ.get("DVC_GLOBAL_CONFIG_DIR") or platformdirs.user_config_dir("dvc", "iterative")
+    machine = os.environ.get("DVC_SYSTEM_CONFIG_DIR") or platformdirs.site_config_dir("dvc", "iterative")
+    return [root / ".dvc" / "config.local", root / ".dvc" / "config", Path(user) / "config", Path(machine) / "config"]
+
+
 def cache_dir(root: Path = Path(".")) -> Path:
-    """The cache DVC uses here: `cache.dir` of .dvc/config.local or .dvc/config (relative to .dvc/), else
-    .dvc/cache."""
-    for name in ("config.local", "config"):
+    """The cache DVC uses here: the first `cache.dir` of `config_files` (relative to the file that sets it,
+    `~` expanded, as DVC reads it), else .dvc/cache."""
+    for path in config_files(root):
         config = configparser.ConfigParser()
-        config.read(root / ".dvc" / name)
+        config.read(path)
         if config.has_option("cache", "dir"):
-            return (root / ".dvc" / config.get("cache", "dir")).resolve()
+            return (path.parent / Path(config.get("cache", "dir")).expanduser()).resolve()
     return root / ".dvc" / "cache"
 
 

@@ -15,6 +15,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Where the budget marks a project's budget as started (budget.started_mark): the tests' own, not the home's.
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="dpfm-test-state-")
 atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], ignore_errors=True)  # one per test process
+# DVC's user and machine config (a cache.dir set there is the one DVC uses): the tests' own, empty.
+for name in ("DVC_GLOBAL_CONFIG_DIR", "DVC_SYSTEM_CONFIG_DIR"):
+    os.environ[name] = tempfile.mkdtemp(prefix="dpfm-test-dvc-config-")
+    atexit.register(shutil.rmtree, os.environ[name], ignore_errors=True)
 # The helper modules' asserts report their values as a test's own do.
 pytest.register_assert_rewrite("fault_hooks", "shard_data")
 

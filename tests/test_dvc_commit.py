@@ -2,12 +2,14 @@
 values. Committing every stage wrote params.yaml's values into dvc.lock beside outputs a partial run never
 remade, and a `--config` override's outputs beside params.yaml's values."""
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from pipeline import dvc_commit
+from pipeline.dvc_cache import cache_dir, recorded_files
 from pipeline.config import load_params
 from pipeline.stages import stage
 from pipeline.tracking import PARENT_ENV
@@ -87,14 +89,30 @@ def test_a_params_file_broken_during_the_run_versions_nothing(dvc_calls, monkeyp
 def test_the_cache_is_the_one_dvc_uses_its_local_config_first(tmp_path):
     """DVC reads .dvc/config.local over .dvc/config: a shared cache named in config, a private one in
     config.local (as `dvc cache dir --local` writes it), is sealed and read where DVC writes."""
-    from pipeline.dvc_cache import cache_dir
-
     (tmp_path / ".dvc").mkdir()
     assert cache_dir(tmp_path) == tmp_path / ".dvc" / "cache"
     (tmp_path / ".dvc/config").write_text("[cache]\n    dir = ../shared-cache\n")
     assert cache_dir(tmp_path) == (tmp_path / "shared-cache").resolve()
     (tmp_path / ".dvc/config.local").write_text("[cache]\n    dir = /srv/own-cache\n")
     assert cache_dir(tmp_path) == Path("/srv/own-cache")
+
+
+def test_a_cache_set_for_the_user_or_the_machine_is_the_one_dvc_uses_when_the_checkout_sets_none(tmp_path,
+                                                                                                 monkeypatch):
+    """`dvc cache dir --global` (a team's shared cache) over `--system`, each relative to its own file and
+    `~` expanded: the budget's key lands there at `dvc add`, so that is the cache named and read."""
+    user, machine, home = (tmp_path / name for name in ("user", "machine", "home"))
+    for directory in (user, machine, home, tmp_path / ".dvc"):
+        directory.mkdir()
+    monkeypatch.setenv("DVC_GLOBAL_CONFIG_DIR", str(user))
+    monkeypatch.setenv("DVC_SYSTEM_CONFIG_DIR", str(machine))
+    monkeypatch.setenv("HOME", str(home))
+    (machine / "config").write_text("[cache]\n    dir = site-cache\n")
+    assert cache_dir(tmp_path) == (machine / "site-cache").resolve()
+    (user / "config").write_text("[cache]\n    dir = ~/team-cache\n")
+    assert cache_dir(tmp_path) == (home / "team-cache").resolve()
+    (tmp_path / ".dvc/config").write_text("[cache]\n    dir = ../shared-cache\n")
+    assert cache_dir(tmp_path) == (tmp_path / "shared-cache").resolve()
 
 
 def make_outputs(*stage_names, skip=()):
@@ -169,3 +187,26 @@ def test_a_failed_dvc_commit_is_reported_even_when_silent(in_tmp, monkeypatch, c
     dvc_commit.commit_run("run-1", load_params())
     said = capsys.readouterr()
     assert "`dvc commit` failed" in said.err and "DVC: outputs of" not in said.out
+
+
+def test_a_params_file_broken_during_the_run_still_spends_every_marker(dvc_calls, monkeypatch):
+    """Markers left behind are read by the next run as stages an earlier run finished."""
+    finish(monkeypatch, "run-1", "synthetic")
+    config = load_params()
+    with open("params.yaml", "a") as f:
+        f.write("unknown_section: 1\n")
+    dvc_commit.commit_run("run-1", config)
+    assert dvc_calls == [] and not dvc_commit.DONE_ROOT.exists()
+
+
+def test_only_a_directory_version_in_the_cache_is_listed_with_its_cached_files(in_tmp):
+    """A pointer recording a directory lists its files' cache objects; one recording a single file, or a
+    directory whose listing `dvc fetch` has not brought, lists nothing."""
+    objects = Path(".dvc/cache/files/md5")
+    (objects / "ab").mkdir(parents=True)
+    (objects / "ab" / ("c" * 30 + ".dir")).write_text(json.dumps([{"relpath": "runs.jsonl", "md5": "de" + "f" * 30}]))
+    (objects / "ab" / ("c" * 30)).write_text("a single file's bytes")
+    for name, md5 in (("dir", "ab" + "c" * 30 + ".dir"), ("file", "ab" + "c" * 30), ("unfetched", "01" * 16 + ".dir")):
+        Path(f"{name}.dvc").write_text(f"outs:\n- md5: {md5}\n  path: {name}\n")
+    assert recorded_files(Path("dir.dvc")) == {"runs.jsonl": objects / "de" / ("f" * 30)}
+    assert recorded_files(Path("file.dvc")) is None and recorded_files(Path("unfetched.dvc")) is None
