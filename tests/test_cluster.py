@@ -902,3 +902,72 @@ def test_the_parents_params_yaml_never_holds_the_noise_key(local_mlflow):
     tracking.end_parent("dpfm", parent, ok=True, params=params)
     shown = Path(mlflow.artifacts.download_artifacts(run_id=parent, artifact_path="params.yaml")).read_text()
     assert "noise_seed" in shown and "1234567" not in shown, shown
+
+
+def test_a_multi_node_run_missing_any_part_of_its_rendezvous_is_refused_by_name():
+    """srun with `--agent-of None` or an endpoint of `None:port` starts agents that never meet: the
+    launcher stops first, naming what it lacks."""
+    whole = {"head": "gpu001.ib", "port": 21234, "job_id": "41234", "head_node": "gpu001"}
+    for missing in whole:
+        with pytest.raises(ValueError, match="rendezvous head node"):
+            launch.launch_command(STAGE, nodes=2, gpus=16, **{**whole, missing: None})
+
+
+def test_a_run_asking_one_node_more_than_its_job_holds_is_refused(monkeypatch):
+    fake_scontrol(monkeypatch, {"41234": JOB})
+    with pytest.raises(RuntimeError, match="resources.nodes is 3 but SLURM job 41234 has 2 node"):
+        launch.slurm_rendezvous(3, {"SLURM_JOB_ID": "41234"})
+
+
+def test_the_launcher_sets_torchruns_shutdown_grace_unless_the_job_already_did():
+    show = "import os; print(os.environ['TORCH_ELASTIC_SHUTDOWN_TIMEOUT'])"
+    env = {k: v for k, v in tool_env().items() if k != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    for given, wanted in (({}, str(launch.SHUTDOWN_GRACE_S)), ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"}, "90")):
+        done = subprocess.run([sys.executable, "-m", "pipeline.launch", "--", sys.executable, "-c", show],
+                              capture_output=True, text=True, timeout=60, env={**env, **given})
+        assert done.returncode == 0 and done.stdout.strip() == wanted, done.stderr
+
+
+def test_print_shows_the_command_and_runs_nothing():
+    done = subprocess.run([sys.executable, "-m", "pipeline.launch", "--print", "--", "sh", "-c", "exit 5"],
+                          capture_output=True, text=True, timeout=60, env=tool_env())
+    assert done.returncode == 0 and done.stdout.strip() == shlex.join(["sh", "-c", "exit 5"]), done.stderr
+
+
+def test_a_process_whose_job_scontrol_cannot_answer_for_runs_as_outside_slurm(monkeypatch):
+    """slurmctld down or slow: `scontrol pidinfo` or `show job` fails, and the stage runs on the threads
+    it asked for rather than crashing at its start."""
+    fake_scontrol(monkeypatch, {}, pids={})  # every question fails, as scontrol does with a non-zero exit
+    monkeypatch.setattr(slurm, "_in_slurm_cgroup", lambda: True)
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert slurm.job_id({}) is None and slurm.threads_per_process(3, {}) == 3
+
+    def failing(*args):
+        raise slurm.subprocess.TimeoutExpired(["scontrol", *args], 60)
+
+    monkeypatch.setattr(slurm, "_scontrol", failing)
+    assert slurm.threads_per_process(3, {"SLURM_JOB_ID": "9"}) == 3
+
+
+def test_a_machine_without_proc_cgroups_never_asks_scontrol(monkeypatch):
+    """A laptop (no /proc) that has scontrol: no cgroup says SLURM, so no process waits on it."""
+    calls = fake_scontrol(monkeypatch, {}, pids={os.getpid(): "41234"})
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: "/usr/bin/" + name)
+
+    def no_proc(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(slurm, "open", no_proc, raising=False)
+    assert slurm.job_id({}) is None and calls == []
+
+
+def test_scontrol_fields_holding_equals_signs_or_spaces_are_read(monkeypatch):
+    """Real `scontrol show job -o` lines hold TRES=cpu=32,mem=...; `show node -o` lines an OS= with spaces
+    (`OS=Linux 5.14.0 #1 SMP`), and a node without NodeAddr is reached by its name."""
+    fake_scontrol(monkeypatch, {"41234": JOB + " TRES=cpu=32,mem=128G,node=2,billing=32"})
+    assert slurm.allocation({"SLURM_JOB_ID": "41234"}) == slurm.Allocation("41234", ("gpu017", "gpu018"), 32)
+    node = "NodeName=gpu017 Arch=x86_64 NodeAddr=gpu017-ib OS=Linux 5.14.0-362.el9.x86_64 #1 SMP PREEMPT_DYNAMIC"
+    monkeypatch.setattr(slurm, "_scontrol", lambda *args: node)
+    assert slurm.node_address("gpu017") == "gpu017-ib"
+    monkeypatch.setattr(slurm, "_scontrol", lambda *args: "NodeName=cpu001 Arch=x86_64 State=IDLE")
+    assert slurm.node_address("cpu001") == "cpu001"

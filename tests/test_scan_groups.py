@@ -20,6 +20,7 @@ from pipeline.config import ParamsError
 from pipeline.data import index
 from pipeline.data.index import shard_group
 from pipeline.data.shards import ShardDataset
+from pipeline.progress import ShareBar
 from pipeline.stages import shards as shards_stage
 
 BIN = Path(sys.executable).parent
@@ -156,8 +157,6 @@ def test_a_share_bar_prints_the_same_lines_whatever_its_total_an_empty_group_too
     """A scan group's bar is published (logs/scan_shards/{g}.log); with more groups than shards, the groups
     left empty stayed at 0% while the others reached 100%: how many shards img2dataset finished, which
     is the owner's."""
-    from pipeline.progress import ShareBar
-
     shown = []
     for total in (0, 1, 3, 250):
         with ShareBar(total, "scan shards") as bar:
@@ -165,3 +164,18 @@ def test_a_share_bar_prints_the_same_lines_whatever_its_total_an_empty_group_too
                 bar.update()
         shown.append(capsys.readouterr().err)
     assert len(set(shown)) == 1 and "100%" in shown[0], shown
+
+
+def test_a_share_bar_reads_100_percent_once_every_piece_is_done_before_it_closes(capsys):
+    with ShareBar(3, "scan shards") as bar:
+        for _ in range(3):
+            bar.update()
+        assert bar.bar.n == 100 and "100%" in capsys.readouterr().err
+
+
+def test_a_share_bar_cut_short_by_a_failure_stays_at_the_share_done(capsys):
+    with pytest.raises(RuntimeError), ShareBar(4, "download") as bar:
+        bar.update()
+        raise RuntimeError("a download failed")
+    shown = capsys.readouterr().err
+    assert "25%" in shown and "100%" not in shown, shown

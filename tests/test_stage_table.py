@@ -239,3 +239,9 @@ def test_export_dvc_writes_exactly_what_the_check_wants(tmp_path):
     assert path.read_text() == render_dvc_yaml() and check_dvc_yaml(path) == ""
     path.write_text(render_dvc_yaml() + "\n")  # any drift, even a blank line, is drift
     assert check_dvc_yaml(path) != ""
+
+
+def test_the_check_of_a_missing_dvc_yaml_is_the_whole_file_to_add(tmp_path):
+    diff = check_dvc_yaml(tmp_path / "dvc.yaml")
+    added = [line[1:] for line in diff.splitlines(True) if line.startswith("+") and not line.startswith("+++")]
+    assert added == render_dvc_yaml().splitlines(True)

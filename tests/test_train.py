@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pipeline import train
+from pipeline.progress import untimed_bar
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_zero():
@@ -361,3 +362,32 @@ def test_kept_heap_serves_the_next_step_without_faulting_its_pages_in_again():
     assert out["kept"][0]
     assert out["default"][1] > pages // 4  # the 64 MB block faulted in again
     assert out["kept"][1] < pages // 20
+
+
+def test_a_finished_untimed_bar_shows_its_whole_count_whatever_its_redraw_step(capsys):
+    """301 pieces redraw every third: the last, 301, falls between redraws, and the closed bar must still
+    read 301/301, not stop at 300."""
+    with untimed_bar(301, "shards", unit="shards") as bar:
+        for _ in range(301):
+            bar.update()
+    assert capsys.readouterr().err.rstrip().endswith("301/301 shards"), "bar stopped short of its total"
+
+
+def test_a_resumed_untimed_bar_counts_on_from_its_start_every_hundredth_of_what_is_left(capsys):
+    with untimed_bar(1000, "private", initial=990, unit="steps") as bar:
+        for _ in range(10):
+            bar.update()
+    counts = sorted({int(n) for n in re.findall(r" (\d+)/1000 steps", capsys.readouterr().err)})
+    assert counts == list(range(990, 1001)), counts
+
+
+def test_an_untimed_bar_cut_short_shows_no_count_past_its_last_redraw(capsys):
+    """The shards stage's bar moves a piece at a time and redraws every tenth of 1000: a failure at piece 537
+    must not print 537, which names the failing piece; the closed bar stays at its last redraw, 530."""
+    with pytest.raises(RuntimeError), untimed_bar(1000, "shards", unit="shards") as bar:
+        for piece in range(1000):
+            if piece == 537:
+                raise RuntimeError("a private shard did not read")
+            bar.update()
+    counts = {int(n) for n in re.findall(r" (\d+)/1000 shards", capsys.readouterr().err)}
+    assert max(counts) == 530, sorted(counts)[-3:]
