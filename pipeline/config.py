@@ -143,17 +143,19 @@ def apply_overrides(params: dict, overrides) -> dict:
 
 def typed(values):
     """Snakemake's `--config dp='{epsilon: 2}'` hands nested values over as strings ('2'): read each
-    string leaf as YAML, as params.yaml and `--set` are read, so 2 is a number and null is None."""
+    string leaf as the plain YAML scalar it spells, as params.yaml and `--set` are read, so 2 is a number
+    and null is None. Snakemake has parsed the YAML already (quotes removed): a leaf is never parsed again,
+    or `"exp #2"` would lose its end as a comment and `"data: raw"` would become a mapping."""
     if isinstance(values, dict):
         return {k: typed(v) for k, v in values.items()}
     if isinstance(values, list):
         return [typed(v) for v in values]
-    if isinstance(values, str):
-        try:
-            return yaml.safe_load(values) if values.strip() else values
-        except yaml.YAMLError:
-            return values
+    if isinstance(values, str) and values.strip() and _PLAIN.resolve(yaml.ScalarNode, values, (True, False)) != STR:
+        return yaml.safe_load(values)  # a number, bool or null: the whole string is one
     return values
+
+
+_PLAIN, STR = yaml.SafeLoader(""), "tag:yaml.org,2002:str"  # what a plain scalar resolves to, as safe_load does
 
 
 def merge(params: dict, overrides: dict) -> dict:

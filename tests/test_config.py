@@ -6,7 +6,10 @@ import pytest
 import yaml
 
 from pipeline.cli import job_params, main
-from pipeline.config import ParamsError, apply_overrides, load_params, read_resolved, read_yaml, write_resolved
+from pipeline import cli
+from pipeline.config import (ADDED_KNOBS, ParamsError, apply_overrides, earlier_forms, load_params, merge, numbers,
+                             read_resolved, read_yaml, typed, write_resolved)
+from pipeline.models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -494,3 +497,146 @@ def test_every_key_refuses_a_value_of_the_wrong_kind_naming_itself(in_tmp, key, 
     for value in wrong_values(spec):
         assert any(re.search(rf"(^|\s){re.escape(key)}\b", p) for p in errors_for(f"{key}={json.dumps(value)}")), (
             key, value)
+
+
+# (test_config.py already has json, re, yaml, pytest, ROOT, errors_for, ParamsError, apply_overrides,
+#  load_params, read_resolved, read_yaml, write_resolved)
+
+
+def test_a_params_path_that_is_absent_or_a_folder_is_refused_saying_which(tmp_path):
+    for path, words in ((tmp_path / "nope.yaml", "does not exist"), (tmp_path, "is not a file")):
+        with pytest.raises(ParamsError, match=re.escape(f"{path} {words}")):
+            read_yaml(path)
+
+
+def test_a_params_file_that_is_not_utf8_text_is_refused_as_not_yaml(tmp_path):
+    (tmp_path / "params.yaml").write_bytes(b"dp:\n  epsilon: \xff\xfe\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        read_yaml(tmp_path / "params.yaml")
+
+
+def test_a_key_written_twice_names_the_lines_of_both(tmp_path):
+    (tmp_path / "p.yaml").write_text("dp:\n  epsilon: 8\n  sigma: null\n  epsilon: 1\n")
+    with pytest.raises(ParamsError, match=re.escape("key 'epsilon' is written twice (lines 2 and 4)")):
+        read_yaml(tmp_path / "p.yaml")
+
+
+def test_a_params_file_of_one_value_is_refused_as_not_sections(tmp_path):
+    (tmp_path / "p.yaml").write_text("8\n")
+    with pytest.raises(ParamsError, match=re.escape("expected sections (a mapping), got a int")):
+        load_params(tmp_path / "p.yaml", schema_path=ROOT / "schemas/params.schema.yaml")
+
+
+def test_an_invalid_params_file_is_named_in_the_error(in_tmp):
+    (in_tmp / "mine.yaml").write_text((in_tmp / "params.yaml").read_text())
+    with pytest.raises(ParamsError) as e:
+        load_params("mine.yaml", ["dp.epsilon=-1"])
+    assert str(e.value).startswith("mine.yaml is invalid:\n  - dp.epsilon: -1")
+
+
+def test_an_exponent_number_is_read_with_either_sign_and_in_lists_but_only_when_whole(in_tmp):
+    assert numbers({"a": ["1e+5", "-2E-3", "+.5e1", "1e5x", "e5"]}) == {"a": [1e5, -2e-3, 5.0, "1e5x", "e5"]}
+    assert load_params(overrides=["curve.epsilons=[1e-1, 2E0]"])["curve"]["epsilons"] == [0.1, 2.0]
+
+
+def test_a_set_with_no_key_or_one_through_a_value_is_refused_naming_the_part():
+    with pytest.raises(ParamsError, match="expected section.key=value"):
+        apply_overrides({"dp": {}}, ["=4"])
+    with pytest.raises(ParamsError, match="'epsilon' is not a section"):
+        apply_overrides({"dp": {"epsilon": 8}}, ["dp.epsilon.x=1"])
+
+
+def test_overrides_leave_the_params_they_were_given_unchanged():
+    params = {"dp": {"epsilon": 8}}
+    assert apply_overrides(params, ["dp.epsilon=2"]) == {"dp": {"epsilon": 2}}
+    assert params == {"dp": {"epsilon": 8}}
+
+
+def test_snakemake_config_strings_that_are_empty_or_not_yaml_are_kept_as_written():
+    given = {"run": {"experiment": "", "device": "[cpu"}, "dp": {"epsilon": "2", "sigma": "null"}}
+    assert typed(given) == {"run": {"experiment": "", "device": "[cpu"}, "dp": {"epsilon": 2, "sigma": None}}
+
+
+def test_a_config_section_given_in_part_keeps_its_other_keys():
+    params = {"dp": {"epsilon": 8, "sigma": 1.0}, "run": {"seed": 0}}
+    assert merge(params, {"dp": {"epsilon": 2}, "curve": {"seeds": 1}}) == {
+        "dp": {"epsilon": 2, "sigma": 1.0}, "run": {"seed": 0}, "curve": {"seeds": 1}}
+
+
+def test_every_violation_is_reported_not_only_the_first(in_tmp):
+    assert errors_for("dp.epsilon=-1", "pretrain.steps=1.5") == [
+        "dp.epsilon: -1 is not allowed (exclusiveMinimum); allowed: number > 0 and <= 100",
+        "pretrain.steps: 1.5 is not allowed (type); allowed: integer >= 0"]
+
+
+def test_the_integer_hint_is_given_only_for_a_whole_float_where_an_integer_is_wanted(in_tmp):
+    assert errors_for("pretrain.steps=1.5") == ["pretrain.steps: 1.5 is not allowed (type); allowed: integer >= 0"]
+    assert errors_for("dp.epsilon=1000.0") == [
+        "dp.epsilon: 1000.0 is not allowed (maximum); allowed: number > 0 and <= 100"]
+
+
+def test_a_caption_mask_ratio_is_refused_only_for_the_captioner_and_only_when_it_keeps_no_patch(in_tmp):
+    small = ["model.patch_size=8"]  # 16 patches: 0.9 keeps 1, 0.95 none
+    assert load_params(overrides=[*small, "model.mask_ratio=0.9"])["model"]["mask_ratio"] == 0.9
+    for objective in ("mae", "clip", "clip-public"):  # models that never read it
+        load_params(overrides=[*small, f"dp.objective={objective}", "model.caption_mask_ratio=0.95"])
+    assert errors_for(*small, "dp.objective=caption", "model.caption_mask_ratio=0.95") == [
+        "model.caption_mask_ratio=0.95 keeps no patch of the 16 an image cuts into (model.img_size=32 / "
+        "model.patch_size=8): lower it, or use smaller patches"]
+
+
+def test_a_mask_ratio_of_0_is_refused_whatever_the_objective(in_tmp):
+    """The synthetic warm start builds the MAE for every objective."""
+    for objective in ("mae", "caption", "clip", "clip-public"):
+        (problem,) = errors_for(f"dp.objective={objective}", "model.mask_ratio=0")
+        assert problem.startswith("model.mask_ratio=0 masks no patch"), objective
+
+
+def test_writing_resolved_params_again_repairs_a_file_changed_since(in_tmp):
+    params = load_params()
+    path = write_resolved(params)
+    path.write_text(path.read_text() + "# edited\n")
+    assert write_resolved(params) == path and read_resolved(path) == params
+
+
+def test_a_missing_section_is_named_as_a_top_level_key(in_tmp):
+    params = yaml.safe_load(open("params.yaml"))
+    del params["curve"]
+    yaml.safe_dump(params, open("params.yaml", "w"))
+    assert errors_for() == ["missing key curve"]
+
+
+def test_a_list_with_a_repeated_value_is_refused_saying_no_duplicates(in_tmp):
+    assert errors_for("curve.epsilons=[1, 1]") == [
+        "curve.epsilons: [1, 1] is not allowed (uniqueItems); allowed: a list of (number > 0 and <= 100 or one of "
+        ".inf) with no duplicates"]
+
+
+def test_only_curve_epsilons_takes_infinity_not_the_rest_of_its_section(in_tmp):
+    assert errors_for("curve.seeds=.inf") == ["curve.seeds=inf is not a finite number (only curve.epsilons takes .inf)"]
+
+
+def test_earlier_forms_pass_over_knobs_of_a_section_the_params_do_not_hold():
+    dp = {k: neutral for s, k, neutral in ADDED_KNOBS if s == "dp"}
+    forms = earlier_forms({"dp": {"lr": 0.1, **dp}})
+    assert len(forms) == len(dp) and forms[-1] == {"dp": {"lr": 0.1}}
+
+
+def test_each_added_knob_at_its_neutral_value_is_valid_for_every_objective_and_a_model_default(in_tmp):
+    """A knob's neutral value is what dpfm did before it: runs of every objective were made then, and a
+    model knob's neutral value is what the model does when params do not name it."""
+    sets = [a for s, k, neutral in ADDED_KNOBS for a in ("--set", f"{s}.{k}={json.dumps(neutral)}")]
+    for objective in ("mae", "caption", "clip", "clip-public"):
+        assert cli.main(["validate", "--set", f"dp.objective={objective}", *sets]) == 0, objective
+    assert all(getattr(ModelConfig(), k) == neutral for s, k, neutral in ADDED_KNOBS if s == "model")
+
+
+def test_a_quoted_snakemake_config_string_is_kept_whole():
+    """Snakemake reads --config's YAML itself and drops the quotes: a `#` or a `: ` inside a quoted string
+    is text, not a comment or a mapping, while plain numbers and null are typed."""
+    from snakemake.cli import parse_config
+
+    given = parse_config(['run={experiment: "exp #2"}', 'shards={path: "raw: 2024"}',
+                          "dp={epsilon: 2, sigma: null, delta: 1e-6, adaptive: false}"])
+    assert numbers(typed(given)) == {"run": {"experiment": "exp #2"}, "shards": {"path": "raw: 2024"},
+                                     "dp": {"epsilon": 2, "sigma": None, "delta": 1e-6, "adaptive": False}}
