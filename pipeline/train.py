@@ -375,4 +375,9 @@ def run_loop(state: TrainState, schedule: Schedule, step_fn: Callable[[int], dic
             if signum:  # every rank waits for rank 0's checkpoint: on several nodes the first rank to exit
                 barrier(world)  # has srun end the step, rank 0's save with it (after SLURM's KillWait, 30 s)
                 raise stop(signum, desc, step + 1, total, checkpointer.path)
+        # Told while the last checkpoint was written or its steps logged: the run is saved whole, and the
+        # stage must still stop before its next training.
+        signum = requests.agreed(world)
+        if signum:
+            raise stop(signum, desc, state.step, total, checkpointer.path)
     return state

@@ -7,7 +7,9 @@ from __future__ import annotations
 import signal
 
 import pytest
+from ranks import on_two_ranks
 
+from pipeline.distributed import World
 from pipeline.preemption import StopRequests
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what a job is told to stop by: SLURM's notice, Ctrl-C
@@ -40,3 +42,25 @@ def test_leaving_gives_each_signal_back_to_its_earlier_handler(received):
     assert {s: signal.getsignal(s) for s in SIGNALS} == before
     signal.raise_signal(signal.SIGTERM)  # after the training: no longer recorded for a loop that has ended
     assert received == [signal.SIGTERM] and stop.signum is None
+
+
+def test_under_torchrun_a_second_sigterm_is_the_agents_copy_and_a_ctrl_c_still_acts_at_once(received, monkeypatch):
+    """SLURM's SIGTERM reaches the rank and the torchrun agent, which forwards its own: one request."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with StopRequests() as stop:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM and received == []
+        signal.raise_signal(signal.SIGINT)
+        assert received == [signal.SIGINT]
+
+
+def told_on_rank_1(world: World):
+    with StopRequests() as stop:
+        if world.rank == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return stop.agreed(world)
+
+
+def test_a_signal_to_one_rank_stops_every_rank(tmp_path):
+    assert on_two_ranks(tmp_path, told_on_rank_1) == signal.SIGTERM

@@ -3,9 +3,11 @@ checkpoints and exact resume of run_loop on a toy problem."""
 
 from __future__ import annotations
 
-import re
 import io
 import math
+import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from pipeline import train
+from pipeline.errors import Stopped
 from pipeline.progress import untimed_bar
 
 
@@ -391,3 +394,192 @@ def test_an_untimed_bar_cut_short_shows_no_count_past_its_last_redraw(capsys):
             bar.update()
     counts = {int(n) for n in re.findall(r" (\d+)/1000 shards", capsys.readouterr().err)}
     assert max(counts) == 530, sorted(counts)[-3:]
+
+
+def _told_to_stop_run(directory, total, told_at, signum, log):
+    """_toy_run, its job told `signum` inside step `told_at` (after that step's update)."""
+    real = train.run_loop
+
+    def run_loop(state, schedule, step_fn, *args, **kw):
+        def step(s):
+            metrics = step_fn(s)
+            if s == told_at:
+                signal.raise_signal(signum)
+            return metrics
+        return real(state, schedule, step, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "run_loop", run_loop)
+        return _toy_run(directory, total, log=log)
+
+
+def test_a_stop_signal_ends_the_run_after_its_step_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    """Told to stop in step 3 (the checkpoints fall after steps 2, 5, 8), the run finishes that step,
+    saves it, publishes it and raises Stopped naming it; the re-run resumes there, to the straight run."""
+    torch.set_num_threads(1)
+    straight, straight_history, _ = _toy_run(tmp_path / "a", 10)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    told = []
+    with pytest.raises(Stopped, match=r"^toy stopped by SIGTERM after step 4 of 10; ") as stopped:
+        _told_to_stop_run(tmp_path / "b", 10, told_at=3, signum=signal.SIGTERM, log=told)
+    assert stopped.value.signum == signal.SIGTERM and told == [0, 1, 2, 3]
+    assert torch.load(tmp_path / "b/checkpoint.pt", weights_only=False)["step"] == 4
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    resumed_log = []
+    resumed, history, starts = _toy_run(tmp_path / "b", 10, log=resumed_log)
+    assert starts == [4] and resumed_log == [4, 5, 6, 7, 8, 9]
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
+    assert [m["loss"] for m in history["metrics"]] == [m["loss"] for m in straight_history["metrics"]]
+
+
+def test_steps_are_not_published_when_the_checkpoint_meant_to_hold_them_fails_to_save(tmp_path, monkeypatch):
+    """The second checkpoint (steps 3 to 5) hits a full disk: those steps were never saved, a re-run
+    draws them again, so they must not have reached `log`."""
+    real_save, saves = train.Checkpointer.save, []
+
+    def full_on_second(self, state):
+        saves.append(state["step"])
+        if len(saves) == 2:
+            raise OSError(28, "No space left on device")
+        real_save(self, state)
+
+    monkeypatch.setattr(train.Checkpointer, "save", full_on_second)
+    logged = []
+    with pytest.raises(OSError, match="No space left"):
+        _toy_run(tmp_path, 10, log=logged)
+    assert saves == [3, 6] and logged == [0, 1, 2]
+
+
+def test_the_last_step_is_in_the_history_whatever_log_every(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    state = train.TrainState(model, train.make_optimizer(model, "adamw", 0.01, 0.0))
+    train.run_loop(state, train.Schedule(8, 0.01, 2, checkpoint_every=100, log_every=3), lambda step: {},
+                   train.Checkpointer(tmp_path), desc="toy")
+    assert state.history["step"] == [0, 3, 6, 7]
+
+
+def test_the_callers_counters_resume_with_the_run(tmp_path):
+    """TrainState.counters (dp-train's running figures) are saved with each checkpoint and restored."""
+
+    def run(fail_at=None):
+        model = torch.nn.Linear(2, 1)
+        state = train.TrainState(model, train.make_optimizer(model, "adamw", 0.01, 0.0), counters={"seen": 0})
+
+        def step_fn(step):
+            if step == fail_at:
+                raise KeyboardInterrupt
+            state.counters["seen"] += step
+            return {}
+
+        train.run_loop(state, train.Schedule(10, 0.01, 2, checkpoint_every=3), step_fn, train.Checkpointer(tmp_path),
+                       desc="toy")
+        return state.counters
+
+    with pytest.raises(KeyboardInterrupt):
+        run(fail_at=7)
+    assert run() == {"seen": sum(range(10))}
+
+
+def test_a_resumed_run_sends_the_tracker_only_the_points_logged_before_it_resumed():
+    """Steps from `resumed_at` on were redone by this process (and logged by it): log_earlier gives the
+    new MLflow run the earlier points only, each once."""
+    sent = []
+
+    class Tracker:
+        def log_series(self, key, values, steps):
+            sent.append((key, values, steps))
+
+    history = {"step": [0, 3, 6, 9], "metrics": [{"loss": 4.0, "lr": 0.1}, {"loss": 3.0}, {"loss": 2.0}, {"loss": 1.0}]}
+    state = train.TrainState(None, None, step=10, resumed_at=6, history=history)
+    train.log_earlier(state, Tracker(), ("loss", "lr"), prefix="dp/")
+    assert sent == [("dp/loss", [4.0, 3.0], [0, 3]), ("dp/lr", [0.1], [0])]
+
+
+def test_only_the_writing_rank_saves_or_reclaims_a_stale_temp(tmp_path):
+    """A non-main rank neither writes the shared checkpoint nor deletes a temp file next to it (rank 0
+    may be writing it now); the writing rank reclaims one a kill -9 left behind."""
+    stale = tmp_path / ".checkpoint.pt.x1y2.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    reader = train.Checkpointer(tmp_path, write=False)
+    reader.save({"step": 1})
+    assert reader.load() is None and stale.exists()
+    assert train.Checkpointer(tmp_path).load() is None and not stale.exists()
+
+
+def test_a_weight_average_moves_its_share_of_the_way_and_resumes_only_with_its_own_decay():
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    average = train.WeightAverage(model, 0.75)
+    with torch.no_grad():
+        model.weight.fill_(4.0)
+    average.update()
+    assert torch.equal(average.weights["weight"], torch.full((1, 2), 1.0))  # 0 + (1 - 0.75)(4 - 0)
+    for decay in (0.0, 1.0):  # the last iterate, or the start released whatever the run learnt
+        with pytest.raises(ValueError, match="must lie in"):
+            train.WeightAverage(model, decay)
+    with pytest.raises(ValueError, match="has decay 0.75, this run 0.5"):
+        train.WeightAverage(model, 0.5).load_state_dict(average.state_dict())
+
+
+def test_a_run_that_averages_its_weights_resumes_to_the_same_average(tmp_path):
+    def run(directory, fail_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = train.make_optimizer(model, "sgd", 0.1, 0.0)
+        state = train.TrainState(model, opt, average=train.WeightAverage(model, 0.5))
+
+        def step_fn(step):
+            if step == fail_at:
+                raise KeyboardInterrupt
+            x = torch.randn(8, 3)
+            opt.zero_grad()
+            ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+            opt.step()
+            state.average.update()
+            return {}
+
+        train.run_loop(state, train.Schedule(10, 0.1, 2, checkpoint_every=3), step_fn, train.Checkpointer(directory),
+                       desc="toy")
+        return state.average.weights
+
+    straight = run(tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", fail_at=7)
+    resumed = run(tmp_path / "b")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_small_input_file_is_known_by_its_bytes_not_its_time(tmp_path):
+    """An index written again with the same bytes (a shards stage re-run) keeps the run's key, so the
+    run resumes instead of training, and being charged, again."""
+    (tmp_path / "index.parquet").write_bytes(b"rows")
+    before = train.input_digest(tmp_path)
+    os.utime(tmp_path / "index.parquet", ns=(1, 1))
+    assert train.input_digest(tmp_path) == before
+
+
+def test_freezing_an_unknown_module_or_every_parameter_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"dp.frozen names \['2'\], which are not modules of the Sequential"):
+        train.freeze(model, ["0", "2"])
+    with pytest.raises(ValueError, match="freezes every parameter of the Sequential: nothing would train"):
+        train.freeze(model, ["0", "1"])
+
+
+def test_a_stop_told_while_the_last_checkpoint_is_written_still_stops_the_stage(tmp_path, monkeypatch):
+    """The last step's stop check is behind it: a SIGTERM during the final save (or its logging) must still
+    raise Stopped, or the stage's next training runs on until SLURM kills it."""
+    real_save = train.Checkpointer.save
+
+    def told_while_saving(self, state):
+        real_save(self, state)
+        if state["step"] == 10:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(train.Checkpointer, "save", told_while_saving)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with pytest.raises(Stopped, match=r"^toy stopped by SIGTERM after step 10 of 10; "):
+        _toy_run(tmp_path, 10)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 10
