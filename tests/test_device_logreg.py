@@ -132,3 +132,44 @@ def test_probe_speeds_gpu_comparison_runs_its_device_route(monkeypatch, capsys):
     assert out["now"]["c"] == out["before"]["c"]
     assert abs(out["now"]["objective"] - out["before"]["objective"]) < 1e-3 * out["before"]["objective"]
     assert out["outcomes_differ"] * 120 <= 1
+
+
+def test_a_feature_constant_on_a_resamples_rows_is_left_unscaled_in_its_refit():
+    """A feature that takes one value on every row a resample holds (a millionth more on rows it left out)
+    is constant to that refit: scaled by 1 as scikit-learn's on the resample's rows, not by the rounding of
+    its variance, which would blow up its logits on the rows left out."""
+    rng = np.random.default_rng(4)
+    x, y = draw(rng, 150, 6, 3)
+    pick = rng.choice(75, 150)  # from the first half only
+    x[:, -1] = np.where(np.arange(150) < 75, 7.0, 7.000001)
+    probes = device_logreg.fit(x, y, 0.5, "cpu", rows=np.bincount(pick, minlength=150)[None], tol=1e-10)
+    assert probes.scale[0, -1].item() == 1.0
+    alone = device_logreg.fit(x[pick], y[pick], 0.5, "cpu", tol=1e-10)
+    assert (probes.logits(x)[0] - alone.logits(x)[0]).abs().max() < 1e-6
+
+
+def test_features_far_from_zero_are_fit_at_full_precision():
+    """Features on a large common offset (raw pixel sums, unnormalised embeddings) are read in float64:
+    rounded to float32 first, their spread would move by a percent and the probe off scikit-learn's."""
+    rng = np.random.default_rng(5)
+    x, y = draw(rng, 200, 20, 3)
+    x += 1e5
+    ours = device_logreg.fit(x, y, 1.0, "cpu", tol=1e-10)
+    theirs = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, tol=1e-12, max_iter=100_000)).fit(x, y)
+    assert np.abs(torch.softmax(ours.logits(x)[0], 1).numpy() - theirs.predict_proba(x)).max() < 1e-5
+
+
+@pytest.mark.parametrize("left_out, held", [(100.001, 100.0), (3.0, 0.1)])
+def test_a_feature_constant_on_a_resamples_rows_scores_the_rows_left_out_as_scikit_learn_does(left_out, held):
+    """A feature constant on a resample's rows and different on rows it left out: the refit's one-pass
+    variance kept its rounding and scaled the feature by 1e-11 where scikit-learn keeps 1, so the logits on
+    the rows left out (the probe-test rows, at evaluation) were far from scikit-learn's."""
+    rng = np.random.default_rng(4)
+    x, y = draw(rng, 150, 6, 3)
+    pick = rng.choice(75, 150)  # from the first half only
+    x[:, -1] = np.where(np.arange(150) < 75, held, left_out)
+    probes = device_logreg.fit(x, y, 0.5, "cpu", rows=np.bincount(pick, minlength=150)[None], tol=1e-10)
+    theirs = make_pipeline(StandardScaler(), LogisticRegression(C=0.5, tol=1e-12, max_iter=100_000))
+    theirs.fit(x[pick], y[pick])
+    assert probes.scale[0, -1].item() == 1.0
+    assert np.abs(torch.softmax(probes.logits(x)[0], 1).numpy() - theirs.predict_proba(x)).max() < 1e-5

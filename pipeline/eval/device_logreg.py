@@ -23,6 +23,7 @@ import torch
 MAX_ITER = 3000  # scikit-learn's probe allows as many
 TOL = 1e-4  # on the largest gradient entry, as scikit-learn's L-BFGS-B (gtol)
 PREDICT_ROWS = 4096  # test rows scored at once
+STANDARDISE_ELEMENTS = 1 << 24  # deviations held at once by `standardisers`
 FTOL = 64 * np.finfo(np.float64).eps  # relative decrease below which a problem has stopped moving (its ftol)
 HISTORY = 10  # curvature pairs kept, as scikit-learn's (maxcor)
 MAX_HALVINGS = 40
@@ -70,11 +71,13 @@ def standardisers(x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, to
     variance, and scale 1 where a feature is as good as constant (within the two-pass variance's
     rounding bound, as scikit-learn tests it)."""
     n = rows.sum(1, keepdim=True)
-    centre = x.mean(0)
-    shifted = x - centre  # one shift for every problem keeps the one-pass variance accurate
-    mean = rows @ shifted / n
-    var = (rows @ shifted.square() / n - mean.square()).clamp_min(0)
-    mean = mean + centre
+    mean = rows @ x / n
+    # Two passes, each problem's deviations from its own mean (a block of problems at a time): a one-pass
+    # variance leaves rounding of the order of eps·(x - shift)², which scaled a feature constant on a
+    # resample's rows (a pixel blank on them, set on a row left out) by 1e-11 where scikit-learn keeps 1.
+    block = max(1, STANDARDISE_ELEMENTS // x.numel())
+    var = torch.cat([torch.einsum("bn,bnd->bd", r, (x - m[:, None]).square())
+                     for r, m in zip(rows.split(block), mean.split(block))]) / n
     eps = torch.finfo(torch.float64).eps
     constant = var <= n * eps * var + (n * mean * eps) ** 2
     return mean, torch.where(constant, torch.ones_like(var), var.sqrt())
