@@ -13,7 +13,7 @@ from PIL import Image
 
 from pipeline.errors import EvalSetError
 from pipeline.eval import images
-from pipeline.eval.evalsets import EvalSet, load_eval_set, square
+from pipeline.eval.evalsets import EvalSet, _encode_labels, load_eval_set, square
 from pipeline.eval.images import Images
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -470,3 +470,55 @@ def test_two_eval_sets_of_one_name_are_refused(tmp_path):
     assert len(checked_eval_sets([spec, {**spec, "name": "more"}], cfg, 0, 8, 12, decode=False)) == 2
     with pytest.raises(ParamsError, match=r"two sets are named \['pets'\]"):
         checked_eval_sets([spec, dict(spec)], cfg, 0, 8, 12, decode=False)
+
+
+def test_a_split_keeps_the_probe_train_fraction_it_is_given():
+    """probe_fraction is the share of the set the probe trains on: 0.75 of 40 images is 30 to train on and
+    10 to score, each class in proportion, not the other way round."""
+    es = EvalSet("x", np.zeros((40, 4, 4, 3), np.uint8), np.repeat([0, 1], 20), ["a", "b"], ("{c}",))
+    tr, te = es.split(0.75, 0)
+    assert len(tr) == 30 and len(te) == 10 and not set(tr) & set(te)
+    assert np.bincount(es.labels[tr]).tolist() == [15, 15] and np.bincount(es.labels[te]).tolist() == [5, 5]
+
+
+def test_folder_images_with_upper_case_extensions_are_read(tmp_path):
+    """Cameras and Windows tools write IMG_0001.JPG: an extension is matched whatever its case, so no
+    class folder loses its images (or the whole set) to it."""
+    for name, ext in (("cat", "PNG"), ("dog", "JPG")):
+        (tmp_path / name).mkdir()
+        for i in range(2):
+            Image.fromarray(np.full((8, 8, 3), 100, np.uint8)).save(tmp_path / name / f"{i}.{ext}",
+                                                                    format="PNG" if ext == "PNG" else "JPEG")
+    es = load_eval_set({"name": "pets", "source": "folder", "path": str(tmp_path)}, 8)
+    assert es.classes == ["cat", "dog"] and es.labels.tolist() == [0, 0, 1, 1]
+
+
+def test_text_labels_are_class_names_without_surrounding_whitespace(tmp_path):
+    """A caption file ending in a newline names the same class as one without: "cat\\n" and "cat" are
+    one class, not two that the probe and zero-shot would score apart."""
+    img = png_bytes(np.zeros((8, 8, 3), np.uint8))
+    write_tar(tmp_path / "a.tar", [("s0", {"png": img, "txt": b"cat\n"}), ("s1", {"png": img, "txt": b"cat"}),
+                                   ("s2", {"png": img, "txt": b" dog \n"}), ("s3", {"png": img, "txt": b"dog"})])
+    es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 8)
+    assert es.classes == ["cat", "dog"] and es.labels.tolist() == [0, 0, 1, 1]
+
+
+def test_a_webdataset_members_extension_is_everything_after_the_first_dot(tmp_path):
+    """`s0.png`, `s0.txt` and `s0.meta.json` are one sample (key `s0`): an extra member with a dotted
+    extension is not a sample of its own (one without an image, which refused the whole set)."""
+    img = png_bytes(np.zeros((8, 8, 3), np.uint8))
+    write_tar(tmp_path / "a.tar", [(f"s{i}", {"png": img, "txt": [b"ant", b"bee"][i % 2], "meta.json": b"{}"})
+                                   for i in range(4)])
+    es = load_eval_set({"name": "w", "source": "webdataset", "path": str(tmp_path), "label": "text"}, 8)
+    assert es.labels.tolist() == [0, 1, 0, 1] and es.images.shape == (4, 8, 8, 3)
+
+
+def test_labels_that_classes_cannot_index_are_refused():
+    """With `classes` given, a negative integer label would silently index the last name, a string label
+    it lacks would fail on a bare KeyError, and true/false are not class indices: each is refused by name."""
+    with pytest.raises(EvalSetError, match="integer labels must be >= 0, found -1"):
+        _encode_labels([-1, 0, 1], ["a", "b", "c"], "s")
+    with pytest.raises(EvalSetError, match=r"labels \['owl'\] are not in `classes`"):
+        _encode_labels(["cat", "owl"], ["cat", "dog"], "s")
+    with pytest.raises(EvalSetError, match=r"all integers or all strings, got \['bool'\]"):
+        _encode_labels([True, False, True], None, "s")

@@ -733,3 +733,78 @@ def test_a_ledger_recording_an_edge_past_dpfms_noise_is_refused(valid, edge):
     with pytest.raises(VerificationFailed, match=r"noise_edge=.* must be in \(0, 12.12\]"):
         run_verify(small_sigma)
     assert "noise_edge_within_delta" in failed(run_verify(_with(small_sigma, noise_edge=NOISE_EDGE)))
+
+
+def test_a_pass_from_an_earlier_run_never_outlives_a_verify_that_cannot_read_the_run(project, in_tmp,
+                                                                                    valid_replace_one):
+    """dp-train's outputs gone (the checkpoint, or the owner-only batch sizes): verify stops before any
+    check, and the earlier run's verification.json goes with it (left, it read as the new model's pass)."""
+    from pipeline.privacy import owner
+
+    for breakage in (lambda: (in_tmp / "models/dp/checkpoint.pt").unlink(), lambda: owner.path("runs/r1").unlink()):
+        project(valid_replace_one)
+        assert cli.main(["verify"]) == 0 and (in_tmp / artifact("verification")).exists()
+        breakage()
+        assert cli.main(["verify"]) == 3
+        assert not (in_tmp / artifact("verification")).exists()
+
+
+def test_a_test_runs_verify_run_is_tagged_not_private_beside_its_epsilon(project, in_tmp):
+    """privacy.testing: the ε verify logs is the mechanism's, but the run is not private (its noise key is
+    known): its MLflow run says so beside the ε, though no model is registered to carry the mark."""
+    import mlflow
+
+    assert cli.main(["verify", "--set", "privacy.testing=true"]) == 0
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=1)
+    assert any(k.startswith("epsilon_") for k in run.data.metrics)
+    assert run.data.tags["dpfm.private"] == "false" and "a test run" in run.data.tags["dpfm.not_private"]
+
+
+def test_the_verify_run_logs_every_verified_epsilon_and_the_verification(project, in_tmp):
+    """The MLflow run of a pass carries each accountant's ε at the run's adjacency and at add/remove (the
+    literature's), and the verification.json it checked, byte for byte."""
+    import mlflow
+
+    assert cli.main(["verify"]) == 0
+    out = read_json(in_tmp / artifact("verification"))
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("dpfm").experiment_id], max_results=1)
+    expected = ({f"epsilon_{a}": e for a, e in out["epsilon"].items()}
+                | {f"epsilon_add_remove_{a}": e for a, e in out["epsilon_add_remove"].items()})
+    assert {k: run.data.metrics[k] for k in expected} == pytest.approx(expected)
+    logged = Path(mlflow.artifacts.download_artifacts(f"{run.info.artifact_uri}/{artifact('verification').name}",
+                                                       dst_path=str(in_tmp / "dl")))
+    assert logged.read_text() == (in_tmp / artifact("verification")).read_text()
+
+
+def test_a_model_with_a_reason_is_registered_not_private_before_any_retagging(project, in_tmp, monkeypatch):
+    """A version is created with its tags in one write: with a reason from the params it is NOT PRIVATE
+    (ε = ∞) from that write on, so a verify killed before the budget-wide retagging leaves no private mark."""
+    import mlflow
+
+    from pipeline import tracking
+
+    monkeypatch.setattr(tracking.StageRun, "tag_dp_models", lambda self, tags, budget=None: 0)
+    assert cli.main(["verify", "--set", "dp.nonprivate_baseline=true"]) == 0
+    [version] = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}").search_model_versions()
+    assert (version.tags["private"], version.tags["epsilon"]) == ("false", "inf")
+
+
+def test_each_version_carries_its_own_runs_epsilon_beside_the_composed_one(project, in_tmp, valid_replace_one):
+    """epsilon_run is the registering run's verified ε, not what the budget composes to: with a second run
+    charged before it, the new version's epsilon_run is its verification's ε, below the composed epsilon."""
+    import mlflow
+
+    from pipeline.privacy import budget
+    from pipeline.privacy.accounting import bound_text
+    from pipeline.privacy.plan import Plan
+
+    budget.registry_id()
+    budget.record("set-b", np.zeros(1 << budget.SKETCH_BITS, dtype=bool), "another",
+                  Plan.from_header(valid_replace_one), 7)
+    assert cli.main(["verify"]) == 0
+    out = read_json(in_tmp / artifact("verification"))
+    [version] = mlflow.tracking.MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}").search_model_versions()
+    assert version.tags["epsilon_run"] == bound_text(out["epsilon_reported"], 4)
+    assert float(version.tags["epsilon"]) > float(version.tags["epsilon_run"])
