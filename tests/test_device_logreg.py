@@ -173,3 +173,16 @@ def test_a_feature_constant_on_a_resamples_rows_scores_the_rows_left_out_as_scik
     theirs.fit(x[pick], y[pick])
     assert probes.scale[0, -1].item() == 1.0
     assert np.abs(torch.softmax(probes.logits(x)[0], 1).numpy() - theirs.predict_proba(x)).max() < 1e-5
+
+
+def test_standardisers_give_the_same_scales_whatever_rows_and_problems_they_hold_at_once(monkeypatch):
+    """The second pass runs a block of rows and problems at a time (memory flat in both): blocks that
+    split rows and problems unevenly sum to the whole."""
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.normal(size=(1000, 7)) * rng.uniform(0.1, 5, 7) + 50)
+    rows = torch.tensor(rng.integers(0, 3, (9, 1000)), dtype=torch.float64)
+    whole = device_logreg.standardisers(x, rows)
+    for held in (20, 7 * 999, 7 * 1000 * 4):  # 2 rows; 999 rows (a ragged last chunk); every row, 4 problems
+        monkeypatch.setattr(device_logreg, "STANDARDISE_ELEMENTS", held)
+        for ours, theirs in zip(device_logreg.standardisers(x, rows), whole):
+            assert torch.allclose(ours, theirs, rtol=1e-12, atol=0)

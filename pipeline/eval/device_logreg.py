@@ -23,7 +23,7 @@ import torch
 MAX_ITER = 3000  # scikit-learn's probe allows as many
 TOL = 1e-4  # on the largest gradient entry, as scikit-learn's L-BFGS-B (gtol)
 PREDICT_ROWS = 4096  # test rows scored at once
-STANDARDISE_ELEMENTS = 1 << 24  # deviations held at once by `standardisers`
+STANDARDISE_ELEMENTS = 1 << 24  # deviations `standardisers` holds at once (128 MiB): flat in rows and problems
 FTOL = 64 * np.finfo(np.float64).eps  # relative decrease below which a problem has stopped moving (its ftol)
 HISTORY = 10  # curvature pairs kept, as scikit-learn's (maxcor)
 MAX_HALVINGS = 40
@@ -75,9 +75,14 @@ def standardisers(x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, to
     # Two passes, each problem's deviations from its own mean (a block of problems at a time): a one-pass
     # variance leaves rounding of the order of eps·(x - shift)², which scaled a feature constant on a
     # resample's rows (a pixel blank on them, set on a row left out) by 1e-11 where scikit-learn keeps 1.
-    block = max(1, STANDARDISE_ELEMENTS // x.numel())
-    var = torch.cat([torch.einsum("bn,bnd->bd", r, (x - m[:, None]).square())
-                     for r, m in zip(rows.split(block), mean.split(block))]) / n
+    var = torch.zeros_like(mean)
+    chunk = max(1, STANDARDISE_ELEMENTS // x.shape[1])  # rows at a time
+    block = max(1, STANDARDISE_ELEMENTS // (min(chunk, len(x)) * x.shape[1]))  # problems at a time
+    for lo in range(0, len(x), chunk):
+        for p in range(0, len(rows), block):
+            deviations = (x[lo:lo + chunk] - mean[p:p + block, None]).square()
+            var[p:p + block] += torch.einsum("bn,bnd->bd", rows[p:p + block, lo:lo + chunk], deviations)
+    var /= n
     eps = torch.finfo(torch.float64).eps
     constant = var <= n * eps * var + (n * mean * eps) ** 2
     return mean, torch.where(constant, torch.ones_like(var), var.sqrt())
