@@ -255,3 +255,51 @@ def test_a_finished_run_removes_what_another_configurations_killed_run_left(refe
     assert staged(tmp_path) == [] and list((tmp_path / ".dpfm/state").glob("synthetic-*")) == []
     assert "2 shards another configuration's unfinished run left" in capsys.readouterr().out
     assert output_bytes(tmp_path) == output_bytes(ref)
+
+
+def test_a_staged_shard_without_its_record_is_rendered_again(reference, tmp_path, monkeypatch):
+    """Killed after a shard's tar was written but before its record: the tar does not count as done."""
+    ref, _ = reference
+    with monkeypatch.context() as m:
+        patch_build(m, fail_on=3)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run_stage(tmp_path)
+    staging = next((tmp_path / ".dpfm/state").glob("synthetic-*/"))
+    (staging / f"{synthetic_stage.shard_name(1)}.json").unlink()
+
+    rendered = patch_build(monkeypatch)
+    run_stage(tmp_path)
+    assert rendered == [1, 3, 4]
+    assert output_bytes(tmp_path) == output_bytes(ref)
+
+
+def test_the_workers_param_sets_the_render_processes(tmp_path, monkeypatch):
+    """synthetic.workers, when set, wins over the job's threads (ctx.threads=1 here); capped at the shards to do."""
+    seen, real = [], synthetic_stage.build_shards
+
+    def build_shards(staging, todo, cfg, seed, workers):
+        seen.append(workers)
+        return real(staging, todo, cfg, seed, workers)
+
+    monkeypatch.setattr(synthetic_stage, "build_shards", build_shards)
+    for name, workers in (("two", 2), ("many", 64)):
+        (tmp_path / name).mkdir()
+        run_stage(tmp_path / name, workers=workers)
+    assert seen == [2, SHARDS]
+
+
+def test_a_mostly_near_constant_sample_is_warned_about(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(synthetic, "near_constant_fraction", lambda images: 0.5)
+    run_stage(tmp_path)
+    assert f"WARNING 0.500 of sampled images are near-constant (target ≤ {synthetic_stage.NEAR_CONSTANT_TARGET})" in (
+        capsys.readouterr().out)
+
+
+def test_a_finished_run_keeps_other_stages_state(tmp_path):
+    """Only another synthetic configuration's staging is removed: dp-train's and pretrain's resumable state stays."""
+    kept = [tmp_path / ".dpfm/state" / name for name in ("dp-train-0123456789abcdef", "pretrain-0123456789abcdef")]
+    for path in kept:
+        path.mkdir(parents=True)
+        (path / "checkpoint.pt").write_bytes(b"weights")
+    run_stage(tmp_path)
+    assert all((path / "checkpoint.pt").read_bytes() == b"weights" for path in kept)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -259,3 +260,92 @@ def test_a_labelled_sets_caption_that_max_len_cuts_is_named(default_project):
     t = tok.Tokenizer(default_project / artifact("tokenizer"))
     with pytest.warns(tok.CaptionsTruncated):
         check_labelled_captions(t, 3, "digits")
+
+
+def test_sentencepiece_is_trained_on_a_fixed_thread_count(monkeypatch):
+    """SentencePiece's result depends on its thread count: one thread, whatever the machine's cores."""
+    seen = {}
+
+    def train(**kwargs):
+        seen.update(kwargs)
+        kwargs["model_writer"].write(b"model")
+
+    monkeypatch.setattr(tok.spm.SentencePieceTrainer, "train", train)
+    assert tok.train_model(["a public line"] * 3, 300, "bpe") == b"model"
+    assert seen["num_threads"] == 1
+    assert (seen["pad_id"], seen["unk_id"], seen["bos_id"], seen["eos_id"]) == (0, 1, 2, 3)
+
+
+def test_a_vocabulary_size_error_names_the_corpus_limit_not_the_asked_size(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"at most \d+") as big:
+        run_stage(tmp_path, monkeypatch, vocab_size=200000, model_type="bpe")
+    most = int(re.search(r"at most (\d+)", str(big.value)).group(1))
+    with pytest.raises(ValueError, match=r"at least \d+") as small:
+        run_stage(tmp_path, monkeypatch, vocab_size=64, model_type="bpe")
+    least = int(re.search(r"at least (\d+)", str(small.value)).group(1))
+    assert 64 < least < most < 200000
+    run_stage(tmp_path, monkeypatch, vocab_size=least, model_type="bpe")  # the bound it names is trainable
+
+
+def test_public_text_that_just_fits_is_not_named(clean_model, tmp_path):
+    (tmp_path / "spm.model").write_bytes(clean_model)
+    t = tok.Tokenizer(tmp_path)
+    text = "the digit seven in white ink on a black background"
+    pieces = t.sp.encode(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tok.CaptionsTruncated)
+        ids = t.encode([text], max_len=len(pieces) + 2, public=True)  # BOS, every piece, EOS
+    assert ids[0].tolist() == [tok.BOS_ID, *pieces, tok.EOS_ID]
+    with pytest.warns(tok.CaptionsTruncated, match=rf"1 of 1 texts .* max_len={len(pieces) + 1} "):
+        t.encode([text], max_len=len(pieces) + 1, public=True)
+
+
+def test_a_truncation_warning_names_at_most_max_named_texts(clean_model, tmp_path):
+    (tmp_path / "spm.model").write_bytes(clean_model)
+    t = tok.Tokenizer(tmp_path)
+    texts = [f"the digit seven in white ink on a black background, number {i}" for i in range(tok.MAX_NAMED + 1)]
+    with pytest.warns(tok.CaptionsTruncated) as exactly:
+        t.encode(texts[:tok.MAX_NAMED], max_len=6, public=True)
+    message = str(exactly[0].message)
+    assert all(repr(text) in message for text in texts[:tok.MAX_NAMED]) and "more." not in message
+    with pytest.warns(tok.CaptionsTruncated) as one_more:
+        t.encode(texts, max_len=6, public=True)
+    message = str(one_more[0].message)
+    assert all(repr(text) in message for text in texts[:tok.MAX_NAMED]) and repr(texts[-1]) not in message
+    assert message.count(" pieces)") == tok.MAX_NAMED and "; and 1 more." in message
+
+
+def test_decode_drops_the_unknown_piece_with_the_other_special_ids(clean_model, tmp_path):
+    (tmp_path / "spm.model").write_bytes(clean_model)
+    t = tok.Tokenizer(tmp_path)
+    pieces = t.sp.encode("seven")
+    row = torch.tensor([[tok.BOS_ID, *pieces, tok.UNK_ID, tok.EOS_ID, tok.PAD_ID]])
+    assert t.decode(row) == ["seven"]
+
+
+def test_python_docs_do_not_depend_on_the_directory_listing_order(monkeypatch):
+    """The stdlib files are read in sorted order: a filesystem that lists them otherwise gives the same corpus."""
+    first = tok.python_docs()
+    listed = Path.glob
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: reversed(list(listed(self, pattern))))
+    assert tok.python_docs() == first
+
+
+def test_public_captions_are_each_caption_once(monkeypatch):
+    """A labelled set listed twice, and a class name that fills a template into a labelled caption: once each."""
+    captions = DIGITS.captions()
+    monkeypatch.setattr(tok.labelled_sets, "SETS", {"digits": DIGITS, "digits-again": DIGITS})
+    monkeypatch.setattr(tok, "caption_file", lambda: (["{}", "a photo of {}"], [captions[0], "a cat", "a cat"]))
+    labelled, others = tok.public_captions()
+    assert labelled == tuple(captions)
+    assert others == ("a cat", f"a photo of {captions[0]}", "a photo of a cat")
+
+
+def test_a_failure_while_writing_the_tokenizer_leaves_no_output(tmp_path, monkeypatch):
+    def disk_full(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tokenizer_stage, "write_json", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        run_stage(tmp_path, monkeypatch, vocab_size=300, model_type="bpe")
+    assert not (tmp_path / artifact("tokenizer")).exists()  # no spm.model without its tokenizer.json
