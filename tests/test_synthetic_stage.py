@@ -130,16 +130,24 @@ def test_shards_finished_in_any_order_and_a_kill_9s_temporaries_give_the_same_ou
     assert rendered == [0, 1, 2, 3, 4] and output_bytes(tmp_path) == output_bytes(ref)
 
 
-def test_a_damaged_staged_shard_is_rendered_again(reference, tmp_path, monkeypatch):
+def _flip_a_byte(tar):
+    data = bytearray(tar.read_bytes())
+    data[2000] ^= 0xFF  # same size, different content: only the sha256 can tell
+    tar.write_bytes(bytes(data))
+
+
+def _drop_its_record(tar):  # killed after the tar was written, before its record
+    tar.with_name(tar.name + ".json").unlink()
+
+
+@pytest.mark.parametrize("damage", [_flip_a_byte, _drop_its_record])
+def test_a_damaged_staged_shard_is_rendered_again(reference, tmp_path, monkeypatch, damage):
     ref, _ = reference
     with monkeypatch.context() as m:
         patch_build(m, fail_on=3)
         with pytest.raises(RuntimeError, match="simulated crash"):
             run_stage(tmp_path)
-    tar = next((tmp_path / ".dpfm/state").glob("synthetic-*/")) / synthetic_stage.shard_name(1)
-    data = bytearray(tar.read_bytes())
-    data[2000] ^= 0xFF  # same size, different content: only the sha256 can tell
-    tar.write_bytes(bytes(data))
+    damage(next((tmp_path / ".dpfm/state").glob("synthetic-*/")) / synthetic_stage.shard_name(1))
 
     rendered = patch_build(monkeypatch)
     run_stage(tmp_path)
@@ -256,21 +264,6 @@ def test_a_finished_run_removes_what_another_configurations_killed_run_left(refe
     assert "2 shards another configuration's unfinished run left" in capsys.readouterr().out
     assert output_bytes(tmp_path) == output_bytes(ref)
 
-
-def test_a_staged_shard_without_its_record_is_rendered_again(reference, tmp_path, monkeypatch):
-    """Killed after a shard's tar was written but before its record: the tar does not count as done."""
-    ref, _ = reference
-    with monkeypatch.context() as m:
-        patch_build(m, fail_on=3)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run_stage(tmp_path)
-    staging = next((tmp_path / ".dpfm/state").glob("synthetic-*/"))
-    (staging / f"{synthetic_stage.shard_name(1)}.json").unlink()
-
-    rendered = patch_build(monkeypatch)
-    run_stage(tmp_path)
-    assert rendered == [1, 3, 4]
-    assert output_bytes(tmp_path) == output_bytes(ref)
 
 
 def test_the_workers_param_sets_the_render_processes(tmp_path, monkeypatch):
